@@ -1,0 +1,31 @@
+# Two entry points: `make demo` (prepare tiny data, train to target, print time and report)
+# and `make test`. Both create .venv and install on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+DEMO_DATA    ?= data/bert-tiny
+DEMO_RESULTS ?= results
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/trainbench prepare bert --synthetic --preset tiny --out $(DEMO_DATA)
+	$(BIN)/trainbench run bert --preset tiny data.dir=$(DEMO_DATA) output.results_dir=$(DEMO_RESULTS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) $(DEMO_DATA) $(DEMO_RESULTS)

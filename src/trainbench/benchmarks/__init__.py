@@ -1,0 +1,15 @@
+"""The benchmarks trainbench runs, by name."""
+
+from __future__ import annotations
+
+from trainbench.benchmarks.base import Benchmark
+from trainbench.benchmarks.bert import BertBenchmark
+from trainbench.errors import ConfigError
+
+BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (BertBenchmark(),)}
+
+
+def get_benchmark(name: str) -> Benchmark:
+    if name not in BENCHMARKS:
+        raise ConfigError(f"unknown benchmark '{name}'; available: {', '.join(BENCHMARKS)} (see `trainbench list`)")
+    return BENCHMARKS[name]

@@ -1,0 +1,248 @@
+"""MLPerf `bert`: BERT-large pretraining with LAMB to masked-LM accuracy 0.720.
+
+Rules followed (MLPerf Training, `bert`): eval on the 10,000-sample eval set every
+FLOOR(0.05 * (230.23 * GBS + 3,000,000), 25,000) samples, never at 0; the run succeeds at the first
+eval with masked-LM accuracy >= 0.720; the LAMB hyperparameters and schedule are logged with the
+`opt_lamb_*` keys; `eval_accuracy` carries the samples trained as `epoch_num`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainbench.benchmarks.base import Benchmark, BenchmarkData
+from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
+from trainbench.data.bert_hdf5 import TrainBatches, eval_batches, find_shards
+from trainbench.errors import ConfigError, DataError
+from trainbench.mlperf import constants
+from trainbench.models.bert import BertConfig, BertForPreTraining, from_hf_state_dict
+from trainbench.train.lamb import Lamb, param_groups, poly_warmup_lr
+
+MLPERF_TARGET = 0.720
+
+
+def large() -> RunConfig:
+    """The MLPerf reference model and NVIDIA's 8xH200 hyperparameters at GBS 768 (48 per GPU, 8 GPUs, or
+    accumulation on fewer)."""
+    return RunConfig(
+        benchmark="bert",
+        preset="large",
+        model=BertConfig(),
+        data=DataConfig(seq_length=512, max_predictions=76, global_batch_size=768, micro_batch_size=48,
+                        eval_batch_size=128, eval_samples=10000),
+        optimizer=OptimizerConfig(lr=9.6e-4, beta1=0.60466, beta2=0.85437, epsilon=1e-6, weight_decay=0.1),
+        schedule=ScheduleConfig(warmup_steps=0, total_steps=3680),
+        eval=EvalConfig(target=MLPERF_TARGET),
+    )
+
+
+def base() -> RunConfig:
+    """BERT-base shape (12 x 768) on the MLPerf sequence shape: a single-GPU development preset."""
+    cfg = large()
+    cfg.preset = "base"
+    cfg.model = dataclasses.replace(cfg.model, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)
+    cfg.data = dataclasses.replace(cfg.data, global_batch_size=256, micro_batch_size=64)
+    cfg.optimizer = dataclasses.replace(cfg.optimizer, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01)
+    cfg.schedule = dataclasses.replace(cfg.schedule, warmup_steps=200, total_steps=20000)
+    return cfg
+
+
+def tiny() -> RunConfig:
+    """A 2-layer, 128-wide BERT on the synthetic data of `trainbench prepare bert --synthetic --preset tiny`;
+    reaches the MLPerf target 0.720 in about a minute on 2 CPU cores."""
+    return RunConfig(
+        benchmark="bert",
+        preset="tiny",
+        model=BertConfig(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512,
+                         max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0),
+        data=DataConfig(seq_length=128, max_predictions=20, global_batch_size=64, micro_batch_size=64,
+                        eval_batch_size=250, eval_samples=2000),
+        optimizer=OptimizerConfig(lr=4e-3, beta1=0.9, beta2=0.999, epsilon=1e-6, weight_decay=0.01),
+        schedule=ScheduleConfig(warmup_steps=50, total_steps=2000),
+        eval=EvalConfig(target=MLPERF_TARGET, every_samples=6400),
+    )
+
+
+# Size of the synthetic data set `prepare bert --synthetic --preset P` writes, per preset.
+SYNTHETIC_SIZES = {
+    "tiny": dict(num_train_samples=64_000, num_eval_samples=2_000, num_shards=8),
+    "base": dict(num_train_samples=256_000, num_eval_samples=10_000, num_shards=16),
+    "large": dict(num_train_samples=256_000, num_eval_samples=10_000, num_shards=16),
+}
+
+
+class BertBenchmark(Benchmark):
+    name = "bert"
+    mlperf_name = constants.BERT
+    # The newest mlperf-logging ruleset whose closed division still lists `bert`.
+    ruleset = "5.0.0"
+    description = "BERT-large pretraining (LAMB, seq 512, 76 predictions), target masked-LM accuracy 0.720"
+    metric_name = "masked_lm_accuracy"
+    higher_is_better = True
+    presets = {"tiny": tiny, "base": base, "large": large}
+
+    def validate(self, cfg: RunConfig) -> None:
+        super().validate(cfg)
+        m, d = cfg.model, cfg.data
+        if d.seq_length > m.max_position_embeddings:
+            raise ConfigError(
+                f"data.seq_length={d.seq_length} exceeds model.max_position_embeddings={m.max_position_embeddings}"
+            )
+        if m.hidden_size % m.num_heads:
+            raise ConfigError(f"model.hidden_size={m.hidden_size} is not a multiple of model.num_heads={m.num_heads}")
+
+    def eval_every_samples(self, cfg: RunConfig) -> int:
+        gbs = cfg.data.global_batch_size
+        return max(25_000, math.floor(0.05 * (230.23 * gbs + 3_000_000) / 25_000) * 25_000)
+
+    # -- data -----------------------------------------------------------------------------------
+    def _folders(self, cfg: RunConfig) -> tuple[Path, Path]:
+        if not cfg.data.dir:
+            raise DataError(
+                "no dataset given: set data.dir=DIR to a folder made by "
+                f"`trainbench prepare bert --synthetic --preset {cfg.preset} --out DIR`"
+            )
+        root = Path(cfg.data.dir)
+        if not root.is_dir():
+            raise DataError(
+                f"data folder {root} does not exist; create it with "
+                f"`trainbench prepare bert --synthetic --preset {cfg.preset} --out {root}`"
+            )
+        return root / "train", root / "eval"
+
+    def check_data(self, cfg: RunConfig) -> None:
+        train_dir, eval_dir = self._folders(cfg)
+        d = cfg.data
+        shards = find_shards(train_dir, "training data", d.seq_length, d.max_predictions)
+        find_shards(eval_dir, "eval data", d.seq_length, d.max_predictions)
+        if sum(s.num_samples for s in shards) < d.global_batch_size:
+            raise DataError(f"{train_dir} holds fewer samples than one global batch ({d.global_batch_size})")
+        self._check_vocab(cfg, shards[0].path)
+
+    def _check_vocab(self, cfg: RunConfig, shard: Path) -> None:
+        import h5py
+
+        with h5py.File(shard, "r") as f:
+            top = int(np.max(f["input_ids"][: min(1024, f["input_ids"].shape[0])]))
+        if top >= cfg.model.vocab_size:
+            raise DataError(
+                f"{shard}: token id {top} does not fit model.vocab_size={cfg.model.vocab_size}; "
+                "was the data made for another preset?"
+            )
+
+    def build_data(self, cfg: RunConfig, rank: int, world_size: int, start_sample: int = 0) -> BenchmarkData:
+        train_dir, eval_dir = self._folders(cfg)
+        d = cfg.data
+        train_shards = find_shards(train_dir, "training data", d.seq_length, d.max_predictions)
+        eval_shards = find_shards(eval_dir, "eval data", d.seq_length, d.max_predictions)
+        train = TrainBatches(train_shards, cfg.seed, d.global_batch_size, d.micro_batch_size, rank, world_size,
+                             start_sample)
+        evals = eval_batches(eval_shards, d.eval_samples, d.eval_batch_size, rank, world_size)
+        eval_total = d.eval_samples if d.eval_samples is not None else sum(s.num_samples for s in eval_shards)
+        return BenchmarkData(train=train, eval=evals, train_samples=train.epoch_size, eval_samples=eval_total)
+
+    def to_device(self, batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+        return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
+
+    # -- model and optimizer --------------------------------------------------------------------
+    def build_model(self, cfg: RunConfig) -> torch.nn.Module:
+        model = BertForPreTraining(cfg.model)
+        if cfg.model.init_checkpoint:
+            load_checkpoint(model, cfg.model.init_checkpoint)
+        return model
+
+    def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+        o = cfg.optimizer
+        return Lamb(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.epsilon,
+                    weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm, bias_correction=o.bias_correction)
+
+    def lr_at(self, cfg: RunConfig, step: int) -> float:
+        s = cfg.schedule
+        return poly_warmup_lr(step, cfg.optimizer.lr, s.warmup_steps, s.total_steps, s.poly_power,
+                              s.start_warmup_step)
+
+    # -- step -----------------------------------------------------------------------------------
+    @staticmethod
+    def _valid(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        # Position 0 is [CLS], never masked: a 0 position is padding of masked_lm_positions.
+        return batch["masked_lm_positions"] > 0
+
+    def loss_weights(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        masked = self._valid(batch).sum()
+        samples = torch.tensor(batch["input_ids"].shape[0], device=masked.device)
+        return torch.stack([masked, samples]).float()
+
+    def _logits(self, model, batch):
+        return model(batch["input_ids"], batch["segment_ids"], batch["input_mask"], batch["masked_lm_positions"])
+
+    def loss(self, model, batch, weights):
+        mlm_logits, nsp_logits = self._logits(model, batch)
+        valid = self._valid(batch)
+        mlm = F.cross_entropy(mlm_logits[valid].float(), batch["masked_lm_ids"][valid], reduction="sum")
+        nsp = F.cross_entropy(nsp_logits.float(), batch["next_sentence_labels"], reduction="sum")
+        return mlm / weights[0] + nsp / weights[1]
+
+    def eval_sums(self, model, batch) -> torch.Tensor:
+        mlm_logits, _ = self._logits(model, batch)
+        valid = self._valid(batch)
+        correct = (mlm_logits.argmax(-1) == batch["masked_lm_ids"]) & valid
+        return torch.stack([correct.sum(), valid.sum()]).double()
+
+    def eval_metric(self, sums: torch.Tensor) -> float:
+        return float(sums[0] / sums[1].clamp(min=1))
+
+    # -- MLPerf ---------------------------------------------------------------------------------
+    def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
+        o, s = cfg.optimizer, cfg.schedule
+        return {
+            constants.OPT_BASE_LR: o.lr,
+            constants.OPT_LAMB_EPSILON: o.epsilon,
+            constants.OPT_LR_TRAINING_STEPS: s.total_steps,
+            constants.OPT_LR_WARMUP_STEPS: s.warmup_steps,
+            constants.NUM_WARMUP_STEPS: s.warmup_steps,
+            constants.START_WARMUP_STEP: s.start_warmup_step,
+            constants.OPT_LAMB_BETA_1: o.beta1,
+            constants.OPT_LAMB_BETA_2: o.beta2,
+            constants.OPT_LAMB_WEIGHT_DECAY: o.weight_decay,
+            constants.OPT_LAMB_LR_DECAY_POLY_POWER: s.poly_power,
+            "max_sequence_length": cfg.data.seq_length,
+        }
+
+
+def load_checkpoint(model: BertForPreTraining, path: str | Path) -> None:
+    """Load HF-named, MLPerf-converted or our own weights into ``model``; a mismatch is a DataError."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"model.init_checkpoint {path} does not exist")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a pickle error, a truncated file...
+            raise DataError(f"model.init_checkpoint {path} could not be read as a torch checkpoint: {exc}") from None
+        for key in ("model", "state_dict"):
+            if isinstance(state, dict) and isinstance(state.get(key), dict):
+                state = state[key]
+    ours = set(model.state_dict())
+    if not set(state) <= ours:
+        try:
+            state = from_hf_state_dict(state)
+        except KeyError as exc:
+            raise DataError(f"model.init_checkpoint {path}: {exc.args[0]}") from None
+    missing = ours - set(state)
+    if missing:
+        raise DataError(f"model.init_checkpoint {path} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise DataError(f"model.init_checkpoint {path} does not fit the model config: {str(exc)[:300]}") from None

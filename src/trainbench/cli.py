@@ -1,0 +1,213 @@
+"""The `trainbench` command: list, prepare, run, check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from trainbench.errors import UserError
+
+EXAMPLES_RUN = """examples:
+  trainbench run bert --preset tiny data.dir=data/bert-tiny
+  trainbench run bert --preset tiny --nproc 2 --nexp 3 data.dir=data/bert-tiny optimizer.lr=3e-3
+  trainbench run bert --preset large --config my_system.yaml init_checkpoint=model.ckpt-28252.pt
+  trainbench run bert --preset tiny --help-config      (every key, its type, default and meaning)
+
+overrides are key=value; a key is its dotted path (optimizer.lr) or, where unambiguous, its last part (lr).
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="trainbench",
+        description="MLPerf-Training-style benchmarks end to end: prepare data, train to target, "
+        "log in the MLPerf format, check compliance.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser("list", help="list benchmarks and their presets", description="List benchmarks and presets.")
+
+    prep = sub.add_parser("prepare", help="write a benchmark's dataset to disk",
+                          description="Write a benchmark's dataset in the on-disk format its trainer reads.")
+    prep.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
+    prep.add_argument("--synthetic", action="store_true",
+                      help="generate seeded synthetic data with learnable structure (no download needed)")
+    prep.add_argument("--out", required=True, help="output folder (train/, eval/, vocab.txt, manifest.json)")
+    prep.add_argument("--preset", default="tiny", help="preset whose shapes (seq length, vocab) the data takes")
+    prep.add_argument("--seed", type=int, default=12345, help="generator seed (default 12345, as MLPerf's)")
+    prep.add_argument("--train-samples", type=int, help="training samples (default: by preset)")
+    prep.add_argument("--eval-samples", type=int, help="eval samples (default: by preset)")
+    prep.add_argument("--shards", type=int, help="training shards (default: by preset)")
+    prep.add_argument("--force", action="store_true", help="rewrite a folder that already holds other data")
+
+    run = sub.add_parser("run", help="train a benchmark to its target and write MLPerf logs",
+                         description="Train a benchmark to its quality target; write the MLPerf log, "
+                         "metrics and config into a new results folder, then check the log's compliance.",
+                         epilog=EXAMPLES_RUN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
+    run.add_argument("--preset", default="tiny", help="starting config (default: tiny)")
+    run.add_argument("--config", action="append", default=[], metavar="FILE.yaml",
+                     help="YAML file of overrides (nested or dotted keys); may repeat, applied in order")
+    run.add_argument("--nproc", type=int, help="processes on this node (GPUs or CPU ranks); >1 uses torchrun")
+    run.add_argument("--nexp", type=int, default=1, help="experiments to run, seeds seed..seed+K-1 (default 1)")
+    run.add_argument("--help-config", action="store_true", help="print every config key with its value and exit")
+    run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+    check = sub.add_parser("check", help="run mlperf-logging's compliance checker on finished runs",
+                           description="Check MLPerf logs with mlperf-logging's compliance checker.")
+    check.add_argument("path", help="a results folder (checks every result_*.txt) or one log file")
+    check.add_argument("--ruleset", help="compliance ruleset (default: the benchmark's)")
+    return p
+
+
+def cmd_list(_args) -> int:
+    from rich.table import Table
+
+    from trainbench.benchmarks import BENCHMARKS
+    from trainbench.console import console
+
+    table = Table(title="trainbench benchmarks")
+    for col in ("benchmark", "MLPerf name", "presets", "description"):
+        table.add_column(col)
+    for b in BENCHMARKS.values():
+        table.add_row(b.name, b.mlperf_name, ", ".join(b.presets), b.description)
+    console.print(table)
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from rich.progress import Progress
+
+    from trainbench.benchmarks import get_benchmark
+    from trainbench.benchmarks.bert import SYNTHETIC_SIZES
+    from trainbench.console import console
+    from trainbench.data.synthetic_bert import SyntheticSpec, prepare_synthetic
+
+    bench = get_benchmark(args.benchmark)
+    if bench.name != "bert":
+        raise UserError(f"`trainbench prepare {bench.name}` is not available yet; `prepare bert` is")
+    if not args.synthetic:
+        raise UserError("preparing BERT from raw text is not available yet; use `trainbench prepare bert --synthetic`")
+    cfg = bench.config(args.preset)
+    sizes = dict(SYNTHETIC_SIZES[args.preset])
+    for key, value in (("num_train_samples", args.train_samples), ("num_eval_samples", args.eval_samples),
+                       ("num_shards", args.shards)):
+        if value is not None:
+            if value < 1:
+                raise UserError(f"--{key.removeprefix('num_').replace('_', '-')} must be at least 1, got {value}")
+            sizes[key] = value
+    spec = SyntheticSpec(seq_length=cfg.data.seq_length, max_predictions=cfg.data.max_predictions,
+                         vocab_size=cfg.model.vocab_size, seed=args.seed, **sizes)
+    out = Path(args.out)
+    manifest = out / "manifest.json"
+    if manifest.exists():
+        existing = json.loads(manifest.read_text()).get("spec")
+        if existing == spec.__dict__:
+            console.print(f"{out} already holds this data set (manifest.json matches); nothing to do")
+            return 0
+        if not args.force:
+            raise UserError(f"{out} already holds a different data set; choose another --out or add --force")
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"writing {spec.num_shards} shards", total=spec.num_shards + 1)
+        written = prepare_synthetic(out, spec, progress=lambda done, total: progress.update(task, completed=done))
+    console.print(
+        f"wrote {written['train_samples']:,} training samples in {spec.num_shards} shards and "
+        f"{written['eval_samples']:,} eval samples to {out} (seq {spec.seq_length}, "
+        f"{spec.max_predictions} predictions, vocab {spec.vocab_size})"
+    )
+    return 0
+
+
+def cmd_run(args) -> int:
+    from trainbench.config import describe, parse_key_values
+    from trainbench.console import console
+    from trainbench.launch.local import build_config, run_experiments
+
+    overrides = parse_key_values(args.overrides)
+    if args.nproc is not None:
+        overrides["distributed.nproc"] = str(args.nproc)
+    if args.help_config:
+        _, cfg = build_config(args.benchmark, args.preset, args.config, {})
+        console.print(f"config keys of {args.benchmark} --preset {args.preset}:\n{describe(cfg)}")
+        return 0
+    bench, cfg = build_config(args.benchmark, args.preset, args.config, overrides)
+    run_dir, records = run_experiments(bench, cfg, args.nexp)
+    ok = all(r.outcome and r.outcome["status"] == "success" and r.compliance and r.compliance.passed
+             for r in records)
+    finished = [r.outcome for r in records if r.outcome]
+    if finished:
+        times = ", ".join(f"{o['time_to_train_min']:.3f}" for o in finished)
+        console.print(f"time to train (minutes): {times}")
+    console.print(f"results: {run_dir}  (summary: {run_dir / 'summary.json'})")
+    return 0 if ok else 1
+
+
+def cmd_check(args) -> int:
+    from trainbench.console import console
+    from trainbench.launch.local import load_run_config
+    from trainbench.mlperf import check_compliance
+
+    path = Path(args.path)
+    if path.is_dir():
+        logs = sorted(path.glob("result_*.txt"))
+        partial = sorted(path.glob("result_*.txt.partial"))
+        for p in partial:
+            console.print(f"{p.name}: run did not finish (no run_stop); not checked", style="yellow")
+        if not logs:
+            raise UserError(f"{path} holds no finished MLPerf log (result_*.txt)")
+        config = path / "config.yaml"
+        ruleset = args.ruleset or (load_run_config(config)[0].ruleset if config.exists() else None)
+    elif path.is_file():
+        logs = [path]
+        ruleset = args.ruleset
+    else:
+        raise UserError(f"{path} does not exist")
+    if ruleset is None:
+        from trainbench.benchmarks import BENCHMARKS
+
+        ruleset = _ruleset_from_log(logs[0], BENCHMARKS)
+    failures = 0
+    for log in logs:
+        result = check_compliance(log, ruleset)
+        failures += not result.passed
+        console.print(f"{log}: {result.reason()} (ruleset {ruleset})", style="green" if result.passed else "red")
+    return 1 if failures else 0
+
+
+def _ruleset_from_log(log: Path, benchmarks) -> str:
+    for line in log.read_text().splitlines():
+        if '"submission_benchmark"' in line:
+            name = json.loads(line.split(":::MLLOG", 1)[1])["value"]
+            for b in benchmarks.values():
+                if b.mlperf_name == name:
+                    return b.ruleset
+    raise UserError(f"{log}: no known submission_benchmark in the log; pass --ruleset")
+
+
+COMMANDS = {"list": cmd_list, "prepare": cmd_prepare, "run": cmd_run, "check": cmd_check}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    # key=value overrides may come before or after options; argparse leaves the later ones unparsed.
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if args.command != "run" or "=" not in a or a.startswith("-")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        from trainbench.console import console
+
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Typed run configuration: dataclasses with documented fields, presets, YAML and key=value overrides.
+
+A run is described by one :class:`RunConfig`. Presets are functions (in each benchmark module) that
+return a config changed from a base. Users change it with a YAML file and ``key=value`` arguments; a
+key is either its dotted path (``optimizer.lr``) or, where unambiguous, its last part (``lr``).
+Every value is checked against the field's type; a mistake is one :class:`ConfigError` naming the
+valid keys. The resolved config is saved with every run and loads back to the same object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainbench.errors import ConfigError
+
+
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its help text (shown by ``trainbench run --help-config``)."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta)
+
+
+def section(factory: Any, help: str) -> Any:
+    return field(default_factory=factory, metadata={"help": help})
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    dir: str | None = option(None, "Dataset folder written by `trainbench prepare` (holds train/ and eval/).")
+    seq_length: int = option(512, "Tokens per sample; must match the shards on disk.")
+    max_predictions: int = option(76, "Masked-LM predictions per sample (BERT); must match the shards.")
+    global_batch_size: int = option(256, "Samples per optimizer step, summed over all ranks and accumulation steps.")
+    micro_batch_size: int = option(32, "Samples per rank per forward/backward; accumulation = global / (micro * ranks).")
+    eval_batch_size: int = option(64, "Samples per rank per eval forward.")
+    eval_samples: int | None = option(10000, "Eval samples to use from the eval files (None: all of them).")
+    prefetch: int = option(2, "Batches prepared ahead of the training step by a background thread.")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: str = option("lamb", "Optimizer.", choices=("lamb",))
+    lr: float = option(4e-4, "Base (peak) learning rate: MLPerf `opt_base_learning_rate`.")
+    beta1: float = option(0.9, "First-moment decay.")
+    beta2: float = option(0.999, "Second-moment decay.")
+    epsilon: float = option(1e-6, "Added to the second-moment root.")
+    weight_decay: float = option(0.01, "Decoupled weight decay; never applied to biases and LayerNorm.")
+    max_grad_norm: float = option(1.0, "Clip the global gradient norm to this before the update (0: no clipping).")
+    bias_correction: bool = option(True, "Adam-style bias correction of both moments.")
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    warmup_steps: int = option(0, "Linear warmup steps: MLPerf `opt_learning_rate_warmup_steps`.")
+    start_warmup_step: int = option(0, "Step at which warmup begins (negative starts it earlier).")
+    total_steps: int = option(10000, "Steps of the decay: MLPerf `opt_learning_rate_training_steps`.")
+    poly_power: float = option(1.0, "Power of the polynomial decay after warmup (1.0: linear).")
+    max_samples: int | None = option(None, "Stop, status aborted, after this many samples (None: total_steps x GBS).")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    target: float = option(0.72, "Quality target; the run succeeds at the first eval that reaches it.")
+    every_samples: int | None = option(None, "Eval every N training samples (None: the benchmark's MLPerf rule).")
+
+
+@dataclass(kw_only=True)
+class DistributedConfig:
+    nproc: int = option(1, "Processes (one per GPU, or CPU ranks) on this node; >1 launches torchrun.")
+    backend: str = option("auto", "torch.distributed backend.", choices=("auto", "gloo", "nccl"))
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    results_dir: str = option("results", "Where run folders are created.")
+    log_every_steps: int = option(10, "Steps between loss/throughput records (each is a host sync).")
+    progress: bool = option(True, "Show a live progress line on rank 0.")
+    submission_org: str = option("trainbench", "MLPerf `submission_org`.")
+    submission_platform: str = option("", "MLPerf `submission_platform` (empty: derived from the machine).")
+    division: str = option("closed", "MLPerf `submission_division`.", choices=("closed", "open"))
+    status: str = option("onprem", "MLPerf `submission_status`.", choices=("onprem", "cloud", "preview", "research"))
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    benchmark: str = option("bert", "Benchmark name (see `trainbench list`).")
+    preset: str = option("tiny", "Preset the config started from.")
+    seed: int = option(1234, "Seed of the run (experiment i of --nexp uses seed + i).")
+    device: str = option("auto", "Where to train (auto: CUDA when present).", choices=("auto", "cpu", "cuda"))
+    precision: str = option("auto", "Compute precision (auto: bf16 autocast on CUDA, fp32 on CPU).",
+                            choices=("auto", "fp32", "bf16"))
+    model: Any = section(dict, "Model architecture; its fields depend on the benchmark.")
+    data: DataConfig = section(DataConfig, "Data location and batch sizes.")
+    optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer hyperparameters.")
+    schedule: ScheduleConfig = section(ScheduleConfig, "Learning-rate schedule and run length.")
+    eval: EvalConfig = section(EvalConfig, "Quality target and eval cadence.")
+    distributed: DistributedConfig = section(DistributedConfig, "Processes and backend.")
+    output: OutputConfig = section(OutputConfig, "Results folder and MLPerf submission fields.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Flattened view of a config: dotted key -> (owner dataclass instance, field)
+
+
+@dataclass(frozen=True)
+class Leaf:
+    key: str
+    owner: Any
+    field: dataclasses.Field
+    type: Any
+
+    @property
+    def help(self) -> str:
+        return self.field.metadata.get("help", "")
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        return self.field.metadata.get("choices")
+
+
+def leaves(cfg: Any, prefix: str = "") -> dict[str, Leaf]:
+    """Every settable field of a (nested) config dataclass, by dotted key."""
+    out: dict[str, Leaf] = {}
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out.update(leaves(value, key + "."))
+        else:
+            out[key] = Leaf(key, cfg, f, hints[f.name])
+    return out
+
+
+def _resolve_key(key: str, table: dict[str, Leaf]) -> Leaf:
+    if key in table:
+        return table[key]
+    matches = [k for k in table if k.rsplit(".", 1)[-1] == key]
+    if len(matches) == 1:
+        return table[matches[0]]
+    if len(matches) > 1:
+        raise ConfigError(f"config key '{key}' is ambiguous; write one of: {', '.join(sorted(matches))}")
+    close = difflib.get_close_matches(key, list(table), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ConfigError(f"unknown config key '{key}'{hint}; valid keys: {', '.join(table)}")
+
+
+def _type_name(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if args:
+        return " or ".join("None" if a is type(None) else a.__name__ for a in args)
+    return tp.__name__
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def coerce(leaf: Leaf, value: Any) -> Any:
+    """Convert a value from the command line (a string) or a YAML file to the field's type, or raise."""
+    tp = leaf.type
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), tp)
+
+    def bad() -> ConfigError:
+        return ConfigError(f"config key '{leaf.key}' expects {_type_name(tp)}, got {value!r}")
+
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if optional:
+            return None
+        raise bad()
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise bad()
+    if base is int:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                number = float(value.replace("_", ""))
+            except ValueError:
+                raise bad() from None
+            if number.is_integer():
+                return int(number)
+        raise bad()
+    if base is float:
+        if isinstance(value, bool):
+            raise bad()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad() from None
+        raise bad()
+    if base is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise bad()
+        value = str(value)
+        if leaf.choices and value not in leaf.choices:
+            raise ConfigError(f"config key '{leaf.key}' must be one of {', '.join(leaf.choices)}; got '{value}'")
+        return value
+    raise bad()
+
+
+def apply_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
+    """Set each key (dotted or unambiguous leaf name) to its value, checking types. Mutates and returns cfg."""
+    table = leaves(cfg)
+    for key, value in overrides.items():
+        leaf = _resolve_key(key, table)
+        setattr(leaf.owner, leaf.field.name, coerce(leaf, value))
+    return cfg
+
+
+def parse_key_values(args: list[str]) -> dict[str, str]:
+    """``["a.b=1", "lr=2e-4"]`` -> ``{"a.b": "1", "lr": "2e-4"}``; a malformed argument is a ConfigError."""
+    out: dict[str, str] = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{arg}' is not of the form key=value (for example optimizer.lr=1e-3)")
+        out[key.strip()] = value
+    return out
+
+
+def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def read_yaml_overrides(path: str | Path) -> dict[str, Any]:
+    """A YAML file of (possibly nested) overrides, flattened to dotted keys."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+    return _flatten(data)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def describe(cfg: Any) -> str:
+    """One line per key: name, type, current value, help. Used by --help-config."""
+    rows = []
+    for key, leaf in leaves(cfg).items():
+        value = getattr(leaf.owner, leaf.field.name)
+        choices = f" [{'|'.join(leaf.choices)}]" if leaf.choices else ""
+        rows.append(f"  {key} ({_type_name(leaf.type)}{choices}) = {value!r}\n      {leaf.help}")
+    return "\n".join(rows)

@@ -1,0 +1,215 @@
+"""The MLPerf BERT HDF5 format (fixed length): writing, validating and reading shards.
+
+One shard is one HDF5 file with six datasets of equal first dimension N:
+
+    input_ids, input_mask, segment_ids     [N, seq_length]
+    masked_lm_positions, masked_lm_ids     [N, max_predictions]   (padded with 0)
+    next_sentence_labels                   [N]                    (1: B is a random sentence)
+
+A dataset folder holds ``train/*.hdf5`` (many shards), ``eval/*.hdf5`` (the eval set) and ``vocab.txt``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from trainbench.errors import DataError
+
+KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
+# The dtypes MLPerf's conversion script writes; the reader accepts any integer type.
+DTYPES = {
+    "input_ids": "i4",
+    "input_mask": "i1",
+    "segment_ids": "i1",
+    "masked_lm_positions": "i4",
+    "masked_lm_ids": "i4",
+    "next_sentence_labels": "i1",
+}
+
+
+def expected_shape(key: str, n: int, seq_length: int, max_predictions: int) -> tuple[int, ...]:
+    if key in ("input_ids", "input_mask", "segment_ids"):
+        return (n, seq_length)
+    if key in ("masked_lm_positions", "masked_lm_ids"):
+        return (n, max_predictions)
+    return (n,)
+
+
+def write_shard(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write a shard atomically: to a temporary name first, renamed once complete, so a crash never
+    leaves a file that looks finished."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with h5py.File(tmp, "w") as f:
+        for key in KEYS:
+            f.create_dataset(key, data=arrays[key].astype(DTYPES[key]), compression=None)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: Path
+    num_samples: int
+
+
+def validate_shard(path: Path, seq_length: int, max_predictions: int) -> ShardInfo:
+    """Check one shard's keys and shapes against the config; a problem is a DataError naming file and key."""
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise DataError(f"{path} is not a readable HDF5 file ({exc}); re-create it with `trainbench prepare`") from None
+    with f:
+        missing = [k for k in KEYS if k not in f]
+        if missing:
+            raise DataError(f"{path}: key '{missing[0]}' is missing (the shard has: {', '.join(sorted(f.keys()))})")
+        n = f["input_ids"].shape[0]
+        for key in KEYS:
+            want = expected_shape(key, n, seq_length, max_predictions)
+            got = f[key].shape
+            if got != want:
+                raise DataError(
+                    f"{path}: key '{key}' has shape {got}, expected {want} "
+                    f"(data.seq_length={seq_length}, data.max_predictions={max_predictions})"
+                )
+            if f[key].dtype.kind not in "iu":
+                raise DataError(f"{path}: key '{key}' has dtype {f[key].dtype}, expected integers")
+    return ShardInfo(path, n)
+
+
+def find_shards(folder: Path, what: str, seq_length: int, max_predictions: int) -> list[ShardInfo]:
+    if not folder.is_dir():
+        raise DataError(
+            f"{what} folder {folder} does not exist; create the data with "
+            f"`trainbench prepare bert --synthetic --out {folder.parent}` or point data.dir at it"
+        )
+    paths = sorted(p for p in folder.iterdir() if p.suffix in (".hdf5", ".h5"))
+    if not paths:
+        raise DataError(f"{what} folder {folder} holds no .hdf5 shards; run `trainbench prepare bert` first")
+    return [validate_shard(p, seq_length, max_predictions) for p in paths]
+
+
+def read_rows(path: Path, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """All keys of a shard (or the given rows, in the given order) as int64 arrays."""
+    with h5py.File(path, "r") as f:
+        if rows is None:
+            return {k: f[k][()].astype(np.int64) for k in KEYS}
+        order = np.argsort(rows)
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        sorted_rows = rows[order]  # h5py fancy indexing wants increasing indices
+        return {k: f[k][sorted_rows].astype(np.int64)[inverse] for k in KEYS}
+
+
+class ShardCache:
+    """Keeps the last few whole shards in memory: the sample order walks one shard at a time."""
+
+    def __init__(self, capacity: int = 2):
+        self.capacity = capacity
+        self._shards: OrderedDict[Path, dict[str, np.ndarray]] = OrderedDict()
+
+    def get(self, path: Path) -> dict[str, np.ndarray]:
+        if path in self._shards:
+            self._shards.move_to_end(path)
+        else:
+            self._shards[path] = read_rows(path)
+            while len(self._shards) > self.capacity:
+                self._shards.popitem(last=False)
+        return self._shards[path]
+
+
+class GlobalSampleOrder:
+    """The order in which the whole run sees training samples: independent of the number of ranks.
+
+    Each epoch shuffles the shard order, then the rows inside each shard, from (seed, epoch) alone.
+    Global batch k is samples [k*B, (k+1)*B) of this stream; every rank reads its own slice of it, so
+    1 rank at batch B and R ranks at batch B/R train on exactly the same samples.
+    """
+
+    def __init__(self, shards: list[ShardInfo], seed: int):
+        self.shards = shards
+        self.seed = seed
+        self.epoch_size = sum(s.num_samples for s in shards)
+
+    def stream(self, start_sample: int = 0):
+        """Yield (shard index, row) pairs from global sample ``start_sample`` on, across epochs."""
+        epoch, offset = divmod(start_sample, self.epoch_size)
+        while True:
+            rng = np.random.default_rng([self.seed, epoch])
+            for shard_index in rng.permutation(len(self.shards)):
+                # Draw every shard's permutation, skipped or not, so the RNG stream (and with it the
+                # order) is the same whether the run started at sample 0 or resumed mid-epoch.
+                rows = rng.permutation(self.shards[shard_index].num_samples)
+                if offset >= len(rows):
+                    offset -= len(rows)
+                    continue
+                for row in rows[offset:]:
+                    yield int(shard_index), int(row)
+                offset = 0
+            epoch += 1
+            offset = 0
+
+
+class TrainBatches:
+    """Iterator over optimizer steps: each item is this rank's micro-batches for one global batch."""
+
+    def __init__(self, shards, seed, global_batch_size, micro_batch_size, rank, world_size, start_sample=0):
+        per_rank, remainder = divmod(global_batch_size, world_size)
+        assert remainder == 0 and per_rank % micro_batch_size == 0, "batch sizes were validated by the config"
+        self.shards = shards
+        self.order = GlobalSampleOrder(shards, seed)
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.per_rank = per_rank
+        self.rank = rank
+        self.start_sample = start_sample
+        self.cache = ShardCache()
+
+    @property
+    def epoch_size(self) -> int:
+        return self.order.epoch_size
+
+    def __iter__(self):
+        stream = self.order.stream(self.start_sample)
+        lo, hi = self.rank * self.per_rank, (self.rank + 1) * self.per_rank
+        while True:
+            # Rank-major split of the global batch: rank r owns samples [r*per_rank, (r+1)*per_rank).
+            picks = [next(stream) for _ in range(self.global_batch_size)][lo:hi]
+            batch = self._gather(picks)
+            yield [
+                {k: v[i : i + self.micro_batch_size] for k, v in batch.items()}
+                for i in range(0, self.per_rank, self.micro_batch_size)
+            ]
+
+    def _gather(self, picks: list[tuple[int, int]]) -> dict[str, np.ndarray]:
+        shard_ids = np.fromiter((s for s, _ in picks), dtype=np.int64, count=len(picks))
+        rows = np.fromiter((r for _, r in picks), dtype=np.int64, count=len(picks))
+        out = {k: None for k in KEYS}
+        for shard_index in np.unique(shard_ids):
+            where = np.nonzero(shard_ids == shard_index)[0]
+            data = self.cache.get(self.shards[shard_index].path)
+            for k in KEYS:
+                if out[k] is None:
+                    out[k] = np.empty((len(picks),) + data[k].shape[1:], dtype=np.int64)
+                out[k][where] = data[k][rows[where]]
+        return out
+
+
+def eval_batches(shards, eval_samples, eval_batch_size, rank, world_size) -> list[dict[str, np.ndarray]]:
+    """This rank's part of the eval set (the first ``eval_samples`` samples of the eval files), in batches."""
+    data = [read_rows(s.path) for s in shards]
+    merged = {k: np.concatenate([d[k] for d in data]) for k in KEYS}
+    total = len(merged["input_ids"])
+    if eval_samples is not None:
+        if eval_samples > total:
+            raise DataError(f"data.eval_samples={eval_samples} but the eval files hold only {total} samples")
+        total = eval_samples
+    lo, hi = total * rank // world_size, total * (rank + 1) // world_size
+    mine = {k: v[lo:hi] for k, v in merged.items()}
+    n = len(mine["input_ids"])
+    return [{k: v[i : i + eval_batch_size] for k, v in mine.items()} for i in range(0, n, eval_batch_size)]

@@ -1,0 +1,46 @@
+"""Overlap batch preparation with the training step."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+
+
+def prefetch(iterable: Iterable, depth: int) -> Iterator:
+    """Produce items of ``iterable`` in a background thread, ``depth`` ahead of the consumer."""
+    if depth <= 0:
+        yield from iterable
+        return
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def work():
+        try:
+            for item in iterable:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+        except BaseException as exc:  # handed to the consumer, raised there
+            q.put(exc)
+            return
+        q.put(done)
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

@@ -1,0 +1,166 @@
+"""Local launcher: one process in-process, or N processes through torchrun; K experiments in one folder."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainbench.benchmarks import get_benchmark
+from trainbench.benchmarks.base import Benchmark
+from trainbench.config import RunConfig, apply_overrides, read_yaml_overrides, save_config
+from trainbench.console import RunConsole
+from trainbench.errors import ConfigError, UserError
+from trainbench.mlperf import ComplianceResult, check_compliance
+from trainbench.train.distributed import available_slots, init_distributed, resolve_device
+
+
+def build_config(benchmark: str, preset: str, yaml_files: list[str] | None = None,
+                 overrides: dict | None = None) -> tuple[Benchmark, RunConfig]:
+    """Preset, then YAML files in order, then key=value overrides; validated."""
+    bench = get_benchmark(benchmark)
+    cfg = bench.config(preset)
+    for path in yaml_files or []:
+        values = read_yaml_overrides(path)
+        values.pop("benchmark", None)
+        values.pop("preset", None)
+        apply_overrides(cfg, values)
+    apply_overrides(cfg, overrides or {})
+    bench.validate(cfg)
+    return bench, cfg
+
+
+def load_run_config(path: Path) -> tuple[Benchmark, RunConfig]:
+    """Load a saved config.yaml back into the same RunConfig."""
+    values = read_yaml_overrides(path)
+    return build_config(values.pop("benchmark"), values.pop("preset"), overrides=values)
+
+
+def new_run_dir(results_dir: str, benchmark: str, preset: str) -> Path:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    base = Path(results_dir) / f"{stamp}-{benchmark}-{preset}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    path.mkdir(parents=True)
+    return path
+
+
+@dataclass
+class RunRecord:
+    index: int
+    outcome: dict | None  # run_<i>.json, or None when the run died before run_stop
+    compliance: ComplianceResult | None
+
+
+def experiment_config(cfg: RunConfig, index: int) -> RunConfig:
+    return dataclasses.replace(cfg, seed=cfg.seed + index)
+
+
+def preflight(bench: Benchmark, cfg: RunConfig) -> str:
+    """Fail before creating anything for what can be checked up front; returns the device kind."""
+    device = resolve_device(cfg.device)
+    slots = available_slots(device)
+    nproc = cfg.distributed.nproc
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {nproc}")
+    if nproc > slots:
+        what = "GPUs" if device == "cuda" else "CPU cores"
+        raise ConfigError(
+            f"--nproc {nproc} asks for {nproc} processes but this machine has {slots} {what} (device={device}); "
+            f"use --nproc {slots} or fewer"
+        )
+    bench.check_data(cfg)
+    return device
+
+
+def run_experiments(bench: Benchmark, cfg: RunConfig, nexp: int = 1) -> tuple[Path, list[RunRecord]]:
+    if nexp < 1:
+        raise ConfigError(f"--nexp must be at least 1, got {nexp}")
+    device = preflight(bench, cfg)
+    run_dir = new_run_dir(cfg.output.results_dir, bench.name, cfg.preset)
+    save_config(cfg, run_dir / "config.yaml")
+    out = RunConsole(run_dir / "console.log")
+    out.say(f"results folder: {run_dir}")
+    records = []
+    for index in range(nexp):
+        if cfg.distributed.nproc == 1:
+            _run_in_process(bench, experiment_config(cfg, index), run_dir, index, device)
+        else:
+            _run_torchrun(cfg, run_dir, index)
+        records.append(_collect(bench, run_dir, index))
+        _report(out, records[-1])
+    write_summary(bench, cfg, run_dir, records)
+    return run_dir, records
+
+
+def _run_in_process(bench: Benchmark, cfg: RunConfig, run_dir: Path, index: int, device: str) -> None:
+    from trainbench.train.loop import train
+
+    info = init_distributed(device, cfg.distributed.backend)
+    train(cfg, bench, run_dir, index, info)
+
+
+def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
+    nproc = cfg.distributed.nproc
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, available_slots("cpu") // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+           f"--nproc-per-node={nproc}", "-m", "trainbench.launch.worker", str(run_dir), str(index)]
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode != 0:
+        raise UserError(f"run {index} failed under torchrun (exit code {proc.returncode}); "
+                        f"see the messages above and {run_dir / 'console.log'}")
+
+
+def _collect(bench: Benchmark, run_dir: Path, index: int) -> RunRecord:
+    outcome_path = run_dir / f"run_{index}.json"
+    log = run_dir / f"result_{index}.txt"
+    outcome = json.loads(outcome_path.read_text()) if outcome_path.exists() else None
+    compliance = check_compliance(log, bench.ruleset) if log.exists() else None
+    return RunRecord(index, outcome, compliance)
+
+
+def _report(out: RunConsole, record: RunRecord) -> None:
+    o = record.outcome
+    if o is None:
+        out.say(f"run {record.index}: did not finish", style="red")
+        return
+    verdict = record.compliance.reason() if record.compliance else "no log"
+    style = "green" if o["status"] == "success" else "yellow"
+    metric = "-" if o["final_metric"] is None else f"{o['final_metric']:.4f}"
+    out.say(
+        f"run {record.index}: {o['status']} — time to train {o['time_to_train_min']:.3f} min "
+        f"({o['time_to_train_min'] * 60:.1f} s), {o['samples']:,} samples, {o['metric_name']} {metric}; "
+        f"compliance (ruleset {record.compliance.ruleset if record.compliance else '-'}): {verdict}",
+        style=style,
+    )
+
+
+def write_summary(bench: Benchmark, cfg: RunConfig, run_dir: Path, records: list[RunRecord]) -> Path:
+    summary = {
+        "benchmark": bench.name,
+        "mlperf_benchmark": bench.mlperf_name,
+        "preset": cfg.preset,
+        "ruleset": bench.ruleset,
+        "runs": [
+            {
+                "index": r.index,
+                "result": f"result_{r.index}.txt",
+                "finished": r.outcome is not None,
+                **(r.outcome or {}),
+                "compliance": None if r.compliance is None else {"passed": r.compliance.passed,
+                                                                  "reason": r.compliance.reason()},
+            }
+            for r in records
+        ],
+    }
+    path = run_dir / "summary.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return path

@@ -1,0 +1,234 @@
+"""BERT for pretraining (masked LM + next-sentence prediction): architecture only.
+
+Post-LayerNorm encoder as in the BERT paper and MLPerf's reference. Query, key and value are one fused
+projection (one GEMM instead of three); :func:`from_hf_state_dict` and :func:`to_hf_state_dict`
+translate to and from the parameter names of ``transformers.BertForPreTraining``, so HF checkpoints
+and converted MLPerf checkpoints load, and our weights load into HF.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainbench.config import option
+
+
+@dataclass(kw_only=True)
+class BertConfig:
+    vocab_size: int = option(30522, "Rows of the word-embedding table (and MLM output classes).")
+    hidden_size: int = option(1024, "Width of the encoder.")
+    num_layers: int = option(24, "Encoder layers.")
+    num_heads: int = option(16, "Attention heads per layer.")
+    intermediate_size: int = option(4096, "Width of the feed-forward layer.")
+    max_position_embeddings: int = option(512, "Rows of the position-embedding table.")
+    type_vocab_size: int = option(2, "Segment (token type) ids.")
+    hidden_dropout: float = option(0.1, "Dropout after embeddings, attention output and feed-forward output.")
+    attention_dropout: float = option(0.1, "Dropout on attention probabilities.")
+    layer_norm_eps: float = option(1e-12, "LayerNorm epsilon.")
+    init_std: float = option(0.02, "Std of the normal initialisation of weights.")
+    init_checkpoint: str | None = option(
+        None, "Weights to start from: a .pt/.bin state dict (HF or MLPerf names) or HF .safetensors."
+    )
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.attention_dropout = cfg.attention_dropout
+        self.qkv = nn.Linear(h, 3 * h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.ffn_in = nn.Linear(h, cfg.intermediate_size)
+        self.ffn_out = nn.Linear(cfg.intermediate_size, h)
+        self.ffn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, hidden // self.num_heads).unbind(2)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=attn_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+        )
+        attn = attn.transpose(1, 2).reshape(batch, seq, hidden)
+        x = self.attn_norm(x + self.dropout(self.attn_out(attn)))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))
+
+
+class BertForPreTraining(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        assert cfg.hidden_size % cfg.num_heads == 0, "hidden_size must be a multiple of num_heads"
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, h)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, h)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, h)
+        self.embedding_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.pooler = nn.Linear(h, h)
+        self.mlm_transform = nn.Linear(h, h)
+        self.mlm_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        # The MLM decoder's weight is the word-embedding table (tied); only its bias is its own.
+        self.mlm_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        self.nsp = nn.Linear(h, 2)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=self.cfg.init_std)
+            if isinstance(module, nn.Linear):
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+        nn.init.zeros_(self.mlm_bias)
+
+    def encode(self, input_ids, token_type_ids, attention_mask) -> torch.Tensor:
+        seq = input_ids.shape[1]
+        positions = torch.arange(seq, device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings(
+            token_type_ids
+        )
+        x = self.dropout(self.embedding_norm(x))
+        # Boolean [batch, 1, 1, seq] mask: True where a key may be attended to.
+        attn_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        for layer in self.layers:
+            x = layer(x, attn_mask)
+        return x
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        masked_lm_positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLM logits and NSP logits.
+
+        With ``masked_lm_positions`` [batch, P] the MLM head runs only at those positions and the
+        logits are [batch, P, vocab]; without it, at every position ([batch, seq, vocab]).
+        """
+        x = self.encode(input_ids, token_type_ids, attention_mask)
+        nsp_logits = self.nsp(torch.tanh(self.pooler(x[:, 0])))
+        if masked_lm_positions is not None:
+            index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, x.shape[-1])
+            x = torch.gather(x, 1, index)
+        x = self.mlm_norm(F.gelu(self.mlm_transform(x)))
+        mlm_logits = F.linear(x, self.word_embeddings.weight, self.mlm_bias)
+        return mlm_logits, nsp_logits
+
+
+# ---------------------------------------------------------------------------------------------
+# State-dict adapter: HF `BertForPreTraining` names <-> ours.
+
+_LAYER = r"bert\.encoder\.layer\.(\d+)\."
+_HF_TO_OURS = [
+    (r"bert\.embeddings\.word_embeddings\.weight", "word_embeddings.weight"),
+    (r"bert\.embeddings\.position_embeddings\.weight", "position_embeddings.weight"),
+    (r"bert\.embeddings\.token_type_embeddings\.weight", "token_type_embeddings.weight"),
+    (r"bert\.embeddings\.LayerNorm\.(weight|bias)", r"embedding_norm.\1"),
+    (_LAYER + r"attention\.output\.dense\.(weight|bias)", r"layers.\1.attn_out.\2"),
+    (_LAYER + r"attention\.output\.LayerNorm\.(weight|bias)", r"layers.\1.attn_norm.\2"),
+    (_LAYER + r"intermediate\.dense\.(weight|bias)", r"layers.\1.ffn_in.\2"),
+    (_LAYER + r"output\.dense\.(weight|bias)", r"layers.\1.ffn_out.\2"),
+    (_LAYER + r"output\.LayerNorm\.(weight|bias)", r"layers.\1.ffn_norm.\2"),
+    (r"bert\.pooler\.dense\.(weight|bias)", r"pooler.\1"),
+    (r"cls\.predictions\.transform\.dense\.(weight|bias)", r"mlm_transform.\1"),
+    (r"cls\.predictions\.transform\.LayerNorm\.(weight|bias)", r"mlm_norm.\1"),
+    (r"cls\.predictions\.bias", "mlm_bias"),
+    (r"cls\.seq_relationship\.(weight|bias)", r"nsp.\1"),
+]
+_QKV = re.compile(_LAYER + r"attention\.self\.(query|key|value)\.(weight|bias)")
+# Tied to other entries or buffers that HF may store; nothing of ours to load from them.
+_IGNORED = re.compile(
+    r"cls\.predictions\.decoder\.(weight|bias)|bert\.embeddings\.(position_ids|token_type_ids)"
+)
+
+
+def _normalise_name(name: str) -> str:
+    """Accept the spellings of converted checkpoints: DDP's `module.`, TF's gamma/beta, NVIDIA's dense_act."""
+    name = name.removeprefix("module.")
+    if not name.startswith(("bert.", "cls.")):
+        name = "bert." + name
+    name = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", name)
+    name = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name)
+    return name.replace(".dense_act.", ".dense.")
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named (or MLPerf-converted) BERT pretraining weights -> our names. Unknown names raise KeyError."""
+    ours: dict[str, torch.Tensor] = {}
+    qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    unknown = []
+    for raw_name, tensor in hf.items():
+        name = _normalise_name(raw_name)
+        if _IGNORED.fullmatch(name):
+            continue
+        if m := _QKV.fullmatch(name):
+            qkv.setdefault((m.group(1), m.group(3)), {})[m.group(2)] = tensor
+            continue
+        for pattern, repl in _HF_TO_OURS:
+            if re.fullmatch(pattern, name):
+                ours[re.sub(pattern, repl, name)] = tensor
+                break
+        else:
+            unknown.append(raw_name)
+    if unknown:
+        raise KeyError(f"not BERT pretraining weights: {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+    for (layer, kind), parts in qkv.items():
+        if set(parts) != {"query", "key", "value"}:
+            raise KeyError(f"layer {layer} {kind}: query, key and value are not all present")
+        ours[f"layers.{layer}.qkv.{kind}"] = torch.cat([parts["query"], parts["key"], parts["value"]], dim=0)
+    return ours
+
+
+def to_hf_state_dict(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our names -> `transformers.BertForPreTraining` names (the decoder weight is the tied embedding)."""
+    reverse = [
+        (r"word_embeddings\.weight", "bert.embeddings.word_embeddings.weight"),
+        (r"position_embeddings\.weight", "bert.embeddings.position_embeddings.weight"),
+        (r"token_type_embeddings\.weight", "bert.embeddings.token_type_embeddings.weight"),
+        (r"embedding_norm\.(weight|bias)", r"bert.embeddings.LayerNorm.\1"),
+        (r"layers\.(\d+)\.attn_out\.(weight|bias)", r"bert.encoder.layer.\1.attention.output.dense.\2"),
+        (r"layers\.(\d+)\.attn_norm\.(weight|bias)", r"bert.encoder.layer.\1.attention.output.LayerNorm.\2"),
+        (r"layers\.(\d+)\.ffn_in\.(weight|bias)", r"bert.encoder.layer.\1.intermediate.dense.\2"),
+        (r"layers\.(\d+)\.ffn_out\.(weight|bias)", r"bert.encoder.layer.\1.output.dense.\2"),
+        (r"layers\.(\d+)\.ffn_norm\.(weight|bias)", r"bert.encoder.layer.\1.output.LayerNorm.\2"),
+        (r"pooler\.(weight|bias)", r"bert.pooler.dense.\1"),
+        (r"mlm_transform\.(weight|bias)", r"cls.predictions.transform.dense.\1"),
+        (r"mlm_norm\.(weight|bias)", r"cls.predictions.transform.LayerNorm.\1"),
+        (r"mlm_bias", "cls.predictions.bias"),
+        (r"nsp\.(weight|bias)", r"cls.seq_relationship.\1"),
+    ]
+    hf: dict[str, torch.Tensor] = {}
+    for name, tensor in ours.items():
+        if m := re.fullmatch(r"layers\.(\d+)\.qkv\.(weight|bias)", name):
+            q, k, v = tensor.chunk(3, dim=0)
+            prefix = f"bert.encoder.layer.{m.group(1)}.attention.self"
+            hf[f"{prefix}.query.{m.group(2)}"] = q
+            hf[f"{prefix}.key.{m.group(2)}"] = k
+            hf[f"{prefix}.value.{m.group(2)}"] = v
+            continue
+        for pattern, repl in reverse:
+            if re.fullmatch(pattern, name):
+                hf[re.sub(pattern, repl, name)] = tensor
+                break
+        else:
+            raise KeyError(f"unexpected parameter {name}")
+    hf["cls.predictions.decoder.weight"] = hf["bert.embeddings.word_embeddings.weight"]
+    hf["cls.predictions.decoder.bias"] = hf["cls.predictions.bias"]
+    return hf

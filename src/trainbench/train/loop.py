@@ -1,0 +1,229 @@
+"""The one training loop: every benchmark, every scale (1 CPU rank to many GPUs).
+
+The benchmark supplies model, data, optimizer, loss and metric (``Benchmark``); this loop owns the
+order of things MLPerf measures: init, run_start, train blocks between evals, eval, run_stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from trainbench.benchmarks.base import Benchmark
+from trainbench.config import RunConfig
+from trainbench.console import RunConsole, TrainProgress
+from trainbench.data.prefetch import prefetch
+from trainbench.errors import TrainingDiverged
+from trainbench.mlperf import MLPerfLog, constants
+from trainbench.train.distributed import DistInfo, all_reduce_sum
+
+
+@dataclass
+class RunOutcome:
+    index: int
+    seed: int
+    status: str  # "success" or "aborted"
+    reason: str
+    metric_name: str
+    target: float
+    final_metric: float | None
+    samples: int
+    steps: int
+    run_start_ms: int
+    run_stop_ms: int
+    evals: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def time_to_train_min(self) -> float:
+        return (self.run_stop_ms - self.run_start_ms) / 60_000
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"time_to_train_min": self.time_to_train_min}
+
+
+def result_paths(run_dir: Path, index: int) -> tuple[Path, Path]:
+    """(in-progress, finished) names of run ``index``'s MLPerf log."""
+    return run_dir / f"result_{index}.txt.partial", run_dir / f"result_{index}.txt"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def platform_name(device: torch.device, world_size: int) -> str:
+    if device.type == "cuda":
+        return f"{world_size}x{torch.cuda.get_device_name(device).replace(' ', '_')}"
+    return f"{world_size}xCPU_{os.cpu_count()}cores"
+
+
+def train(cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: DistInfo) -> RunOutcome:
+    """Train run ``index`` of ``run_dir`` to the target (or to max_samples) and write its MLPerf log."""
+    is_main = info.is_main
+    partial, final = result_paths(run_dir, index)
+    out = RunConsole(run_dir / "console.log", enabled=is_main)
+    mll = MLPerfLog(partial if is_main else None)
+    device = info.device
+    use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+
+    mll.event(constants.CACHE_CLEAR, True)
+    mll.start(constants.INIT_START)
+    o = cfg.output
+    mll.event(constants.SUBMISSION_BENCHMARK, bench.mlperf_name)
+    mll.event(constants.SUBMISSION_ORG, o.submission_org)
+    mll.event(constants.SUBMISSION_DIVISION, o.division)
+    mll.event(constants.SUBMISSION_STATUS, o.status)
+    mll.event(constants.SUBMISSION_PLATFORM, o.submission_platform or platform_name(device, info.world_size))
+
+    seed_everything(cfg.seed)
+    model = bench.build_model(cfg).to(device)
+    if info.world_size > 1:
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = bench.build_optimizer(cfg, model)
+    data = bench.build_data(cfg, info.rank, info.world_size)
+    accumulation = bench.accumulation_steps(cfg)
+    gbs = cfg.data.global_batch_size
+    eval_every = cfg.eval.every_samples or bench.eval_every_samples(cfg)
+    max_samples = cfg.schedule.max_samples or cfg.schedule.total_steps * gbs
+
+    mll.event(constants.SEED, cfg.seed)
+    mll.event(constants.GLOBAL_BATCH_SIZE, gbs)
+    mll.event(constants.GRADIENT_ACCUMULATION_STEPS, accumulation)
+    mll.event(constants.TRAIN_SAMPLES, data.train_samples)
+    mll.event(constants.EVAL_SAMPLES, data.eval_samples)
+    for key, value in bench.hyperparameters(cfg).items():
+        mll.event(key, value)
+    n_params = sum(p.numel() for p in model.parameters())
+    out.say(
+        f"run {index}: {bench.name}/{cfg.preset}, seed {cfg.seed}, {n_params / 1e6:.2f}M parameters, "
+        f"{info.world_size} x {device.type}, {'bf16' if use_bf16 else 'fp32'}, global batch {gbs} "
+        f"({cfg.data.micro_batch_size} x {accumulation} accumulation x {info.world_size} ranks), "
+        f"eval every {eval_every:,} samples, target {bench.metric_name} "
+        f"{'>=' if bench.higher_is_better else '<='} {cfg.eval.target}"
+    )
+
+    mll.end(constants.INIT_STOP)
+    run_start_ms = int(time.time() * 1000)
+    mll.start(constants.RUN_START, time_ms=run_start_ms)
+
+    metrics = open(run_dir / "metrics.jsonl", "a") if is_main else None
+    progress = TrainProgress(max_samples, bench.metric_name, enabled=is_main and o.progress)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
+    step = samples = 0
+    next_eval = eval_every
+    status, reason, metric = constants.ABORTED, f"max_samples={max_samples:,} reached before the target", None
+    evals: list[tuple[int, float]] = []
+    # Loss and finiteness stay on device between log points: reading them is a host sync.
+    loss_sum = torch.zeros((), device=device)
+    nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+    last_log_time, last_log_samples, last_log_step = time.perf_counter(), 0, 0
+
+    def record(row: dict) -> None:
+        if metrics is not None:
+            metrics.write(json.dumps({"run": index, "step": step, "samples": samples} | row) + "\n")
+            metrics.flush()
+
+    def check_finite() -> None:
+        if bool(nonfinite):
+            raise TrainingDiverged(
+                f"the loss became NaN or infinite by step {step} ({samples:,} samples); lower optimizer.lr, "
+                "raise schedule.warmup_steps or check the data"
+            )
+
+    mll.start(constants.BLOCK_START, metadata={"first_epoch_num": 0, "epoch_count": eval_every})
+    model.train()
+    try:
+        for micro_batches in prefetch(data.train, cfg.data.prefetch):
+            lr = bench.lr_at(cfg, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batches = [bench.to_device(mb, device) for mb in micro_batches]
+            # Normalise by counts over the whole global batch (all micro-batches, all ranks), so the
+            # gradient is that of the global-batch loss whatever the split; DDP then averages over
+            # ranks, which the factor world_size undoes.
+            weights = all_reduce_sum(sum(bench.loss_weights(b) for b in batches), info)
+            for i, batch in enumerate(batches):
+                sync = i == len(batches) - 1 or not isinstance(model, DistributedDataParallel)
+                with contextlib.nullcontext() if sync else model.no_sync(), autocast:
+                    loss = bench.loss(model, batch, weights) * info.world_size
+                loss.backward()
+                loss_sum += loss.detach() / info.world_size
+                nonfinite |= ~torch.isfinite(loss.detach())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            samples += gbs
+
+            if step % o.log_every_steps == 0 or samples >= next_eval:
+                check_finite()
+                mean_loss = float(all_reduce_sum(loss_sum.clone(), info)) / (step - last_log_step)
+                now = time.perf_counter()
+                rate = (samples - last_log_samples) / (now - last_log_time)
+                record({"loss": mean_loss, "lr": lr, "samples_per_s": rate})
+                progress.update(samples, loss=mean_loss, rate=rate)
+                loss_sum.zero_()
+                last_log_time, last_log_samples, last_log_step = now, samples, step
+
+            if samples >= next_eval or samples >= max_samples:
+                mll.end(constants.BLOCK_STOP, metadata={"first_epoch_num": next_eval - eval_every})
+                metric = evaluate(bench, model, data.eval, info, autocast, mll, samples)
+                evals.append((samples, metric))
+                record({bench.metric_name: metric})
+                progress.update(samples, metric=metric)
+                out.say(f"  eval at {samples:,} samples: {bench.metric_name} {metric:.4f}")
+                model.train()
+                if bench.reached(metric, cfg.eval.target):
+                    status, reason = constants.SUCCESS, f"reached {bench.metric_name} {metric:.4f}"
+                    break
+                if samples >= max_samples:
+                    break
+                while next_eval <= samples:
+                    next_eval += eval_every
+                mll.start(constants.BLOCK_START, metadata={"first_epoch_num": samples, "epoch_count": eval_every})
+                # The eval's time is not training time.
+                last_log_time = time.perf_counter()
+    except TrainingDiverged as exc:
+        reason = str(exc)
+        raise
+    finally:
+        progress.close()
+        run_stop_ms = int(time.time() * 1000)
+        mll.end(constants.RUN_STOP, metadata={"status": status}, time_ms=run_stop_ms)
+        mll.close()
+        if metrics is not None:
+            metrics.close()
+        outcome = RunOutcome(index=index, seed=cfg.seed, status=status, reason=reason,
+                             metric_name=bench.metric_name, target=cfg.eval.target, final_metric=metric,
+                             samples=samples, steps=step, run_start_ms=run_start_ms, run_stop_ms=run_stop_ms,
+                             evals=evals)
+        if is_main:
+            # Only a run that reached run_stop gets its final name (even if aborted); a crash leaves .partial.
+            partial.replace(final)
+            (run_dir / f"run_{index}.json").write_text(json.dumps(outcome.to_json(), indent=2) + "\n")
+    return outcome
+
+
+@torch.no_grad()
+def evaluate(bench: Benchmark, model, batches, info: DistInfo, autocast, mll: MLPerfLog, samples: int) -> float:
+    model.eval()
+    meta = bench.eval_metadata(samples)
+    mll.start(constants.EVAL_START, metadata=meta)
+    sums = None
+    for batch in batches:
+        with autocast:
+            part = bench.eval_sums(model, bench.to_device(batch, info.device))
+        sums = part if sums is None else sums + part
+    metric = bench.eval_metric(all_reduce_sum(sums, info))
+    mll.event(constants.EVAL_ACCURACY, metric, metadata=meta)
+    mll.end(constants.EVAL_STOP, metadata=meta)
+    return metric
