@@ -64,7 +64,7 @@ def tiny() -> RunConfig:
                          max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0),
         data=DataConfig(seq_length=128, max_predictions=20, global_batch_size=64, micro_batch_size=64,
                         eval_batch_size=250, eval_samples=2000),
-        optimizer=OptimizerConfig(lr=4e-3, beta1=0.9, beta2=0.999, epsilon=1e-6, weight_decay=0.01),
+        optimizer=OptimizerConfig(lr=1e-2, beta1=0.9, beta2=0.999, epsilon=1e-6, weight_decay=0.01),
         schedule=ScheduleConfig(warmup_steps=50, total_steps=2000),
         eval=EvalConfig(target=MLPERF_TARGET, every_samples=6400),
     )

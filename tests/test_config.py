@@ -1,0 +1,103 @@
+import dataclasses
+
+import pytest
+
+from trainbench.config import apply_overrides, parse_key_values, read_yaml_overrides, save_config
+from trainbench.errors import ConfigError
+from trainbench.launch.local import build_config, load_run_config
+
+
+def test_large_preset_is_the_mlperf_reference_shape():
+    _, cfg = build_config("bert", "large")
+    m, d = cfg.model, cfg.data
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size) == (24, 1024, 16, 4096, 30522)
+    assert (d.seq_length, d.max_predictions, d.eval_samples) == (512, 76, 10000)
+    assert cfg.eval.target == 0.72
+
+
+def test_dotted_and_leaf_keys_with_type_conversion():
+    _, cfg = build_config("bert", "tiny", overrides={"optimizer.lr": "2e-3", "warmup_steps": "7", "progress": "false",
+                                                     "eval_samples": "none"})
+    assert cfg.optimizer.lr == 2e-3 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.schedule.warmup_steps == 7
+    assert cfg.output.progress is False
+    assert cfg.data.eval_samples is None
+
+
+def test_unknown_key_names_the_valid_keys():
+    with pytest.raises(ConfigError) as exc:
+        build_config("bert", "tiny", overrides={"optimizer.lrr": "1"})
+    msg = str(exc.value)
+    assert "unknown config key 'optimizer.lrr'" in msg
+    assert "did you mean 'optimizer.lr'" in msg
+    assert "model.hidden_size" in msg and "data.global_batch_size" in msg
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [("model.num_layers", "two", "expects int"), ("model.num_layers", "2.5", "expects int"),
+     ("optimizer.lr", "fast", "expects float"), ("progress", "maybe", "expects bool"),
+     ("device", "tpu", "must be one of auto, cpu, cuda")],
+)
+def test_wrong_type_is_one_clear_error(key, value, expected):
+    with pytest.raises(ConfigError, match=expected):
+        build_config("bert", "tiny", overrides={key: value})
+
+
+def test_ambiguous_leaf_key():
+    @dataclasses.dataclass
+    class A:
+        size: int = 1
+
+    @dataclasses.dataclass
+    class Both:
+        a: A = dataclasses.field(default_factory=A)
+        b: A = dataclasses.field(default_factory=A)
+
+    with pytest.raises(ConfigError, match="ambiguous; write one of: a.size, b.size"):
+        apply_overrides(Both(), {"size": "2"})
+    assert apply_overrides(Both(), {"b.size": "2"}).b.size == 2
+
+
+def test_yaml_file_nested_and_dotted(tmp_path):
+    path = tmp_path / "o.yaml"
+    path.write_text("optimizer:\n  lr: 1e-3\n  beta1: 0.8\ndata.global_batch_size: 128\n")
+    _, cfg = build_config("bert", "tiny", yaml_files=[str(path)])
+    assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.beta1 == 0.8 and cfg.data.global_batch_size == 128
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        read_yaml_overrides(bad)
+
+
+def test_saved_config_loads_back_identical(tmp_path):
+    _, cfg = build_config("bert", "base", overrides={"lr": "3e-4", "data.dir": "some dir/with space"})
+    save_config(cfg, tmp_path / "config.yaml")
+    _, again = load_run_config(tmp_path / "config.yaml")
+    assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+
+
+def test_batch_sizes_must_divide():
+    with pytest.raises(ConfigError, match="not a multiple"):
+        build_config("bert", "tiny", overrides={"global_batch_size": "64", "micro_batch_size": "48"})
+    with pytest.raises(ConfigError, match="not divisible by 3"):
+        build_config("bert", "tiny", overrides={"global_batch_size": "64", "distributed.nproc": "3"})
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_key_values(["lr"])
+
+
+def test_unknown_benchmark_and_preset():
+    with pytest.raises(ConfigError, match="available: bert"):
+        build_config("resnet", "tiny")
+    with pytest.raises(ConfigError, match="presets: tiny, base, large"):
+        build_config("bert", "huge")
+
+
+def test_mlperf_eval_cadence():
+    bench, cfg = build_config("bert", "large")
+    assert bench.eval_every_samples(cfg) == 150_000  # GBS 768, as in MLPerf's table
+    cfg.data.global_batch_size = 8192
+    assert bench.eval_every_samples(cfg) == 225_000  # FLOOR(0.05 * (230.23 * 8192 + 3e6), 25000)

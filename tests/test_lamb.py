@@ -1,0 +1,85 @@
+"""The multi-tensor LAMB against a straightforward per-parameter reference, and the LR schedule."""
+
+import math
+
+import pytest
+import torch
+
+from trainbench.train.lamb import Lamb, no_decay, param_groups, poly_warmup_lr
+
+
+def reference_lamb_step(params, grads, state, lr, beta1, beta2, eps, wd, adapt, max_norm, step, bias_correction=True):
+    """LAMB written out one parameter at a time, in plain float64 arithmetic, as MLPerf's reference states it."""
+    total = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+    clip = min(1.0, max_norm / (total + 1e-6)) if max_norm > 0 else 1.0
+    new = []
+    for i, (p, g) in enumerate(zip(params, grads)):
+        p, g = p.double(), g.double() * clip
+        m, v = state.setdefault(i, (torch.zeros_like(p), torch.zeros_like(p)))
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        state[i] = (m, v)
+        m_hat = m / (1 - beta1**step) if bias_correction else m
+        v_hat = v / (1 - beta2**step) if bias_correction else v
+        update = m_hat / (v_hat.sqrt() + eps) + wd[i] * p
+        ratio = 1.0
+        if adapt[i]:
+            w_norm, u_norm = p.norm().item(), update.norm().item()
+            ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+        new.append(p - lr * ratio * update)
+    return new
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense = torch.nn.Linear(16, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.out = torch.nn.Linear(8, 3)
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+@pytest.mark.parametrize("max_norm", [1.0, 0.0, 1e-3])
+def test_foreach_lamb_matches_reference(max_norm, bias_correction):
+    torch.manual_seed(0)
+    net = Net()
+    groups = param_groups(net, weight_decay=0.1)
+    opt = Lamb(groups, lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, max_grad_norm=max_norm,
+               bias_correction=bias_correction)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    wd = [g["weight_decay"] for g in opt.param_groups for _ in g["params"]]
+    adapt = [g["layer_adaptation"] for g in opt.param_groups for _ in g["params"]]
+    ref_params = [p.detach().clone().double() for p in params]
+    state = {}
+    for step in range(1, 6):
+        x = torch.randn(32, 16)
+        loss = net.out(net.norm(net.dense(x))).pow(2).mean() * 10
+        loss.backward()
+        grads = [p.grad.detach().clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+        ref_params = reference_lamb_step(ref_params, grads, state, 0.05, 0.8, 0.95, 1e-6, wd, adapt, max_norm, step,
+                                         bias_correction)
+        for p, r in zip(params, ref_params):
+            torch.testing.assert_close(p.detach().double(), r, rtol=1e-5, atol=1e-6)
+        # keep the reference on the optimizer's trajectory so float32 rounding cannot accumulate
+        ref_params = [p.detach().clone().double() for p in params]
+
+
+def test_bias_and_layernorm_get_no_decay_nor_adaptation():
+    net = Net()
+    decay, plain = param_groups(net, 0.01)
+    names = {id(p): n for n, p in net.named_parameters()}
+    assert sorted(names[id(p)] for p in decay["params"]) == ["dense.weight", "out.weight"]
+    assert plain["weight_decay"] == 0.0 and plain["layer_adaptation"] is False
+    assert no_decay("layers.0.attn_norm.weight", torch.zeros(4)) and not no_decay("qkv.weight", torch.zeros(4, 4))
+
+
+def test_poly_warmup_schedule():
+    lr = lambda s: poly_warmup_lr(s, 1.0, warmup_steps=4, total_steps=12, power=1.0)
+    assert [lr(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr(4) == 1.0 and lr(8) == 0.5 and lr(12) == 0.0 and lr(20) == 0.0
+    quad = poly_warmup_lr(8, 2.0, warmup_steps=0, total_steps=16, power=2.0)
+    assert quad == pytest.approx(2.0 * 0.25)
+    # warmup started 2 steps before step 0 (MLPerf's negative start_warmup_step)
+    assert poly_warmup_lr(0, 1.0, 4, 12, 1.0, start_warmup_step=-2) == 0.75

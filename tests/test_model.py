@@ -1,0 +1,118 @@
+"""Our BERT against `transformers.BertForPreTraining` on the same random weights."""
+
+import pytest
+import torch
+
+from trainbench.benchmarks.bert import load_checkpoint
+from trainbench.errors import DataError
+from trainbench.models.bert import BertConfig, BertForPreTraining, from_hf_state_dict, to_hf_state_dict
+
+transformers = pytest.importorskip("transformers")
+
+CFG = dict(vocab_size=211, hidden_size=64, num_layers=3, num_heads=4, intermediate_size=96, max_position_embeddings=48)
+
+
+def make_pair(seed=0):
+    hf_cfg = transformers.BertConfig(
+        vocab_size=CFG["vocab_size"], hidden_size=CFG["hidden_size"], num_hidden_layers=CFG["num_layers"],
+        num_attention_heads=CFG["num_heads"], intermediate_size=CFG["intermediate_size"],
+        max_position_embeddings=CFG["max_position_embeddings"], layer_norm_eps=1e-12, hidden_act="gelu",
+    )
+    torch.manual_seed(seed)
+    hf = transformers.BertForPreTraining(hf_cfg).eval()
+    # Non-trivial LayerNorm and bias values, so a swapped or dropped tensor cannot go unnoticed.
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    ours = BertForPreTraining(BertConfig(**CFG)).eval()
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict()))
+    return hf, ours
+
+
+def inputs(batch=4, seq=40, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, CFG["vocab_size"], (batch, seq), generator=g)
+    types = torch.randint(0, 2, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, 30:] = 0
+    mask[3, 12:] = 0
+    return ids, types, mask
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_logits_match_transformers():
+    hf, ours = make_pair()
+    ids, types, mask = inputs()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, token_type_ids=types, attention_mask=mask)
+        mlm, nsp = ours(ids, types, mask)
+    valid = mask.bool()  # HF's logits at padded positions are as meaningless as ours; compare the real ones
+    assert rel_err(mlm[valid], ref.prediction_logits[valid]) <= 1e-5
+    assert rel_err(nsp, ref.seq_relationship_logits) <= 1e-5
+
+
+def test_masked_positions_head_equals_full_head_gathered():
+    _, ours = make_pair()
+    ids, types, mask = inputs()
+    positions = torch.tensor([[1, 5, 9], [2, 3, 29], [7, 8, 0], [1, 11, 0]])
+    with torch.no_grad():
+        full, _ = ours(ids, types, mask)
+        part, _ = ours(ids, types, mask, positions)
+    expected = torch.gather(full, 1, positions[..., None].expand(-1, -1, full.shape[-1]))
+    torch.testing.assert_close(part, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_our_weights_load_into_transformers():
+    hf, ours = make_pair()
+    fresh = transformers.BertForPreTraining(hf.config).eval()
+    fresh.load_state_dict(to_hf_state_dict(ours.state_dict()), strict=True)
+    ids, types, mask = inputs()
+    with torch.no_grad():
+        a = fresh(input_ids=ids, token_type_ids=types, attention_mask=mask).prediction_logits
+        b = hf(input_ids=ids, token_type_ids=types, attention_mask=mask).prediction_logits
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["hf_pt", "mlperf_pt", "safetensors", "ours"])
+def test_init_checkpoint_formats(tmp_path, fmt):
+    hf, ref = make_pair()
+    sd = hf.state_dict()
+    if fmt == "hf_pt":
+        path = tmp_path / "pytorch_model.bin"
+        torch.save(sd, path)
+    elif fmt == "mlperf_pt":
+        # The converted MLPerf checkpoint: {"model": ...}, NVIDIA's `dense_act` names, no tied decoder.
+        renamed = {k.replace("intermediate.dense.", "intermediate.dense_act.")
+                   .replace("transform.dense.", "transform.dense_act."): v
+                   for k, v in sd.items() if "decoder" not in k}
+        path = tmp_path / "model.ckpt-28252.pt"
+        torch.save({"model": renamed}, path)
+    elif fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        path = tmp_path / "model.safetensors"
+        save_file({k: v.contiguous() for k, v in sd.items() if "decoder" not in k}, str(path))
+    else:
+        path = tmp_path / "ours.pt"
+        torch.save(ref.state_dict(), path)
+    model = BertForPreTraining(BertConfig(**CFG)).eval()
+    load_checkpoint(model, path)
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_init_checkpoint_errors(tmp_path):
+    model = BertForPreTraining(BertConfig(**CFG))
+    with pytest.raises(DataError, match="does not exist"):
+        load_checkpoint(model, tmp_path / "nope.pt")
+    torch.save({"encoder.weird": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(DataError, match="not BERT pretraining weights"):
+        load_checkpoint(model, tmp_path / "other.pt")
+    big = BertForPreTraining(BertConfig(**(CFG | {"hidden_size": 32, "num_heads": 2})))
+    torch.save(big.state_dict(), tmp_path / "small.pt")
+    with pytest.raises(DataError, match="does not fit the model config"):
+        load_checkpoint(model, tmp_path / "small.pt")
