@@ -8,7 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-console = Console(highlight=False)
+# soft_wrap: never break a long path across lines, so output stays copy-pasteable and greppable.
+console = Console(highlight=False, soft_wrap=True)
 
 
 class RunConsole:

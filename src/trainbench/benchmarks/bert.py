@@ -121,7 +121,12 @@ class BertBenchmark(Benchmark):
         train_dir, eval_dir = self._folders(cfg)
         d = cfg.data
         shards = find_shards(train_dir, "training data", d.seq_length, d.max_predictions)
-        find_shards(eval_dir, "eval data", d.seq_length, d.max_predictions)
+        eval_total = sum(s.num_samples for s in find_shards(eval_dir, "eval data", d.seq_length, d.max_predictions))
+        if d.eval_samples is not None and d.eval_samples > eval_total:
+            raise DataError(
+                f"data.eval_samples={d.eval_samples} but the eval files in {eval_dir} hold only {eval_total} samples; "
+                f"set data.eval_samples={eval_total} or lower"
+            )
         if sum(s.num_samples for s in shards) < d.global_batch_size:
             raise DataError(f"{train_dir} holds fewer samples than one global batch ({d.global_batch_size})")
         self._check_vocab(cfg, shards[0].path)

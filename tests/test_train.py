@@ -1,0 +1,192 @@
+"""Whole runs through the CLI: reaching the target, the MLPerf log, multi-rank equivalence, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import only_run_dir, read_metrics, run_cli
+from trainbench.mlperf import check_compliance
+
+QUICK = ["progress=false", "eval_samples=256", "eval.every_samples=320", "schedule.max_samples=640"]
+
+
+def log_events(path):
+    return [json.loads(line.split(":::MLLOG", 1)[1]) for line in path.read_text().splitlines() if ":::MLLOG" in line]
+
+
+@pytest.mark.slow
+def test_tiny_preset_reaches_target_with_a_compliant_log(tiny_data, tmp_path, capsys):
+    code = run_cli("run", "bert", "--preset", "tiny", f"data.dir={tiny_data}", f"output.results_dir={tmp_path}",
+                   "progress=false")
+    out = capsys.readouterr().out
+    assert code == 0, out
+    run_dir = only_run_dir(tmp_path)
+    assert "time to train (minutes):" in out and str(run_dir) in out
+
+    log = run_dir / "result_0.txt"
+    assert log.exists() and not (run_dir / "result_0.txt.partial").exists()
+    result = check_compliance(log, "5.0.0")
+    assert result.passed, result.output
+    assert "SUCCESS" in result.output
+
+    events = log_events(log)
+    keys = [e["key"] for e in events]
+    assert keys.count("run_start") == 1 and keys.count("run_stop") == 1
+    by_key = {e["key"]: e for e in events}
+    assert by_key["run_stop"]["metadata"]["status"] == "success"
+    assert by_key["global_batch_size"]["value"] == 64 and by_key["gradient_accumulation_steps"]["value"] == 1
+    assert by_key["submission_benchmark"]["value"] == "bert"
+    accuracies = [e for e in events if e["key"] == "eval_accuracy"]
+    assert accuracies[-1]["value"] >= 0.72 and all("epoch_num" in e["metadata"] for e in accuracies)
+    assert accuracies[0]["value"] < 0.5, "the first eval should show an untrained model: learning really happens"
+
+    outcome = json.loads((run_dir / "run_0.json").read_text())
+    assert outcome["status"] == "success" and outcome["time_to_train_min"] * 60 < 240
+    rows = read_metrics(run_dir)
+    assert {"step", "samples", "loss", "lr", "samples_per_s"} <= set(rows[0])
+    assert any("masked_lm_accuracy" in r for r in rows)
+    assert (run_dir / "config.yaml").exists() and "run 0: success" in (run_dir / "console.log").read_text()
+    assert run_cli("check", run_dir) == 0
+
+
+def _losses(results):
+    rows = read_metrics(only_run_dir(results))
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_loss_curve_of_one_rank(small_data, tmp_path):
+    common = ["run", "bert", "--preset", "tiny", f"data.dir={small_data}", "log_every_steps=1", "optimizer.lr=5e-3",
+              *QUICK]
+    run_cli(*common, f"output.results_dir={tmp_path / 'one'}", "micro_batch_size=64")
+    run_cli(*common, f"output.results_dir={tmp_path / 'accum'}", "micro_batch_size=16")
+    run_cli(*common, f"output.results_dir={tmp_path / 'two'}", "micro_batch_size=32", "--nproc", "2")
+    one, accum, two = (_losses(tmp_path / n) for n in ("one", "accum", "two"))
+    assert len(one) == 10 and len(two) == 10 and len(accum) == 10
+    assert one[0] > one[-1], "the loss should fall over 10 steps"
+    assert max(abs(a - b) for a, b in zip(one, two)) <= 1e-5, (one, two)
+    assert max(abs(a - b) for a, b in zip(one, accum)) <= 1e-5, (one, accum)
+    log = only_run_dir(tmp_path / "two") / "result_0.txt"
+    events = {e["key"]: e for e in log_events(log)}
+    assert events["global_batch_size"]["value"] == 64 and events["run_stop"]["metadata"]["status"] == "aborted"
+
+
+def test_nexp_runs_k_seeds_into_one_folder(small_data, tmp_path):
+    code = run_cli("run", "bert", "--preset", "tiny", f"data.dir={small_data}", f"output.results_dir={tmp_path}",
+                   "--nexp", "2", "seed=100", *QUICK)
+    assert code == 1, "the runs stop at max_samples before the target: status aborted, exit code 1"
+    run_dir = only_run_dir(tmp_path)
+    seeds = [json.loads((run_dir / f"run_{i}.json").read_text())["seed"] for i in range(2)]
+    assert seeds == [100, 101]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [r["status"] for r in summary["runs"]] == ["aborted", "aborted"]
+    assert all(r["compliance"]["passed"] is False for r in summary["runs"]), "accuracy never reached 0.720"
+
+
+def test_missing_data_dir_names_the_prepare_command(tmp_path, capsys):
+    code = run_cli("run", "bert", "--preset", "tiny", f"data.dir={tmp_path / 'nowhere'}",
+                   f"output.results_dir={tmp_path}")
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "does not exist" in out and "trainbench prepare bert --synthetic" in out
+    assert "Traceback" not in out
+    assert not any(tmp_path.glob("*/config.yaml")), "nothing is created for a run that cannot start"
+
+
+def test_broken_shard_names_file_and_key(small_data, tmp_path, capsys):
+    import shutil
+
+    import h5py
+
+    data = tmp_path / "data"
+    shutil.copytree(small_data, data)
+    shard = sorted((data / "train").iterdir())[1]
+    with h5py.File(shard, "a") as f:
+        del f["next_sentence_labels"]
+    code = run_cli("run", "bert", f"data.dir={data}", f"output.results_dir={tmp_path}")
+    out = capsys.readouterr().out
+    assert code == 2 and shard.name in out and "'next_sentence_labels' is missing" in out
+
+
+def test_more_eval_samples_than_the_data_holds(small_data, tmp_path, capsys):
+    assert run_cli("run", "bert", f"data.dir={small_data}", f"output.results_dir={tmp_path}") == 2
+    assert "data.eval_samples=2000 but the eval files" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+
+
+def test_unknown_config_key_on_the_command_line(capsys):
+    assert run_cli("run", "bert", "optimizer.learning_rate=1") == 2
+    out = capsys.readouterr().out
+    assert "unknown config key 'optimizer.learning_rate'" in out and "valid keys:" in out
+
+
+def test_nproc_larger_than_the_machine(small_data, capsys):
+    assert run_cli("run", "bert", f"data.dir={small_data}", "--nproc", "4096", "global_batch_size=4096",
+                   "micro_batch_size=1") == 2
+    out = capsys.readouterr().out
+    assert "--nproc 4096 asks for 4096 processes but this machine has" in out
+
+
+def test_nan_loss_stops_the_run_with_a_clear_message(small_data, tmp_path, capsys):
+    code = run_cli("run", "bert", f"data.dir={small_data}", f"output.results_dir={tmp_path}", "optimizer.lr=1e30",
+                   "max_grad_norm=0", "log_every_steps=1", *QUICK)
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "loss became NaN or infinite" in out and "lower optimizer.lr" in out
+    run_dir = only_run_dir(tmp_path)
+    stop = [e for e in log_events(run_dir / "result_0.txt") if e["key"] == "run_stop"]
+    assert stop[0]["metadata"]["status"] == "aborted"
+    assert json.loads((run_dir / "run_0.json").read_text())["status"] == "aborted"
+
+
+def test_killed_run_is_never_left_looking_finished(small_data, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainbench", "run", "bert", f"data.dir={small_data}",
+         f"output.results_dir={tmp_path}", "progress=false", "log_every_steps=1", "schedule.max_samples=100000",
+         "eval_samples=256"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            metrics = list(tmp_path.glob("*/metrics.jsonl"))
+            if metrics and metrics[0].read_text().count("\n") >= 2:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the run produced no metrics within 120 s")
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    run_dir = only_run_dir(tmp_path)
+    assert (run_dir / "result_0.txt.partial").exists()
+    assert not (run_dir / "result_0.txt").exists() and not (run_dir / "run_0.json").exists()
+    assert not (run_dir / "summary.json").exists()
+    assert run_cli("check", run_dir) == 2  # "holds no finished MLPerf log"
+
+
+@pytest.mark.parametrize("command", [[], ["list"], ["prepare"], ["run"], ["check"]])
+def test_every_subcommand_has_help(command):
+    proc = subprocess.run([sys.executable, "-m", "trainbench", *command, "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "usage: trainbench" in proc.stdout
+
+
+def test_list_shows_bert_presets(capsys):
+    assert run_cli("list") == 0
+    out = capsys.readouterr().out
+    assert "bert" in out and "tiny, base, large" in out
+
+
+def test_prepare_is_idempotent_and_refuses_to_mix(tmp_path, capsys):
+    out = tmp_path / "d"
+    args = ["prepare", "bert", "--synthetic", "--out", out, "--train-samples", "200", "--eval-samples", "40",
+            "--shards", "2"]
+    assert run_cli(*args) == 0
+    assert run_cli(*args) == 0 and "nothing to do" in capsys.readouterr().out
+    assert run_cli(*args[:-1], "3") == 2 and "different data set" in capsys.readouterr().out
+    assert run_cli("prepare", "bert", "--out", out) == 2 and "--synthetic" in capsys.readouterr().out
