@@ -21,11 +21,12 @@ demo: $(STAMP)
 	$(BIN)/trainbench run bert --preset tiny data.dir=$(DEMO_DATA) output.results_dir=$(DEMO_RESULTS)
 
 test: $(STAMP)
+	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
 
 clean:
 	rm -rf $(VENV) $(DEMO_DATA) $(DEMO_RESULTS)

@@ -14,8 +14,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_spec(**changes) -> SyntheticSpec:
-    base = dict(seq_length=128, max_predictions=20, vocab_size=1024, num_train_samples=2048,
-                num_eval_samples=256, num_shards=3, seed=7)
+    base = dict(
+        seq_length=128,
+        max_predictions=20,
+        vocab_size=1024,
+        num_train_samples=2048,
+        num_eval_samples=256,
+        num_shards=3,
+        seed=7,
+    )
     return SyntheticSpec(**(base | changes))
 
 

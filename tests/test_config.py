@@ -16,8 +16,11 @@ def test_large_preset_is_the_mlperf_reference_shape():
 
 
 def test_dotted_and_leaf_keys_with_type_conversion():
-    _, cfg = build_config("bert", "tiny", overrides={"optimizer.lr": "2e-3", "warmup_steps": "7", "progress": "false",
-                                                     "eval_samples": "none"})
+    _, cfg = build_config(
+        "bert",
+        "tiny",
+        overrides={"optimizer.lr": "2e-3", "warmup_steps": "7", "progress": "false", "eval_samples": "none"},
+    )
     assert cfg.optimizer.lr == 2e-3 and isinstance(cfg.optimizer.lr, float)
     assert cfg.schedule.warmup_steps == 7
     assert cfg.output.progress is False
@@ -35,9 +38,13 @@ def test_unknown_key_names_the_valid_keys():
 
 @pytest.mark.parametrize(
     ("key", "value", "expected"),
-    [("model.num_layers", "two", "expects int"), ("model.num_layers", "2.5", "expects int"),
-     ("optimizer.lr", "fast", "expects float"), ("progress", "maybe", "expects bool"),
-     ("device", "tpu", "must be one of auto, cpu, cuda")],
+    [
+        ("model.num_layers", "two", "expects int"),
+        ("model.num_layers", "2.5", "expects int"),
+        ("optimizer.lr", "fast", "expects float"),
+        ("progress", "maybe", "expects bool"),
+        ("device", "tpu", "must be one of auto, cpu, cuda"),
+    ],
 )
 def test_wrong_type_is_one_clear_error(key, value, expected):
     with pytest.raises(ConfigError, match=expected):

@@ -3,8 +3,8 @@
 import h5py
 import numpy as np
 import pytest
-
 from conftest import tiny_spec
+
 from trainbench.data.bert_hdf5 import KEYS, GlobalSampleOrder, TrainBatches, eval_batches, find_shards, validate_shard
 from trainbench.data.synthetic_bert import CLS, MASK, PAD, SEP, prepare_synthetic
 from trainbench.errors import DataError
@@ -39,7 +39,9 @@ def test_synthetic_samples_are_well_formed(small_data):
         first_b = np.argmax(seg)  # segment B is contiguous and ends at the last [SEP]
         assert seg[first_b:n].all() and ids[first_b - 1] == SEP
     # the 80/10/10 rule: most masked positions show [MASK]
-    shown = d["input_ids"][np.arange(len(d["input_ids"]))[:, None], d["masked_lm_positions"]][d["masked_lm_positions"] > 0]
+    shown = d["input_ids"][np.arange(len(d["input_ids"]))[:, None], d["masked_lm_positions"]][
+        d["masked_lm_positions"] > 0
+    ]
     assert 0.75 < (shown == MASK).mean() < 0.85
     assert 0.4 < d["next_sentence_labels"].mean() < 0.6
 

@@ -13,7 +13,7 @@ def reference_lamb_step(params, grads, state, lr, beta1, beta2, eps, wd, adapt, 
     total = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
     clip = min(1.0, max_norm / (total + 1e-6)) if max_norm > 0 else 1.0
     new = []
-    for i, (p, g) in enumerate(zip(params, grads)):
+    for i, (p, g) in enumerate(zip(params, grads, strict=False)):
         p, g = p.double(), g.double() * clip
         m, v = state.setdefault(i, (torch.zeros_like(p), torch.zeros_like(p)))
         m = beta1 * m + (1 - beta1) * g
@@ -44,8 +44,15 @@ def test_foreach_lamb_matches_reference(max_norm, bias_correction):
     torch.manual_seed(0)
     net = Net()
     groups = param_groups(net, weight_decay=0.1)
-    opt = Lamb(groups, lr=0.05, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, max_grad_norm=max_norm,
-               bias_correction=bias_correction)
+    opt = Lamb(
+        groups,
+        lr=0.05,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+        weight_decay=0.1,
+        max_grad_norm=max_norm,
+        bias_correction=bias_correction,
+    )
     params = [p for g in opt.param_groups for p in g["params"]]
     wd = [g["weight_decay"] for g in opt.param_groups for _ in g["params"]]
     adapt = [g["layer_adaptation"] for g in opt.param_groups for _ in g["params"]]
@@ -58,9 +65,10 @@ def test_foreach_lamb_matches_reference(max_norm, bias_correction):
         grads = [p.grad.detach().clone() for p in params]
         opt.step()
         opt.zero_grad()
-        ref_params = reference_lamb_step(ref_params, grads, state, 0.05, 0.8, 0.95, 1e-6, wd, adapt, max_norm, step,
-                                         bias_correction)
-        for p, r in zip(params, ref_params):
+        ref_params = reference_lamb_step(
+            ref_params, grads, state, 0.05, 0.8, 0.95, 1e-6, wd, adapt, max_norm, step, bias_correction
+        )
+        for p, r in zip(params, ref_params, strict=False):
             torch.testing.assert_close(p.detach().double(), r, rtol=1e-5, atol=1e-6)
         # keep the reference on the optimizer's trajectory so float32 rounding cannot accumulate
         ref_params = [p.detach().clone().double() for p in params]

@@ -8,8 +8,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import only_run_dir, read_metrics, run_cli
+
 from trainbench.mlperf import check_compliance
 
 QUICK = ["progress=false", "eval_samples=256", "eval.every_samples=320", "schedule.max_samples=640"]
@@ -21,8 +21,9 @@ def log_events(path):
 
 @pytest.mark.slow
 def test_tiny_preset_reaches_target_with_a_compliant_log(tiny_data, tmp_path, capsys):
-    code = run_cli("run", "bert", "--preset", "tiny", f"data.dir={tiny_data}", f"output.results_dir={tmp_path}",
-                   "progress=false")
+    code = run_cli(
+        "run", "bert", "--preset", "tiny", f"data.dir={tiny_data}", f"output.results_dir={tmp_path}", "progress=false"
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     run_dir = only_run_dir(tmp_path)
@@ -61,24 +62,42 @@ def _losses(results):
 
 @pytest.mark.slow
 def test_two_ranks_give_the_loss_curve_of_one_rank(small_data, tmp_path):
-    common = ["run", "bert", "--preset", "tiny", f"data.dir={small_data}", "log_every_steps=1", "optimizer.lr=5e-3",
-              *QUICK]
+    common = [
+        "run",
+        "bert",
+        "--preset",
+        "tiny",
+        f"data.dir={small_data}",
+        "log_every_steps=1",
+        "optimizer.lr=5e-3",
+        *QUICK,
+    ]
     run_cli(*common, f"output.results_dir={tmp_path / 'one'}", "micro_batch_size=64")
     run_cli(*common, f"output.results_dir={tmp_path / 'accum'}", "micro_batch_size=16")
     run_cli(*common, f"output.results_dir={tmp_path / 'two'}", "micro_batch_size=32", "--nproc", "2")
     one, accum, two = (_losses(tmp_path / n) for n in ("one", "accum", "two"))
     assert len(one) == 10 and len(two) == 10 and len(accum) == 10
     assert one[0] > one[-1], "the loss should fall over 10 steps"
-    assert max(abs(a - b) for a, b in zip(one, two)) <= 1e-5, (one, two)
-    assert max(abs(a - b) for a, b in zip(one, accum)) <= 1e-5, (one, accum)
+    assert max(abs(a - b) for a, b in zip(one, two, strict=False)) <= 1e-5, (one, two)
+    assert max(abs(a - b) for a, b in zip(one, accum, strict=False)) <= 1e-5, (one, accum)
     log = only_run_dir(tmp_path / "two") / "result_0.txt"
     events = {e["key"]: e for e in log_events(log)}
     assert events["global_batch_size"]["value"] == 64 and events["run_stop"]["metadata"]["status"] == "aborted"
 
 
 def test_nexp_runs_k_seeds_into_one_folder(small_data, tmp_path):
-    code = run_cli("run", "bert", "--preset", "tiny", f"data.dir={small_data}", f"output.results_dir={tmp_path}",
-                   "--nexp", "2", "seed=100", *QUICK)
+    code = run_cli(
+        "run",
+        "bert",
+        "--preset",
+        "tiny",
+        f"data.dir={small_data}",
+        f"output.results_dir={tmp_path}",
+        "--nexp",
+        "2",
+        "seed=100",
+        *QUICK,
+    )
     assert code == 1, "the runs stop at max_samples before the target: status aborted, exit code 1"
     run_dir = only_run_dir(tmp_path)
     seeds = [json.loads((run_dir / f"run_{i}.json").read_text())["seed"] for i in range(2)]
@@ -89,8 +108,9 @@ def test_nexp_runs_k_seeds_into_one_folder(small_data, tmp_path):
 
 
 def test_missing_data_dir_names_the_prepare_command(tmp_path, capsys):
-    code = run_cli("run", "bert", "--preset", "tiny", f"data.dir={tmp_path / 'nowhere'}",
-                   f"output.results_dir={tmp_path}")
+    code = run_cli(
+        "run", "bert", "--preset", "tiny", f"data.dir={tmp_path / 'nowhere'}", f"output.results_dir={tmp_path}"
+    )
     out = capsys.readouterr().out
     assert code == 2
     assert "does not exist" in out and "trainbench prepare bert --synthetic" in out
@@ -126,15 +146,27 @@ def test_unknown_config_key_on_the_command_line(capsys):
 
 
 def test_nproc_larger_than_the_machine(small_data, capsys):
-    assert run_cli("run", "bert", f"data.dir={small_data}", "--nproc", "4096", "global_batch_size=4096",
-                   "micro_batch_size=1") == 2
+    assert (
+        run_cli(
+            "run", "bert", f"data.dir={small_data}", "--nproc", "4096", "global_batch_size=4096", "micro_batch_size=1"
+        )
+        == 2
+    )
     out = capsys.readouterr().out
     assert "--nproc 4096 asks for 4096 processes but this machine has" in out
 
 
 def test_nan_loss_stops_the_run_with_a_clear_message(small_data, tmp_path, capsys):
-    code = run_cli("run", "bert", f"data.dir={small_data}", f"output.results_dir={tmp_path}", "optimizer.lr=1e30",
-                   "max_grad_norm=0", "log_every_steps=1", *QUICK)
+    code = run_cli(
+        "run",
+        "bert",
+        f"data.dir={small_data}",
+        f"output.results_dir={tmp_path}",
+        "optimizer.lr=1e30",
+        "max_grad_norm=0",
+        "log_every_steps=1",
+        *QUICK,
+    )
     out = capsys.readouterr().out
     assert code == 2
     assert "loss became NaN or infinite" in out and "lower optimizer.lr" in out
@@ -146,10 +178,21 @@ def test_nan_loss_stops_the_run_with_a_clear_message(small_data, tmp_path, capsy
 
 def test_killed_run_is_never_left_looking_finished(small_data, tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainbench", "run", "bert", f"data.dir={small_data}",
-         f"output.results_dir={tmp_path}", "progress=false", "log_every_steps=1", "schedule.max_samples=100000",
-         "eval_samples=256"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "trainbench",
+            "run",
+            "bert",
+            f"data.dir={small_data}",
+            f"output.results_dir={tmp_path}",
+            "progress=false",
+            "log_every_steps=1",
+            "schedule.max_samples=100000",
+            "eval_samples=256",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.time() + 120
@@ -184,8 +227,19 @@ def test_list_shows_bert_presets(capsys):
 
 def test_prepare_is_idempotent_and_refuses_to_mix(tmp_path, capsys):
     out = tmp_path / "d"
-    args = ["prepare", "bert", "--synthetic", "--out", out, "--train-samples", "200", "--eval-samples", "40",
-            "--shards", "2"]
+    args = [
+        "prepare",
+        "bert",
+        "--synthetic",
+        "--out",
+        out,
+        "--train-samples",
+        "200",
+        "--eval-samples",
+        "40",
+        "--shards",
+        "2",
+    ]
     assert run_cli(*args) == 0
     assert run_cli(*args) == 0 and "nothing to do" in capsys.readouterr().out
     assert run_cli(*args[:-1], "3") == 2 and "different data set" in capsys.readouterr().out

@@ -1,3 +1,5 @@
-from trainbench.cli import main
 import sys
+
+from trainbench.cli import main
+
 sys.exit(main())

@@ -29,11 +29,17 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("list", help="list benchmarks and their presets", description="List benchmarks and presets.")
 
-    prep = sub.add_parser("prepare", help="write a benchmark's dataset to disk",
-                          description="Write a benchmark's dataset in the on-disk format its trainer reads.")
+    prep = sub.add_parser(
+        "prepare",
+        help="write a benchmark's dataset to disk",
+        description="Write a benchmark's dataset in the on-disk format its trainer reads.",
+    )
     prep.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
-    prep.add_argument("--synthetic", action="store_true",
-                      help="generate seeded synthetic data with learnable structure (no download needed)")
+    prep.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="generate seeded synthetic data with learnable structure (no download needed)",
+    )
     prep.add_argument("--out", required=True, help="output folder (train/, eval/, vocab.txt, manifest.json)")
     prep.add_argument("--preset", default="tiny", help="preset whose shapes (seq length, vocab) the data takes")
     prep.add_argument("--seed", type=int, default=12345, help="generator seed (default 12345, as MLPerf's)")
@@ -42,21 +48,33 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--shards", type=int, help="training shards (default: by preset)")
     prep.add_argument("--force", action="store_true", help="rewrite a folder that already holds other data")
 
-    run = sub.add_parser("run", help="train a benchmark to its target and write MLPerf logs",
-                         description="Train a benchmark to its quality target; write the MLPerf log, "
-                         "metrics and config into a new results folder, then check the log's compliance.",
-                         epilog=EXAMPLES_RUN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = sub.add_parser(
+        "run",
+        help="train a benchmark to its target and write MLPerf logs",
+        description="Train a benchmark to its quality target; write the MLPerf log, "
+        "metrics and config into a new results folder, then check the log's compliance.",
+        epilog=EXAMPLES_RUN,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
     run.add_argument("--preset", default="tiny", help="starting config (default: tiny)")
-    run.add_argument("--config", action="append", default=[], metavar="FILE.yaml",
-                     help="YAML file of overrides (nested or dotted keys); may repeat, applied in order")
+    run.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE.yaml",
+        help="YAML file of overrides (nested or dotted keys); may repeat, applied in order",
+    )
     run.add_argument("--nproc", type=int, help="processes on this node (GPUs or CPU ranks); >1 uses torchrun")
     run.add_argument("--nexp", type=int, default=1, help="experiments to run, seeds seed..seed+K-1 (default 1)")
     run.add_argument("--help-config", action="store_true", help="print every config key with its value and exit")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
-    check = sub.add_parser("check", help="run mlperf-logging's compliance checker on finished runs",
-                           description="Check MLPerf logs with mlperf-logging's compliance checker.")
+    check = sub.add_parser(
+        "check",
+        help="run mlperf-logging's compliance checker on finished runs",
+        description="Check MLPerf logs with mlperf-logging's compliance checker.",
+    )
     check.add_argument("path", help="a results folder (checks every result_*.txt) or one log file")
     check.add_argument("--ruleset", help="compliance ruleset (default: the benchmark's)")
     return p
@@ -92,14 +110,22 @@ def cmd_prepare(args) -> int:
         raise UserError("preparing BERT from raw text is not available yet; use `trainbench prepare bert --synthetic`")
     cfg = bench.config(args.preset)
     sizes = dict(SYNTHETIC_SIZES[args.preset])
-    for key, value in (("num_train_samples", args.train_samples), ("num_eval_samples", args.eval_samples),
-                       ("num_shards", args.shards)):
+    for key, value in (
+        ("num_train_samples", args.train_samples),
+        ("num_eval_samples", args.eval_samples),
+        ("num_shards", args.shards),
+    ):
         if value is not None:
             if value < 1:
                 raise UserError(f"--{key.removeprefix('num_').replace('_', '-')} must be at least 1, got {value}")
             sizes[key] = value
-    spec = SyntheticSpec(seq_length=cfg.data.seq_length, max_predictions=cfg.data.max_predictions,
-                         vocab_size=cfg.model.vocab_size, seed=args.seed, **sizes)
+    spec = SyntheticSpec(
+        seq_length=cfg.data.seq_length,
+        max_predictions=cfg.data.max_predictions,
+        vocab_size=cfg.model.vocab_size,
+        seed=args.seed,
+        **sizes,
+    )
     out = Path(args.out)
     manifest = out / "manifest.json"
     if manifest.exists():
@@ -134,8 +160,7 @@ def cmd_run(args) -> int:
         return 0
     bench, cfg = build_config(args.benchmark, args.preset, args.config, overrides)
     run_dir, records = run_experiments(bench, cfg, args.nexp)
-    ok = all(r.outcome and r.outcome["status"] == "success" and r.compliance and r.compliance.passed
-             for r in records)
+    ok = all(r.outcome and r.outcome["status"] == "success" and r.compliance and r.compliance.passed for r in records)
     finished = [r.outcome for r in records if r.outcome]
     if finished:
         times = ", ".join(f"{o['time_to_train_min']:.3f}" for o in finished)

@@ -39,7 +39,9 @@ class DataConfig:
     seq_length: int = option(512, "Tokens per sample; must match the shards on disk.")
     max_predictions: int = option(76, "Masked-LM predictions per sample (BERT); must match the shards.")
     global_batch_size: int = option(256, "Samples per optimizer step, summed over all ranks and accumulation steps.")
-    micro_batch_size: int = option(32, "Samples per rank per forward/backward; accumulation = global / (micro * ranks).")
+    micro_batch_size: int = option(
+        32, "Samples per rank per forward/backward; accumulation = global / (micro * ranks)."
+    )
     eval_batch_size: int = option(64, "Samples per rank per eval forward.")
     eval_samples: int | None = option(10000, "Eval samples to use from the eval files (None: all of them).")
     prefetch: int = option(2, "Batches prepared ahead of the training step by a background thread.")
@@ -95,8 +97,9 @@ class RunConfig:
     preset: str = option("tiny", "Preset the config started from.")
     seed: int = option(1234, "Seed of the run (experiment i of --nexp uses seed + i).")
     device: str = option("auto", "Where to train (auto: CUDA when present).", choices=("auto", "cpu", "cuda"))
-    precision: str = option("auto", "Compute precision (auto: bf16 autocast on CUDA, fp32 on CPU).",
-                            choices=("auto", "fp32", "bf16"))
+    precision: str = option(
+        "auto", "Compute precision (auto: bf16 autocast on CUDA, fp32 on CPU).", choices=("auto", "fp32", "bf16")
+    )
     model: Any = section(dict, "Model architecture; its fields depend on the benchmark.")
     data: DataConfig = section(DataConfig, "Data location and batch sizes.")
     optimizer: OptimizerConfig = section(OptimizerConfig, "Optimizer hyperparameters.")

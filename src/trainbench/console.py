@@ -51,8 +51,9 @@ class TrainProgress:
         self.task = self.progress.add_task("train", total=total_samples, loss="-", rate="-", metric="")
         self.progress.start()
 
-    def update(self, samples: int, loss: float | None = None, rate: float | None = None,
-               metric: float | None = None) -> None:
+    def update(
+        self, samples: int, loss: float | None = None, rate: float | None = None, metric: float | None = None
+    ) -> None:
         if not self.enabled:
             return
         fields = {}

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlperf_logging.mllog import mllog as mllog_impl
 from mlperf_logging.mllog import constants
+from mlperf_logging.mllog import mllog as mllog_impl
 
 __all__ = ["constants", "MLPerfLog", "ComplianceResult", "check_compliance"]
 
@@ -78,8 +78,18 @@ def check_compliance(log_path: str | Path, ruleset: str, usage: str = "training"
     """Run ``python -m mlperf_logging.compliance_checker`` on a log, as a user would by hand."""
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
-            [sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", usage, "--ruleset", ruleset,
-             "--log_output", str(Path(tmp) / "checker.log"), str(log_path)],
+            [
+                sys.executable,
+                "-m",
+                "mlperf_logging.compliance_checker",
+                "--usage",
+                usage,
+                "--ruleset",
+                ruleset,
+                "--log_output",
+                str(Path(tmp) / "checker.log"),
+                str(log_path),
+            ],
             capture_output=True,
             text=True,
         )

@@ -114,4 +114,3 @@ class Benchmark(ABC):
 
     def eval_metadata(self, samples: int) -> dict[str, Any]:
         return {"epoch_num": samples, "samples_count": samples}
-

@@ -35,8 +35,14 @@ def large() -> RunConfig:
         benchmark="bert",
         preset="large",
         model=BertConfig(),
-        data=DataConfig(seq_length=512, max_predictions=76, global_batch_size=768, micro_batch_size=48,
-                        eval_batch_size=128, eval_samples=10000),
+        data=DataConfig(
+            seq_length=512,
+            max_predictions=76,
+            global_batch_size=768,
+            micro_batch_size=48,
+            eval_batch_size=128,
+            eval_samples=10000,
+        ),
         optimizer=OptimizerConfig(lr=9.6e-4, beta1=0.60466, beta2=0.85437, epsilon=1e-6, weight_decay=0.1),
         schedule=ScheduleConfig(warmup_steps=0, total_steps=3680),
         eval=EvalConfig(target=MLPERF_TARGET),
@@ -60,10 +66,24 @@ def tiny() -> RunConfig:
     return RunConfig(
         benchmark="bert",
         preset="tiny",
-        model=BertConfig(vocab_size=1024, hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512,
-                         max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0),
-        data=DataConfig(seq_length=128, max_predictions=20, global_batch_size=64, micro_batch_size=64,
-                        eval_batch_size=250, eval_samples=2000),
+        model=BertConfig(
+            vocab_size=1024,
+            hidden_size=128,
+            num_layers=2,
+            num_heads=4,
+            intermediate_size=512,
+            max_position_embeddings=128,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        ),
+        data=DataConfig(
+            seq_length=128,
+            max_predictions=20,
+            global_batch_size=64,
+            micro_batch_size=64,
+            eval_batch_size=250,
+            eval_samples=2000,
+        ),
         optimizer=OptimizerConfig(lr=1e-2, beta1=0.9, beta2=0.999, epsilon=1e-6, weight_decay=0.01),
         schedule=ScheduleConfig(warmup_steps=50, total_steps=2000),
         eval=EvalConfig(target=MLPERF_TARGET, every_samples=6400),
@@ -147,8 +167,9 @@ class BertBenchmark(Benchmark):
         d = cfg.data
         train_shards = find_shards(train_dir, "training data", d.seq_length, d.max_predictions)
         eval_shards = find_shards(eval_dir, "eval data", d.seq_length, d.max_predictions)
-        train = TrainBatches(train_shards, cfg.seed, d.global_batch_size, d.micro_batch_size, rank, world_size,
-                             start_sample)
+        train = TrainBatches(
+            train_shards, cfg.seed, d.global_batch_size, d.micro_batch_size, rank, world_size, start_sample
+        )
         evals = eval_batches(eval_shards, d.eval_samples, d.eval_batch_size, rank, world_size)
         eval_total = d.eval_samples if d.eval_samples is not None else sum(s.num_samples for s in eval_shards)
         return BenchmarkData(train=train, eval=evals, train_samples=train.epoch_size, eval_samples=eval_total)
@@ -165,13 +186,19 @@ class BertBenchmark(Benchmark):
 
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
         o = cfg.optimizer
-        return Lamb(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.epsilon,
-                    weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm, bias_correction=o.bias_correction)
+        return Lamb(
+            param_groups(model, o.weight_decay),
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.epsilon,
+            weight_decay=o.weight_decay,
+            max_grad_norm=o.max_grad_norm,
+            bias_correction=o.bias_correction,
+        )
 
     def lr_at(self, cfg: RunConfig, step: int) -> float:
         s = cfg.schedule
-        return poly_warmup_lr(step, cfg.optimizer.lr, s.warmup_steps, s.total_steps, s.poly_power,
-                              s.start_warmup_step)
+        return poly_warmup_lr(step, cfg.optimizer.lr, s.warmup_steps, s.total_steps, s.poly_power, s.start_warmup_step)
 
     # -- step -----------------------------------------------------------------------------------
     @staticmethod

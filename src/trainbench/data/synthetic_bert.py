@@ -91,7 +91,9 @@ class _Language:
             out[:, j] = state
             u = rng.random(n)
             anywhere = self.topic_base[topics] + rng.integers(self.per_topic, size=n)
-            state = np.where(u < P_FIRST, self.first[state], np.where(u < P_FIRST + P_SECOND, self.second[state], anywhere))
+            state = np.where(
+                u < P_FIRST, self.first[state], np.where(u < P_FIRST + P_SECOND, self.second[state], anywhere)
+            )
         keyword = self.topic_base[topics] + rng.integers(self.per_topic, size=n)
         return np.where(rng.random((n, length)) < P_KEYWORD, keyword[:, None], out)
 

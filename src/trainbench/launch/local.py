@@ -20,8 +20,9 @@ from trainbench.mlperf import ComplianceResult, check_compliance
 from trainbench.train.distributed import available_slots, init_distributed, resolve_device
 
 
-def build_config(benchmark: str, preset: str, yaml_files: list[str] | None = None,
-                 overrides: dict | None = None) -> tuple[Benchmark, RunConfig]:
+def build_config(
+    benchmark: str, preset: str, yaml_files: list[str] | None = None, overrides: dict | None = None
+) -> tuple[Benchmark, RunConfig]:
     """Preset, then YAML files in order, then key=value overrides; validated."""
     bench = get_benchmark(benchmark)
     cfg = bench.config(preset)
@@ -111,12 +112,24 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
     nproc = cfg.distributed.nproc
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, available_slots("cpu") // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           f"--nproc-per-node={nproc}", "-m", "trainbench.launch.worker", str(run_dir), str(index)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "trainbench.launch.worker",
+        str(run_dir),
+        str(index),
+    ]
     proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0:
-        raise UserError(f"run {index} failed under torchrun (exit code {proc.returncode}); "
-                        f"see the messages above and {run_dir / 'console.log'}")
+        raise UserError(
+            f"run {index} failed under torchrun (exit code {proc.returncode}); "
+            f"see the messages above and {run_dir / 'console.log'}"
+        )
 
 
 def _collect(bench: Benchmark, run_dir: Path, index: int) -> RunRecord:
@@ -155,8 +168,9 @@ def write_summary(bench: Benchmark, cfg: RunConfig, run_dir: Path, records: list
                 "result": f"result_{r.index}.txt",
                 "finished": r.outcome is not None,
                 **(r.outcome or {}),
-                "compliance": None if r.compliance is None else {"passed": r.compliance.passed,
-                                                                  "reason": r.compliance.reason()},
+                "compliance": None
+                if r.compliance is None
+                else {"passed": r.compliance.passed, "reason": r.compliance.reason()},
             }
             for r in records
         ],

@@ -100,8 +100,10 @@ class BertForPreTraining(nn.Module):
     def encode(self, input_ids, token_type_ids, attention_mask) -> torch.Tensor:
         seq = input_ids.shape[1]
         positions = torch.arange(seq, device=input_ids.device)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings(
-            token_type_ids
+        x = (
+            self.word_embeddings(input_ids)
+            + self.position_embeddings(positions)
+            + self.token_type_embeddings(token_type_ids)
         )
         x = self.dropout(self.embedding_norm(x))
         # Boolean [batch, 1, 1, seq] mask: True where a key may be attended to.
@@ -154,9 +156,7 @@ _HF_TO_OURS = [
 ]
 _QKV = re.compile(_LAYER + r"attention\.self\.(query|key|value)\.(weight|bias)")
 # Tied to other entries or buffers that HF may store; nothing of ours to load from them.
-_IGNORED = re.compile(
-    r"cls\.predictions\.decoder\.(weight|bias)|bert\.embeddings\.(position_ids|token_type_ids)"
-)
+_IGNORED = re.compile(r"cls\.predictions\.decoder\.(weight|bias)|bert\.embeddings\.(position_ids|token_type_ids)")
 
 
 def _normalise_name(name: str) -> str:

@@ -102,15 +102,17 @@ class Lamb(Optimizer):
                 w_norm = torch._foreach_norm(params)
                 u_norm = torch._foreach_norm(update)
                 ratios = [
-                    torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w)) for w, u in zip(w_norm, u_norm)
+                    torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w))
+                    for w, u in zip(w_norm, u_norm, strict=False)
                 ]
                 torch._foreach_mul_(update, ratios)
             torch._foreach_add_(params, update, alpha=-group["lr"])
         return None
 
 
-def poly_warmup_lr(step: int, base_lr: float, warmup_steps: int, total_steps: int, power: float,
-                   start_warmup_step: int = 0) -> float:
+def poly_warmup_lr(
+    step: int, base_lr: float, warmup_steps: int, total_steps: int, power: float, start_warmup_step: int = 0
+) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then polynomial decay to 0.
 
     Warmup counts from ``start_warmup_step`` (MLPerf's knob; negative values start warmup before step 0).

@@ -202,10 +202,20 @@ def train(cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: Dis
         mll.close()
         if metrics is not None:
             metrics.close()
-        outcome = RunOutcome(index=index, seed=cfg.seed, status=status, reason=reason,
-                             metric_name=bench.metric_name, target=cfg.eval.target, final_metric=metric,
-                             samples=samples, steps=step, run_start_ms=run_start_ms, run_stop_ms=run_stop_ms,
-                             evals=evals)
+        outcome = RunOutcome(
+            index=index,
+            seed=cfg.seed,
+            status=status,
+            reason=reason,
+            metric_name=bench.metric_name,
+            target=cfg.eval.target,
+            final_metric=metric,
+            samples=samples,
+            steps=step,
+            run_start_ms=run_start_ms,
+            run_stop_ms=run_stop_ms,
+            evals=evals,
+        )
         if is_main:
             # Only a run that reached run_stop gets its final name (even if aborted); a crash leaves .partial.
             partial.replace(final)
