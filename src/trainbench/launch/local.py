@@ -148,9 +148,11 @@ def _report(out: RunConsole, record: RunRecord) -> None:
     verdict = record.compliance.reason() if record.compliance else "no log"
     style = "green" if o["status"] == "success" else "yellow"
     metric = "-" if o["final_metric"] is None else f"{o['final_metric']:.4f}"
+    rate = "" if o["train_samples_per_s"] is None else f", {o['train_samples_per_s']:,.1f} samples/s"
+    memory = "" if o["peak_memory_gib"] is None else f", peak memory {o['peak_memory_gib']:.2f} GiB"
     out.say(
         f"run {record.index}: {o['status']} — time to train {o['time_to_train_min']:.3f} min "
-        f"({o['time_to_train_min'] * 60:.1f} s), {o['samples']:,} samples, {o['metric_name']} {metric}; "
+        f"({o['time_to_train_min'] * 60:.1f} s), {o['samples']:,} samples{rate}{memory}, {o['metric_name']} {metric}; "
         f"compliance (ruleset {record.compliance.ruleset if record.compliance else '-'}): {verdict}",
         style=style,
     )

@@ -41,6 +41,8 @@ class RunOutcome:
     run_start_ms: int
     run_stop_ms: int
     evals: list[tuple[int, float]] = field(default_factory=list)
+    train_samples_per_s: float | None = None  # over the timed training steps, evals excluded
+    peak_memory_gib: float | None = None  # CUDA only
 
     @property
     def time_to_train_min(self) -> float:
@@ -127,6 +129,7 @@ def train(cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: Dis
     loss_sum = torch.zeros((), device=device)
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)
     last_log_time, last_log_samples, last_log_step = time.perf_counter(), 0, 0
+    timed_seconds, timed_samples = 0.0, 0
 
     def record(row: dict) -> None:
         if metrics is not None:
@@ -169,6 +172,8 @@ def train(cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: Dis
                 mean_loss = float(all_reduce_sum(loss_sum.clone(), info)) / (step - last_log_step)
                 now = time.perf_counter()
                 rate = (samples - last_log_samples) / (now - last_log_time)
+                timed_seconds += now - last_log_time
+                timed_samples += samples - last_log_samples
                 record({"loss": mean_loss, "lr": lr, "samples_per_s": rate})
                 progress.update(samples, loss=mean_loss, rate=rate)
                 loss_sum.zero_()
@@ -215,6 +220,8 @@ def train(cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: Dis
             run_start_ms=run_start_ms,
             run_stop_ms=run_stop_ms,
             evals=evals,
+            train_samples_per_s=timed_samples / timed_seconds if timed_seconds else None,
+            peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         )
         if is_main:
             # Only a run that reached run_stop gets its final name (even if aborted); a crash leaves .partial.
