@@ -137,26 +137,44 @@ class BertForPreTraining(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # State-dict adapter: HF `BertForPreTraining` names <-> ours.
 
-_LAYER = r"bert\.encoder\.layer\.(\d+)\."
-_HF_TO_OURS = [
-    (r"bert\.embeddings\.word_embeddings\.weight", "word_embeddings.weight"),
-    (r"bert\.embeddings\.position_embeddings\.weight", "position_embeddings.weight"),
-    (r"bert\.embeddings\.token_type_embeddings\.weight", "token_type_embeddings.weight"),
-    (r"bert\.embeddings\.LayerNorm\.(weight|bias)", r"embedding_norm.\1"),
-    (_LAYER + r"attention\.output\.dense\.(weight|bias)", r"layers.\1.attn_out.\2"),
-    (_LAYER + r"attention\.output\.LayerNorm\.(weight|bias)", r"layers.\1.attn_norm.\2"),
-    (_LAYER + r"intermediate\.dense\.(weight|bias)", r"layers.\1.ffn_in.\2"),
-    (_LAYER + r"output\.dense\.(weight|bias)", r"layers.\1.ffn_out.\2"),
-    (_LAYER + r"output\.LayerNorm\.(weight|bias)", r"layers.\1.ffn_norm.\2"),
-    (r"bert\.pooler\.dense\.(weight|bias)", r"pooler.\1"),
-    (r"cls\.predictions\.transform\.dense\.(weight|bias)", r"mlm_transform.\1"),
-    (r"cls\.predictions\.transform\.LayerNorm\.(weight|bias)", r"mlm_norm.\1"),
-    (r"cls\.predictions\.bias", "mlm_bias"),
-    (r"cls\.seq_relationship\.(weight|bias)", r"nsp.\1"),
+# One table, used in both directions. {i} is a layer index, {p} is "weight" or "bias".
+_NAMES = [
+    ("bert.embeddings.word_embeddings.weight", "word_embeddings.weight"),
+    ("bert.embeddings.position_embeddings.weight", "position_embeddings.weight"),
+    ("bert.embeddings.token_type_embeddings.weight", "token_type_embeddings.weight"),
+    ("bert.embeddings.LayerNorm.{p}", "embedding_norm.{p}"),
+    ("bert.encoder.layer.{i}.attention.output.dense.{p}", "layers.{i}.attn_out.{p}"),
+    ("bert.encoder.layer.{i}.attention.output.LayerNorm.{p}", "layers.{i}.attn_norm.{p}"),
+    ("bert.encoder.layer.{i}.intermediate.dense.{p}", "layers.{i}.ffn_in.{p}"),
+    ("bert.encoder.layer.{i}.output.dense.{p}", "layers.{i}.ffn_out.{p}"),
+    ("bert.encoder.layer.{i}.output.LayerNorm.{p}", "layers.{i}.ffn_norm.{p}"),
+    ("bert.pooler.dense.{p}", "pooler.{p}"),
+    ("cls.predictions.transform.dense.{p}", "mlm_transform.{p}"),
+    ("cls.predictions.transform.LayerNorm.{p}", "mlm_norm.{p}"),
+    ("cls.predictions.bias", "mlm_bias"),
+    ("cls.seq_relationship.{p}", "nsp.{p}"),
 ]
-_QKV = re.compile(_LAYER + r"attention\.self\.(query|key|value)\.(weight|bias)")
-# Tied to other entries or buffers that HF may store; nothing of ours to load from them.
+# HF keeps query, key and value apart; we fuse them into one projection.
+_HF_QKV = "bert.encoder.layer.{i}.attention.self.{part}.{p}"
+_OURS_QKV = "layers.{i}.qkv.{p}"
+# Tied to other entries, or buffers that HF may store: nothing of ours to load from them.
 _IGNORED = re.compile(r"cls\.predictions\.decoder\.(weight|bias)|bert\.embeddings\.(position_ids|token_type_ids)")
+
+
+def _pattern(template: str) -> re.Pattern:
+    groups = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)", "part": r"(?P<part>query|key|value)"}
+    return re.compile(re.sub(r"\\\{(\w+)\\\}", lambda m: groups[m.group(1)], re.escape(template)))
+
+
+_FORWARD = [(_pattern(hf), ours) for hf, ours in _NAMES]
+_BACKWARD = [(_pattern(ours), hf) for hf, ours in _NAMES]
+
+
+def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
+    for pattern, target in table:
+        if m := pattern.fullmatch(name):
+            return target.format(**m.groupdict())
+    return None
 
 
 def _normalise_name(name: str) -> str:
@@ -173,18 +191,16 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF-named (or MLPerf-converted) BERT pretraining weights -> our names. Unknown names raise KeyError."""
     ours: dict[str, torch.Tensor] = {}
     qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    qkv_pattern = _pattern(_HF_QKV)
     unknown = []
     for raw_name, tensor in hf.items():
         name = _normalise_name(raw_name)
         if _IGNORED.fullmatch(name):
             continue
-        if m := _QKV.fullmatch(name):
-            qkv.setdefault((m.group(1), m.group(3)), {})[m.group(2)] = tensor
-            continue
-        for pattern, repl in _HF_TO_OURS:
-            if re.fullmatch(pattern, name):
-                ours[re.sub(pattern, repl, name)] = tensor
-                break
+        if m := qkv_pattern.fullmatch(name):
+            qkv.setdefault((m["i"], m["p"]), {})[m["part"]] = tensor
+        elif (target := _rename(name, _FORWARD)) is not None:
+            ours[target] = tensor
         else:
             unknown.append(raw_name)
     if unknown:
@@ -192,41 +208,20 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for (layer, kind), parts in qkv.items():
         if set(parts) != {"query", "key", "value"}:
             raise KeyError(f"layer {layer} {kind}: query, key and value are not all present")
-        ours[f"layers.{layer}.qkv.{kind}"] = torch.cat([parts["query"], parts["key"], parts["value"]], dim=0)
+        ours[_OURS_QKV.format(i=layer, p=kind)] = torch.cat([parts["query"], parts["key"], parts["value"]], dim=0)
     return ours
 
 
 def to_hf_state_dict(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our names -> `transformers.BertForPreTraining` names (the decoder weight is the tied embedding)."""
-    reverse = [
-        (r"word_embeddings\.weight", "bert.embeddings.word_embeddings.weight"),
-        (r"position_embeddings\.weight", "bert.embeddings.position_embeddings.weight"),
-        (r"token_type_embeddings\.weight", "bert.embeddings.token_type_embeddings.weight"),
-        (r"embedding_norm\.(weight|bias)", r"bert.embeddings.LayerNorm.\1"),
-        (r"layers\.(\d+)\.attn_out\.(weight|bias)", r"bert.encoder.layer.\1.attention.output.dense.\2"),
-        (r"layers\.(\d+)\.attn_norm\.(weight|bias)", r"bert.encoder.layer.\1.attention.output.LayerNorm.\2"),
-        (r"layers\.(\d+)\.ffn_in\.(weight|bias)", r"bert.encoder.layer.\1.intermediate.dense.\2"),
-        (r"layers\.(\d+)\.ffn_out\.(weight|bias)", r"bert.encoder.layer.\1.output.dense.\2"),
-        (r"layers\.(\d+)\.ffn_norm\.(weight|bias)", r"bert.encoder.layer.\1.output.LayerNorm.\2"),
-        (r"pooler\.(weight|bias)", r"bert.pooler.dense.\1"),
-        (r"mlm_transform\.(weight|bias)", r"cls.predictions.transform.dense.\1"),
-        (r"mlm_norm\.(weight|bias)", r"cls.predictions.transform.LayerNorm.\1"),
-        (r"mlm_bias", "cls.predictions.bias"),
-        (r"nsp\.(weight|bias)", r"cls.seq_relationship.\1"),
-    ]
     hf: dict[str, torch.Tensor] = {}
+    qkv_pattern = _pattern(_OURS_QKV)
     for name, tensor in ours.items():
-        if m := re.fullmatch(r"layers\.(\d+)\.qkv\.(weight|bias)", name):
-            q, k, v = tensor.chunk(3, dim=0)
-            prefix = f"bert.encoder.layer.{m.group(1)}.attention.self"
-            hf[f"{prefix}.query.{m.group(2)}"] = q
-            hf[f"{prefix}.key.{m.group(2)}"] = k
-            hf[f"{prefix}.value.{m.group(2)}"] = v
-            continue
-        for pattern, repl in reverse:
-            if re.fullmatch(pattern, name):
-                hf[re.sub(pattern, repl, name)] = tensor
-                break
+        if m := qkv_pattern.fullmatch(name):
+            for part, chunk in zip(("query", "key", "value"), tensor.chunk(3, dim=0), strict=True):
+                hf[_HF_QKV.format(i=m["i"], part=part, p=m["p"])] = chunk
+        elif (target := _rename(name, _BACKWARD)) is not None:
+            hf[target] = tensor
         else:
             raise KeyError(f"unexpected parameter {name}")
     hf["cls.predictions.decoder.weight"] = hf["bert.embeddings.word_embeddings.weight"]
