@@ -53,6 +53,7 @@ def test_tiny_preset_reaches_target_with_a_compliant_log(tiny_data, tmp_path, ca
     assert any("masked_lm_accuracy" in r for r in rows)
     assert (run_dir / "config.yaml").exists() and "run 0: success" in (run_dir / "console.log").read_text()
     assert run_cli("check", run_dir) == 0
+    assert run_cli("check", log) == 0  # a single log: the ruleset comes from its submission_benchmark
 
 
 def _losses(results):
@@ -217,6 +218,13 @@ def test_killed_run_is_never_left_looking_finished(small_data, tmp_path):
 def test_every_subcommand_has_help(command):
     proc = subprocess.run([sys.executable, "-m", "trainbench", *command, "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: trainbench" in proc.stdout
+
+
+def test_help_config_lists_every_key_with_type_and_meaning(capsys):
+    assert run_cli("run", "bert", "--preset", "large", "--help-config") == 0
+    out = capsys.readouterr().out
+    assert "optimizer.lr (float) = 0.00096" in out and "model.init_checkpoint (str or None) = None" in out
+    assert "MLPerf `opt_base_learning_rate`" in out
 
 
 def test_list_shows_bert_presets(capsys):
