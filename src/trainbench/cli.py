@@ -19,6 +19,18 @@ overrides are key=value; a key is its dotted path (optimizer.lr) or, where unamb
 """
 
 
+WIKI_DUMP = "enwiki-*-pages-articles*.xml.bz2, from https://dumps.wikimedia.org/enwiki/"
+EXAMPLES_PREPARE = """examples:
+  trainbench prepare bert --synthetic --preset tiny --out data/bert-tiny
+  trainbench prepare bert --input enwiki-20200101-pages-articles-multistream.xml.bz2 \\
+      --vocab vocab.txt --out data/bert-wiki
+  trainbench prepare bert --input results4/ --vocab vocab.txt --out data/bert --formats fixed,varlength,packed
+  trainbench prepare bert --input wikitext-2/ --train-vocab 8000 --num-shards 16 --eval-samples 1000 --out data/wt2
+
+an interrupted run continues with the same command plus --resume.
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="trainbench",
@@ -32,21 +44,55 @@ def _parser() -> argparse.ArgumentParser:
     prep = sub.add_parser(
         "prepare",
         help="write a benchmark's dataset to disk",
-        description="Write a benchmark's dataset in the on-disk format its trainer reads.",
+        description="Write a benchmark's dataset in the on-disk format its trainer reads: from raw text "
+        "(--input) or synthetic (--synthetic).",
+        epilog=EXAMPLES_PREPARE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     prep.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
+    prep.add_argument("--out", required=True, help="output folder (train/, eval/, vocab.txt, manifest.json)")
+    prep.add_argument("--seed", type=int, default=12345, help="random seed (default 12345, as MLPerf's)")
+    prep.add_argument("--force", action="store_true", help="replace a folder that already holds other data")
+    prep.add_argument("--eval-samples", type=int, help="eval samples (raw text: default 10000; synthetic: by preset)")
     prep.add_argument(
+        "--num-shards", "--shards", dest="shards", type=int, help="training shards (raw text: default 4320)"
+    )
+    raw = prep.add_argument_group("from raw text")
+    raw.add_argument(
+        "--input",
+        nargs="+",
+        metavar="PATH",
+        help=f"text files or folders: a Wikipedia dump ({WIKI_DUMP}), results4 files, or WikiText",
+    )
+    raw.add_argument("--input-format", default="auto", help="auto (default), wiki-xml, results4 or wikitext")
+    raw.add_argument("--vocab", help="WordPiece vocab.txt (MLPerf: the uncased BERT vocabulary, 30,522 tokens)")
+    raw.add_argument("--train-vocab", type=int, metavar="SIZE", help="train a vocabulary of SIZE tokens instead")
+    raw.add_argument("--workers", type=int, default=0, help="worker processes (default: all cores)")
+    raw.add_argument("--max-memory-gb", type=float, help="memory bound: fewer workers run when it is low")
+    raw.add_argument("--chunk-mb", type=float, default=4.0, help="raw text per work unit in MB (default 4)")
+    raw.add_argument(
+        "--formats",
+        default="fixed,varlength",
+        help="comma list of fixed, varlength, bins (4-bin split by length), packed (default fixed,varlength)",
+    )
+    raw.add_argument("--eval-fraction", type=float, default=0.01, help="documents held out for eval (default 0.01)")
+    raw.add_argument("--max-seq-length", type=int, default=512, help="tokens per sample (default 512)")
+    raw.add_argument("--max-predictions", type=int, default=76, help="masked tokens per sample at most (default 76)")
+    raw.add_argument("--masked-lm-prob", type=float, default=0.15, help="fraction of tokens masked (default 0.15)")
+    raw.add_argument("--short-seq-prob", type=float, default=0.1, help="chance of a shorter target (default 0.1)")
+    raw.add_argument("--dupe-factor", type=int, default=10, help="passes over the documents (default 10)")
+    raw.add_argument("--max-per-pack", type=int, default=3, help="sequences per packed row at most (default 3)")
+    raw.add_argument("--resume", action="store_true", help="continue an interrupted preparation in --out")
+    raw.add_argument("--keep-work", action="store_true", help="keep the intermediate files (OUT/.work)")
+    raw.add_argument("--no-progress", action="store_true", help="no progress bar")
+    syn = prep.add_argument_group("synthetic")
+    syn.add_argument(
         "--synthetic",
         action="store_true",
         help="generate seeded synthetic data with learnable structure (no download needed)",
     )
-    prep.add_argument("--out", required=True, help="output folder (train/, eval/, vocab.txt, manifest.json)")
-    prep.add_argument("--preset", default="tiny", help="preset whose shapes (seq length, vocab) the data takes")
-    prep.add_argument("--seed", type=int, default=12345, help="generator seed (default 12345, as MLPerf's)")
-    prep.add_argument("--train-samples", type=int, help="training samples (default: by preset)")
-    prep.add_argument("--eval-samples", type=int, help="eval samples (default: by preset)")
-    prep.add_argument("--shards", type=int, help="training shards (default: by preset)")
-    prep.add_argument("--force", action="store_true", help="rewrite a folder that already holds other data")
+    syn.add_argument("--preset", default="tiny", help="preset whose shapes (seq length, vocab) the data takes")
+    syn.add_argument("--train-samples", type=int, help="training samples (default: by preset)")
 
     run = sub.add_parser(
         "run",
@@ -96,18 +142,67 @@ def cmd_list(_args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from rich.progress import Progress
-
     from trainbench.benchmarks import get_benchmark
-    from trainbench.benchmarks.bert import SYNTHETIC_SIZES
-    from trainbench.console import console
-    from trainbench.data.synthetic_bert import SyntheticSpec, prepare_synthetic
 
     bench = get_benchmark(args.benchmark)
     if bench.name != "bert":
         raise UserError(f"`trainbench prepare {bench.name}` is not available yet; `prepare bert` is")
-    if not args.synthetic:
-        raise UserError("preparing BERT from raw text is not available yet; use `trainbench prepare bert --synthetic`")
+    if args.synthetic == bool(args.input):
+        raise UserError("give --input PATH (raw text) or --synthetic, one of the two")
+    if args.input:
+        return _prepare_bert_text(args)
+    return _prepare_bert_synthetic(args, bench)
+
+
+def _prepare_bert_text(args) -> int:
+    from trainbench.console import console
+    from trainbench.data.prepare_bert import Options, prepare
+
+    spec_args = {
+        "seed": args.seed,
+        "max_seq_length": args.max_seq_length,
+        "max_predictions": args.max_predictions,
+        "masked_lm_prob": args.masked_lm_prob,
+        "short_seq_prob": args.short_seq_prob,
+        "dupe_factor": args.dupe_factor,
+        "num_shards": 4320 if args.shards is None else args.shards,
+        "eval_samples": 10000 if args.eval_samples is None else args.eval_samples,
+        "eval_fraction": args.eval_fraction,
+        "chunk_mb": args.chunk_mb,
+        "formats": [f.strip() for f in args.formats.split(",") if f.strip()],
+        "max_per_pack": args.max_per_pack,
+    }
+    opts = Options(
+        workers=args.workers,
+        max_memory_gb=args.max_memory_gb,
+        resume=args.resume,
+        force=args.force,
+        keep_work=args.keep_work,
+        progress=not args.no_progress,
+    )
+    m = prepare(args.input, args.out, args.vocab, spec_args, opts, args.train_vocab, args.input_format)
+    st, inp = m["statistics"], m["input"]
+    console.print(
+        f"{inp['text_characters'] / 1e6:,.1f} MB of text ({inp['documents']:,} documents, {inp['tokens']:,} tokens) "
+        f"-> {st['train_samples']:,} training samples in {m['spec']['num_shards']:,} shards and "
+        f"{st['eval_samples']:,} eval samples, in {m['run']['seconds']:.1f} s with {m['run']['workers']} workers "
+        f"({inp['text_characters'] / 1e6 / max(m['run']['seconds'], 1e-9):.2f} MB/s)"
+    )
+    console.print(
+        f"mean length {st['mean_sequence_length']:.1f} tokens; by length {st['samples_by_length_bin']}; "
+        f"masked {st['masked_fraction']:.4f}; random next {st['random_next_fraction']:.4f}"
+    )
+    console.print(f"data: {args.out}  (manifest: {Path(args.out) / 'manifest.json'})")
+    return 0
+
+
+def _prepare_bert_synthetic(args, bench) -> int:
+    from rich.progress import Progress
+
+    from trainbench.benchmarks.bert import SYNTHETIC_SIZES
+    from trainbench.console import console
+    from trainbench.data.synthetic_bert import SyntheticSpec, prepare_synthetic
+
     cfg = bench.config(args.preset)
     sizes = dict(SYNTHETIC_SIZES[args.preset])
     for key, value in (

@@ -41,15 +41,88 @@ def expected_shape(key: str, n: int, seq_length: int, max_predictions: int) -> t
     return (n,)
 
 
-def write_shard(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write a shard atomically: to a temporary name first, renamed once complete, so a crash never
+def write_arrays(path: str | Path, arrays: dict[str, np.ndarray], dtypes: dict[str, object]) -> None:
+    """Write datasets atomically: to a temporary name first, renamed once complete, so a crash never
     leaves a file that looks finished."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with h5py.File(tmp, "w") as f:
-        for key in KEYS:
-            f.create_dataset(key, data=arrays[key].astype(DTYPES[key]), compression=None)
+        for key, dtype in dtypes.items():
+            if isinstance(dtype, str):
+                f.create_dataset(key, data=np.asarray(arrays[key]).astype(dtype), compression=None)
+            else:  # a variable-length dtype: arrays[key] is a list of 1-D arrays
+                ds = f.create_dataset(key, shape=(len(arrays[key]),), dtype=dtype)
+                if len(arrays[key]):
+                    ds[:] = arrays[key]
     os.replace(tmp, path)
+
+
+def write_shard(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
+    """One fixed-length shard (the KEYS datasets), written atomically."""
+    write_arrays(path, arrays, DTYPES)
+
+
+def fixed_arrays(inst, seq_length: int, max_predictions: int) -> dict[str, np.ndarray]:
+    """The fixed-length KEYS arrays of :class:`trainbench.data.pretraining.Instances` (zero padded)."""
+    n, lengths = len(inst), inst.lengths
+    if n and int(lengths.max()) > seq_length:
+        raise ValueError(f"an instance of {int(lengths.max())} tokens does not fit seq_length {seq_length}")
+    row = np.repeat(np.arange(n), lengths)
+    col = np.arange(int(lengths.sum())) - np.repeat(inst.offsets[:-1], lengths)
+    input_ids = np.zeros((n, seq_length), np.int32)
+    input_ids[row, col] = inst.tokens
+    cols = np.arange(seq_length)
+    counts = np.diff(inst.mask_offsets)
+    mrow = np.repeat(np.arange(n), counts)
+    mcol = np.arange(int(counts.sum())) - np.repeat(inst.mask_offsets[:-1], counts)
+    positions = np.zeros((n, max_predictions), np.int32)
+    ids = np.zeros((n, max_predictions), np.int32)
+    positions[mrow, mcol] = inst.mask_pos
+    ids[mrow, mcol] = inst.mask_ids
+    return {
+        "input_ids": input_ids,
+        "input_mask": (cols < lengths[:, None]).astype(np.int8),
+        "segment_ids": ((cols >= inst.len_a[:, None] + 2) & (cols < lengths[:, None])).astype(np.int8),
+        "masked_lm_positions": positions,
+        "masked_lm_ids": ids,
+        "next_sentence_labels": inst.nsp.astype(np.int8),
+    }
+
+
+def write_varlength(path: str | Path, inst, vocab_size: int) -> None:
+    """MLPerf's variable-length layout: one variable-length row per sample, no padding and no input_mask.
+
+    input_ids, segment_ids, masked_lm_positions and masked_lm_ids are variable-length datasets (int16 ids,
+    int32 when the vocabulary has more than 32,767 entries); next_sentence_labels is int8.
+    """
+    id_type = np.int16 if vocab_size <= np.iinfo(np.int16).max + 1 else np.int32
+    lengths = inst.lengths
+
+    def rows(flat, offsets, dtype):
+        return np.split(flat.astype(dtype), offsets[1:-1]) if len(offsets) > 1 else []
+
+    segment = np.zeros(int(lengths.sum()), np.int8)
+    starts = inst.offsets[:-1]
+    for_b = np.repeat(starts + inst.len_a + 2, lengths) <= np.arange(len(segment))
+    segment[for_b] = 1
+    arrays = {
+        "input_ids": rows(inst.tokens, inst.offsets, id_type),
+        "segment_ids": rows(segment, inst.offsets, np.int8),
+        "masked_lm_positions": rows(inst.mask_pos, inst.mask_offsets, np.int16),
+        "masked_lm_ids": rows(inst.mask_ids, inst.mask_offsets, id_type),
+        "next_sentence_labels": inst.nsp,
+    }
+    write_arrays(
+        path,
+        arrays,
+        {
+            "input_ids": h5py.vlen_dtype(id_type),
+            "segment_ids": h5py.vlen_dtype(np.int8),
+            "masked_lm_positions": h5py.vlen_dtype(np.int16),
+            "masked_lm_ids": h5py.vlen_dtype(id_type),
+            "next_sentence_labels": "i1",
+        },
+    )
 
 
 @dataclass(frozen=True)
