@@ -38,6 +38,12 @@ class DataConfig:
     dir: str | None = option(None, "Dataset folder written by `trainbench prepare` (holds train/ and eval/).")
     seq_length: int = option(512, "Tokens per sample; must match the shards on disk.")
     max_predictions: int = option(76, "Masked-LM predictions per sample (BERT); must match the shards.")
+    layout: str = option(
+        "fixed",
+        "Training data layout: fixed (train/, one sample per row) or packed (train_packed/, several per row; "
+        "global_batch_size then counts rows).",
+        choices=("fixed", "packed"),
+    )
     global_batch_size: int = option(256, "Samples per optimizer step, summed over all ranks and accumulation steps.")
     micro_batch_size: int = option(
         32, "Samples per rank per forward/backward; accumulation = global / (micro * ranks)."

@@ -137,10 +137,22 @@ class BertBenchmark(Benchmark):
             )
         return root / "train", root / "eval"
 
-    def check_data(self, cfg: RunConfig) -> None:
-        train_dir, eval_dir = self._folders(cfg)
+    def _train_shards(self, cfg: RunConfig):
+        train_dir, _ = self._folders(cfg)
         d = cfg.data
-        shards = find_shards(train_dir, "training data", d.seq_length, d.max_predictions)
+        if d.layout == "packed":
+            train_dir = train_dir.with_name("train_packed")
+            if not train_dir.is_dir():
+                raise DataError(
+                    f"data.layout=packed but {train_dir} does not exist; make it with "
+                    "`trainbench prepare bert --input ... --formats fixed,packed`"
+                )
+        return train_dir, find_shards(train_dir, "training data", d.seq_length, d.max_predictions, d.layout)
+
+    def check_data(self, cfg: RunConfig) -> None:
+        _, eval_dir = self._folders(cfg)
+        d = cfg.data
+        train_dir, shards = self._train_shards(cfg)
         eval_total = sum(s.num_samples for s in find_shards(eval_dir, "eval data", d.seq_length, d.max_predictions))
         if d.eval_samples is not None and d.eval_samples > eval_total:
             raise DataError(
@@ -163,12 +175,12 @@ class BertBenchmark(Benchmark):
             )
 
     def build_data(self, cfg: RunConfig, rank: int, world_size: int, start_sample: int = 0) -> BenchmarkData:
-        train_dir, eval_dir = self._folders(cfg)
+        _, eval_dir = self._folders(cfg)
         d = cfg.data
-        train_shards = find_shards(train_dir, "training data", d.seq_length, d.max_predictions)
+        _, train_shards = self._train_shards(cfg)
         eval_shards = find_shards(eval_dir, "eval data", d.seq_length, d.max_predictions)
         train = TrainBatches(
-            train_shards, cfg.seed, d.global_batch_size, d.micro_batch_size, rank, world_size, start_sample
+            train_shards, cfg.seed, d.global_batch_size, d.micro_batch_size, rank, world_size, start_sample, d.layout
         )
         evals = eval_batches(eval_shards, d.eval_samples, d.eval_batch_size, rank, world_size)
         eval_total = d.eval_samples if d.eval_samples is not None else sum(s.num_samples for s in eval_shards)
@@ -207,18 +219,30 @@ class BertBenchmark(Benchmark):
         return batch["masked_lm_positions"] > 0
 
     def loss_weights(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[masked tokens, sequences] of a micro-batch: the loss's normalisers."""
         masked = self._valid(batch).sum()
-        samples = torch.tensor(batch["input_ids"].shape[0], device=masked.device)
-        return torch.stack([masked, samples]).float()
+        sequences = (batch["next_sentence_labels"] >= 0).sum()
+        return torch.stack([masked, sequences]).float()
 
     def _logits(self, model, batch):
+        if "sequence_ids" in batch:  # packed rows
+            return model(
+                batch["input_ids"],
+                batch["segment_ids"],
+                masked_lm_positions=batch["masked_lm_positions"],
+                position_ids=batch["position_ids"],
+                sequence_ids=batch["sequence_ids"],
+                cls_positions=batch["cls_positions"],
+            )
         return model(batch["input_ids"], batch["segment_ids"], batch["input_mask"], batch["masked_lm_positions"])
 
     def loss(self, model, batch, weights):
         mlm_logits, nsp_logits = self._logits(model, batch)
         valid = self._valid(batch)
         mlm = F.cross_entropy(mlm_logits[valid].float(), batch["masked_lm_ids"][valid], reduction="sum")
-        nsp = F.cross_entropy(nsp_logits.float(), batch["next_sentence_labels"], reduction="sum")
+        labels = batch["next_sentence_labels"]
+        nsp_valid = labels >= 0  # packed rows mark their empty sequence slots with -1
+        nsp = F.cross_entropy(nsp_logits[nsp_valid].float(), labels[nsp_valid], reduction="sum")
         return mlm / weights[0] + nsp / weights[1]
 
     def eval_sums(self, model, batch) -> torch.Tensor:

@@ -21,6 +21,17 @@ import numpy as np
 
 from trainbench.errors import DataError
 
+PACKED_KEYS = (
+    "input_ids",
+    "segment_ids",
+    "position_ids",
+    "sequence_ids",
+    "masked_lm_positions",
+    "masked_lm_ids",
+    "next_sentence_labels",
+    "cls_positions",
+)
+
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
 # The dtypes MLPerf's conversion script writes; the reader accepts any integer type.
 DTYPES = {
@@ -31,10 +42,11 @@ DTYPES = {
     "masked_lm_ids": "i4",
     "next_sentence_labels": "i1",
 }
+LAYOUTS = {"fixed": KEYS, "packed": PACKED_KEYS}
 
 
 def expected_shape(key: str, n: int, seq_length: int, max_predictions: int) -> tuple[int, ...]:
-    if key in ("input_ids", "input_mask", "segment_ids"):
+    if key in ("input_ids", "input_mask", "segment_ids", "position_ids", "sequence_ids"):
         return (n, seq_length)
     if key in ("masked_lm_positions", "masked_lm_ids"):
         return (n, max_predictions)
@@ -131,20 +143,25 @@ class ShardInfo:
     num_samples: int
 
 
-def validate_shard(path: Path, seq_length: int, max_predictions: int) -> ShardInfo:
-    """Check one shard's keys and shapes against the config; a problem is a DataError naming file and key."""
+def validate_shard(path: Path, seq_length: int, max_predictions: int, layout: str = "fixed") -> ShardInfo:
+    """Check one shard's keys and shapes against the config; a problem is a DataError naming file and key.
+
+    ``layout`` "packed" is the format of :mod:`trainbench.data.packing` (several sequences per row)."""
+    keys = LAYOUTS[layout]
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
         raise DataError(f"{path} is not a readable HDF5 file ({exc}); re-create it with `trainbench prepare`") from None
     with f:
-        missing = [k for k in KEYS if k not in f]
+        missing = [k for k in keys if k not in f]
         if missing:
             raise DataError(f"{path}: key '{missing[0]}' is missing (the shard has: {', '.join(sorted(f.keys()))})")
         n = f["input_ids"].shape[0]
-        for key in KEYS:
+        for key in keys:
             want = expected_shape(key, n, seq_length, max_predictions)
             got = f[key].shape
+            if layout == "packed" and key not in ("input_ids", "segment_ids", "position_ids", "sequence_ids"):
+                want = (n,) + got[1:]  # predictions and sequences per row are the packer's choice
             if got != want:
                 raise DataError(
                     f"{path}: key '{key}' has shape {got}, expected {want} "
@@ -155,7 +172,7 @@ def validate_shard(path: Path, seq_length: int, max_predictions: int) -> ShardIn
     return ShardInfo(path, n)
 
 
-def find_shards(folder: Path, what: str, seq_length: int, max_predictions: int) -> list[ShardInfo]:
+def find_shards(folder: Path, what: str, seq_length: int, max_predictions: int, layout="fixed") -> list[ShardInfo]:
     if not folder.is_dir():
         raise DataError(
             f"{what} folder {folder} does not exist; create the data with "
@@ -164,33 +181,34 @@ def find_shards(folder: Path, what: str, seq_length: int, max_predictions: int) 
     paths = sorted(p for p in folder.iterdir() if p.suffix in (".hdf5", ".h5"))
     if not paths:
         raise DataError(f"{what} folder {folder} holds no .hdf5 shards; run `trainbench prepare bert` first")
-    return [validate_shard(p, seq_length, max_predictions) for p in paths]
+    return [validate_shard(p, seq_length, max_predictions, layout) for p in paths]
 
 
-def read_rows(path: Path, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """All keys of a shard (or the given rows, in the given order) as int64 arrays."""
+def read_rows(path: Path, rows: np.ndarray | None = None, keys=KEYS) -> dict[str, np.ndarray]:
+    """The given keys of a shard (all rows, or the given rows in the given order) as int64 arrays."""
     with h5py.File(path, "r") as f:
         if rows is None:
-            return {k: f[k][()].astype(np.int64) for k in KEYS}
+            return {k: f[k][()].astype(np.int64) for k in keys}
         order = np.argsort(rows)
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
         sorted_rows = rows[order]  # h5py fancy indexing wants increasing indices
-        return {k: f[k][sorted_rows].astype(np.int64)[inverse] for k in KEYS}
+        return {k: f[k][sorted_rows].astype(np.int64)[inverse] for k in keys}
 
 
 class ShardCache:
     """Keeps the last few whole shards in memory: the sample order walks one shard at a time."""
 
-    def __init__(self, capacity: int = 2):
+    def __init__(self, capacity: int = 2, keys=KEYS):
         self.capacity = capacity
+        self.keys = keys
         self._shards: OrderedDict[Path, dict[str, np.ndarray]] = OrderedDict()
 
     def get(self, path: Path) -> dict[str, np.ndarray]:
         if path in self._shards:
             self._shards.move_to_end(path)
         else:
-            self._shards[path] = read_rows(path)
+            self._shards[path] = read_rows(path, keys=self.keys)
             while len(self._shards) > self.capacity:
                 self._shards.popitem(last=False)
         return self._shards[path]
@@ -228,10 +246,18 @@ class GlobalSampleOrder:
             offset = 0
 
 
+class Step(list):
+    """One optimizer step's micro-batches, with the number of samples in the whole global batch."""
+
+    samples: int
+
+
 class TrainBatches:
     """Iterator over optimizer steps: each item is this rank's micro-batches for one global batch."""
 
-    def __init__(self, shards, seed, global_batch_size, micro_batch_size, rank, world_size, start_sample=0):
+    def __init__(
+        self, shards, seed, global_batch_size, micro_batch_size, rank, world_size, start_sample=0, layout="fixed"
+    ):
         per_rank, remainder = divmod(global_batch_size, world_size)
         assert remainder == 0 and per_rank % micro_batch_size == 0, "batch sizes were validated by the config"
         self.shards = shards
@@ -241,7 +267,9 @@ class TrainBatches:
         self.per_rank = per_rank
         self.rank = rank
         self.start_sample = start_sample
-        self.cache = ShardCache()
+        self.keys = LAYOUTS[layout]
+        self.packed = layout == "packed"
+        self.cache = ShardCache(keys=self.keys)
 
     @property
     def epoch_size(self) -> int:
@@ -252,21 +280,28 @@ class TrainBatches:
         lo, hi = self.rank * self.per_rank, (self.rank + 1) * self.per_rank
         while True:
             # Rank-major split of the global batch: rank r owns samples [r*per_rank, (r+1)*per_rank).
-            picks = [next(stream) for _ in range(self.global_batch_size)][lo:hi]
-            batch = self._gather(picks)
-            yield [
+            picks = [next(stream) for _ in range(self.global_batch_size)]
+            batch = self._gather(picks[lo:hi])
+            step = Step(
                 {k: v[i : i + self.micro_batch_size] for k, v in batch.items()}
                 for i in range(0, self.per_rank, self.micro_batch_size)
-            ]
+            )
+            # Samples are sequences: a packed row holds several. Every rank counts the whole global batch
+            # from the shards it caches, so all ranks agree without communicating.
+            step.samples = self._count_sequences(picks) if self.packed else self.global_batch_size
+            yield step
+
+    def _count_sequences(self, picks: list[tuple[int, int]]) -> int:
+        return sum(int((self.cache.get(self.shards[s].path)["next_sentence_labels"][r] >= 0).sum()) for s, r in picks)
 
     def _gather(self, picks: list[tuple[int, int]]) -> dict[str, np.ndarray]:
         shard_ids = np.fromiter((s for s, _ in picks), dtype=np.int64, count=len(picks))
         rows = np.fromiter((r for _, r in picks), dtype=np.int64, count=len(picks))
-        out = {k: None for k in KEYS}
+        out = {k: None for k in self.keys}
         for shard_index in np.unique(shard_ids):
             where = np.nonzero(shard_ids == shard_index)[0]
             data = self.cache.get(self.shards[shard_index].path)
-            for k in KEYS:
+            for k in self.keys:
                 if out[k] is None:
                     out[k] = np.empty((len(picks),) + data[k].shape[1:], dtype=np.int64)
                 out[k][where] = data[k][rows[where]]

@@ -19,16 +19,6 @@ import numpy as np
 
 from trainbench.data.pretraining import Instances
 
-PACKED_KEYS = (
-    "input_ids",
-    "segment_ids",
-    "position_ids",
-    "sequence_ids",
-    "masked_lm_positions",
-    "masked_lm_ids",
-    "next_sentence_labels",
-    "cls_positions",
-)
 PACKED_DTYPES = {
     "input_ids": "i4",
     "segment_ids": "i1",

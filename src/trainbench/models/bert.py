@@ -97,17 +97,27 @@ class BertForPreTraining(nn.Module):
                 nn.init.zeros_(module.bias)
         nn.init.zeros_(self.mlm_bias)
 
-    def encode(self, input_ids, token_type_ids, attention_mask) -> torch.Tensor:
+    def encode(self, input_ids, token_type_ids, attention_mask, position_ids=None, sequence_ids=None) -> torch.Tensor:
+        """Hidden states [batch, seq, hidden].
+
+        Unpacked rows pass ``attention_mask`` (1 for tokens, 0 for padding). Packed rows (several sequences per
+        row) pass ``position_ids`` (restarting at 0 per sequence) and ``sequence_ids`` (1, 2, ... per sequence,
+        0 for padding) instead: a token then attends only to tokens of its own sequence.
+        """
         seq = input_ids.shape[1]
-        positions = torch.arange(seq, device=input_ids.device)
+        positions = torch.arange(seq, device=input_ids.device) if position_ids is None else position_ids.long()
         x = (
             self.word_embeddings(input_ids)
             + self.position_embeddings(positions)
             + self.token_type_embeddings(token_type_ids)
         )
         x = self.dropout(self.embedding_norm(x))
-        # Boolean [batch, 1, 1, seq] mask: True where a key may be attended to.
-        attn_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        if sequence_ids is not None:
+            # [batch, 1, seq, seq]: same sequence. Padding attends to padding, so no row is all False.
+            attn_mask = (sequence_ids[:, None, :, None] == sequence_ids[:, None, None, :]).contiguous()
+        else:
+            # Boolean [batch, 1, 1, seq] mask: True where a key may be attended to.
+            attn_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         for layer in self.layers:
             x = layer(x, attn_mask)
         return x
@@ -118,14 +128,23 @@ class BertForPreTraining(nn.Module):
         token_type_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         masked_lm_positions: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        sequence_ids: torch.Tensor | None = None,
+        cls_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """MLM logits and NSP logits.
 
         With ``masked_lm_positions`` [batch, P] the MLM head runs only at those positions and the
         logits are [batch, P, vocab]; without it, at every position ([batch, seq, vocab]).
+        NSP logits are [batch, 2] from each row's first token, or [batch, K, 2] from the tokens at
+        ``cls_positions`` [batch, K] (packed rows: one [CLS] per sequence).
         """
-        x = self.encode(input_ids, token_type_ids, attention_mask)
-        nsp_logits = self.nsp(torch.tanh(self.pooler(x[:, 0])))
+        x = self.encode(input_ids, token_type_ids, attention_mask, position_ids, sequence_ids)
+        if cls_positions is None:
+            cls = x[:, 0]
+        else:
+            cls = torch.gather(x, 1, cls_positions.long().unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        nsp_logits = self.nsp(torch.tanh(self.pooler(cls)))
         if masked_lm_positions is not None:
             index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, x.shape[-1])
             x = torch.gather(x, 1, index)

@@ -165,7 +165,8 @@ def train(cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: Dis
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            samples += gbs
+            # A packed step carries its count of sequences; otherwise a step is one global batch.
+            samples += getattr(micro_batches, "samples", gbs)
 
             if step % o.log_every_steps == 0 or samples >= next_eval:
                 check_finite()
