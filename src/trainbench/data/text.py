@@ -103,12 +103,12 @@ def _wikitext_documents(path: Path) -> Iterator[str]:
     with _open_text(path) as f:
         for line in f:
             if _WIKITEXT_TITLE.fullmatch(line.strip()):
-                if lines:
+                if "".join(lines).strip():
                     yield "".join(lines)
                 lines = []
             else:
                 lines.append(line)
-    if lines:
+    if "".join(lines).strip():
         yield "".join(lines)
 
 
@@ -182,7 +182,8 @@ def split_sentences(paragraph: str) -> list[str]:
     return [s.strip() for s in _segmenter("en", paragraph) if s.strip()]
 
 
-_WIKITEXT_FIXES = [(" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."), ("<unk>", " ")]
+_WIKI_DROP_TAGS = {"ref", "table", "gallery", "math", "timeline", "references"}
+_WIKITEXT_FIXES = [(" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."), (" <unk> ", " "), ("<unk>", "")]
 
 
 def _paragraph_sentences(paragraphs: list[str]) -> list[str]:
@@ -210,7 +211,17 @@ def document_sentences(kind: str, raw: str) -> list[str]:
         import mwparserfromhell
 
         try:
-            plain = mwparserfromhell.parse(raw).strip_code(normalize=True, collapse=True)
+            code = mwparserfromhell.parse(raw)
+            # Headings are not sentences; references, tables and galleries are not running text.
+            drop = code.filter_headings(recursive=False) + code.filter_tags(
+                recursive=True, matches=lambda node: str(node.tag).lower() in _WIKI_DROP_TAGS
+            )
+            for node in drop:
+                try:
+                    code.remove(node)
+                except ValueError:  # inside a node removed already
+                    pass
+            plain = code.strip_code(normalize=True, collapse=True)
         except Exception:  # a malformed article: skip it rather than stop a 20 GB job
             return []
         paragraphs = [
