@@ -87,14 +87,18 @@ def file_md5s(out: Path) -> dict[str, str]:
 
 WIKI_XML = """<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">
   <page><title>Lobster</title><ns>0</ns><id>1</id><revision><text>{{Infobox animal|name=Lobster}}
-'''Lobsters''' are [[crustacean|marine crustaceans]] of the family Nephropidae.&lt;ref&gt;A book.&lt;/ref&gt; They live on the sea floor.
+'''Lobsters''' are [[crustacean|marine crustaceans]] of the family Nephropidae.&lt;ref&gt;A book.&lt;/ref&gt; They live \
+on the sea floor.
 
 == Anatomy ==
 Lobsters have ten legs. The front legs carry claws.
 </text></revision></page>
-  <page><title>Homard</title><ns>0</ns><id>2</id><redirect title="Lobster" /><revision><text>#REDIRECT [[Lobster]]</text></revision></page>
-  <page><title>Talk:Lobster</title><ns>1</ns><id>3</id><revision><text>Talk text that is not an article.</text></revision></page>
-  <page><title>Crab</title><ns>0</ns><id>4</id><revision><text>'''Crabs''' walk sideways. They have a shell.</text></revision></page>
+  <page><title>Homard</title><ns>0</ns><id>2</id><redirect title="Lobster" />
+    <revision><text>#REDIRECT [[Lobster]]</text></revision></page>
+  <page><title>Talk:Lobster</title><ns>1</ns><id>3</id>
+    <revision><text>Talk text that is not an article.</text></revision></page>
+  <page><title>Crab</title><ns>0</ns><id>4</id>
+    <revision><text>'''Crabs''' walk sideways. They have a shell.</text></revision></page>
 </mediawiki>
 """
 
@@ -171,7 +175,10 @@ def _documents(n_docs=200, seed=0, consecutive=False):
     return docs
 
 
-def _make(docs, spec=InstanceSpec(max_seq_length=128, max_predictions=20, dupe_factor=3), vocab=1000, seed=0):
+DEFAULT_SPEC = InstanceSpec(max_seq_length=128, max_predictions=20, dupe_factor=3)
+
+
+def _make(docs, spec=DEFAULT_SPEC, vocab=1000, seed=0):
     return create_instances(docs, spec, vocab, SPECIAL, random.Random(seed), np.random.default_rng(seed))
 
 
