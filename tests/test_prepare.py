@@ -87,8 +87,8 @@ def file_md5s(out: Path) -> dict[str, str]:
 
 WIKI_XML = """<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/">
   <page><title>Lobster</title><ns>0</ns><id>1</id><revision><text>{{Infobox animal|name=Lobster}}
-'''Lobsters''' are [[crustacean|marine crustaceans]] of the family Nephropidae.&lt;ref&gt;A book.&lt;/ref&gt; They live \
-on the sea floor.
+'''Lobsters''' are [[crustacean|marine crustaceans]] of the family Nephropidae.&lt;ref&gt;A book.&lt;/ref&gt; They \
+live on the sea floor.
 
 == Anatomy ==
 Lobsters have ten legs. The front legs carry claws.
