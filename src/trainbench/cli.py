@@ -142,16 +142,18 @@ def cmd_list(_args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from trainbench.benchmarks import get_benchmark
+    if args.benchmark != "bert":
+        from trainbench.benchmarks import get_benchmark
 
-    bench = get_benchmark(args.benchmark)
-    if bench.name != "bert":
+        bench = get_benchmark(args.benchmark)  # an unknown name fails here with the list of known ones
         raise UserError(f"`trainbench prepare {bench.name}` is not available yet; `prepare bert` is")
     if args.synthetic == bool(args.input):
         raise UserError("give --input PATH (raw text) or --synthetic, one of the two")
     if args.input:
-        return _prepare_bert_text(args)
-    return _prepare_bert_synthetic(args, bench)
+        return _prepare_bert_text(args)  # no torch import: workers start faster
+    from trainbench.benchmarks import get_benchmark
+
+    return _prepare_bert_synthetic(args, get_benchmark("bert"))
 
 
 def _prepare_bert_text(args) -> int:

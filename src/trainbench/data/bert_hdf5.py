@@ -61,7 +61,7 @@ def write_arrays(path: str | Path, arrays: dict[str, np.ndarray], dtypes: dict[s
     with h5py.File(tmp, "w") as f:
         for key, dtype in dtypes.items():
             if isinstance(dtype, str):
-                f.create_dataset(key, data=np.asarray(arrays[key]).astype(dtype), compression=None)
+                f.create_dataset(key, data=np.asarray(arrays[key]).astype(dtype, copy=False), compression=None)
             else:  # a variable-length dtype: arrays[key] is a list of 1-D arrays
                 ds = f.create_dataset(key, shape=(len(arrays[key]),), dtype=dtype)
                 if len(arrays[key]):
@@ -111,7 +111,9 @@ def write_varlength(path: str | Path, inst, vocab_size: int) -> None:
     lengths = inst.lengths
 
     def rows(flat, offsets, dtype):
-        return np.split(flat.astype(dtype), offsets[1:-1]) if len(offsets) > 1 else []
+        flat = flat.astype(dtype)
+        bounds = offsets.tolist()
+        return [flat[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
     segment = np.zeros(int(lengths.sum()), np.int8)
     starts = inst.offsets[:-1]

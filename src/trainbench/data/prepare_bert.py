@@ -456,6 +456,7 @@ def prepare(
             chunk_stats = _pass1(
                 files, kind, spec, work, chunk_bytes, workers, pool, progress, total_bytes, opts.resume
             )
+            pass1_seconds = time.perf_counter() - t0
             n_chunks = len(chunk_stats)
             if sum(c["train_instances"] for c in chunk_stats) == 0:
                 raise DataError("the input produced no training instances (no document has a sentence with a token)")
@@ -473,7 +474,9 @@ def prepare(
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    manifest = _manifest(spec, recipe, chunk_stats, records, eval_rec, out, time.perf_counter() - t0, workers)
+    seconds = time.perf_counter() - t0
+    manifest = _manifest(spec, recipe, chunk_stats, records, eval_rec, out, seconds, workers)
+    manifest["run"]["pass1_seconds"] = round(pass1_seconds, 2)
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, out / "manifest.json")

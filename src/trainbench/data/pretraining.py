@@ -103,30 +103,31 @@ def make_spans(documents: list[np.ndarray], spec: InstanceSpec, rng: random.Rand
     spans: list[tuple[int, int, int, int, int]] = []
     n_docs = len(documents)
     bounds = [d.tolist() for d in documents]
+    rand, randint = rng.random, rng.randint  # bound once: this loop runs per sentence
     for _ in range(dupe_factor):
         for doc_index in range(n_docs):
             doc = bounds[doc_index]
             n_sent = len(doc) - 1
             target = max_tokens
-            if rng.random() < spec.short_seq_prob:
-                target = rng.randint(2, max_tokens)
+            if rand() < spec.short_seq_prob:
+                target = randint(2, max_tokens)
             start = 0  # first sentence of the current chunk
             i = 0
             while i < n_sent:
                 length = doc[i + 1] - doc[start]
                 if i == n_sent - 1 or length >= target:
                     n_chunk = i + 1 - start
-                    a_end = rng.randint(1, n_chunk - 1) if n_chunk >= 2 else 1
+                    a_end = randint(1, n_chunk - 1) if n_chunk >= 2 else 1
                     a0, a1 = doc[start], doc[start + a_end]
-                    if n_chunk == 1 or rng.random() < 0.5:
+                    if n_chunk == 1 or rand() < 0.5:
                         random_next = 1
                         target_b = target - (a1 - a0)
                         for _ in range(10):
-                            other = rng.randint(0, n_docs - 1)
+                            other = randint(0, n_docs - 1)
                             if other != doc_index:
                                 break
                         rdoc = bounds[other]
-                        r_start = rng.randint(0, len(rdoc) - 2)
+                        r_start = randint(0, len(rdoc) - 2)
                         j = r_start
                         while j < len(rdoc) - 1:  # extend sentence by sentence until the target is reached
                             if rdoc[j + 1] - rdoc[r_start] >= target_b:
