@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
 
 
-def make_corpus(folder: Path, size_mb: float) -> int:
+def make_corpus(folder: Path, size_mb: float, data: Path) -> int:
     """WikiText-2 valid+test copied until size_mb; returns bytes written."""
-    sources = [SHARED / "text" / "wikitext-2" / name for name in ("valid.txt", "test.txt")]
+    sources = [data / "text" / "wikitext-2" / name for name in ("valid.txt", "test.txt")]
     missing = [str(p) for p in sources if not p.exists()]
     if missing:
         sys.exit(f"skipped: {', '.join(missing)} not found (the corpus lives in ../shared beside the repository)")
@@ -45,11 +45,11 @@ def make_corpus(folder: Path, size_mb: float) -> int:
     return written
 
 
-def run_once(corpus: Path, out: Path, workers: int, formats: str, num_shards: int) -> dict:
+def run_once(corpus: Path, out: Path, workers: int, formats: str, num_shards: int, data: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [
         sys.executable, "-m", "trainbench", "prepare", "bert", "--input", str(corpus),
-        "--vocab", str(SHARED / "bert" / "vocab.txt"), "--out", str(out), "--workers", str(workers),
+        "--vocab", str(data / "bert" / "vocab.txt"), "--out", str(out), "--workers", str(workers),
         "--formats", formats, "--num-shards", str(num_shards), "--eval-samples", "1000", "--eval-fraction", "0.05",
         "--no-progress",
     ]  # fmt: skip
@@ -83,14 +83,15 @@ def main() -> None:
     p.add_argument("--num-shards", type=int, default=64, help="about MLPerf's shard size at this corpus size")
     p.add_argument("--out", type=Path, default=Path("/tmp/trainbench-prepare-bench"))
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--data", type=Path, default=SHARED, help="folder with text/wikitext-2/ and bert/vocab.txt")
     args = p.parse_args()
     corpus = args.out / "corpus"
-    size = make_corpus(corpus, args.size_mb)
+    size = make_corpus(corpus, args.size_mb, args.data)
     print(f"corpus: {size / 1e6:.1f} MB in {len(list(corpus.iterdir()))} files; {os.cpu_count()} cores", flush=True)
     results = []
     for formats in args.formats:
         for workers in args.workers:
-            r = run_once(corpus, args.out / "prepared", workers, formats, args.num_shards)
+            r = run_once(corpus, args.out / "prepared", workers, formats, args.num_shards, args.data)
             results.append(r)
             print(json.dumps(r), flush=True)
     shutil.rmtree(args.out / "prepared", ignore_errors=True)
