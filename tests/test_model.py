@@ -1,5 +1,6 @@
 """Our BERT against `transformers.BertForPreTraining` on the same random weights."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,3 +126,67 @@ def test_init_checkpoint_errors(tmp_path):
     torch.save(big.state_dict(), tmp_path / "small.pt")
     with pytest.raises(DataError, match="does not fit the model config"):
         load_checkpoint(model, tmp_path / "small.pt")
+
+
+def _tf_name(hf_name: str) -> tuple[str, bool]:
+    """HF name -> the name Google's TF BERT checkpoint gives the same variable (and whether it is a kernel)."""
+    name = hf_name.replace(".layer.", ".layer_").replace(".", "/")
+    if name.endswith("LayerNorm/weight"):
+        return name[: -len("weight")] + "gamma", False
+    if name.endswith("LayerNorm/bias"):
+        return name[: -len("bias")] + "beta", False
+    if name.endswith("_embeddings/weight"):
+        return name[: -len("/weight")], False
+    if name == "cls/predictions/bias":
+        return "cls/predictions/output_bias", False
+    if name.startswith("cls/seq_relationship/"):
+        return name.replace("/weight", "/output_weights").replace("/bias", "/output_bias"), False
+    if name.endswith("/weight"):
+        return name[: -len("weight")] + "kernel", True
+    return name, False
+
+
+def test_tf_checkpoint_variables_convert_to_our_weights():
+    from trainbench.convert import convert_tf_variables
+    from trainbench.models.bert import to_hf_state_dict
+
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4,
+                                          intermediate_size=64, max_position_embeddings=64))  # fmt: skip
+    tf_vars = {}
+    for hf_name, tensor in to_hf_state_dict(model.state_dict()).items():
+        if hf_name.startswith("cls.predictions.decoder"):
+            continue  # tied: not a variable of its own in the TF checkpoint
+        name, kernel = _tf_name(hf_name)
+        tf_vars[name] = (tensor.T if kernel else tensor).numpy()
+    tf_vars["bert/encoder/layer_0/attention/self/query/kernel/adam_m"] = np.zeros((32, 32), np.float32)
+    tf_vars["global_step"] = np.array(28252)
+    ours = convert_tf_variables(tf_vars)
+    expected = model.state_dict()
+    assert set(ours) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(ours[key], value), key
+
+
+def test_convert_reads_a_real_tensorflow_checkpoint(tmp_path):
+    tf = pytest.importorskip("tensorflow", reason="TensorFlow is an optional extra: pip install 'trainbench[tf]'")
+    from trainbench.cli import main
+    from trainbench.models.bert import to_hf_state_dict
+
+    torch.manual_seed(1)
+    model = BertForPreTraining(BertConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4,
+                                          intermediate_size=64, max_position_embeddings=64))  # fmt: skip
+    graph = tf.Graph()
+    with graph.as_default():
+        for hf_name, tensor in to_hf_state_dict(model.state_dict()).items():
+            if not hf_name.startswith("cls.predictions.decoder"):
+                name, kernel = _tf_name(hf_name)
+                tf.compat.v1.get_variable(name, initializer=(tensor.T if kernel else tensor).numpy())
+        tf.compat.v1.train.get_or_create_global_step()
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            prefix = saver.save(session, str(tmp_path / "model.ckpt"), global_step=28252)
+    assert main(["convert", "bert", "--tf-checkpoint", prefix, "--out", str(tmp_path / "model.pt")]) == 0
+    converted = torch.load(tmp_path / "model.pt")
+    assert all(torch.equal(converted[k], v) for k, v in model.state_dict().items())

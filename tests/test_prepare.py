@@ -106,7 +106,7 @@ Lobsters have ten legs. The front legs carry claws.
 def test_wiki_xml_reader_strips_markup_and_skips_redirects_and_other_namespaces(tmp_path):
     dump = tmp_path / "enwiki-test-pages-articles.xml.bz2"
     dump.write_bytes(bz2.compress(WIKI_XML.encode()))
-    docs = [document_sentences("wiki-xml", raw) for raw in READERS["wiki-xml"](dump)]
+    docs = [document_sentences("wiki-xml", raw) for raw, _ in READERS["wiki-xml"](dump)]
     assert docs == [
         [
             "Lobsters are marine crustaceans of the family Nephropidae.",
@@ -124,7 +124,7 @@ def test_wikitext_reader_splits_articles_and_fixes_its_escapes(tmp_path):
         " \n = Alpha = \n \n The state @-@ of @-@ the @-@ art costs 1 @,@ 000 dollars . It is <unk> good . \n"
         " \n = = Section = = \n \n Second paragraph here . \n = Beta = \n \n Beta text . \n"
     )
-    docs = [document_sentences("wikitext", raw) for raw in READERS["wikitext"](path)]
+    docs = [document_sentences("wikitext", raw) for raw, _ in READERS["wikitext"](path)]
     assert len(docs) == 2
     assert docs[0][:2] == ["The state-of-the-art costs 1,000 dollars .", "It is good ."]
     assert not any("=" in s or "<unk>" in s for d in docs for s in d)

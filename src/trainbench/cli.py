@@ -116,6 +116,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--help-config", action="store_true", help="print every config key with its value and exit")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
+    conv = sub.add_parser(
+        "convert",
+        help="convert a reference checkpoint to trainbench's format",
+        description="Convert MLPerf's TensorFlow BERT checkpoint (needs `pip install 'trainbench[tf]'`) into a "
+        "state dict for model.init_checkpoint. HF safetensors weights need no conversion.",
+    )
+    conv.add_argument("benchmark", help="benchmark name (bert)")
+    conv.add_argument("--tf-checkpoint", required=True, help="checkpoint prefix, e.g. model.ckpt-28252")
+    conv.add_argument("--out", required=True, help="output .pt file")
+
     check = sub.add_parser(
         "check",
         help="run mlperf-logging's compliance checker on finished runs",
@@ -266,6 +276,21 @@ def cmd_run(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_convert(args) -> int:
+    from trainbench.console import console
+    from trainbench.convert import convert_bert
+
+    if args.benchmark != "bert":
+        raise UserError(f"`trainbench convert {args.benchmark}` is not available; `convert bert` is")
+    state = convert_bert(args.tf_checkpoint, args.out)
+    params = sum(t.numel() for t in state.values())
+    console.print(
+        f"wrote {args.out}: {len(state)} tensors, {params / 1e6:.2f}M parameters; "
+        f"use it with model.init_checkpoint={args.out}"
+    )
+    return 0
+
+
 def cmd_check(args) -> int:
     from trainbench.console import console
     from trainbench.launch.local import load_run_config
@@ -308,7 +333,7 @@ def _ruleset_from_log(log: Path, benchmarks) -> str:
     raise UserError(f"{log}: no known submission_benchmark in the log; pass --ruleset")
 
 
-COMMANDS = {"list": cmd_list, "prepare": cmd_prepare, "run": cmd_run, "check": cmd_check}
+COMMANDS = {"list": cmd_list, "prepare": cmd_prepare, "run": cmd_run, "convert": cmd_convert, "check": cmd_check}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,9 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except UserError as exc:
+        from rich.markup import escape
+
         from trainbench.console import console
 
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
     except KeyboardInterrupt:
         return 130

@@ -41,9 +41,10 @@ from trainbench.errors import DataError, UserError
 ALL_FORMATS = ("fixed", "varlength", "bins", "packed")
 BINS = (128, 256, 384, 512)  # the 4-bin split by sequence length
 _TABLE = ("offset", "len_a", "nsp", "mask_offset")  # columns of a chunk's per-instance table
-# Rough peak memory of one pass-1 worker per MB of chunk text, plus its fixed cost (tokenizer, numpy).
-_WORKER_MB_PER_CHUNK_MB = 40
-_WORKER_BASE_MB = 300
+# Peak memory of one worker per MB of chunk text, plus its fixed cost (measured: 368 MB at --chunk-mb 4,
+# 1.0 GB at --chunk-mb 16, the same for a 21 MB and a 41 MB corpus; see docs/performance.md).
+_WORKER_MB_PER_CHUNK_MB = 55
+_WORKER_BASE_MB = 200
 
 
 @dataclass
@@ -155,6 +156,7 @@ def process_chunk(chunk: textmod.Chunk, spec: PrepareSpec, work: str) -> dict:
     return {
         "index": chunk.index,
         "bytes": chunk.nbytes,
+        "input_bytes": chunk.input_bytes,
         "documents": len(documents),
         "eval_documents": int(held_out.sum()),
         "sentences": n_sent,
@@ -520,7 +522,7 @@ def _pass1(files, kind, spec, work, chunk_bytes, workers, pool, progress, total_
     def finish(result):
         stats[result["index"]] = result
         (stats_dir / f"c_{result['index']:06d}.json").write_text(json.dumps(result))
-        progress.update(task, advance=result["bytes"], extra=f"{len(stats)} chunks")
+        progress.update(task, advance=result["input_bytes"], extra=f"{len(stats)} chunks")
 
     for chunk in textmod.chunks(files, kind, chunk_bytes):
         done = stats_dir / f"c_{chunk.index:06d}.json"
@@ -566,10 +568,11 @@ def _pass2(spec, work, out, n_chunks, vocab_size, workers, pool, progress):
         for rec in fut.result():
             records[rec["shard"]] = rec
         progress.update(task, completed=len(records))
-    for sub in ("train", "eval", "train_varlength", "eval_varlength", "train_packed"):
+    eval_record = eval_future.result()
+    for sub in ("train", "eval", "train_varlength", "eval_varlength", "train_packed"):  # formats not asked for
         if not any((out / sub).iterdir()):
             (out / sub).rmdir()
-    return [records[s] for s in range(spec.num_shards)], eval_future.result()
+    return [records[s] for s in range(spec.num_shards)], eval_record
 
 
 def _manifest(spec, recipe, chunk_stats, records, eval_rec, out: Path, seconds: float, workers: int) -> dict:

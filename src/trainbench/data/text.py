@@ -20,9 +20,11 @@ number of workers; that is what makes the output independent of ``--workers``.
 from __future__ import annotations
 
 import bz2
+import io
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +40,8 @@ class Chunk:
     index: int
     kind: str  # one of FORMATS: tells the worker how to turn each raw document into sentences
     documents: list[str]
-    nbytes: int
+    nbytes: int  # characters of raw text
+    input_bytes: int = 0  # bytes of the input files this chunk moved through
 
 
 def list_inputs(paths: list[str | Path]) -> list[Path]:
@@ -70,54 +73,59 @@ def detect_format(files: list[Path]) -> str:
     return "results4"
 
 
+@contextmanager
 def _open_text(path: Path):
-    if path.suffix == ".bz2":
-        return bz2.open(path, "rt", encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+    """Text of a plain or .bz2 file, and the underlying binary file (whose tell() drives progress)."""
+    with open(path, "rb") as raw:
+        stream = bz2.BZ2File(raw) if path.suffix == ".bz2" else raw
+        yield io.TextIOWrapper(stream, encoding="utf-8", errors="replace"), raw
 
 
 # -- reading raw documents (parent process) ----------------------------------------------------------------
+# Each reader yields (raw document, bytes of the file consumed so far).
 
 
-def _blank_line_documents(path: Path, block_bytes: int = 1 << 23) -> Iterator[str]:
+def _blank_line_documents(path: Path, block_bytes: int = 1 << 23) -> Iterator[tuple[str, int]]:
     """Documents separated by blank lines (results4), read in large blocks."""
     tail = ""
-    with _open_text(path) as f:
+    with _open_text(path) as (f, raw):
         while block := f.read(block_bytes):
             text = tail + block
             cut = text.rfind("\n\n")
             if cut < 0:
                 tail = text
                 continue
-            yield from text[:cut].split("\n\n")
+            position = raw.tell()
+            for doc in text[:cut].split("\n\n"):
+                yield doc, position
             tail = text[cut + 2 :]
-    if tail:
-        yield tail
+        if tail:
+            yield tail, raw.tell()
 
 
 _WIKITEXT_TITLE = re.compile(r"= [^=].*[^=] =")
 
 
-def _wikitext_documents(path: Path) -> Iterator[str]:
+def _wikitext_documents(path: Path) -> Iterator[tuple[str, int]]:
     lines: list[str] = []
-    with _open_text(path) as f:
+    with _open_text(path) as (f, raw):
         for line in f:
             if _WIKITEXT_TITLE.fullmatch(line.strip()):
                 if "".join(lines).strip():
-                    yield "".join(lines)
+                    yield "".join(lines), raw.tell()
                 lines = []
             else:
                 lines.append(line)
-    if "".join(lines).strip():
-        yield "".join(lines)
+        if "".join(lines).strip():
+            yield "".join(lines), raw.tell()
 
 
-def _wiki_xml_documents(path: Path) -> Iterator[str]:
+def _wiki_xml_documents(path: Path) -> Iterator[tuple[str, int]]:
     """Raw wikitext of every article (namespace 0, not a redirect), streamed from the dump."""
-    opener = bz2.open if path.suffix == ".bz2" else open
     try:
-        with opener(path, "rb") as f:
-            context = ET.iterparse(f, events=("end",))
+        with open(path, "rb") as raw:
+            stream = bz2.BZ2File(raw) if path.suffix == ".bz2" else raw
+            context = ET.iterparse(stream, events=("end",))
             ns = redirect = text = None
             for _, elem in context:
                 tag = elem.tag.rsplit("}", 1)[-1]
@@ -129,7 +137,7 @@ def _wiki_xml_documents(path: Path) -> Iterator[str]:
                     text = elem.text
                 elif tag == "page":
                     if ns == "0" and not redirect and text:
-                        yield text
+                        yield text, raw.tell()
                     ns = redirect = text = None
                     elem.clear()
     except EOFError:
@@ -140,31 +148,37 @@ def _wiki_xml_documents(path: Path) -> Iterator[str]:
         raise DataError(f"{path} is not a well-formed Wikipedia XML dump ({exc})") from None
 
 
-READERS: dict[str, Callable[[Path], Iterator[str]]] = {
+READERS: dict[str, Callable[[Path], Iterator[tuple[str, int]]]] = {
     "wiki-xml": _wiki_xml_documents,
     "results4": _blank_line_documents,
     "wikitext": _wikitext_documents,
 }
 
 
-def chunks(files: list[Path], kind: str, chunk_bytes: int, on_file_done=None) -> Iterator[Chunk]:
-    """Whole documents, grouped until a chunk holds at least ``chunk_bytes`` characters of raw text."""
+def chunks(files: list[Path], kind: str, chunk_bytes: int) -> Iterator[Chunk]:
+    """Whole documents, grouped until a chunk holds at least ``chunk_bytes`` characters of raw text.
+
+    ``Chunk.input_bytes`` is how far the chunk moved through the input files (compressed bytes for .bz2),
+    so progress can be shown against the files' total size.
+    """
     reader = READERS[kind]
     docs: list[str] = []
-    size = index = 0
+    size = index = moved = 0
     for path in files:
-        for doc in reader(path):
+        last = 0
+        for doc, position in reader(path):
+            moved += position - last
+            last = position
             if not doc.strip():
                 continue
             docs.append(doc)
             size += len(doc)
             if size >= chunk_bytes:
-                yield Chunk(index, kind, docs, size)
-                docs, size, index = [], 0, index + 1
-        if on_file_done is not None:
-            on_file_done(path)
-    if docs:
-        yield Chunk(index, kind, docs, size)
+                yield Chunk(index, kind, docs, size, moved)
+                docs, size, index, moved = [], 0, index + 1, 0
+        moved += path.stat().st_size - last
+    if docs or moved:
+        yield Chunk(index, kind, docs, size, moved)
 
 
 # -- raw document -> sentences (workers) -----------------------------------------------------------------

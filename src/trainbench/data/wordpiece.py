@@ -92,7 +92,7 @@ def train_vocab(files: list[Path], kind: str, size: int, out: Path) -> Path:
 
     def sentences():
         for path in files:
-            for doc in READERS[kind](path):
+            for doc, _ in READERS[kind](path):
                 yield from document_sentences(kind, doc)
 
     tok = BertWordPieceTokenizer(lowercase=True)
