@@ -429,6 +429,31 @@ def test_an_interrupted_run_resumes_to_the_same_bytes(corpus, prepared, tmp_path
     assert "nothing to do" in capsys.readouterr().out
 
 
+def test_an_interruption_in_the_first_pass_resumes_to_the_same_bytes(corpus, prepared, tmp_path, monkeypatch):
+    out = tmp_path / "resumed1"
+    args = prepare_args(corpus, out, "--workers", "1", "--formats", "fixed,varlength,bins,packed")
+    real_process = pb.process_chunk
+
+    def crash_on_chunk_4(chunk, *a):
+        if chunk.index == 4:
+            raise KeyboardInterrupt
+        return real_process(chunk, *a)
+
+    monkeypatch.setattr(pb, "process_chunk", crash_on_chunk_4)
+    assert run_cli(*args) == 130
+    monkeypatch.setattr(pb, "process_chunk", real_process)
+    assert len(list((out / ".work" / "chunks").glob("c_*.json"))) == 4
+    assert run_cli(*args, "--resume") == 0
+    assert file_md5s(out) == file_md5s(prepared)
+
+
+def test_memory_bound_lowers_the_worker_count(corpus, tmp_path, capsys):
+    spec = pb.PrepareSpec([], "results4", "", chunk_mb=4)  # about 0.42 GB per worker
+    assert pb._plan_workers(pb.Options(workers=8, max_memory_gb=1.0), spec) == 2
+    assert run_cli(*prepare_args(corpus, tmp_path / "o", "--max-memory-gb", "0.1")) == 2
+    assert "--max-memory-gb" in _error_line(capsys)
+
+
 def test_a_shard_interrupted_while_written_never_has_its_final_name(tmp_path, monkeypatch):
     from trainbench.data import bert_hdf5
 

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from trainbench.data.text import WIKI_DUMP_URL
 from trainbench.errors import UserError
 
 EXAMPLES_RUN = """examples:
@@ -19,7 +20,7 @@ overrides are key=value; a key is its dotted path (optimizer.lr) or, where unamb
 """
 
 
-WIKI_DUMP = "enwiki-*-pages-articles*.xml.bz2, from https://dumps.wikimedia.org/enwiki/"
+WIKI_DUMP = "enwiki-*-pages-articles*.xml.bz2; the latest is at " + WIKI_DUMP_URL
 EXAMPLES_PREPARE = """examples:
   trainbench prepare bert --synthetic --preset tiny --out data/bert-tiny
   trainbench prepare bert --input enwiki-20200101-pages-articles-multistream.xml.bz2 \\
