@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from trainbench.data.text import WIKI_DUMP_URL
-from trainbench.errors import UserError
+from trainbench.errors import Preempted, UserError
 
 EXAMPLES_RUN = """examples:
   trainbench run bert --preset tiny data.dir=data/bert-tiny
@@ -348,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         return COMMANDS[args.command](args)
+    except Preempted as exc:
+        from trainbench.console import console
+
+        console.print(f"{exc}; continue with the same command plus resume=true")
+        return Preempted.exit_code
     except UserError as exc:
         from rich.markup import escape
 

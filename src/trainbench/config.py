@@ -90,6 +90,12 @@ class DistributedConfig:
 class OutputConfig:
     results_dir: str = option("results", "Where run folders are created.")
     log_every_steps: int = option(10, "Steps between loss/throughput records (each is a host sync).")
+    checkpoint_every_steps: int = option(
+        0, "Save a checkpoint every N steps (0: only when SIGUSR1/SIGTERM asks to stop); resume=true continues."
+    )
+    run_dir: str | None = option(
+        None, "Write into this run folder instead of a new one under results_dir (resume=true: continue it)."
+    )
     progress: bool = option(True, "Show a live progress line on rank 0.")
     submission_org: str = option("trainbench", "MLPerf `submission_org`.")
     submission_platform: str = option("", "MLPerf `submission_platform` (empty: derived from the machine).")
@@ -102,6 +108,9 @@ class RunConfig:
     benchmark: str = option("bert", "Benchmark name (see `trainbench list`).")
     preset: str = option("tiny", "Preset the config started from.")
     seed: int = option(1234, "Seed of the run (experiment i of --nexp uses seed + i).")
+    resume: bool = option(
+        False, "Continue unfinished runs from their checkpoints: output.run_dir, else the newest run folder."
+    )
     device: str = option("auto", "Where to train (auto: CUDA when present).", choices=("auto", "cpu", "cuda"))
     precision: str = option(
         "auto", "Compute precision (auto: bf16 autocast on CUDA, fp32 on CPU).", choices=("auto", "fp32", "bf16")

@@ -15,3 +15,9 @@ class DataError(UserError):
 
 class TrainingDiverged(UserError):
     """The loss became NaN or infinite."""
+
+
+class Preempted(Exception):
+    """A stop signal (SIGUSR1 before a Slurm time limit, SIGTERM) arrived: a checkpoint was saved."""
+
+    exit_code = 3

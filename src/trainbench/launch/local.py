@@ -81,17 +81,48 @@ def preflight(bench: Benchmark, cfg: RunConfig) -> str:
     return device
 
 
+def resume_run_dir(bench: Benchmark, cfg: RunConfig) -> Path:
+    """The folder resume=true continues: output.run_dir, else the newest of this benchmark and preset."""
+    if cfg.output.run_dir:
+        return Path(cfg.output.run_dir)
+    root = Path(cfg.output.results_dir)
+    candidates = sorted(root.glob(f"*-{bench.name}-{cfg.preset}*/config.yaml")) if root.is_dir() else []
+    if not candidates:
+        raise UserError(
+            f"resume=true but {root} holds no {bench.name}/{cfg.preset} run folder; "
+            "give output.run_dir=FOLDER or start without resume=true"
+        )
+    return candidates[-1].parent
+
+
+def finished(run_dir: Path, index: int) -> bool:
+    return (run_dir / f"run_{index}.json").exists() and (run_dir / f"result_{index}.txt").exists()
+
+
 def run_experiments(bench: Benchmark, cfg: RunConfig, nexp: int = 1) -> tuple[Path, list[RunRecord]]:
     if nexp < 1:
         raise ConfigError(f"--nexp must be at least 1, got {nexp}")
+    if cfg.resume:
+        run_dir = resume_run_dir(bench, cfg)
+        if (run_dir / "config.yaml").exists():  # continue with the settings the run started with
+            _, saved = load_run_config(run_dir / "config.yaml")
+            cfg = dataclasses.replace(
+                saved, resume=True, output=dataclasses.replace(saved.output, run_dir=str(run_dir))
+            )
     device = preflight(bench, cfg)
-    run_dir = new_run_dir(cfg.output.results_dir, bench.name, cfg.preset)
+    if cfg.output.run_dir:
+        run_dir = Path(cfg.output.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        run_dir = new_run_dir(cfg.output.results_dir, bench.name, cfg.preset)
     save_config(cfg, run_dir / "config.yaml")
     out = RunConsole(run_dir / "console.log")
     out.say(f"results folder: {run_dir}")
     records = []
     for index in range(nexp):
-        if cfg.distributed.nproc == 1:
+        if cfg.resume and finished(run_dir, index):
+            out.say(f"run {index}: finished already")
+        elif cfg.distributed.nproc == 1:
             _run_in_process(bench, experiment_config(cfg, index), run_dir, index, device)
         else:
             _run_torchrun(cfg, run_dir, index)
@@ -105,7 +136,7 @@ def _run_in_process(bench: Benchmark, cfg: RunConfig, run_dir: Path, index: int,
     from trainbench.train.loop import train
 
     info = init_distributed(device, cfg.distributed.backend)
-    train(cfg, bench, run_dir, index, info)
+    train(cfg, bench, run_dir, index, info, resume=cfg.resume)
 
 
 def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
@@ -123,6 +154,7 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
         "trainbench.launch.worker",
         str(run_dir),
         str(index),
+        *(["--resume"] if cfg.resume else []),
     ]
     proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0:
@@ -178,5 +210,7 @@ def write_summary(bench: Benchmark, cfg: RunConfig, run_dir: Path, records: list
         ],
     }
     path = run_dir / "summary.json"
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp = path.with_name(f"summary.json.{os.getpid()}.tmp")  # several Slurm array tasks may write it
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
     return path

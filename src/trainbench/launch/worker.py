@@ -2,32 +2,82 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 from pathlib import Path
 
+from rich.markup import escape
+
 from trainbench.console import console
-from trainbench.errors import UserError
+from trainbench.errors import Preempted, UserError
 from trainbench.launch.local import experiment_config, load_run_config
 from trainbench.train.distributed import init_distributed, resolve_device, shutdown
 from trainbench.train.loop import train
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``RUN_DIR INDEX [--resume]``: one rank of run INDEX (torchrun's or Slurm's environment)."""
     argv = sys.argv[1:] if argv is None else argv
-    run_dir, index = Path(argv[0]), int(argv[1])
+    run_dir, index, resume = Path(argv[0]), int(argv[1]), "--resume" in argv[2:]
     bench, cfg = load_run_config(run_dir / "config.yaml")
     cfg = experiment_config(cfg, index)
     info = init_distributed(resolve_device(cfg.device), cfg.distributed.backend)
-    assert info.world_size == cfg.distributed.nproc, "torchrun's WORLD_SIZE differs from distributed.nproc"
     try:
-        train(cfg, bench, run_dir, index, info)
+        bind_cpus(info)
+        train(cfg, bench, run_dir, index, info, resume=resume)
+    except Preempted as exc:
+        if info.is_main:
+            console.print(str(exc))
+        return Preempted.exit_code
     except UserError as exc:
         if info.is_main:
-            console.print(f"[red]error:[/red] {exc}")
+            console.print(f"[red]error:[/red] {escape(str(exc))}")
         return 1
     finally:
         shutdown()
     return 0
+
+
+def bind_cpus(info) -> None:
+    """Pin this rank to the cores TRAINBENCH_CPU_MAP gives its local rank ("0-13;14-27;..."), after checking
+    that they exist on this node: a wrong layout in a system file becomes one readable sentence."""
+    layout = os.environ.get("TRAINBENCH_CPU_MAP")
+    if not layout:
+        return
+    ranges = layout.split(";")
+    if info.local_rank >= len(ranges):
+        raise UserError(f"the system's CPU map has {len(ranges)} entries but this is local rank {info.local_rank}")
+    cpus = parse_cpu_list(ranges[info.local_rank])
+    usable = os.sched_getaffinity(0)
+    missing = sorted(cpus - usable)
+    if missing:
+        raise UserError(
+            f"local rank {info.local_rank} on {socket.gethostname()} should run on CPUs {ranges[info.local_rank]} "
+            f"but this node offers only {len(usable)} CPUs ({format_cpu_list(usable)}; nproc says {os.cpu_count()}); "
+            "fix cpus_per_node / numa in the system file"
+        )
+    os.sched_setaffinity(0, cpus)
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def format_cpu_list(cpus) -> str:
+    cpus = sorted(cpus)
+    runs, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            runs.append(f"{start}-{c}" if c != start else f"{c}")
+            start = None
+    return ",".join(runs)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,19 @@ def available_slots(device: str) -> int:
 
 
 def init_distributed(device_kind: str, backend: str) -> DistInfo:
-    """Read torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE) and join the process group."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    """Read torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE), or Slurm's (SLURM_PROCID, SLURM_LOCALID,
+    SLURM_NTASKS) for a task started by srun, and join the process group (MASTER_ADDR/MASTER_PORT)."""
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
+    rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+    local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")))
+    nodes = int(env.get("SLURM_NNODES", "1"))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", str(max(1, world // nodes))))
+    if world > 1:
+        # torch reads these from the environment; under srun they come from SLURM_* instead.
+        env.setdefault("RANK", str(rank))
+        env.setdefault("WORLD_SIZE", str(world))
+        env.setdefault("LOCAL_RANK", str(local_rank))
     if device_kind == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

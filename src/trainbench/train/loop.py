@@ -10,6 +10,8 @@ import contextlib
 import json
 import os
 import random
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,9 +24,41 @@ from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig
 from trainbench.console import RunConsole, TrainProgress
 from trainbench.data.prefetch import prefetch
-from trainbench.errors import TrainingDiverged
+from trainbench.errors import Preempted, TrainingDiverged
 from trainbench.mlperf import MLPerfLog, constants
+from trainbench.train import checkpoint
 from trainbench.train.distributed import DistInfo, all_reduce_sum
+
+# Logged (a point in time) when a run continues from a checkpoint; value: how many times it was resumed.
+RESUMED_KEY = "trainbench_resumed"
+
+
+class StopSignal:
+    """SIGUSR1 (Slurm's warning before the time limit) or SIGTERM: finish the step, checkpoint, stop."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self):
+        self.caught = False
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.caught = True
+
+    def any(self, info: DistInfo) -> bool:
+        """Whether any rank caught a signal (all ranks must agree to checkpoint together)."""
+        if info.world_size == 1:
+            return self.caught
+        flag = torch.tensor([float(self.caught)], device=info.device)
+        return bool(all_reduce_sum(flag, info).item() > 0)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
 
 @dataclass
@@ -69,42 +103,60 @@ def platform_name(device: torch.device, world_size: int) -> str:
     return f"{world_size}xCPU_{os.cpu_count()}cores"
 
 
-def train(cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: DistInfo) -> RunOutcome:
-    """Train run ``index`` of ``run_dir`` to the target (or to max_samples) and write its MLPerf log."""
+def train(
+    cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: DistInfo, resume: bool = False
+) -> RunOutcome:
+    """Train run ``index`` of ``run_dir`` to the target (or to max_samples) and write its MLPerf log.
+
+    With ``resume`` and a checkpoint of run ``index`` in ``run_dir``, continue from it: same samples,
+    same optimizer state, same RNG, appending to the run's MLPerf log. SIGUSR1 or SIGTERM saves a
+    checkpoint and raises :class:`Preempted`, leaving the log unfinished (``.partial``).
+    """
     is_main = info.is_main
     partial, final = result_paths(run_dir, index)
     out = RunConsole(run_dir / "console.log", enabled=is_main)
-    mll = MLPerfLog(partial if is_main else None)
+    ckpt = checkpoint.find_checkpoint(run_dir, index) if resume else None
+    if ckpt is None and is_main:
+        partial.unlink(missing_ok=True)  # a fresh start: nothing of an earlier attempt stays in the log
+        (run_dir / "metrics.jsonl").touch()
+    mll = MLPerfLog(partial if is_main else None)  # appends when resuming
     device = info.device
     use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
 
-    mll.event(constants.CACHE_CLEAR, True)
-    mll.start(constants.INIT_START)
     o = cfg.output
-    mll.event(constants.SUBMISSION_BENCHMARK, bench.mlperf_name)
-    mll.event(constants.SUBMISSION_ORG, o.submission_org)
-    mll.event(constants.SUBMISSION_DIVISION, o.division)
-    mll.event(constants.SUBMISSION_STATUS, o.status)
-    mll.event(constants.SUBMISSION_PLATFORM, o.submission_platform or platform_name(device, info.world_size))
+    # The log's header (init, submission and hyperparameter keys) is written once: not again on resume.
+    header = mll if ckpt is None else MLPerfLog(None)
+    header.event(constants.CACHE_CLEAR, True)
+    header.start(constants.INIT_START)
+    header.event(constants.SUBMISSION_BENCHMARK, bench.mlperf_name)
+    header.event(constants.SUBMISSION_ORG, o.submission_org)
+    header.event(constants.SUBMISSION_DIVISION, o.division)
+    header.event(constants.SUBMISSION_STATUS, o.status)
+    header.event(constants.SUBMISSION_PLATFORM, o.submission_platform or platform_name(device, info.world_size))
 
     seed_everything(cfg.seed)
     model = bench.build_model(cfg).to(device)
     if info.world_size > 1:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = bench.build_optimizer(cfg, model)
-    data = bench.build_data(cfg, info.rank, info.world_size)
     accumulation = bench.accumulation_steps(cfg)
     gbs = cfg.data.global_batch_size
     eval_every = cfg.eval.every_samples or bench.eval_every_samples(cfg)
     max_samples = cfg.schedule.max_samples or cfg.schedule.total_steps * gbs
+    state = checkpoint.LoopState(next_eval=eval_every)
+    if ckpt is not None:
+        state = checkpoint.load(ckpt, model, optimizer, info)
+        state.resumed += 1
+    # The data stream is in rows: step x GBS of them were consumed (a packed row holds several samples).
+    data = bench.build_data(cfg, info.rank, info.world_size, start_sample=state.step * gbs)
 
-    mll.event(constants.SEED, cfg.seed)
-    mll.event(constants.GLOBAL_BATCH_SIZE, gbs)
-    mll.event(constants.GRADIENT_ACCUMULATION_STEPS, accumulation)
-    mll.event(constants.TRAIN_SAMPLES, data.train_samples)
-    mll.event(constants.EVAL_SAMPLES, data.eval_samples)
+    header.event(constants.SEED, cfg.seed)
+    header.event(constants.GLOBAL_BATCH_SIZE, gbs)
+    header.event(constants.GRADIENT_ACCUMULATION_STEPS, accumulation)
+    header.event(constants.TRAIN_SAMPLES, data.train_samples)
+    header.event(constants.EVAL_SAMPLES, data.eval_samples)
     for key, value in bench.hyperparameters(cfg).items():
-        mll.event(key, value)
+        header.event(key, value)
     n_params = sum(p.numel() for p in model.parameters())
     out.say(
         f"run {index}: {bench.name}/{cfg.preset}, seed {cfg.seed}, {n_params / 1e6:.2f}M parameters, "
@@ -114,21 +166,30 @@ def train(cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: Dis
         f"{'>=' if bench.higher_is_better else '<='} {cfg.eval.target}"
     )
 
-    mll.end(constants.INIT_STOP)
-    run_start_ms = int(time.time() * 1000)
-    mll.start(constants.RUN_START, time_ms=run_start_ms)
+    if ckpt is None:
+        mll.end(constants.INIT_STOP)
+        state.run_start_ms = int(time.time() * 1000)
+        mll.start(constants.RUN_START, time_ms=state.run_start_ms)
+    else:
+        # MLPerf semantics: the log says the run was resumed, and from where; time to train keeps
+        # counting from the original run_start, so the time lost to the interruption is included.
+        mll.event(RESUMED_KEY, state.resumed, metadata={"step": state.step, "samples": state.samples})
+        out.say(f"run {index}: resumed from {ckpt} at step {state.step:,} ({state.samples:,} samples)")
+    run_start_ms = state.run_start_ms
 
     metrics = open(run_dir / "metrics.jsonl", "a") if is_main else None
     progress = TrainProgress(max_samples, bench.metric_name, enabled=is_main and o.progress)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    step = samples = 0
-    next_eval = eval_every
+    step, samples, next_eval = state.step, state.samples, state.next_eval
     status, reason, metric = constants.ABORTED, f"max_samples={max_samples:,} reached before the target", None
-    evals: list[tuple[int, float]] = []
+    evals: list[tuple[int, float]] = [tuple(e) for e in state.evals]
+    metric = evals[-1][1] if evals else None
+    stop = StopSignal()
+    preempted = False
     # Loss and finiteness stay on device between log points: reading them is a host sync.
     loss_sum = torch.zeros((), device=device)
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)
-    last_log_time, last_log_samples, last_log_step = time.perf_counter(), 0, 0
+    last_log_time, last_log_samples, last_log_step = time.perf_counter(), samples, step
     timed_seconds, timed_samples = 0.0, 0
 
     def record(row: dict) -> None:
@@ -143,8 +204,15 @@ def train(cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: Dis
                 "raise schedule.warmup_steps or check the data"
             )
 
-    mll.start(constants.BLOCK_START, metadata={"first_epoch_num": 0, "epoch_count": eval_every})
+    if ckpt is None:
+        mll.start(constants.BLOCK_START, metadata={"first_epoch_num": 0, "epoch_count": eval_every})
     model.train()
+
+    def save_checkpoint() -> None:
+        loop_state = checkpoint.LoopState(step, samples, next_eval, run_start_ms, evals, state.resumed)
+        checkpoint.save(run_dir, index, model.module if hasattr(model, "module") else model, optimizer,
+                        loop_state, info)  # fmt: skip
+
     try:
         for micro_batches in prefetch(data.train, cfg.data.prefetch):
             lr = bench.lr_at(cfg, step)
@@ -179,6 +247,10 @@ def train(cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: Dis
                 progress.update(samples, loss=mean_loss, rate=rate)
                 loss_sum.zero_()
                 last_log_time, last_log_samples, last_log_step = now, samples, step
+                if stop.any(info):
+                    save_checkpoint()
+                    preempted = True
+                    raise Preempted(f"run {index}: stopped by a signal at step {step:,}; checkpoint saved in {run_dir}")
 
             if samples >= next_eval or samples >= max_samples:
                 mll.end(constants.BLOCK_STOP, metadata={"first_epoch_num": next_eval - eval_every})
@@ -198,13 +270,17 @@ def train(cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: Dis
                 mll.start(constants.BLOCK_START, metadata={"first_epoch_num": samples, "epoch_count": eval_every})
                 # The eval's time is not training time.
                 last_log_time = time.perf_counter()
+            if o.checkpoint_every_steps and step % o.checkpoint_every_steps == 0:
+                save_checkpoint()
     except TrainingDiverged as exc:
         reason = str(exc)
         raise
     finally:
         progress.close()
+        stop.restore()
         run_stop_ms = int(time.time() * 1000)
-        mll.end(constants.RUN_STOP, metadata={"status": status}, time_ms=run_stop_ms)
+        if not preempted:  # a preempted run is not over: no run_stop, the log stays .partial
+            mll.end(constants.RUN_STOP, metadata={"status": status}, time_ms=run_stop_ms)
         mll.close()
         if metrics is not None:
             metrics.close()
@@ -224,7 +300,7 @@ def train(cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: Dis
             train_samples_per_s=timed_samples / timed_seconds if timed_seconds else None,
             peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         )
-        if is_main:
+        if is_main and not preempted:
             # Only a run that reached run_stop gets its final name (even if aborted); a crash leaves .partial.
             partial.replace(final)
             (run_dir / f"run_{index}.json").write_text(json.dumps(outcome.to_json(), indent=2) + "\n")
