@@ -21,6 +21,13 @@ overrides are key=value; a key is its dotted path (optimizer.lr) or, where unamb
 
 
 WIKI_DUMP = "enwiki-*-pages-articles*.xml.bz2; the latest is at " + WIKI_DUMP_URL
+EXAMPLES_SUBMIT = """examples:
+  trainbench submit bert --system dgxh100_8x8 --nexp 10 data.dir=/lustre/bert
+  trainbench submit bert --system dgxh100_1x8 --nodes 2 --time 00:45:00 --dry-run data.dir=/data/bert
+  trainbench submit bert --preset tiny --system local_cpu_1x2 data.dir=data/bert-tiny
+
+systems: the YAML files in ./systems/ and the built-in ones (trainbench submit --system ? lists them).
+"""
 EXAMPLES_PREPARE = """examples:
   trainbench prepare bert --synthetic --preset tiny --out data/bert-tiny
   trainbench prepare bert --input enwiki-20200101-pages-articles-multistream.xml.bz2 \\
@@ -116,6 +123,24 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--nexp", type=int, default=1, help="experiments to run, seeds seed..seed+K-1 (default 1)")
     run.add_argument("--help-config", action="store_true", help="print every config key with its value and exit")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+    subm = sub.add_parser(
+        "submit",
+        help="write an sbatch script for a system and submit it to Slurm",
+        description="Write the sbatch script for BENCH on a system (systems/NAME.yaml), check the request "
+        "against the cluster (sinfo), and submit it. The results folder holds the script, config and logs.",
+        epilog=EXAMPLES_SUBMIT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    subm.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
+    subm.add_argument("--system", required=True, help="system name (systems/NAME.yaml or built in) or a YAML path")
+    subm.add_argument("--preset", default="large", help="starting config (default: large)")
+    subm.add_argument("--config", action="append", default=[], metavar="FILE.yaml", help="YAML overrides; may repeat")
+    subm.add_argument("--nodes", type=int, help="nodes (default: the system's)")
+    subm.add_argument("--time", help="time limit HH:MM:SS (default: the system's)")
+    subm.add_argument("--nexp", type=int, default=1, help="experiments: a job array of K runs (default 1)")
+    subm.add_argument("--dry-run", action="store_true", help="write and print the script; do not submit")
+    subm.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
     conv = sub.add_parser(
         "convert",
@@ -277,6 +302,44 @@ def cmd_run(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_submit(args) -> int:
+    import dataclasses
+
+    from trainbench.config import parse_key_values
+    from trainbench.console import console
+    from trainbench.launch.local import build_config
+    from trainbench.launch.slurm import submit
+    from trainbench.launch.systems import fit_micro_batch, load_system
+
+    system = load_system(args.system)
+    changes = {}
+    if args.nodes is not None:
+        changes["nodes"] = args.nodes
+    if args.time is not None:
+        changes["time"] = args.time
+    if changes:
+        system = dataclasses.replace(system, **changes)
+        system.validate()
+    overrides = parse_key_values(args.overrides)
+    overrides.setdefault("device", system.device)
+    bench, cfg = build_config(args.benchmark, args.preset, args.config, overrides)
+    cfg = fit_micro_batch(cfg, system)
+    command = ["trainbench", *(sys.argv[1:] if sys.argv[1:2] == ["submit"] else ["submit", args.benchmark])]
+    run_dir, script, job_id = submit(bench, cfg, system, args.nexp, args.dry_run, command)
+    layout = system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)
+    if args.dry_run:
+        console.print(script, markup=False, highlight=False)
+        console.print(
+            f"dry run: {layout} on {system.name}; script written to {run_dir / 'submit.sbatch'}, not submitted"
+        )
+    else:
+        console.print(
+            f"submitted job {job_id}: {bench.name}/{cfg.preset}, {layout} on {system.name}, "
+            f"{args.nexp} run(s); results: {run_dir}"
+        )
+    return 0
+
+
 def cmd_convert(args) -> int:
     from trainbench.console import console
     from trainbench.convert import convert_bert
@@ -334,14 +397,21 @@ def _ruleset_from_log(log: Path, benchmarks) -> str:
     raise UserError(f"{log}: no known submission_benchmark in the log; pass --ruleset")
 
 
-COMMANDS = {"list": cmd_list, "prepare": cmd_prepare, "run": cmd_run, "convert": cmd_convert, "check": cmd_check}
+COMMANDS = {
+    "list": cmd_list,
+    "prepare": cmd_prepare,
+    "run": cmd_run,
+    "submit": cmd_submit,
+    "convert": cmd_convert,
+    "check": cmd_check,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # key=value overrides may come before or after options; argparse leaves the later ones unparsed.
     args, extra = parser.parse_known_args(argv)
-    stray = [a for a in extra if args.command != "run" or "=" not in a or a.startswith("-")]
+    stray = [a for a in extra if args.command not in ("run", "submit") or "=" not in a or a.startswith("-")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:

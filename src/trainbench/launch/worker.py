@@ -12,6 +12,7 @@ from rich.markup import escape
 from trainbench.console import console
 from trainbench.errors import Preempted, UserError
 from trainbench.launch.local import experiment_config, load_run_config
+from trainbench.launch.systems import format_cpus, parse_cpus
 from trainbench.train.distributed import init_distributed, resolve_device, shutdown
 from trainbench.train.loop import train
 
@@ -48,36 +49,16 @@ def bind_cpus(info) -> None:
     ranges = layout.split(";")
     if info.local_rank >= len(ranges):
         raise UserError(f"the system's CPU map has {len(ranges)} entries but this is local rank {info.local_rank}")
-    cpus = parse_cpu_list(ranges[info.local_rank])
+    cpus = parse_cpus(ranges[info.local_rank])
     usable = os.sched_getaffinity(0)
     missing = sorted(cpus - usable)
     if missing:
         raise UserError(
             f"local rank {info.local_rank} on {socket.gethostname()} should run on CPUs {ranges[info.local_rank]} "
-            f"but this node offers only {len(usable)} CPUs ({format_cpu_list(usable)}; nproc says {os.cpu_count()}); "
+            f"but this node offers only {len(usable)} CPUs ({format_cpus(usable)}; nproc says {os.cpu_count()}); "
             "fix cpus_per_node / numa in the system file"
         )
     os.sched_setaffinity(0, cpus)
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def format_cpu_list(cpus) -> str:
-    cpus = sorted(cpus)
-    runs, start = [], None
-    for i, c in enumerate(cpus):
-        if start is None:
-            start = c
-        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
-            runs.append(f"{start}-{c}" if c != start else f"{c}")
-            start = None
-    return ",".join(runs)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,265 @@
+"""`trainbench submit`: an sbatch script per results folder, checked against the cluster, then submitted.
+
+The script starts one process per GPU (or per CPU rank) with ``srun``; each reads its rank from
+``SLURM_PROCID``/``SLURM_LOCALID``/``SLURM_NTASKS`` and meets the others at the first node's address.
+Every value that reaches the script is shell-quoted, so names, paths and overrides with spaces, quotes,
+``$()`` or ``;`` are data, never code.
+
+K experiments (``--nexp``) are one job array: one submission, the runs start as soon as resources allow
+(side by side on a cluster with room), each array task is requeued on its own after a preemption, and
+``SLURM_ARRAY_TASK_ID`` is the run index (``result_<i>.txt``). A dependency chain would serialise runs that
+do not depend on each other.
+
+Preemption: ``--signal=USR1@120`` makes every rank checkpoint and exit with code 3 two minutes before the
+time limit; the script then requeues the job (``--requeue``), and the requeued job resumes from the
+checkpoint. ``scancel`` leaves ``slurm_<i>.json`` saying CANCELLED in the results folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from trainbench.benchmarks.base import Benchmark
+from trainbench.config import RunConfig, save_config
+from trainbench.errors import Preempted, UserError
+from trainbench.launch.local import new_run_dir
+from trainbench.launch.systems import System
+
+q = shlex.quote
+
+
+def _job_name(bench: str, preset: str, system: str) -> str:
+    # Slurm shows job names in squeue; keep them to characters every tool prints as they are.
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", f"tb-{bench}-{preset}-{system}")[:64]
+
+
+def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, command: list[str], python: str) -> str:
+    """The sbatch script: #SBATCH lines, environment, srun of every rank, requeue and bookkeeping."""
+    ranks = system.ranks_per_node
+    sb = [
+        f"--job-name={_job_name(cfg.benchmark, cfg.preset, system.name)}",
+        f"--nodes={system.nodes}",
+        f"--ntasks-per-node={ranks}",
+        f"--time={system.time}",
+        f"--output={run_dir}/{'slurm-%A_%a.out' if nexp > 1 else 'slurm-%j.out'}",
+        "--requeue",
+        "--signal=USR1@120",
+    ]
+    if system.gpus_per_node:
+        sb.append(f"--gpus-per-node={system.gpus_per_node}")
+    if system.partition:
+        sb.append(f"--partition={system.partition}")
+    if system.account:
+        sb.append(f"--account={system.account}")
+    if system.exclusive:
+        sb.append("--exclusive")
+    if nexp > 1:
+        sb.append(f"--array=0-{nexp - 1}")
+    srun = ["srun", f"--mpi={system.mpi}", f"--ntasks-per-node={ranks}", "--kill-on-bad-exit=1"]
+    if system.cpu_bind:
+        srun.append(f"--cpu-bind={system.cpu_bind}")
+    if system.srun_gres:
+        srun.append(f"--gres={system.srun_gres}")  # repeated on srun: some Slurm versions drop it otherwise
+    if system.container_image:
+        srun.append(f"--container-image={system.container_image}")
+        if system.container_mounts:
+            srun.append(f"--container-mounts={','.join(system.container_mounts)}")
+    env = dict(system.env)
+    if system.numa:
+        env["TRAINBENCH_CPU_MAP"] = ";".join(system.cpu_map())
+    recorded = " ".join(q(a) for a in command).replace("\n", " ")
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {q(opt)}" for opt in sb),
+        f"# written by: {recorded}",
+        f"# layout {system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)}"
+        " (nodes x ranks per node x micro-batch x accumulation)",
+        "set -uo pipefail",
+        f"RUN_DIR={q(str(run_dir))}",
+        f"PYTHON={q(python)}",
+        "INDEX=${SLURM_ARRAY_TASK_ID:-0}",
+        'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+        *(f"export {k}={q(v)}" for k, v in env.items() if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)),
+        "state() {  # the job's state, for whoever reads the results folder",
+        '  printf \'{"job_id": "%s", "index": %s, "state": "%s", "exit_code": %s}\\n\' '
+        '"$SLURM_JOB_ID" "$INDEX" "$1" "$2" > "$RUN_DIR/slurm_$INDEX.json"',
+        "}",
+        "on_term() {  # scancel or the time limit: record which, let srun stop the ranks",
+        '  s=$(scontrol show job "$SLURM_JOB_ID" -o 2>/dev/null | grep -o "JobState=[A-Z_]*" | cut -d= -f2)',
+        '  state "${s:-TERMINATED}" null',
+        "  STOPPED=1",
+        "}",
+        "STOPPED=0",
+        "trap on_term TERM",
+        "state RUNNING null",
+        " ".join(srun) + ' "$PYTHON" -m trainbench.launch.worker "$RUN_DIR" "$INDEX" --resume &',
+        "wait $!; rc=$?",
+        "while kill -0 $! 2>/dev/null; do wait $!; rc=$?; done  # a trapped signal interrupts the first wait",
+        'if [ "$STOPPED" = 1 ]; then exit "$rc"; fi',
+        f'if [ "$rc" = {Preempted.exit_code} ]; then  # checkpoint saved before the time limit: go again',
+        '  state REQUEUED "$rc"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "  exit 0",
+        "fi",
+        '"$PYTHON" -m trainbench.launch.slurm finish "$RUN_DIR" "$INDEX" "$rc"',
+        'exit "$rc"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# -- what the cluster can do ------------------------------------------------------------------------------
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise UserError(
+            f"`{cmd[0]}` was not found: Slurm's client tools must be on PATH to submit "
+            "(use --dry-run to only write the script)"
+        ) from None
+    if proc.returncode != 0:
+        raise UserError(f"`{' '.join(cmd)}` failed: {(proc.stderr or proc.stdout).strip()[:300]}")
+    return proc.stdout
+
+
+def _minutes(limit: str) -> float:
+    """Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS; 'infinite') -> minutes."""
+    if limit in ("infinite", "UNLIMITED"):
+        return float("inf")
+    days, _, rest = limit.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        parts += [0] * (3 - len(parts))
+        h, m, s = parts
+    elif len(parts) == 3:
+        h, m, s = parts
+    elif len(parts) == 2:
+        h, m, s = 0, parts[0], parts[1]
+    else:
+        h, m, s = 0, parts[0], 0
+    return int(days or 0) * 1440 + h * 60 + m + s / 60
+
+
+def check_cluster(system: System) -> str:
+    """Partition, nodes, CPUs, GPUs and time limit against the request; returns the partition used."""
+    partitions = {}
+    for line in _run(["sinfo", "-h", "-o", "%P|%a|%l|%D|%c|%G"]).splitlines():
+        name, avail, limit, nodes, cpus, gres = line.split("|")
+        default = name.endswith("*")
+        name = name.rstrip("*")
+        entry = partitions.setdefault(name, {"avail": avail, "limit": limit, "nodes": 0, "cpus": 0, "gpus": 0})
+        entry["default"] = entry.get("default") or default
+        entry["nodes"] += int(nodes)
+        entry["cpus"] = max(entry["cpus"], int(cpus.rstrip("+")))
+        gpus = [int(m) for m in re.findall(r"gpu(?::[^:(,]+)?:(\d+)", gres)]
+        entry["gpus"] = max([entry["gpus"], *gpus])
+    if not partitions:
+        raise UserError("sinfo lists no partitions: is this a Slurm login node?")
+    name = system.partition or next((n for n, e in partitions.items() if e.get("default")), None)
+    if name not in partitions:
+        raise UserError(f"partition '{name}' does not exist on this cluster; partitions: {', '.join(partitions)}")
+    p = partitions[name]
+    problems = []
+    if p["avail"] != "up":
+        problems.append(f"partition {name} is {p['avail']}")
+    if system.nodes > p["nodes"]:
+        problems.append(f"{system.nodes} nodes were asked for but partition {name} has {p['nodes']}")
+    if system.gpus_per_node > p["gpus"]:
+        problems.append(f"{system.gpus_per_node} GPUs per node were asked for but nodes of {name} have {p['gpus']}")
+    if system.gpus_per_node == 0 and system.ranks_per_node > p["cpus"]:
+        problems.append(f"{system.ranks_per_node} CPU ranks per node but nodes of {name} have {p['cpus']} CPUs")
+    if system.cpus_per_node and system.cpus_per_node > p["cpus"]:
+        problems.append(
+            f"the system file says {system.cpus_per_node} CPUs per node but nodes of {name} have {p['cpus']}"
+        )
+    if _minutes(system.time) > _minutes(p["limit"]):
+        problems.append(f"time {system.time} exceeds partition {name}'s limit {p['limit']}")
+    if problems:
+        raise UserError("the cluster cannot run this job: " + "; ".join(problems))
+    return name
+
+
+def check_container(system: System) -> None:
+    image = system.container_image
+    if image and (image.startswith(("/", "./", "~")) or image.endswith(".sqsh")):
+        if not Path(image).expanduser().is_file():
+            raise UserError(
+                f"container image {image} (system {system.name}) does not exist; import it with enroot first"
+            )
+
+
+# -- submit -----------------------------------------------------------------------------------------------
+
+
+def submit(
+    bench: Benchmark, cfg: RunConfig, system: System, nexp: int, dry_run: bool, command: list[str]
+) -> tuple[Path, str, str | None]:
+    """Write the results folder's config.yaml and submit.sbatch; submit it unless ``dry_run``.
+
+    Returns (run folder, script text, job id or None)."""
+    if nexp < 1:
+        raise UserError(f"--nexp must be at least 1, got {nexp}")
+    layout = system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)
+    check_container(system)
+    if not dry_run:
+        check_cluster(system)
+    bench.check_data(cfg)
+    run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-{system.name}").resolve()
+    data = cfg.data
+    if data.dir:  # the job may start in another directory
+        data = dataclasses.replace(data, dir=str(Path(data.dir).resolve()))
+    cfg = dataclasses.replace(
+        cfg,
+        data=data,
+        device=system.device,
+        resume=True,
+        distributed=dataclasses.replace(cfg.distributed, nproc=system.ranks_per_node),
+        output=dataclasses.replace(cfg.output, run_dir=str(run_dir), progress=False),
+    )
+    save_config(cfg, run_dir / "config.yaml")
+    python = "python3" if system.container_image else sys.executable
+    script = render_script(system, cfg, run_dir, nexp, command, python)
+    path = run_dir / "submit.sbatch"
+    path.write_text(script)
+    job = {"system": system.name, "layout": layout, "nexp": nexp, "script": path.name, "job_id": None}
+    if not dry_run:
+        out = _run(["sbatch", "--parsable", str(path)]).strip()
+        job["job_id"] = out.split(";")[0]
+    (run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")
+    return run_dir, script, job["job_id"]
+
+
+def finish(run_dir: Path, index: int, rc: int) -> None:
+    """After a run's srun: its compliance check, the folder's summary, and the job state."""
+    from trainbench.launch.local import _collect, load_run_config, write_summary
+
+    bench, cfg = load_run_config(run_dir / "config.yaml")
+    nexp = json.loads((run_dir / "job.json").read_text()).get("nexp", 1) if (run_dir / "job.json").exists() else 1
+    records = [_collect(bench, run_dir, i) for i in range(nexp)]
+    write_summary(bench, cfg, run_dir, records)
+    state = "COMPLETED" if rc == 0 else "FAILED"
+    (run_dir / f"slurm_{index}.json").write_text(
+        json.dumps({"index": index, "state": state, "exit_code": rc, "job_id": os.environ.get("SLURM_JOB_ID")}) + "\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 4 and argv[0] == "finish":
+        finish(Path(argv[1]), int(argv[2]), int(argv[3]))
+        return 0
+    print("usage: python -m trainbench.launch.slurm finish RUN_DIR INDEX EXIT_CODE", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

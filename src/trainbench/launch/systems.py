@@ -1,0 +1,196 @@
+"""System files: one YAML per machine (nodes, GPUs, CPUs and NUMA layout, partition, container, env).
+
+They replace per-system shell configs such as ``config_DGXH100_1x8x48x1.sh``. A system is found by
+name in ``./systems/`` and then among the ones shipped with trainbench, or given as a path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from trainbench.errors import ConfigError, UserError
+
+
+@dataclass
+class System:
+    name: str
+    description: str = ""
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: a CPU system, tasks_per_node ranks per node
+    tasks_per_node: int | None = None  # default: gpus_per_node
+    cpus_per_node: int | None = None  # logical CPUs a node has (nproc); checked on the node
+    numa: list[str] = field(default_factory=list)  # CPU list per NUMA node, e.g. ["0-55,112-167", "56-111,168-223"]
+    gpu_numa: list[int] = field(default_factory=list)  # NUMA node of each GPU (by local rank)
+    partition: str | None = None
+    account: str | None = None
+    time: str = "01:00:00"
+    exclusive: bool = False
+    gres: str | None = None  # default gpu:<gpus_per_node> when the system has GPUs
+    mpi: str = "pmi2"
+    cpu_bind: str | None = "none"  # srun --cpu-bind (ranks pin themselves from the NUMA map); null: leave it out
+    container_image: str | None = None  # pyxis: a registry image (nvcr.io#nvidia/pytorch:...) or a .sqsh file
+    container_mounts: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    device: str = "cuda"
+    path: str = ""
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tasks_per_node or self.gpus_per_node or 1
+
+    @property
+    def srun_gres(self) -> str | None:
+        if self.gres:
+            return self.gres
+        return f"gpu:{self.gpus_per_node}" if self.gpus_per_node else None
+
+    def cpu_map(self) -> list[str]:
+        """CPU list of each local rank: a GPU's NUMA node's CPUs, split evenly among the GPUs on that node."""
+        if not self.numa:
+            return []
+        ranks = self.ranks_per_node
+        owner = self.gpu_numa or [r * len(self.numa) // ranks for r in range(ranks)]
+        out = []
+        for rank in range(ranks):
+            node = owner[rank]
+            peers = [r for r in range(ranks) if owner[r] == node]
+            k, n = peers.index(rank), len(peers)
+            mine: list[int] = []
+            for part in str(self.numa[node]).split(","):  # each range (cores, their hyperthreads) split evenly
+                cpus = sorted(parse_cpus(part))
+                mine += cpus[k * len(cpus) // n : (k + 1) * len(cpus) // n]
+            out.append(format_cpus(mine))
+        return out
+
+    def validate(self) -> None:
+        where = f"system {self.name} ({self.path})"
+        if self.nodes < 1 or self.ranks_per_node < 1:
+            raise ConfigError(f"{where}: nodes and GPUs/tasks per node must be at least 1")
+        if not re.fullmatch(r"(\d+-)?\d{1,3}:\d\d:\d\d", self.time):
+            raise ConfigError(f"{where}: time must be HH:MM:SS or D-HH:MM:SS, got {self.time!r}")
+        if self.mpi not in ("pmi2", "pmix", "none"):
+            raise ConfigError(f"{where}: mpi must be pmi2, pmix or none, got {self.mpi!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise ConfigError(f"{where}: device must be cuda or cpu, got {self.device!r}")
+        if self.gpu_numa and (len(self.gpu_numa) != self.ranks_per_node or max(self.gpu_numa) >= len(self.numa)):
+            raise ConfigError(f"{where}: gpu_numa needs one NUMA index (< {len(self.numa)}) per GPU")
+        for i, cpus in enumerate(self.numa):
+            try:
+                found = parse_cpus(cpus)
+            except ValueError:
+                raise ConfigError(f"{where}: numa[{i}] = {cpus!r} is not a CPU list like 0-55,112-167") from None
+            if self.cpus_per_node is not None and max(found) >= self.cpus_per_node:
+                raise ConfigError(
+                    f"{where}: numa[{i}] names CPU {max(found)} but cpus_per_node is {self.cpus_per_node}"
+                )
+
+    def naming(self, global_batch: int, micro_batch: int) -> str:
+        """NVIDIA's NODESxGPUSxBATCHxACCUMULATION name of this layout, e.g. 1x8x48x2."""
+        world = self.nodes * self.ranks_per_node
+        per_rank, rest = divmod(global_batch, world)
+        if rest or per_rank % micro_batch:
+            raise ConfigError(
+                f"global batch {global_batch} does not split over {world} ranks ({self.nodes} nodes x "
+                f"{self.ranks_per_node}) in micro-batches of {micro_batch}; change data.global_batch_size, "
+                "data.micro_batch_size or --nodes"
+            )
+        return f"{self.nodes}x{self.ranks_per_node}x{micro_batch}x{per_rank // micro_batch}"
+
+
+_KINDS = {
+    "nodes": int,
+    "gpus_per_node": int,
+    "tasks_per_node": int,
+    "cpus_per_node": int,
+    "numa": list,
+    "gpu_numa": list,
+    "container_mounts": list,
+    "env": dict,
+    "exclusive": bool,
+    "time": str,
+}
+
+
+def format_cpus(cpus) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    cpus = sorted(cpus)
+    runs, start = [], None
+    for i, c in enumerate(cpus):
+        start = c if start is None else start
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            runs.append(f"{start}-{c}" if c != start else f"{c}")
+            start = None
+    return ",".join(runs)
+
+
+def parse_cpus(text: str) -> set[int]:
+    """ "0-2,5" -> {0, 1, 2, 5}."""
+    cpus: set[int] = set()
+    for part in str(text).split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def fit_micro_batch(cfg, system: System):
+    """The config with the largest micro-batch (at most the preset's) that splits the global batch over
+    the system's ranks; the rest is gradient accumulation."""
+    world = system.nodes * system.ranks_per_node
+    per_rank, rest = divmod(cfg.data.global_batch_size, world)
+    if rest or per_rank == 0:
+        raise ConfigError(
+            f"global batch {cfg.data.global_batch_size} does not split over {world} ranks "
+            f"({system.nodes} nodes x {system.ranks_per_node}); change data.global_batch_size or --nodes"
+        )
+    micro = max(d for d in range(1, min(per_rank, cfg.data.micro_batch_size) + 1) if per_rank % d == 0)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, micro_batch_size=micro))
+
+
+def _builtin_dir():
+    return resources.files("trainbench") / "systems"
+
+
+def known_systems() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for folder in (Path(str(_builtin_dir())), Path("systems")):
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.yaml")):
+                found[path.stem] = path
+    return found
+
+
+def load_system(name_or_path: str) -> System:
+    path = Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        known = known_systems()
+        if name_or_path not in known:
+            raise UserError(f"unknown system '{name_or_path}'; known systems: {', '.join(known) or '(none)'}")
+        path = known[name_or_path]
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"system file {path} is not valid YAML: {exc}") from None
+    names = {f.name for f in dataclasses.fields(System)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"system file {path}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+    for f in dataclasses.fields(System):
+        value, want = data.get(f.name), _KINDS.get(f.name)
+        if (
+            value is not None
+            and want is not None
+            and not (isinstance(value, want) and not (want is int and isinstance(value, bool)))
+        ):
+            raise ConfigError(f"system file {path}: {f.name} should be {want.__name__}, got {value!r}")
+    data.setdefault("name", path.stem)
+    data["env"] = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
+    data["path"] = str(path)
+    system = System(**data)
+    system.validate()
+    return system
