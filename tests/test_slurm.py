@@ -254,3 +254,32 @@ def test_python_running_the_jobs_is_this_one(small_data, tmp_path):
                    f"data.dir={small_data}", f"output.results_dir={tmp_path}", "eval_samples=256") == 0  # fmt: skip
     script = (next(tmp_path.iterdir()) / "submit.sbatch").read_text()
     assert f"PYTHON={sys.executable}" in script or f"PYTHON='{sys.executable}'" in script
+
+
+@needs_slurm
+def test_usr1_checkpoints_requeues_and_the_job_finishes_from_its_checkpoint(tiny_data, tmp_path):
+    """What the time-limit warning (--signal=USR1@120) does: checkpoint, requeue, resume, finish."""
+    code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_1x2", f"data.dir={tiny_data}",
+                   f"output.results_dir={tmp_path}", "log_every_steps=1")  # fmt: skip
+    assert code == 0
+    run_dir = next(tmp_path.iterdir())
+    job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
+    _wait_state(run_dir, {"RUNNING"}, timeout=120)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not metrics.exists() or metrics.read_text().count("\n") < 10:
+        if time.time() > deadline:
+            pytest.fail(
+                "the job logged fewer than 10 steps in 300 s: "
+                + "".join(p.read_text() for p in run_dir.glob("slurm-*.out"))[-2000:]
+            )
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)  # to every rank, as at the time limit
+    assert _wait_state(run_dir, {"REQUEUED"}, timeout=120)["exit_code"] == 3
+    # Slurm holds a requeued job for a while (BeginTime) before it starts again.
+    state = _wait_state(run_dir, {"COMPLETED", "FAILED"}, timeout=600)
+    assert state["state"] == "COMPLETED"
+    log = (run_dir / "result_0.txt").read_text()
+    assert log.count('"key": "trainbench_resumed"') == 1 and log.count('"key": "run_start"') == 1
+    run = json.loads((run_dir / "summary.json").read_text())["runs"][0]
+    assert run["status"] == "success" and run["compliance"]["passed"], run

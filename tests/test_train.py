@@ -217,7 +217,7 @@ def test_killed_run_is_never_left_looking_finished(small_data, tmp_path):
     assert run_cli("check", run_dir) == 2  # "holds no finished MLPerf log"
 
 
-@pytest.mark.parametrize("command", [[], ["list"], ["prepare"], ["run"], ["check"]])
+@pytest.mark.parametrize("command", [[], ["list"], ["prepare"], ["run"], ["submit"], ["convert"], ["check"]])
 def test_every_subcommand_has_help(command):
     proc = subprocess.run([sys.executable, "-m", "trainbench", *command, "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: trainbench" in proc.stdout

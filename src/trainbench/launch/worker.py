@@ -14,11 +14,12 @@ from trainbench.errors import Preempted, UserError
 from trainbench.launch.local import experiment_config, load_run_config
 from trainbench.launch.systems import format_cpus, parse_cpus
 from trainbench.train.distributed import init_distributed, resolve_device, shutdown
-from trainbench.train.loop import train
+from trainbench.train.loop import StopSignal, train
 
 
 def main(argv: list[str] | None = None) -> int:
     """``RUN_DIR INDEX [--resume]``: one rank of run INDEX (torchrun's or Slurm's environment)."""
+    StopSignal.install_early()
     argv = sys.argv[1:] if argv is None else argv
     run_dir, index, resume = Path(argv[0]), int(argv[1]), "--resume" in argv[2:]
     bench, cfg = load_run_config(run_dir / "config.yaml")

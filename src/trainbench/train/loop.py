@@ -38,8 +38,21 @@ class StopSignal:
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
+    early = False  # set by install_early(): a signal that came before training started
+
+    @classmethod
+    def install_early(cls) -> None:
+        """Catch the stop signals from process start (a worker's imports and rendezvous take seconds), so a
+        signal sent then is not fatal: the run stops at its first log step instead."""
+
+        def handle(signum, frame):
+            cls.early = True
+
+        for sig in cls.SIGNALS:
+            signal.signal(sig, handle)
+
     def __init__(self):
-        self.caught = False
+        self.caught = StopSignal.early
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
