@@ -90,6 +90,9 @@ class DistributedConfig:
 class OutputConfig:
     results_dir: str = option("results", "Where run folders are created.")
     log_every_steps: int = option(10, "Steps between loss/throughput records (each is a host sync).")
+    telemetry_hz: float = option(
+        1.0, "GPU (or CPU) telemetry samples per second into telemetry_<host>_*.csv (0: off; MLPerf Power: >= 1)."
+    )
     checkpoint_every_steps: int = option(
         0, "Save a checkpoint every N steps (0: only when SIGUSR1/SIGTERM asks to stop); resume=true continues."
     )

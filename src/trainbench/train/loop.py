@@ -26,6 +26,7 @@ from trainbench.console import RunConsole, TrainProgress
 from trainbench.data.prefetch import prefetch
 from trainbench.errors import Preempted, TrainingDiverged
 from trainbench.mlperf import MLPerfLog, constants
+from trainbench.telemetry import Sampler, run_energy
 from trainbench.train import checkpoint
 from trainbench.train.distributed import DistInfo, all_reduce_sum
 
@@ -90,6 +91,7 @@ class RunOutcome:
     evals: list[tuple[int, float]] = field(default_factory=list)
     train_samples_per_s: float | None = None  # over the timed training steps, evals excluded
     peak_memory_gib: float | None = None  # CUDA only
+    energy: dict | None = None  # energy to train from the telemetry (J, kWh, per GPU); None without GPU telemetry
 
     @property
     def time_to_train_min(self) -> float:
@@ -170,6 +172,10 @@ def train(
     header.event(constants.EVAL_SAMPLES, data.eval_samples)
     for key, value in bench.hyperparameters(cfg).items():
         header.event(key, value)
+    sampler = None
+    if o.telemetry_hz > 0 and info.local_rank == 0:
+        sampler = Sampler(run_dir, o.telemetry_hz).start()
+        out.say(f"run {index}: {sampler.note}")
     n_params = sum(p.numel() for p in model.parameters())
     out.say(
         f"run {index}: {bench.name}/{cfg.preset}, seed {cfg.seed}, {n_params / 1e6:.2f}M parameters, "
@@ -292,6 +298,8 @@ def train(
         progress.close()
         stop.restore()
         run_stop_ms = int(time.time() * 1000)
+        if sampler is not None:
+            sampler.stop()
         if not preempted:  # a preempted run is not over: no run_stop, the log stays .partial
             mll.end(constants.RUN_STOP, metadata={"status": status}, time_ms=run_stop_ms)
         mll.close()
@@ -312,6 +320,7 @@ def train(
             evals=evals,
             train_samples_per_s=timed_samples / timed_seconds if timed_seconds else None,
             peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            energy=run_energy(run_dir, run_start_ms, run_stop_ms) if is_main and not preempted else None,
         )
         if is_main and not preempted:
             # Only a run that reached run_stop gets its final name (even if aborted); a crash leaves .partial.

@@ -1,0 +1,256 @@
+"""Machine telemetry during a run: GPU power, energy, temperatures, clocks, utilisation, memory, throttling.
+
+One background thread per node (started by local rank 0) samples every visible NVIDIA GPU through NVML
+(`nvidia-ml-py`) at ``rate_hz`` (default 1 Hz, MLPerf Power's minimum) and appends one row per GPU per
+sample to ``telemetry_<host>_gpu<i>.csv`` in the run folder. Times are Unix milliseconds, the clock of
+the MLPerf log, so rows line up with ``run_start``/``run_stop``. Without NVML (no NVIDIA driver, no GPU)
+it samples CPU utilisation and memory with psutil into ``telemetry_<host>_cpu.csv`` and says that GPU
+telemetry is absent. A failing sensor is recorded as empty, and nothing here ever stops a run.
+"""
+
+from __future__ import annotations
+
+import csv
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GPU_FIELDS = (
+    "time_ms",
+    "gpu",
+    "power_w",
+    "energy_j",  # the GPU's own energy counter since driver load (Volta and newer), if it has one
+    "gpu_temp_c",
+    "mem_temp_c",
+    "sm_clock_mhz",
+    "mem_clock_mhz",
+    "gpu_util_pct",
+    "mem_util_pct",
+    "mem_used_mib",
+    "throttle_reasons",
+)
+CPU_FIELDS = ("time_ms", "cpu_util_pct", "mem_used_mib", "mem_total_mib")
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Sampler:
+    """Background sampler; ``start()``, then ``stop()`` (idempotent). ``note`` says what is recorded."""
+
+    def __init__(self, run_dir: Path, rate_hz: float = 1.0, host: str | None = None):
+        if not 0 < rate_hz <= 100:
+            raise ValueError(f"telemetry rate must be in (0, 100] Hz, got {rate_hz}")
+        self.run_dir = Path(run_dir)
+        self.period = 1.0 / rate_hz
+        self.host = host or socket.gethostname().split(".")[0]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml = None
+        self._handles: list = []
+        self._files: list = []
+        self._writers: list = []
+        self.note = ""
+        self.samples = 0
+
+    # -- set-up ------------------------------------------------------------------------------------------
+    def _open_gpu(self) -> bool:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+        except Exception as exc:  # no driver, no library, no device
+            self.note = f"GPU telemetry absent ({type(exc).__name__}: {exc}); recording CPU and memory"
+            return False
+        if count == 0:
+            self.note = "GPU telemetry absent (NVML sees no GPU); recording CPU and memory"
+            pynvml.nvmlShutdown()
+            return False
+        self._nvml = pynvml
+        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        for i in range(count):
+            self._add_writer(self.run_dir / f"telemetry_{self.host}_gpu{i}.csv", GPU_FIELDS)
+        self.note = f"GPU telemetry: {count} GPU(s) through NVML"
+        return True
+
+    def _add_writer(self, path: Path, fields) -> None:
+        new = not path.exists()
+        f = open(path, "a", newline="")
+        writer = csv.writer(f)
+        if new:
+            writer.writerow(fields)
+        self._files.append(f)
+        self._writers.append(writer)
+
+    def start(self) -> Sampler:
+        if not self._open_gpu():
+            self._add_writer(self.run_dir / f"telemetry_{self.host}_cpu.csv", CPU_FIELDS)
+        self._sample()  # one row at once: a run shorter than the period still has one
+        self._thread = threading.Thread(target=self._loop, name="telemetry", daemon=True)
+        self._thread.start()
+        return self
+
+    # -- sampling ------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        next_time = time.monotonic() + self.period
+        while not self._stop.wait(max(0.0, next_time - time.monotonic())):
+            self._sample()
+            next_time += self.period
+            if next_time < time.monotonic():  # fell behind (a long stall): do not burst to catch up
+                next_time = time.monotonic() + self.period
+
+    def _sample(self) -> None:
+        stamp = _now_ms()
+        try:
+            if self._nvml is not None:
+                for i, handle in enumerate(self._handles):
+                    self._writers[i].writerow(self._gpu_row(stamp, i, handle))
+            else:
+                self._writers[0].writerow(self._cpu_row(stamp))
+            for f in self._files:
+                f.flush()
+            self.samples += 1
+        except Exception as exc:  # never let telemetry stop training
+            self.note += f"; a sample failed ({type(exc).__name__}: {exc})"
+
+    def _gpu_row(self, stamp: int, index: int, h) -> list:
+        nv = self._nvml
+
+        def read(fn, *args, scale=None):
+            try:
+                value = fn(h, *args)
+            except Exception:
+                return ""
+            return value if scale is None else round(value * scale, 3)
+
+        util = _try(lambda: nv.nvmlDeviceGetUtilizationRates(h))
+        memory = _try(lambda: nv.nvmlDeviceGetMemoryInfo(h))
+        return [
+            stamp,
+            index,
+            read(nv.nvmlDeviceGetPowerUsage, scale=1e-3),  # mW -> W
+            read(nv.nvmlDeviceGetTotalEnergyConsumption, scale=1e-3),  # mJ -> J
+            read(nv.nvmlDeviceGetTemperature, nv.NVML_TEMPERATURE_GPU),
+            _memory_temperature(nv, h),
+            read(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_SM),
+            read(nv.nvmlDeviceGetClockInfo, nv.NVML_CLOCK_MEM),
+            "" if util is None else util.gpu,
+            "" if util is None else util.memory,
+            "" if memory is None else round(memory.used / 2**20, 1),
+            read(nv.nvmlDeviceGetCurrentClocksThrottleReasons),
+        ]
+
+    def _cpu_row(self, stamp: int) -> list:
+        import psutil
+
+        memory = psutil.virtual_memory()
+        return [stamp, psutil.cpu_percent(interval=None), round(memory.used / 2**20, 1), round(memory.total / 2**20)]
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+            self._sample()  # a last row at the end: the window is covered on both sides
+        for f in self._files:
+            f.close()
+        self._files, self._writers = [], []
+        if self._nvml is not None:
+            _try(self._nvml.nvmlShutdown)
+            self._nvml = None
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception:
+        return None
+
+
+def _memory_temperature(nv, handle):
+    """HBM temperature where NVML exposes it (a field value), else empty."""
+    field_id = getattr(nv, "NVML_FI_DEV_MEMORY_TEMP", None)
+    if field_id is None:
+        return ""
+    values = _try(lambda: nv.nvmlDeviceGetFieldValues(handle, [field_id]))
+    if not values or getattr(values[0], "nvmlReturn", 1) != 0:
+        return ""
+    value = values[0].value
+    return getattr(value, "uiVal", getattr(value, "ullVal", ""))
+
+
+# -- energy ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Energy:
+    joules: float
+    method: str  # "counter" (the GPU's energy counter) or "power" (integrated power samples)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def integrate_power(times_ms: list[float], watts: list[float], start_ms: float, stop_ms: float) -> float:
+    """Energy in joules over [start_ms, stop_ms] from power samples: the trapezoid rule, with the power
+    at the window's edges interpolated linearly (held constant beyond the first and last samples)."""
+    points = sorted(zip(times_ms, watts, strict=True))
+    if not points or stop_ms <= start_ms:
+        return 0.0
+
+    def power_at(t: float) -> float:
+        if t <= points[0][0]:
+            return points[0][1]
+        if t >= points[-1][0]:
+            return points[-1][1]
+        for (t0, p0), (t1, p1) in zip(points, points[1:], strict=False):
+            if t0 <= t <= t1:
+                return p0 if t1 == t0 else p0 + (p1 - p0) * (t - t0) / (t1 - t0)
+        return points[-1][1]
+
+    inside = [(t, p) for t, p in points if start_ms < t < stop_ms]
+    trace = [(start_ms, power_at(start_ms)), *inside, (stop_ms, power_at(stop_ms))]
+    return sum((t1 - t0) / 1000 * (p0 + p1) / 2 for (t0, p0), (t1, p1) in zip(trace, trace[1:], strict=False))
+
+
+def gpu_energy(path: Path, start_ms: float, stop_ms: float) -> Energy | None:
+    """One GPU's energy between run_start and run_stop: from its energy counter when both ends are
+    covered by samples that have it (interpolated to the exact times), else from its power samples."""
+    rows = [r for r in read_csv(path) if r.get("time_ms")]
+    if not rows:
+        return None
+    counter = [(float(r["time_ms"]), float(r["energy_j"])) for r in rows if r.get("energy_j") not in (None, "")]
+    if len(counter) >= 2 and counter[0][0] <= start_ms and counter[-1][0] >= stop_ms:
+        times = [t for t, _ in counter]
+        values = [e for _, e in counter]
+
+        def at(t):
+            for (t0, e0), (t1, e1) in zip(counter, counter[1:], strict=False):
+                if t0 <= t <= t1:
+                    return e0 if t1 == t0 else e0 + (e1 - e0) * (t - t0) / (t1 - t0)
+            return values[-1] if t >= times[-1] else values[0]
+
+        return Energy(at(stop_ms) - at(start_ms), "counter")
+    power = [(float(r["time_ms"]), float(r["power_w"])) for r in rows if r.get("power_w") not in (None, "")]
+    if not power:
+        return None
+    return Energy(integrate_power([t for t, _ in power], [p for _, p in power], start_ms, stop_ms), "power")
+
+
+def run_energy(run_dir: Path, start_ms: float, stop_ms: float) -> dict | None:
+    """Energy to train of every GPU telemetry file in the run folder, and the total."""
+    per_gpu = {}
+    for path in sorted(Path(run_dir).glob("telemetry_*_gpu*.csv")):
+        energy = gpu_energy(path, start_ms, stop_ms)
+        if energy is not None:
+            per_gpu[path.stem.removeprefix("telemetry_")] = {"joules": round(energy.joules, 3), "method": energy.method}
+    if not per_gpu:
+        return None
+    total = sum(e["joules"] for e in per_gpu.values())
+    return {"total_joules": round(total, 3), "total_kwh": total / 3.6e6, "per_gpu": per_gpu}

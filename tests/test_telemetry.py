@@ -1,0 +1,120 @@
+"""Telemetry: the sampler against a fake NVML, the CPU fallback, and energy integration."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+
+import pytest
+
+from trainbench import telemetry
+from trainbench.telemetry import Sampler, gpu_energy, integrate_power, read_csv, run_energy
+
+
+def fake_nvml(gpus: int = 2, watts: float = 300.0, start_energy_j: float = 1000.0) -> types.ModuleType:
+    """A stand-in for pynvml: every GPU draws ``watts``; its energy counter rises accordingly."""
+    nv = types.ModuleType("pynvml")
+    t0 = time.time()
+    nv.NVML_TEMPERATURE_GPU, nv.NVML_CLOCK_SM, nv.NVML_CLOCK_MEM = 0, 1, 2
+    nv.calls = []
+    nv.nvmlInit = lambda: nv.calls.append("init")
+    nv.nvmlShutdown = lambda: nv.calls.append("shutdown")
+    nv.nvmlDeviceGetCount = lambda: gpus
+    nv.nvmlDeviceGetHandleByIndex = lambda i: i
+    nv.nvmlDeviceGetPowerUsage = lambda h: watts * 1000 + h  # mW
+    nv.nvmlDeviceGetTotalEnergyConsumption = lambda h: (start_energy_j + watts * (time.time() - t0)) * 1000  # mJ
+    nv.nvmlDeviceGetTemperature = lambda h, sensor: 60 + h
+    nv.nvmlDeviceGetClockInfo = lambda h, clock: {1: 1980, 2: 3201}[clock]
+    nv.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=97, memory=41)
+    nv.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=70 * 2**30)
+
+    def throttle(h):
+        raise RuntimeError("not supported")  # one sensor failing must leave the others
+
+    nv.nvmlDeviceGetCurrentClocksThrottleReasons = throttle
+    return nv
+
+
+def test_sampler_writes_one_csv_per_gpu_at_its_rate(tmp_path, monkeypatch):
+    nv = fake_nvml()
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    sampler = Sampler(tmp_path, rate_hz=10, host="node1").start()
+    time.sleep(1.05)
+    sampler.stop()
+    assert "2 GPU(s)" in sampler.note and nv.calls == ["init", "shutdown"]
+    for gpu in (0, 1):
+        rows = read_csv(tmp_path / f"telemetry_node1_gpu{gpu}.csv")
+        assert 9 <= len(rows) <= 14  # 10 Hz for a second, plus the first and last rows
+        first = rows[0]
+        assert float(first["power_w"]) == pytest.approx(300 + gpu / 1000)
+        assert first["gpu_temp_c"] == str(60 + gpu) and first["sm_clock_mhz"] == "1980"
+        assert first["gpu_util_pct"] == "97" and first["mem_used_mib"] == "71680.0"
+        assert first["throttle_reasons"] == ""
+        times = [int(r["time_ms"]) for r in rows]
+        assert times == sorted(times) and abs(times[0] - time.time() * 1000) < 5000
+
+
+def test_without_nvml_the_sampler_records_cpu_and_says_gpu_telemetry_is_absent(tmp_path, monkeypatch):
+    broken = types.ModuleType("pynvml")
+
+    def no_driver():
+        raise OSError("NVML Shared Library Not Found")
+
+    broken.nvmlInit = no_driver
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
+    sampler = Sampler(tmp_path, rate_hz=20, host="laptop").start()
+    time.sleep(0.3)
+    sampler.stop()
+    assert sampler.note.startswith("GPU telemetry absent")
+    rows = read_csv(tmp_path / "telemetry_laptop_cpu.csv")
+    assert len(rows) >= 3 and float(rows[-1]["mem_total_mib"]) > 0
+    assert not list(tmp_path.glob("*gpu*"))
+
+
+def test_power_integration_matches_a_hand_computed_value():
+    # 100 W for 2 s, a ramp to 300 W over 2 s, 300 W for 1 s: 200 + 400 + 300 = 900 J.
+    times = [0, 1000, 2000, 4000, 5000]
+    watts = [100, 100, 100, 300, 300]
+    assert integrate_power(times, watts, 0, 5000) == pytest.approx(900)
+    # A window inside the samples: [500, 3000] ms: 100 W for 1.5 s, then 100 -> 200 W over 1 s = 150 + 150.
+    assert integrate_power(times, watts, 500, 3000) == pytest.approx(300)
+    # Beyond the last sample the last power holds: 300 W for 1 s more.
+    assert integrate_power(times, watts, 4000, 6000) == pytest.approx(600)
+
+
+def test_energy_prefers_the_counter_and_falls_back_to_power(tmp_path):
+    path = tmp_path / "telemetry_n_gpu0.csv"
+    header = ",".join(telemetry.GPU_FIELDS)
+    rows = [
+        # time_ms, gpu, power_w, energy_j, ...
+        "0,0,100,5000,,,,,,,,",
+        "1000,0,100,5100,,,,,,,,",
+        "2000,0,300,5300,,,,,,,,",
+    ]
+    path.write_text(header + "\n" + "\n".join(rows) + "\n")
+    energy = gpu_energy(path, 500, 1500)
+    assert energy.method == "counter" and energy.joules == pytest.approx(5200 - 5050)
+    without_counter = ["0,0,100,,,,,,,,,", "1000,0,100,,,,,,,,,", "2000,0,300,,,,,,,,,"]
+    path.write_text(header + "\n" + "\n".join(without_counter) + "\n")
+    no_counter = gpu_energy(path, 0, 2000)
+    assert no_counter.method == "power" and no_counter.joules == pytest.approx(100 + 200)
+    total = run_energy(tmp_path, 0, 2000)
+    assert total["total_joules"] == pytest.approx(300) and total["total_kwh"] == pytest.approx(300 / 3.6e6)
+
+
+def test_a_cpu_run_records_telemetry_without_failing(small_data, tmp_path):
+    import json
+
+    from conftest import only_run_dir, run_cli
+
+    code = run_cli(
+        "run", "bert", f"data.dir={small_data}", f"output.results_dir={tmp_path}", "progress=false",
+        "schedule.max_samples=640", "eval.every_samples=640", "eval_samples=256", "telemetry_hz=10",
+    )  # fmt: skip
+    assert code == 1  # too short to reach the target
+    run_dir = only_run_dir(tmp_path)
+    csvs = list(run_dir.glob("telemetry_*.csv"))
+    assert csvs and all(len(read_csv(p)) >= 2 for p in csvs)
+    outcome = json.loads((run_dir / "run_0.json").read_text())
+    assert "energy" in outcome
