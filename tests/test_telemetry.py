@@ -118,3 +118,23 @@ def test_a_cpu_run_records_telemetry_without_failing(small_data, tmp_path):
     assert csvs and all(len(read_csv(p)) >= 2 for p in csvs)
     outcome = json.loads((run_dir / "run_0.json").read_text())
     assert "energy" in outcome
+
+
+def test_profile_writes_a_kernel_table_and_a_chrome_trace(small_data, tmp_path):
+    import csv
+    import json
+
+    from conftest import only_run_dir, run_cli
+
+    code = run_cli(
+        "run", "bert", f"data.dir={small_data}", f"output.results_dir={tmp_path}", "progress=false",
+        "schedule.max_samples=640", "eval.every_samples=640", "eval_samples=256", "profile=true",
+        "profile_start_step=2", "profile_steps=2",
+    )  # fmt: skip
+    assert code == 1
+    run_dir = only_run_dir(tmp_path)
+    with open(run_dir / "profile_0_kernels.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) >= 10 and any(r["name"] in ("aten::mm", "aten::addmm") for r in rows)
+    trace = json.loads((run_dir / "profile_0_trace.json").read_text())
+    assert len(trace["traceEvents"]) > 100

@@ -142,6 +142,26 @@ def _parser() -> argparse.ArgumentParser:
     subm.add_argument("--dry-run", action="store_true", help="write and print the script; do not submit")
     subm.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
+    rep = sub.add_parser(
+        "report",
+        help="score a results folder and write report.html/report.md (two folders: compare them)",
+        description="Score the runs of a results folder (time to train, samples, throughput, energy, "
+        "compliance, the MLPerf olympic mean) and write report.md and a self-contained report.html with "
+        "plots into it. Given two folders, compare them side by side (B/A).",
+    )
+    rep.add_argument("folders", nargs="+", metavar="RESULTS_DIR", help="one results folder, or two to compare")
+
+    pkg = sub.add_parser(
+        "package",
+        help="lay a results folder out as an MLPerf submission package and run the package checker",
+        description="Copy the MLPerf logs into <org>/results/<system>/<benchmark>/ and write "
+        "<org>/systems/<system>.json, then run mlperf-logging's package checker on it.",
+    )
+    pkg.add_argument("folder", metavar="RESULTS_DIR")
+    pkg.add_argument("--org", required=True, help="submitting organisation (a folder name)")
+    pkg.add_argument("--system", required=True, help="system name (a folder name)")
+    pkg.add_argument("--out", default="submission", help="where to write the package (default ./submission)")
+
     conv = sub.add_parser(
         "convert",
         help="convert a reference checkpoint to trainbench's format",
@@ -340,6 +360,63 @@ def cmd_submit(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from rich.table import Table
+
+    from trainbench.console import console
+    from trainbench.report.render import compare, score_table, write_report
+
+    if len(args.folders) > 2:
+        raise UserError("give one results folder to report on, or two to compare")
+    for folder in args.folders:
+        if not Path(folder).is_dir():
+            raise UserError(f"results folder {folder} does not exist")
+    if len(args.folders) == 2:
+        head, rows = compare(Path(args.folders[0]), Path(args.folders[1]))
+        table = Table(title="comparison")
+        for h in head:
+            table.add_column(h)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        return 0
+    md, page, score = write_report(Path(args.folders[0]))
+    head, rows = score_table(score)
+    table = Table(title=str(args.folders[0]))
+    for h in head:
+        table.add_column(h)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    if score.score_min is not None:
+        console.print(f"score: {score.score_min:.3f} minutes ({score.reason})")
+    else:
+        console.print(f"no valid score: {score.reason}")
+    console.print(f"report: {page}  (and {md.name})")
+    return 0
+
+
+def cmd_package(args) -> int:
+    from trainbench.console import console
+    from trainbench.report.package import check_package, make_package
+
+    root = make_package(Path(args.folder), Path(args.out), args.org, args.system)
+    summary = Path(args.folder) / "summary.json"
+    ruleset = json.loads(summary.read_text()).get("ruleset", "5.0.0") if summary.exists() else "5.0.0"
+    code, output = check_package(root, ruleset)
+    (root / "package_checker.log").write_text(output)
+    errors = [ln.removeprefix("ERROR - ").strip() for ln in output.splitlines() if ln.startswith("ERROR")]
+    passed = [ln.removeprefix("INFO - ").strip() for ln in output.splitlines() if "checker passed" in ln]
+    console.print(f"package: {root}")
+    for line in passed:
+        console.print(f"  passed: {line}", style="green")
+    for line in errors:
+        console.print(f"  error: {line}", style="red", markup=False)
+    verdict = "no errors" if not errors and code == 0 else f"{len(errors)} error(s)"
+    console.print(f"mlperf-logging package checker (ruleset {ruleset}): {verdict}; log: {root / 'package_checker.log'}")
+    return 0 if not errors and code == 0 else 1
+
+
 def cmd_convert(args) -> int:
     from trainbench.console import console
     from trainbench.convert import convert_bert
@@ -402,6 +479,8 @@ COMMANDS = {
     "prepare": cmd_prepare,
     "run": cmd_run,
     "submit": cmd_submit,
+    "report": cmd_report,
+    "package": cmd_package,
     "convert": cmd_convert,
     "check": cmd_check,
 }

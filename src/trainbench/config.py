@@ -90,6 +90,9 @@ class DistributedConfig:
 class OutputConfig:
     results_dir: str = option("results", "Where run folders are created.")
     log_every_steps: int = option(10, "Steps between loss/throughput records (each is a host sync).")
+    profile: bool = option(False, "Record a torch.profiler window: profile_<i>_kernels.csv and a Chrome trace.")
+    profile_start_step: int = option(5, "First profiled step (after warm-up).")
+    profile_steps: int = option(3, "Steps in the profiled window.")
     telemetry_hz: float = option(
         1.0, "GPU (or CPU) telemetry samples per second into telemetry_<host>_*.csv (0: off; MLPerf Power: >= 1)."
     )

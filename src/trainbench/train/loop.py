@@ -29,6 +29,7 @@ from trainbench.mlperf import MLPerfLog, constants
 from trainbench.telemetry import Sampler, run_energy
 from trainbench.train import checkpoint
 from trainbench.train.distributed import DistInfo, all_reduce_sum
+from trainbench.train.profiling import StepProfiler
 
 # Logged (a point in time) when a run continues from a checkpoint; value: how many times it was resumed.
 RESUMED_KEY = "trainbench_resumed"
@@ -213,7 +214,8 @@ def train(
 
     def record(row: dict) -> None:
         if metrics is not None:
-            metrics.write(json.dumps({"run": index, "step": step, "samples": samples} | row) + "\n")
+            stamp = {"run": index, "step": step, "samples": samples, "time_ms": int(time.time() * 1000)}
+            metrics.write(json.dumps(stamp | row) + "\n")
             metrics.flush()
 
     def check_finite() -> None:
@@ -227,6 +229,10 @@ def train(
         mll.start(constants.BLOCK_START, metadata={"first_epoch_num": 0, "epoch_count": eval_every})
     model.train()
 
+    profiler = None
+    if o.profile and is_main:
+        profiler = StepProfiler(run_dir, index, o.profile_start_step, o.profile_steps, device)
+
     def save_checkpoint() -> None:
         loop_state = checkpoint.LoopState(step, samples, next_eval, run_start_ms, evals, state.resumed)
         checkpoint.save(run_dir, index, model.module if hasattr(model, "module") else model, optimizer,
@@ -234,6 +240,8 @@ def train(
 
     try:
         for micro_batches in prefetch(data.train, cfg.data.prefetch):
+            if profiler is not None:
+                profiler.before_step(step)
             lr = bench.lr_at(cfg, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -252,6 +260,8 @@ def train(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            if profiler is not None:
+                profiler.after_step(step)
             # A packed step carries its count of sequences; otherwise a step is one global batch.
             samples += getattr(micro_batches, "samples", gbs)
 
@@ -300,6 +310,11 @@ def train(
         run_stop_ms = int(time.time() * 1000)
         if sampler is not None:
             sampler.stop()
+        if profiler is not None:
+            profiler.finish()  # a run that ended inside the window still gets its files
+            if profiler.outputs:
+                out.say(f"run {index}: profile of steps {o.profile_start_step}-{profiler.stop_step - 1}: "
+                        f"{', '.join(p.name for p in profiler.outputs)}")  # fmt: skip
         if not preempted:  # a preempted run is not over: no run_stop, the log stays .partial
             mll.end(constants.RUN_STOP, metadata={"status": status}, time_ms=run_stop_ms)
         mll.close()

@@ -1,0 +1,146 @@
+"""A results folder as an MLPerf submission package: <org>/results/<system>/<benchmark>/result_*.txt and
+<org>/systems/<system>.json, laid out so mlperf-logging's package checker can run on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from trainbench.errors import UserError
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gb() -> str:
+    try:
+        kb = int(
+            next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")).split()[1]
+        )
+        return f"{kb / 2**20:.0f} GB"
+    except (OSError, StopIteration, ValueError):
+        return "unknown"
+
+
+def _gpus() -> tuple[int, str, str]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        if n == 0:
+            return 0, "", ""
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(h)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30
+        pynvml.nvmlShutdown()
+        return n, name if isinstance(name, str) else name.decode(), f"{memory:.0f} GB"
+    except Exception:
+        return 0, "", ""
+
+
+def system_description(org: str, system_name: str, run_dir: Path, division: str, status: str) -> dict:
+    """The system JSON from the system file the job used (if any) and what this machine reports."""
+    job = json.loads((run_dir / "job.json").read_text()) if (run_dir / "job.json").exists() else {}
+    nodes, per_node = 1, None
+    if job.get("system"):
+        from trainbench.launch.systems import load_system
+
+        try:
+            system = load_system(job["system"])
+            nodes, per_node = system.nodes, system.gpus_per_node
+        except UserError:
+            pass
+    gpus, gpu_name, gpu_memory = _gpus()
+    import torch
+
+    return {
+        "submitter": org,
+        "division": division,
+        "status": {
+            "onprem": "Available on-premise",
+            "cloud": "Available cloud",
+            "preview": "Preview",
+            "research": "Research, Development, or Internal (RDI)",
+        }.get(status, status),  # fmt: skip
+        "system_name": system_name,
+        "number_of_nodes": str(nodes),
+        "host_processors_per_node": "1",
+        "host_processor_model_name": _cpu_model(),
+        "host_processor_core_count": str(os.cpu_count()),
+        "host_processor_vcpu_count": str(os.cpu_count()),
+        "host_processor_frequency": "",
+        "host_processor_caches": "",
+        "host_processor_interconnect": "",
+        "host_memory_capacity": _memory_gb(),
+        "host_storage_type": "",
+        "host_storage_capacity": "",
+        "host_networking": "",
+        "host_networking_topology": "",
+        "host_memory_configuration": "",
+        "accelerators_per_node": str(per_node if per_node is not None else gpus),
+        "accelerator_model_name": gpu_name or "none (CPU)",
+        "accelerator_host_interconnect": "",
+        "accelerator_frequency": "",
+        "accelerator_on-chip_memories": "",
+        "accelerator_memory_configuration": "",
+        "accelerator_memory_capacity": gpu_memory,
+        "accelerator_interconnect": "",
+        "accelerator_interconnect_topology": "",
+        "cooling": "",
+        "hw_notes": "",
+        "framework": f"trainbench, PyTorch {torch.__version__}",
+        "other_software_stack": f"Python {platform.python_version()}",
+        "operating_system": platform.platform(),
+        "sw_notes": "",
+    }
+
+
+def make_package(run_dir: Path, out: Path, org: str, system_name: str) -> Path:
+    run_dir, out = Path(run_dir), Path(out)
+    for name, value in (("--org", org), ("--system", system_name)):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
+            raise UserError(f"{name} {value!r}: use letters, digits, '.', '_' and '-' only (it becomes a folder name)")
+    logs = sorted(run_dir.glob("result_*.txt"))
+    if not logs:
+        raise UserError(f"{run_dir} holds no finished MLPerf log (result_*.txt)")
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    benchmark = summary.get("mlperf_benchmark", "bert")
+    from trainbench.launch.local import load_run_config
+
+    cfg = load_run_config(run_dir / "config.yaml")[1] if (run_dir / "config.yaml").exists() else None
+    division = cfg.output.division if cfg else "closed"
+    status = cfg.output.status if cfg else "onprem"
+    root = out / org
+    results = root / "results" / system_name / benchmark
+    results.mkdir(parents=True, exist_ok=True)
+    for i, log in enumerate(logs):
+        shutil.copyfile(log, results / f"result_{i}.txt")
+    systems = root / "systems"
+    systems.mkdir(parents=True, exist_ok=True)
+    desc = system_description(org, system_name, run_dir, division, status)
+    (systems / f"{system_name}.json").write_text(json.dumps(desc, indent=2) + "\n")
+    return root
+
+
+def check_package(root: Path, ruleset: str) -> tuple[int, str]:
+    """mlperf-logging's package checker on the package; (exit code, output)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlperf_logging.package_checker", str(root), "training", ruleset],
+        capture_output=True,
+        text=True,
+    )
+    return proc.returncode, proc.stdout + proc.stderr

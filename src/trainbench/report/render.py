@@ -1,0 +1,247 @@
+"""A results folder as a report: report.md and a self-contained report.html (plots embedded), PNGs in plots/."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import json
+from pathlib import Path
+
+from trainbench.report.scoring import Score, score_folder
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _telemetry(run_dir: Path) -> dict[str, list[dict]]:
+    out = {}
+    for path in sorted(run_dir.glob("telemetry_*.csv")):
+        with open(path, newline="") as f:
+            out[path.stem.removeprefix("telemetry_")] = list(csv.DictReader(f))
+    return out
+
+
+def _float(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def make_plots(run_dir: Path, target: float | None, metric_name: str) -> list[tuple[str, Path]]:
+    """PNG plots into run_dir/plots; returns (title, path) pairs for those that have data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = run_dir / "plots"
+    folder.mkdir(exist_ok=True)
+    rows = _metrics(run_dir)
+    runs = sorted({r.get("run", 0) for r in rows})
+    plots = []
+
+    def save(fig, name, title):
+        fig.tight_layout()
+        path = folder / name
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        plots.append((title, path))
+
+    def per_run(key):
+        for run in runs:
+            pts = [(r["samples"], r[key]) for r in rows if r.get("run", 0) == run and key in r]
+            if pts:
+                yield run, pts
+
+    evals = list(per_run(metric_name))
+    if evals:
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for run, pts in evals:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=f"run {run}")
+        if target is not None:
+            ax.axhline(target, color="red", linestyle="--", label=f"target {target}")
+        ax.set(xlabel="samples", ylabel=metric_name, title=f"{metric_name} vs samples")
+        ax.legend(fontsize=7)
+        save(fig, "eval.png", f"{metric_name} vs samples")
+    losses = list(per_run("loss"))
+    if losses:
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for run, pts in losses:
+            ax.plot(*zip(*pts, strict=True), label=f"run {run}", linewidth=1)
+        ax.set(xlabel="samples", ylabel="training loss", title="loss vs samples")
+        ax.legend(fontsize=7)
+        save(fig, "loss.png", "loss vs samples")
+    rates = [r for r in rows if "samples_per_s" in r and "time_ms" in r]
+    if rates:
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for run in runs:
+            pts = [r for r in rates if r.get("run", 0) == run]
+            if pts:
+                t0 = pts[0]["time_ms"]
+                ax.plot(
+                    [(r["time_ms"] - t0) / 1000 for r in pts], [r["samples_per_s"] for r in pts], label=f"run {run}"
+                )
+        ax.set(xlabel="seconds since the run's first record", ylabel="samples/s", title="throughput over time")
+        ax.legend(fontsize=7)
+        save(fig, "throughput.png", "samples/s over time")
+    telemetry = _telemetry(run_dir)
+    gpu = {k: v for k, v in telemetry.items() if "_gpu" in k}
+    if gpu:
+        fields = [("power_w", "power (W)"), ("gpu_temp_c", "GPU temperature (C)"), ("sm_clock_mhz", "SM clock (MHz)")]
+        fig, axes = plt.subplots(len(fields), 1, figsize=(7, 2.4 * len(fields)), sharex=True)
+        t0 = min(_float(rows_[0]["time_ms"]) for rows_ in gpu.values() if rows_)
+        for (key, label), ax in zip(fields, axes, strict=True):
+            for name, series in gpu.items():
+                pts = [((_float(r["time_ms"]) - t0) / 1000, _float(r[key])) for r in series]
+                pts = [p for p in pts if p[1] is not None]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), label=name, linewidth=1)
+            ax.set_ylabel(label)
+        axes[-1].set_xlabel("seconds")
+        axes[0].legend(fontsize=6, ncol=4)
+        save(fig, "gpu.png", "per-GPU power, temperature and SM clock")
+    cpu = {k: v for k, v in telemetry.items() if k.endswith("_cpu")}
+    if cpu and not gpu:
+        fig, ax = plt.subplots(figsize=(7, 3))
+        for name, series in cpu.items():
+            t0 = _float(series[0]["time_ms"]) if series else 0
+            ax.plot([(_float(r["time_ms"]) - t0) / 1000 for r in series], [_float(r["cpu_util_pct"]) for r in series],
+                    label=name)  # fmt: skip
+        ax.set(xlabel="seconds", ylabel="CPU utilisation (%)", title="CPU utilisation (no GPU telemetry)")
+        ax.legend(fontsize=7)
+        save(fig, "cpu.png", "CPU utilisation (no GPU telemetry on this machine)")
+    return plots
+
+
+def _fmt(value, digits=3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def score_table(score: Score) -> tuple[list[str], list[list[str]]]:
+    head = [
+        "run",
+        "status",
+        "compliance",
+        "time to train (min)",
+        "samples",
+        "samples/s",
+        "final metric",
+        "energy (kWh)",
+    ]
+    body = []
+    for r in score.runs:
+        energy = None if not r.energy else r.energy["total_kwh"]
+        body.append([
+            str(r.index), r.status, "pass" if r.compliant else f"fail: {r.compliance_reason[:80]}",
+            _fmt(r.time_to_train_min), _fmt(r.samples), _fmt(r.train_samples_per_s, 1), _fmt(r.final_metric, 4),
+            _fmt(energy, 6),
+        ])  # fmt: skip
+    return head, body
+
+
+def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
+    """report.md and report.html in the results folder; returns their paths and the score."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        from trainbench.errors import UserError
+
+        raise UserError(f"results folder {run_dir} does not exist")
+    score = score_folder(run_dir)
+    config = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").exists() else "(no config.yaml)"
+    job = json.loads((run_dir / "job.json").read_text()) if (run_dir / "job.json").exists() else {}
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    target = _target(config)
+    metric = next((r.get("metric_name") for r in summary.get("runs", []) if r.get("metric_name")), "eval metric")
+    plots = make_plots(run_dir, target, metric)
+    head, body = score_table(score)
+    score_line = (
+        f"**Score: {score.score_min:.3f} minutes** ({score.reason})" if score.score_min is not None
+        else f"**No valid score**: {score.reason}"
+    )  # fmt: skip
+    system = job.get("system", "this machine (trainbench run)")
+    title = f"{summary.get('benchmark', 'benchmark')}/{summary.get('preset', '')} — {run_dir.name}"
+
+    layout = f", layout {job['layout']}" if "layout" in job else ""
+    md = [f"# {title}", "", score_line, "", f"System: {system}{layout}", ""]
+    md += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    md += ["| " + " | ".join(row) + " |" for row in body]
+    md += [
+        "",
+        *(f"![{t}](plots/{p.name})" for t, p in plots),
+        "",
+        "## Config",
+        "",
+        "```yaml",
+        config.rstrip(),
+        "```",
+        "",
+    ]
+    md_path = run_dir / "report.md"
+    md_path.write_text("\n".join(md))
+
+    def img(path: Path) -> str:
+        return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+    esc = html.escape
+    rows_html = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in body)
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
+<style>body{{font-family:sans-serif;max-width:980px;margin:2em auto;color:#222}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #bbb;padding:3px 8px;font-size:13px}}
+th{{background:#eee}}img{{max-width:100%;display:block;margin:1em 0}}
+pre{{background:#f6f6f6;padding:1em;font-size:12px}}
+.score{{font-size:1.3em}}</style></head><body>
+<h1>{esc(title)}</h1>
+<p class="score">{esc(score_line.replace("**", ""))}</p>
+<p>System: {esc(system + layout)}</p>
+<table><tr>{"".join(f"<th>{esc(h)}</th>" for h in head)}</tr>{rows_html}</table>
+{"".join(f'<h2>{esc(t)}</h2><img alt="{esc(t)}" src="{img(p)}">' for t, p in plots)}
+<h2>Config</h2><pre>{esc(config)}</pre>
+</body></html>
+"""
+    html_path = run_dir / "report.html"
+    html_path.write_text(page)
+    return md_path, html_path, score
+
+
+def _target(config_text: str) -> float | None:
+    import yaml
+
+    try:
+        return float(yaml.safe_load(config_text)["eval"]["target"])
+    except Exception:
+        return None
+
+
+def compare(a: Path, b: Path) -> tuple[list[str], list[list[str]]]:
+    """Side by side: score, mean throughput, mean energy per run, and the ratio B/A."""
+    sa, sb = score_folder(a), score_folder(b)
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    def energy(score):
+        return mean([r.energy["total_kwh"] for r in score.runs if r.energy])
+
+    rows = []
+    for name, va, vb in [
+        ("score (min)", sa.score_min, sb.score_min),
+        ("mean time to train (min)", mean([r.time_to_train_min for r in sa.runs]),
+         mean([r.time_to_train_min for r in sb.runs])),
+        ("mean samples/s", mean([r.train_samples_per_s for r in sa.runs]),
+         mean([r.train_samples_per_s for r in sb.runs])),
+        ("mean energy per run (kWh)", energy(sa), energy(sb)),
+        ("runs (counted)", len(sa.counted), len(sb.counted)),
+    ]:  # fmt: skip
+        ratio = vb / va if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va else None
+        rows.append([name, _fmt(va, 4), _fmt(vb, 4), _fmt(ratio, 3)])
+    return ["", f"A: {Path(a).name}", f"B: {Path(b).name}", "B/A"], rows

@@ -1,0 +1,179 @@
+"""Scoring, the report and the submission package."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import only_run_dir, run_cli
+
+from trainbench.mlperf import check_compliance
+from trainbench.report.scoring import score_folder, score_runs
+
+# -- olympic scoring -----------------------------------------------------------------------------------------
+
+
+def test_olympic_mean_drops_fastest_and_slowest():
+    assert score_runs([3.0, 1.0, 2.0])[:2] == (2.0, True)
+    score, valid, _, counted = score_runs([5.0, 1.0, 2.0, 3.0, 10.0])
+    assert valid and score == pytest.approx((2 + 3 + 5) / 3) and sorted(counted) == [0, 2, 3]
+
+
+def test_one_failed_run_is_dropped_as_the_slowest():
+    score, valid, reason, counted = score_runs([3.0, None, 1.0, 2.0])
+    assert valid and score == pytest.approx((2 + 3) / 2) and "dropped as the slowest" in reason
+    assert sorted(counted) == [0, 3]
+    assert score_runs([3.0, None, 1.0])[:2] == (3.0, True)  # 3 runs, one failed: fastest dropped too
+
+
+def test_two_failed_runs_make_the_result_invalid():
+    score, valid, reason, _ = score_runs([1.0, None, 2.0, None, 3.0])
+    assert score is None and not valid and "2 of 5 runs did not count" in reason
+
+
+def test_too_few_runs_have_no_score():
+    assert score_runs([1.0, 2.0])[:2] == (None, False)
+    assert score_runs([])[:2] == (None, False)
+
+
+# -- folders made from a real run ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def converged(tiny_data, tmp_path_factory) -> Path:
+    """One tiny run to its target, with telemetry at 4 Hz."""
+    out = tmp_path_factory.mktemp("converged")
+    code = run_cli("run", "bert", f"data.dir={tiny_data}", f"output.results_dir={out}", "progress=false",
+                   "telemetry_hz=4")  # fmt: skip
+    assert code == 0
+    return only_run_dir(out)
+
+
+def _shifted(log: str, extra_ms: int) -> str:
+    """The log with run_stop (and every line after the last eval) moved ``extra_ms`` later."""
+    lines = log.splitlines()
+    out = []
+    for line in lines:
+        event = json.loads(line.split(":::MLLOG", 1)[1])
+        if event["key"] == "run_stop":
+            event["time_ms"] += extra_ms
+        out.append(":::MLLOG " + json.dumps(event))
+    return "\n".join(out) + "\n"
+
+
+def _aborted(log: str) -> str:
+    """The log of a run that stopped short of the target: last eval below 0.720, run_stop aborted."""
+    events = [json.loads(line.split(":::MLLOG", 1)[1]) for line in log.splitlines()]
+    last_eval = max(i for i, e in enumerate(events) if e["key"] == "eval_accuracy")
+    events[last_eval]["value"] = 0.61
+    for e in events:
+        if e["key"] == "run_stop":
+            e["metadata"]["status"] = "aborted"
+    return "".join(":::MLLOG " + json.dumps(e) + "\n" for e in events)
+
+
+def make_folder(converged: Path, dest: Path, extra_minutes: list[float | None]) -> Path:
+    """A results folder of len(extra_minutes) runs: the converged run's log with run_stop moved; None:
+    a run whose log says aborted (it does not count)."""
+    shutil.copytree(converged, dest)
+    for p in list(dest.glob("result_*.txt")) + list(dest.glob("run_*.json")):
+        p.unlink()
+    base = (converged / "result_0.txt").read_text()
+    outcome = json.loads((converged / "run_0.json").read_text())
+    for i, extra in enumerate(extra_minutes):
+        log = _aborted(base) if extra is None else _shifted(base, int(extra * 60_000))
+        (dest / f"result_{i}.txt").write_text(log)
+        (dest / f"run_{i}.json").write_text(json.dumps(outcome | {"index": i}))
+    return dest
+
+
+def test_score_matches_mlperf_loggings_result_summarizer(converged, tmp_path):
+    from mlperf_logging.result_summarizer import result_summarizer
+
+    assert not check_compliance(tmp_path / "x", "5.0.0").passed  # a missing file does not pass
+    for name, extras in {"five": [0.5, 0.0, 2.0, 1.0, 4.0], "one_failed": [0.5, None, 2.0, 1.0, 4.0]}.items():
+        folder = make_folder(converged, tmp_path / name, extras)
+        ours = score_folder(folder)
+        assert ours.valid, ours.reason
+        package = tmp_path / f"pkg_{name}"
+        assert run_cli("package", folder, "--org", "tb", "--system", "cpu", "--out", package) == 1  # too few runs
+        bench_dir = package / "tb" / "results" / "cpu" / "bert"
+        theirs, _, scaling = result_summarizer._compute_strong_score_standalone(
+            "bert", "cpu", False, str(bench_dir), "training", "5.0.0"
+        )
+        assert scaling == 1.0
+        assert ours.score_min == pytest.approx(theirs, rel=1e-9), name
+    assert not check_compliance(tmp_path / "one_failed" / "result_1.txt", "5.0.0").passed
+
+
+def test_report_writes_html_and_markdown_with_plots(converged, tmp_path, capsys):
+    folder = make_folder(converged, tmp_path / "three", [0.0, 1.0, 2.0])
+    assert run_cli("report", folder) == 0
+    out = capsys.readouterr().out
+    assert "score: " in out and "report.html" in out
+    page = (folder / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') >= 4  # eval, loss, throughput, CPU (no GPU here)
+    md = (folder / "report.md").read_text()
+    assert "Score:" in md and "plots/eval.png" in md
+    for name in ("eval.png", "loss.png", "throughput.png", "cpu.png"):
+        assert (folder / "plots" / name).stat().st_size > 5000
+    expected = (converged / "result_0.txt").read_text()
+    assert score_folder(folder).score_min == pytest.approx(1.0 + _ttt(expected))
+
+
+def _ttt(log: str) -> float:
+    events = [json.loads(line.split(":::MLLOG", 1)[1]) for line in log.splitlines()]
+    start = next(e["time_ms"] for e in events if e["key"] == "run_start")
+    stop = next(e["time_ms"] for e in events if e["key"] == "run_stop")
+    return (stop - start) / 60_000
+
+
+def test_report_renders_in_headless_chromium(converged, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no headless Chromium (Debian package chromium) on this machine")
+    folder = make_folder(converged, tmp_path / "render", [0.0, 1.0, 2.0])
+    assert run_cli("report", folder) == 0
+    # A copy of the page that writes, once loaded, each image's decoded width into the DOM.
+    probe = folder / "probe.html"
+    probe.write_text((folder / "report.html").read_text().replace(
+        "</body>",
+        "<script>window.addEventListener('load', () => document.body.setAttribute('data-widths',"
+        " Array.from(document.images).map(i => i.naturalWidth).join(',')));</script></body>",
+    ))  # fmt: skip
+    proc = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000", "--dump-dom",
+         probe.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    match = re.search(r'data-widths="([^"]*)"', proc.stdout)
+    assert match, proc.stderr[-2000:]
+    widths = [int(w) for w in match.group(1).split(",")]
+    assert len(widths) >= 4 and all(w > 100 for w in widths)
+    assert "Score:" in proc.stdout or "score" in proc.stdout.lower()
+
+
+def test_compare_two_folders(converged, tmp_path, capsys):
+    a = make_folder(converged, tmp_path / "a", [0.0, 1.0, 2.0])
+    b = make_folder(converged, tmp_path / "b", [2.0, 3.0, 4.0])
+    assert run_cli("report", a, b) == 0
+    out = capsys.readouterr().out
+    assert "B/A" in out and "score (min)" in out
+    ratio = (score_folder(b).score_min) / (score_folder(a).score_min)
+    assert f"{ratio:.3f}" in out
+
+
+def test_package_layout_and_system_description(converged, tmp_path, capsys):
+    assert run_cli("package", converged, "--org", "acme", "--system", "cpu_box", "--out", tmp_path) == 1
+    out = capsys.readouterr().out
+    root = tmp_path / "acme"
+    assert (root / "results" / "cpu_box" / "bert" / "result_0.txt").exists()
+    desc = json.loads((root / "systems" / "cpu_box.json").read_text())
+    assert desc["submitter"] == "acme" and desc["number_of_nodes"] == "1"
+    assert "passed: System description checker passed for cpu_box" in out
+    assert "expected 10" in out  # one run, where MLPerf asks for 10 BERT runs
+    assert run_cli("package", converged, "--org", "a b", "--system", "x", "--out", tmp_path) == 2
