@@ -235,9 +235,15 @@ def main() -> None:
         if config == "hf_compiled":
             import transformers
 
-            hf_cfg = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                                             attn_implementation="sdpa")  # fmt: skip
-            model, step = torch.compile(transformers.BertForPreTraining(hf_cfg).cuda().train()), hf_step
+            # BERT-large: transformers' BertConfig defaults to the base shape.
+            hf_cfg = transformers.BertConfig(
+                hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                intermediate_size=cfg.intermediate_size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                attn_implementation="sdpa",
+            )  # fmt: skip
+            hf = transformers.BertForPreTraining(hf_cfg).cuda().train()
+            assert hf.num_parameters() > 300e6, "not the large shape"
+            model, step = torch.compile(hf), hf_step
         else:
             model = BertForPreTraining(cfg).cuda().train()
             model, step = (model if config == "ours_eager" else torch.compile(model)), our_step(bench)
