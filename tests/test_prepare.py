@@ -537,3 +537,30 @@ def test_missing_input_and_bad_flags_are_clear_errors(corpus, tmp_path, capsys):
     assert "zip" in _error_line(capsys)
     with pytest.raises(DataError, match="vocabulary"):
         FastWordPiece(tmp_path / "no-vocab.txt")
+
+
+def test_flex_attention_and_dense_masks_give_the_same_packed_loss():
+    import dataclasses
+
+    from trainbench.benchmarks.bert import BertBenchmark
+    from trainbench.models.bert import BertConfig, BertForPreTraining
+
+    spec = InstanceSpec(max_seq_length=64, max_predictions=10, dupe_factor=1, short_seq_prob=0.5)
+    inst = _make(_documents(40), spec)
+    packed = pack(inst, 64, 3, packed_predictions(64, 10, 0.15, 3), np.random.default_rng(0))
+    batch = {k: torch.from_numpy(np.asarray(v)).long() for k, v in packed.items()}
+    cfg = BertConfig(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                     max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    bench = BertBenchmark()
+    losses = []
+    for attention in ("auto", "sdpa"):
+        torch.manual_seed(0)
+        model = BertForPreTraining(dataclasses.replace(cfg, packed_attention=attention)).eval()
+        with torch.no_grad():  # FlexAttention's backward needs CUDA (tests/test_gpu.py covers it there)
+            assert model._use_flex(torch.device("cpu")) == (attention == "auto")
+            losses.append(bench.loss(model, batch, bench.loss_weights(batch)).item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    # Training with attention dropout keeps the dense path: FlexAttention has no dropout.
+    assert (
+        not BertForPreTraining(dataclasses.replace(cfg, attention_dropout=0.1)).train()._use_flex(torch.device("cuda"))
+    )

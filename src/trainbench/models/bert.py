@@ -14,8 +14,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from trainbench.config import option
+
+
+def document_mask(sequence_ids: torch.Tensor) -> BlockMask:
+    """FlexAttention block mask for packed rows: a query attends to the keys of its own sequence, and no key is
+    padding (id 0; a padding query's output is 0). Blocks with no such pair are skipped, so attention spends
+    nothing on padding or across sequences."""
+
+    def same_sequence(b, h, q, kv):
+        return (sequence_ids[b, q] == sequence_ids[b, kv]) & (sequence_ids[b, kv] > 0)
+
+    batch, seq = sequence_ids.shape
+    return create_block_mask(same_sequence, batch, None, seq, seq, device=sequence_ids.device)
 
 
 @dataclass(kw_only=True)
@@ -31,6 +44,12 @@ class BertConfig:
     attention_dropout: float = option(0.1, "Dropout on attention probabilities.")
     layer_norm_eps: float = option(1e-12, "LayerNorm epsilon.")
     init_std: float = option(0.02, "Std of the normal initialisation of weights.")
+    packed_attention: str = option(
+        "auto",
+        "Attention for packed rows: auto (FlexAttention with a block-sparse document mask, except while training "
+        "with attention dropout, which FlexAttention lacks) or sdpa (SDPA with a dense boolean mask).",
+        choices=("auto", "sdpa"),
+    )
     init_checkpoint: str | None = option(
         None, "Weights to start from: a .pt/.bin state dict (HF or MLPerf names) or HF .safetensors."
     )
@@ -50,16 +69,19 @@ class EncoderLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask) -> torch.Tensor:
         batch, seq, hidden = x.shape
         q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, hidden // self.num_heads).unbind(2)
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=attn_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-        )
+        if isinstance(attn_mask, BlockMask):  # packed rows: only blocks that hold one sequence are computed
+            attn = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=attn_mask)
+        else:
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=attn_mask,
+                dropout_p=self.attention_dropout if self.training else 0.0,
+            )
         attn = attn.transpose(1, 2).reshape(batch, seq, hidden)
         x = self.attn_norm(x + self.dropout(self.attn_out(attn)))
         return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))
@@ -112,7 +134,9 @@ class BertForPreTraining(nn.Module):
             + self.token_type_embeddings(token_type_ids)
         )
         x = self.dropout(self.embedding_norm(x))
-        if sequence_ids is not None:
+        if sequence_ids is not None and self._use_flex(sequence_ids.device):
+            attn_mask = document_mask(sequence_ids)
+        elif sequence_ids is not None:
             # [batch, 1, seq, seq]: same sequence. Padding attends to padding, so no row is all False.
             attn_mask = (sequence_ids[:, None, :, None] == sequence_ids[:, None, None, :]).contiguous()
         else:
@@ -121,6 +145,13 @@ class BertForPreTraining(nn.Module):
         for layer in self.layers:
             x = layer(x, attn_mask)
         return x
+
+    def _use_flex(self, device: torch.device | None = None) -> bool:
+        """FlexAttention for packed rows: on CUDA (its backward does not run on CPU; without gradients
+        it runs anywhere), and not while training with attention dropout, which it does not implement."""
+        dropout = self.training and self.cfg.attention_dropout > 0
+        runs_here = (device is not None and device.type == "cuda") or not torch.is_grad_enabled()
+        return self.cfg.packed_attention == "auto" and not dropout and runs_here
 
     def forward(
         self,
