@@ -28,7 +28,7 @@ from pathlib import Path
 
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, save_config
-from trainbench.errors import Preempted, UserError
+from trainbench.errors import UserError
 from trainbench.launch.local import new_run_dir
 from trainbench.launch.systems import System
 
@@ -102,12 +102,14 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         "}",
         "STOPPED=0",
         "trap on_term TERM",
+        'rm -f "$RUN_DIR/preempted_$INDEX"',
         "state RUNNING null",
         " ".join(q(arg) for arg in srun) + ' "$PYTHON" -m trainbench.launch.worker "$RUN_DIR" "$INDEX" --resume &',
         "wait $!; rc=$?",
         "while kill -0 $! 2>/dev/null; do wait $!; rc=$?; done  # a trapped signal interrupts the first wait",
         'if [ "$STOPPED" = 1 ]; then exit "$rc"; fi',
-        f'if [ "$rc" = {Preempted.exit_code} ]; then  # checkpoint saved before the time limit: go again',
+        'if [ -e "$RUN_DIR/preempted_$INDEX" ]; then  # the ranks checkpointed on USR1: go again',
+        '  rm -f "$RUN_DIR/preempted_$INDEX"',
         '  state REQUEUED "$rc"',
         '  scontrol requeue "$SLURM_JOB_ID"',
         "  exit 0",

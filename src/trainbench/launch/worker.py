@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as exc:
         if info.is_main:
             console.print(str(exc))
+            # The job script requeues on this marker: srun's own exit code is not reliable here, since
+            # --kill-on-bad-exit may stop the other ranks (after the checkpoint) before they exit with 3.
+            (run_dir / f"preempted_{index}").touch()
         return Preempted.exit_code
     except UserError as exc:
         if info.is_main:
