@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/trainbench prepare bert --synthetic --preset tiny --out $(DEMO_DATA)
 	$(BIN)/trainbench run bert --preset tiny data.dir=$(DEMO_DATA) output.results_dir=$(DEMO_RESULTS)
+	$(BIN)/trainbench report $$(ls -td $(DEMO_RESULTS)/*-bert-tiny*/ | head -n 1)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests
