@@ -183,17 +183,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_list(_args) -> int:
-    from rich.table import Table
-
     from trainbench.benchmarks import BENCHMARKS
-    from trainbench.console import console
 
-    table = Table(title="trainbench benchmarks")
-    for col in ("benchmark", "MLPerf name", "presets", "description"):
-        table.add_column(col)
-    for b in BENCHMARKS.values():
-        table.add_row(b.name, b.mlperf_name, ", ".join(b.presets), b.description)
-    console.print(table)
+    rows = [[b.name, b.mlperf_name, ", ".join(b.presets), b.description] for b in BENCHMARKS.values()]
+    _print_table("trainbench benchmarks", ["benchmark", "MLPerf name", "presets", "description"], rows)
     return 0
 
 
@@ -360,9 +353,20 @@ def cmd_submit(args) -> int:
     return 0
 
 
-def cmd_report(args) -> int:
+def _print_table(title: str, head: list[str], rows: list[list[str]]) -> None:
     from rich.table import Table
 
+    from trainbench.console import console
+
+    table = Table(title=title)
+    for h in head:
+        table.add_column(h)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def cmd_report(args) -> int:
     from trainbench.console import console
     from trainbench.report.render import compare, score_table, write_report
 
@@ -372,22 +376,10 @@ def cmd_report(args) -> int:
         if not Path(folder).is_dir():
             raise UserError(f"results folder {folder} does not exist")
     if len(args.folders) == 2:
-        head, rows = compare(Path(args.folders[0]), Path(args.folders[1]))
-        table = Table(title="comparison")
-        for h in head:
-            table.add_column(h)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
+        _print_table("comparison", *compare(Path(args.folders[0]), Path(args.folders[1])))
         return 0
     md, page, score = write_report(Path(args.folders[0]))
-    head, rows = score_table(score)
-    table = Table(title=str(args.folders[0]))
-    for h in head:
-        table.add_column(h)
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    _print_table(str(args.folders[0]), *score_table(score))
     if score.score_min is not None:
         console.print(f"score: {score.score_min:.3f} minutes ({score.reason})")
     else:
