@@ -57,11 +57,17 @@ def log_events(path: Path) -> list[dict]:
     return out
 
 
-def time_to_train_min(events: list[dict]) -> float | None:
-    """From run_start and run_stop, as the summarizer reads them (the first of each)."""
+def run_window(events: list[dict]) -> tuple[int, int] | None:
+    """(run_start, run_stop) times in ms, as the summarizer reads them (the first of each); None if either
+    is missing."""
     start = next((e["time_ms"] for e in events if e["key"] == "run_start"), None)
     stop = next((e["time_ms"] for e in events if e["key"] == "run_stop"), None)
-    return None if start is None or stop is None else (stop - start) / 60_000
+    return None if start is None or stop is None else (start, stop)
+
+
+def time_to_train_min(events: list[dict]) -> float | None:
+    window = run_window(events)
+    return None if window is None else (window[1] - window[0]) / 60_000
 
 
 def score_runs(times: list[float | None], max_dropped: int = MAX_DROPPED) -> tuple[float | None, bool, str, list[int]]:
@@ -104,12 +110,11 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
             continue
         events = log_events(log)
         check = check_compliance(log, ruleset)
-        ttt = time_to_train_min(events)
+        window = run_window(events)
+        ttt = None if window is None else (window[1] - window[0]) / 60_000
         energy = outcome.get("energy")
-        if energy is None and ttt is not None:
-            start = next(e["time_ms"] for e in events if e["key"] == "run_start")
-            stop = next(e["time_ms"] for e in events if e["key"] == "run_stop")
-            energy = run_energy(run_dir, start, stop)
+        if energy is None and window is not None:
+            energy = run_energy(run_dir, *window)
         runs.append(
             RunScore(
                 index=i,
