@@ -9,7 +9,10 @@ One process, one GPU, bf16 autocast, micro-batch 48, seq 512, LAMB for every mod
    half of the 512 positions padding (Krell et al. 2021 report ~50 % padding for Wikipedia at 512): 25 % of
    samples uniform in [470, 512] tokens, 75 % uniform in [16, 370] (mean about 268);
 4. for each: HF BertForPreTraining (torch.compile; its MLM head over all positions, as HF computes it),
-   trainbench's BERT eager and compiled (MLM head at the masked positions only), and trainbench on packed rows.
+   trainbench's BERT eager and compiled (MLM head at the masked positions only), compiled with the trainer's
+   4 length bins (global batch 768 sorted, 16 micro-batches each cut to its bin), and on packed rows:
+   compiled, with the fused (compiled) LAMB, with CUDA graphs, and with 96 rows per step;
+5. a profile of the packed, fused-LAMB configuration: every GPU kernel's time and share (kernels_*.csv).
 
 Reported per configuration: samples/s, real (non-pad) tokens/s, model TFLOP/s on real tokens and MFU against
 the measured peak, peak memory, and the ratio to HF.
@@ -122,19 +125,28 @@ def pack_fixed(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return pack(inst, SEQ, 3, packed_predictions(SEQ, PRED, 0.15, 3), np.random.default_rng(0))
 
 
-def batches(arrays: dict[str, np.ndarray], steps: int, micro: int):
+def batches(arrays: dict[str, np.ndarray], steps: int, micro: int) -> list[dict[str, torch.Tensor]]:
     n = len(arrays["input_ids"])
+    out = []
     for s in range(steps):
         rows = np.arange(s * micro, (s + 1) * micro) % n
-        yield {k: torch.from_numpy(v[rows]).long().cuda(non_blocking=True) for k, v in arrays.items()}
+        out.append({k: torch.from_numpy(v[rows]).long().cuda(non_blocking=True) for k, v in arrays.items()})
+    return out
 
 
-def time_model(name: str, step_fn, model, arrays, steps: int, warmup: int, micro: int, cfg: BertConfig,
-               peak: float, compile_optimizer: bool = False) -> dict:  # fmt: skip
-    optimizer = Lamb(param_groups(model, 0.01), lr=1e-4, weight_decay=0.01)
-    if compile_optimizer:  # fuse LAMB's foreach kernels with torch.compile
-        optimizer.step = torch.compile(optimizer.step)
-    data = list(batches(arrays, warmup + steps, micro))
+def binned_batches(shard_dir: Path, global_batches: int) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches as the trainer makes them with data.length_bins=4 (one rank, GBS 768 = 16 x 48):
+    each global batch sorted by length and cut into 16 micro-batches, each trimmed to its bin's edge."""
+    from trainbench.data.bert_hdf5 import TrainBatches, find_shards
+
+    shards = find_shards(shard_dir, "training data", SEQ, PRED)
+    it = iter(TrainBatches(shards, 0, 16 * MICRO, MICRO, 0, 1, 0, "fixed", 4))
+    return [{k: torch.from_numpy(v).cuda() for k, v in mb.items()} for _ in range(global_batches) for mb in next(it)]
+
+
+def time_model(name: str, step_fn, model, data: list, warmup: int, cfg: BertConfig, peak: float,
+               fused_lamb: bool = False, profile_to: Path | None = None) -> dict:  # fmt: skip
+    optimizer = Lamb(param_groups(model, 0.01), lr=1e-4, weight_decay=0.01, fused=fused_lamb)
     torch.cuda.reset_peak_memory_stats()
     for b in data[:warmup]:
         step_fn(model, b)
@@ -149,9 +161,10 @@ def time_model(name: str, step_fn, model, arrays, steps: int, warmup: int, micro
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t
     timed = data[warmup:]
+    steps = len(timed)
     if "sequence_ids" in timed[0]:
-        seq_ids = torch.stack([b["sequence_ids"] for b in timed]).cpu().numpy()
-        lengths = np.concatenate([np.bincount(r[r > 0])[1:] for r in seq_ids.reshape(-1, SEQ)])
+        seq_ids = np.concatenate([b["sequence_ids"].cpu().numpy() for b in timed])
+        lengths = np.concatenate([np.bincount(r[r > 0])[1:] for r in seq_ids])
         samples = int(sum((b["next_sentence_labels"] >= 0).sum().item() for b in timed))
     else:
         lengths = torch.cat([b["input_mask"].sum(1) for b in timed]).cpu().numpy()
@@ -174,13 +187,43 @@ def time_model(name: str, step_fn, model, arrays, steps: int, warmup: int, micro
         "model_tflops": flops / seconds / 1e12,
         "mfu_vs_measured_peak": flops / seconds / 1e12 / peak,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "rows_per_step": micro,
+        "rows_per_step": int(timed[0]["input_ids"].shape[0]),
+        "row_width_mean": float(np.mean([b["input_ids"].shape[1] for b in timed])),
         "step_ms": seconds / steps * 1000,
         "lamb_step_ms": lamb_ms,
         "mean_length": float(lengths.mean()),
     }
+    if profile_to is not None:
+        out["top_kernels"] = profile_steps(step_fn, model, optimizer, timed[:5], profile_to)
     print(json.dumps(out), flush=True)
     return out
+
+
+def profile_steps(step_fn, model, optimizer, data, path: Path, top: int = 25) -> list[dict]:
+    """GPU kernels of a few steps by total time, with their share of all kernel time (CSV at ``path``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for b in data:
+            step_fn(model, b)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0.0, 0])
+            k[0] += e.device_time  # us
+            k[1] += 1
+    total = sum(v[0] for v in kernels.values())
+    rows = [{"kernel": n, "calls": c, "ms_per_step": t / 1000 / len(data), "share": t / total}
+            for n, (t, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])]  # fmt: skip
+    with open(path, "w") as f:
+        f.write("kernel,calls,ms_per_step,share\n")
+        for r in rows:
+            f.write(f'"{r["kernel"][:200]}",{r["calls"]},{r["ms_per_step"]:.4f},{r["share"]:.4f}\n')
+    summary = {"total_kernel_ms_per_step": total / 1000 / len(data)}
+    return [dict(r, kernel=r["kernel"][:120]) for r in rows[:top]] + [summary]
 
 
 def hf_step(model, b):
@@ -231,21 +274,37 @@ def main() -> None:
                         str(args.data / "bert" / "vocab.txt"), "--out", str(prepared), "--num-shards", "4",
                         "--eval-samples", "100", "--eval-fraction", "0.05", "--formats", "fixed,packed",
                         "--no-progress"], env=env, check=True)  # fmt: skip
-    sets = {
-        "wikitext": load_prepared(prepared, "fixed"),
-        "synthetic": synthetic_fixed(MICRO * (args.steps + args.warmup)),
-    }
+    from trainbench.data.bert_hdf5 import write_shard
+
+    n_fixed = max(MICRO * (args.steps + args.warmup), 3 * 16 * MICRO)
+    sets = {"wikitext": load_prepared(prepared, "fixed"), "synthetic": synthetic_fixed(n_fixed)}
     packed_sets = {"wikitext": load_prepared(prepared, "packed"), "synthetic": pack_fixed(sets["synthetic"])}
+    synthetic_dir = args.work / "synthetic"
+    synthetic_dir.mkdir(parents=True, exist_ok=True)
+    write_shard(synthetic_dir / "part_0.hdf5", sets["synthetic"])
+    shard_dirs = {"wikitext": prepared / "train", "synthetic": synthetic_dir}
     cfg = BertConfig(hidden_dropout=0.0, attention_dropout=0.0)
     results = {"bf16_matmul_peak_tflops": peak, "gpu": torch.cuda.get_device_name(), "runs": []}
 
     def want(name):
         return not args.only or name in args.only
 
-    # Models outer, data sets inner: each model is compiled once (the shapes are the same for both sets).
-    configs = ["hf_compiled", "ours_eager", "ours_compiled", "ours_packed_compiled", "ours_packed_compiled_lamb"]
-    for config in [c for c in configs if want(c)]:
-        if config == "hf_compiled":
+    # name: (model, data, micro-batch rows, fused LAMB, compile mode). Models outer, data sets inner:
+    # each model is compiled once (both sets have the same shapes).
+    configs = {
+        "hf_compiled": ("hf", "fixed", MICRO, False, "default"),
+        "ours_eager": ("ours", "fixed", MICRO, False, None),
+        "ours_compiled": ("ours", "fixed", MICRO, False, "default"),
+        "ours_bins_compiled": ("ours", "bins", MICRO, True, "default"),
+        "ours_packed_compiled": ("ours", "packed", MICRO, False, "default"),
+        "ours_packed_fused_lamb": ("ours", "packed", MICRO, True, "default"),
+        "ours_packed_fused_lamb_cudagraphs": ("ours", "packed", MICRO, True, "reduce-overhead"),
+        "ours_packed_fused_lamb_b96": ("ours", "packed", 2 * MICRO, True, "default"),
+    }
+    for config, (impl, layout, micro, fused, mode) in configs.items():
+        if not want(config):
+            continue
+        if impl == "hf":
             import transformers
 
             # BERT-large: transformers' BertConfig defaults to the base shape.
@@ -254,29 +313,26 @@ def main() -> None:
                 intermediate_size=cfg.intermediate_size, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                 attn_implementation="sdpa",
             )  # fmt: skip
-            hf = transformers.BertForPreTraining(hf_cfg).cuda().train()
-            assert hf.num_parameters() > 300e6, "not the large shape"
-            model, step = torch.compile(hf), hf_step
+            model = transformers.BertForPreTraining(hf_cfg).cuda().train()
+            assert model.num_parameters() > 300e6, "not the large shape"
+            step = hf_step
         else:
-            model = BertForPreTraining(cfg).cuda().train()
-            model, step = (model if config == "ours_eager" else torch.compile(model)), our_step(bench)
+            model, step = BertForPreTraining(cfg).cuda().train(), our_step(bench)
+        if mode is not None:
+            model = torch.compile(model, mode=mode, dynamic=False)
         for data_name in sets:
-            arrays = packed_sets[data_name] if "packed" in config else sets[data_name]
-            results["runs"].append(
-                time_model(
-                    f"{data_name}/{config}",
-                    step,
-                    model,
-                    arrays,
-                    args.steps,
-                    args.warmup,
-                    MICRO,
-                    cfg,
-                    peak,
-                    compile_optimizer=config.endswith("_lamb"),
-                )  # fmt: skip
-            )
+            if layout == "bins":
+                data, warmup = binned_batches(shard_dirs[data_name], 3), 16  # one global batch of warm-up
+            else:
+                arrays = packed_sets[data_name] if layout == "packed" else sets[data_name]
+                data, warmup = batches(arrays, args.warmup + args.steps, micro), args.warmup
+            profile = args.out / f"kernels_{data_name}_{config}.csv" if config == "ours_packed_fused_lamb" else None
+            run = time_model(f"{data_name}/{config}", step, model, data, warmup, cfg, peak, fused, profile)
+            results["runs"].append(run)
+            (args.out / "bert_throughput.json").write_text(json.dumps(results, indent=1))  # kept if cut short
+            del data
         del model
+        torch._dynamo.reset()
         torch.cuda.empty_cache()
     for data_name in sets:
         runs = [r for r in results["runs"] if r["config"].startswith(data_name + "/")]

@@ -41,6 +41,15 @@ class Net(torch.nn.Module):
 @pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("max_norm", [1.0, 0.0, 1e-3])
 def test_foreach_lamb_matches_reference(max_norm, bias_correction):
+    check_against_reference(max_norm, bias_correction, fused=False)
+
+
+def test_fused_lamb_matches_reference():
+    """The compiled (fused) update follows the same reference, clipping triggered."""
+    check_against_reference(1e-3, True, fused=True)
+
+
+def check_against_reference(max_norm, bias_correction, fused):
     torch.manual_seed(0)
     net = Net()
     groups = param_groups(net, weight_decay=0.1)
@@ -52,6 +61,7 @@ def test_foreach_lamb_matches_reference(max_norm, bias_correction):
         weight_decay=0.1,
         max_grad_norm=max_norm,
         bias_correction=bias_correction,
+        fused=fused,
     )
     params = [p for g in opt.param_groups for p in g["params"]]
     wd = [g["weight_decay"] for g in opt.param_groups for _ in g["params"]]
@@ -91,3 +101,28 @@ def test_poly_warmup_schedule():
     assert quad == pytest.approx(2.0 * 0.25)
     # warmup started 2 steps before step 0 (MLPerf's negative start_warmup_step)
     assert poly_warmup_lr(0, 1.0, 4, 12, 1.0, start_warmup_step=-2) == 0.75
+
+
+def test_fused_lamb_compiles_once_as_the_schedule_moves():
+    """lr and step are device tensors: a new learning rate every step must not recompile the update."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    nets = [Net(), Net()]
+    nets[1].load_state_dict(nets[0].state_dict())
+    opts = [Lamb(param_groups(n, 0.01), lr=0.0, fused=f) for n, f in zip(nets, (False, True), strict=True)]
+    for step in range(6):
+        x = torch.randn(8, 16)
+        for net, opt in zip(nets, opts, strict=True):
+            for group in opt.param_groups:
+                group["lr"] = 0.01 * (step + 1)
+            net.out(net.norm(net.dense(x))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if step == 0:
+            compiled_frames = counters["stats"]["unique_graphs"]
+    assert compiled_frames >= 1
+    assert counters["stats"]["unique_graphs"] == compiled_frames, "the update was recompiled"
+    for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

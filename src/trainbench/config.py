@@ -51,6 +51,12 @@ class DataConfig:
     eval_batch_size: int = option(64, "Samples per rank per eval forward.")
     eval_samples: int | None = option(10000, "Eval samples to use from the eval files (None: all of them).")
     prefetch: int = option(2, "Batches prepared ahead of the training step by a background thread.")
+    length_bins: int = option(
+        0,
+        "Fixed layout: sort each global batch by length and deal it out so every rank's k-th micro-batch has "
+        "the same lengths, each cut to the upper edge of its bin (seq_length / length_bins steps). 0: off; "
+        "MLPerf-style 4 bins: 4. The samples of every step stay the same.",
+    )
 
 
 @dataclass(kw_only=True)
@@ -63,6 +69,12 @@ class OptimizerConfig:
     weight_decay: float = option(0.01, "Decoupled weight decay; never applied to biases and LayerNorm.")
     max_grad_norm: float = option(1.0, "Clip the global gradient norm to this before the update (0: no clipping).")
     bias_correction: bool = option(True, "Adam-style bias correction of both moments.")
+    clip: str = option(
+        "global",
+        "Where max_grad_norm applies: global (one norm over the all-reduced gradient, the reference) or bucket "
+        "(each DDP bucket of each rank's gradient clipped by its own norm before the all-reduce; multi-rank only).",
+        choices=("global", "bucket"),
+    )
 
 
 @dataclass(kw_only=True)
@@ -84,6 +96,25 @@ class EvalConfig:
 class DistributedConfig:
     nproc: int = option(1, "Processes (one per GPU, or CPU ranks) on this node; >1 launches torchrun.")
     backend: str = option("auto", "torch.distributed backend.", choices=("auto", "gloo", "nccl"))
+    bucket_cap_mb: float = option(
+        25.0, "DDP gradient bucket size (MB): each bucket's all-reduce starts while backward goes on."
+    )
+    grad_reduce_dtype: str = option(
+        "fp32",
+        "Type of the gradients on the wire: fp32, or bf16 (half the all-reduce traffic; each bucket is rounded "
+        "to bf16, summed, and cast back).",
+        choices=("fp32", "bf16"),
+    )
+
+
+@dataclass(kw_only=True)
+class PerfConfig:
+    compile: bool = option(
+        False, "torch.compile the model (forward and backward) and fuse the optimizer update into a few kernels."
+    )
+    cuda_graphs: bool = option(
+        False, "With compile: replay the compiled forward and backward as CUDA graphs (static shapes; CUDA only)."
+    )
 
 
 @dataclass(kw_only=True)
@@ -127,6 +158,7 @@ class RunConfig:
     schedule: ScheduleConfig = section(ScheduleConfig, "Learning-rate schedule and run length.")
     eval: EvalConfig = section(EvalConfig, "Quality target and eval cadence.")
     distributed: DistributedConfig = section(DistributedConfig, "Processes and backend.")
+    perf: PerfConfig = section(PerfConfig, "Speed switches that do not change the algorithm.")
     output: OutputConfig = section(OutputConfig, "Results folder and MLPerf submission fields.")
 
 

@@ -58,6 +58,17 @@ class Benchmark(ABC):
                 f"data.global_batch_size / processes = {per_rank} is not a multiple of "
                 f"data.micro_batch_size={d.micro_batch_size}"
             )
+        if cfg.perf.cuda_graphs and not cfg.perf.compile:
+            raise ConfigError("perf.cuda_graphs=true replays the compiled step: it needs perf.compile=true")
+        if cfg.perf.cuda_graphs and cfg.device == "cpu":
+            raise ConfigError("perf.cuda_graphs=true needs a GPU (device=cuda or auto)")
+        if cfg.perf.cuda_graphs and per_rank != d.micro_batch_size:
+            # A replay reuses its memory, and with accumulation the gradients of the previous
+            # micro-batch live there.
+            raise ConfigError(
+                "perf.cuda_graphs=true needs one micro-batch per rank per step (no accumulation): "
+                f"set data.micro_batch_size={per_rank}"
+            )
 
     def accumulation_steps(self, cfg: RunConfig) -> int:
         return cfg.data.global_batch_size // (cfg.distributed.nproc * cfg.data.micro_batch_size)

@@ -117,6 +117,13 @@ class BertBenchmark(Benchmark):
             )
         if m.hidden_size % m.num_heads:
             raise ConfigError(f"model.hidden_size={m.hidden_size} is not a multiple of model.num_heads={m.num_heads}")
+        if d.length_bins and d.layout != "fixed":
+            raise ConfigError(
+                "data.length_bins applies to the fixed layout (packed rows have no padding to cut); "
+                "set data.length_bins=0 or data.layout=fixed"
+            )
+        if d.length_bins < 0 or d.length_bins > d.seq_length:
+            raise ConfigError(f"data.length_bins={d.length_bins} must be between 0 and data.seq_length={d.seq_length}")
 
     def eval_every_samples(self, cfg: RunConfig) -> int:
         gbs = cfg.data.global_batch_size
@@ -180,7 +187,15 @@ class BertBenchmark(Benchmark):
         _, train_shards = self._train_shards(cfg)
         eval_shards = find_shards(eval_dir, "eval data", d.seq_length, d.max_predictions)
         train = TrainBatches(
-            train_shards, cfg.seed, d.global_batch_size, d.micro_batch_size, rank, world_size, start_sample, d.layout
+            train_shards,
+            cfg.seed,
+            d.global_batch_size,
+            d.micro_batch_size,
+            rank,
+            world_size,
+            start_sample,
+            d.layout,
+            d.length_bins,
         )
         evals = eval_batches(eval_shards, d.eval_samples, d.eval_batch_size, rank, world_size)
         eval_total = d.eval_samples if d.eval_samples is not None else sum(s.num_samples for s in eval_shards)
@@ -204,8 +219,10 @@ class BertBenchmark(Benchmark):
             betas=(o.beta1, o.beta2),
             eps=o.epsilon,
             weight_decay=o.weight_decay,
-            max_grad_norm=o.max_grad_norm,
+            # Bucket-wise clipping happens in the all-reduce hook, before the optimizer sees the gradient.
+            max_grad_norm=0.0 if o.clip == "bucket" else o.max_grad_norm,
             bias_correction=o.bias_correction,
+            fused=cfg.perf.compile,
         )
 
     def lr_at(self, cfg: RunConfig, step: int) -> float:

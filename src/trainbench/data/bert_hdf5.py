@@ -42,6 +42,8 @@ DTYPES = {
     "masked_lm_ids": "i4",
     "next_sentence_labels": "i1",
 }
+# Per-token keys of the fixed layout: the ones a length bin cuts.
+SEQUENCE_KEYS = ("input_ids", "input_mask", "segment_ids")
 LAYOUTS = {"fixed": KEYS, "packed": PACKED_KEYS}
 
 
@@ -258,7 +260,16 @@ class TrainBatches:
     """Iterator over optimizer steps: each item is this rank's micro-batches for one global batch."""
 
     def __init__(
-        self, shards, seed, global_batch_size, micro_batch_size, rank, world_size, start_sample=0, layout="fixed"
+        self,
+        shards,
+        seed,
+        global_batch_size,
+        micro_batch_size,
+        rank,
+        world_size,
+        start_sample=0,
+        layout="fixed",
+        length_bins=0,
     ):
         per_rank, remainder = divmod(global_batch_size, world_size)
         assert remainder == 0 and per_rank % micro_batch_size == 0, "batch sizes were validated by the config"
@@ -268,7 +279,9 @@ class TrainBatches:
         self.micro_batch_size = micro_batch_size
         self.per_rank = per_rank
         self.rank = rank
+        self.world_size = world_size
         self.start_sample = start_sample
+        self.length_bins = length_bins
         self.keys = LAYOUTS[layout]
         self.packed = layout == "packed"
         self.cache = ShardCache(keys=self.keys)
@@ -283,15 +296,40 @@ class TrainBatches:
         while True:
             # Rank-major split of the global batch: rank r owns samples [r*per_rank, (r+1)*per_rank).
             picks = [next(stream) for _ in range(self.global_batch_size)]
-            batch = self._gather(picks[lo:hi])
-            step = Step(
-                {k: v[i : i + self.micro_batch_size] for k, v in batch.items()}
-                for i in range(0, self.per_rank, self.micro_batch_size)
-            )
+            if self.length_bins:
+                step = self._binned_step(picks)
+            else:
+                batch = self._gather(picks[lo:hi])
+                step = Step(
+                    {k: v[i : i + self.micro_batch_size] for k, v in batch.items()}
+                    for i in range(0, self.per_rank, self.micro_batch_size)
+                )
             # Samples are sequences: a packed row holds several. Every rank counts the whole global batch
             # from the shards it caches, so all ranks agree without communicating.
             step.samples = self._count_sequences(picks) if self.packed else self.global_batch_size
             yield step
+
+    def _binned_step(self, picks: list[tuple[int, int]]) -> Step:
+        """The length-balanced split of one global batch (the same samples as the plain split).
+
+        The global batch is sorted by length, longest first; micro-step k takes the next
+        world_size x micro_batch_size samples and deals them out round-robin, so the k-th micro-batch
+        of every rank holds nearly the same lengths (no rank waits for another at the all-reduce).
+        Each micro-batch is cut to the upper edge of its length bin (seq_length / length_bins steps),
+        so short samples cost short rows and the model sees at most length_bins shapes.
+        """
+        lengths = np.array([self.cache.get(self.shards[s].path)["input_mask"][r].sum() for s, r in picks])
+        order = np.argsort(-lengths, kind="stable")
+        seq_length = self.cache.get(self.shards[picks[0][0]].path)["input_ids"].shape[1]
+        width = -(-seq_length // self.length_bins)
+        span = self.world_size * self.micro_batch_size
+        step = Step()
+        for k in range(0, self.global_batch_size, span):
+            mine = order[k : k + span][self.rank :: self.world_size]
+            batch = self._gather([picks[i] for i in mine])
+            edge = min(seq_length, -(-int(lengths[mine].max()) // width) * width)
+            step.append({key: v[:, :edge] if key in SEQUENCE_KEYS else v for key, v in batch.items()})
+        return step
 
     def _count_sequences(self, picks: list[tuple[int, int]]) -> int:
         return sum(int((self.cache.get(self.shards[s].path)["next_sentence_labels"][r] >= 0).sum()) for s, r in picks)

@@ -50,6 +50,7 @@ class SyntheticSpec:
     num_eval_samples: int
     num_shards: int
     seed: int
+    short_seq_prob: float = SHORT_SEQ_PROB  # share of samples shorter than seq_length (uniform length)
 
 
 def word(i: int) -> str:
@@ -98,10 +99,17 @@ class _Language:
         return np.where(rng.random((n, length)) < P_KEYWORD, keyword[:, None], out)
 
 
-def make_samples(lang: _Language, rng: np.random.Generator, n: int, seq_length: int, max_predictions: int):
+def make_samples(
+    lang: _Language,
+    rng: np.random.Generator,
+    n: int,
+    seq_length: int,
+    max_predictions: int,
+    short_seq_prob: float = SHORT_SEQ_PROB,
+):
     s = seq_length
     max_tokens = s - 3
-    target = np.where(rng.random(n) < SHORT_SEQ_PROB, rng.integers(2, max_tokens + 1, size=n), max_tokens)
+    target = np.where(rng.random(n) < short_seq_prob, rng.integers(2, max_tokens + 1, size=n), max_tokens)
     a_len = 1 + (rng.random(n) * (target - 1)).astype(np.int64)  # 1 .. target-1 tokens in sentence A
     is_random_next = rng.random(n) < 0.5
     topics = rng.integers(NUM_TOPICS, size=n)
@@ -177,7 +185,9 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, progress=None) -> di
     for index, count in enumerate(sizes):
         path = out / "train" / f"part_{index:05d}_of_{spec.num_shards:05d}.hdf5"
         rng = np.random.default_rng([spec.seed, 1, index])
-        write_shard(path, make_samples(lang, rng, int(count), spec.seq_length, spec.max_predictions))
+        write_shard(
+            path, make_samples(lang, rng, int(count), spec.seq_length, spec.max_predictions, spec.short_seq_prob)
+        )
         files.append((path, int(count)))
         if progress:
             progress(index + 1, spec.num_shards + 1)

@@ -65,7 +65,6 @@ def run_window(events: list[dict]) -> tuple[int, int] | None:
     return None if start is None or stop is None else (start, stop)
 
 
-
 def score_runs(times: list[float | None], max_dropped: int = MAX_DROPPED) -> tuple[float | None, bool, str, list[int]]:
     """Olympic score of run times in minutes (None: the run does not count). Returns (score, valid, reason,
     indices averaged)."""

@@ -36,6 +36,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 class Lamb(Optimizer):
+    """Multi-tensor LAMB. ``fused=True`` compiles the whole update (clipping, moments, trust ratios,
+    parameter update, every group) into a few Inductor kernels: trainbench's fused LAMB.
+
+    The learning rate and step count live on the device as tensors, so the compiled update is traced
+    once and never recompiled as the schedule moves (a Python float would be a new constant each step),
+    and the step never waits for the host.
+    """
+
     def __init__(
         self,
         params,
@@ -45,6 +53,7 @@ class Lamb(Optimizer):
         weight_decay: float = 0.01,
         max_grad_norm: float = 1.0,
         bias_correction: bool = True,
+        fused: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -56,58 +65,95 @@ class Lamb(Optimizer):
         )
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
+        self.fused = fused
+        self._update = torch.compile(_lamb_update, fullgraph=True) if fused else _lamb_update
+        self._lrs: torch.Tensor | None = None
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if not torch.is_tensor(state.get("step")):  # new, or an int from an older checkpoint
+            state["step"] = torch.tensor(float(state.get("step", 0)), device=p.device)
+        return state
 
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "Lamb does not take a closure"
-        grads_all = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads_all:
-            return None
-        # Global-norm clipping over every gradient, kept on device (no host sync).
-        global_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads_all)))
-        clip = torch.ones_like(global_norm)
-        if self.max_grad_norm > 0:
-            clip = torch.clamp(self.max_grad_norm / (global_norm + 1e-6), max=1.0)
-
+        groups = []
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            for p in params:
-                if not self.state[p]:
-                    self.state[p]["step"] = 0
-                    self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    self.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                self.state[p]["step"] += 1
-            step = self.state[params[0]]["step"]
-            grads = torch._foreach_mul([p.grad for p in params], clip)
-            exp_avg = [self.state[p]["exp_avg"] for p in params]
-            exp_avg_sq = [self.state[p]["exp_avg_sq"] for p in params]
-
-            torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sq, beta2)
-            torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
-
-            c1 = 1 - beta1**step if group["bias_correction"] else 1.0
-            c2 = 1 - beta2**step if group["bias_correction"] else 1.0
-            denom = torch._foreach_sqrt(exp_avg_sq)
-            torch._foreach_div_(denom, c2**0.5)
-            torch._foreach_add_(denom, group["eps"])
-            update = torch._foreach_div(exp_avg, denom)
-            torch._foreach_div_(update, c1)
-            if group["weight_decay"] != 0:
-                torch._foreach_add_(update, params, alpha=group["weight_decay"])
-            if group["layer_adaptation"]:
-                w_norm = torch._foreach_norm(params)
-                u_norm = torch._foreach_norm(update)
-                ratios = [
-                    torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w))
-                    for w, u in zip(w_norm, u_norm, strict=False)
-                ]
-                torch._foreach_mul_(update, ratios)
-            torch._foreach_add_(params, update, alpha=-group["lr"])
+            states = [self._init_state(p) for p in params]
+            groups.append((params, [p.grad for p in params], states))
+        if not any(g[0] for g in groups):
+            return None
+        device = next(g[0][0].device for g in groups if g[0])
+        if self._lrs is None or self._lrs.device != device:
+            self._lrs = torch.zeros(len(self.param_groups), device=device)
+        for i, group in enumerate(self.param_groups):
+            self._lrs[i].fill_(group["lr"])  # a kernel argument: no host-to-device copy, no sync
+        self._update(
+            [g[0] for g in groups],
+            [g[1] for g in groups],
+            [[s["exp_avg"] for s in g[2]] for g in groups],
+            [[s["exp_avg_sq"] for s in g[2]] for g in groups],
+            [[s["step"] for s in g[2]] for g in groups],
+            self._lrs,
+            [
+                (
+                    *group["betas"],
+                    group["eps"],
+                    group["weight_decay"],
+                    group["bias_correction"],
+                    group["layer_adaptation"],
+                )
+                for group in self.param_groups
+            ],  # fmt: skip
+            self.max_grad_norm,
+        )
         return None
+
+
+def _lamb_update(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, settings, max_grad_norm: float) -> None:
+    """One LAMB step over all groups (lists of lists, one per group); pure tensor code, compilable."""
+    grads_all = [g for gs in grads for g in gs]
+    # Global-norm clipping over every gradient, kept on device (no host sync).
+    global_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads_all)))
+    clip = torch.ones_like(global_norm)
+    if max_grad_norm > 0:
+        clip = torch.clamp(max_grad_norm / (global_norm + 1e-6), max=1.0)
+    for i, (p, g, m, v, t) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps, strict=True)):
+        if not p:
+            continue
+        beta1, beta2, eps, weight_decay, bias_correction, layer_adaptation = settings[i]
+        torch._foreach_add_(t, 1.0)
+        g = torch._foreach_mul(g, clip)
+        torch._foreach_lerp_(m, g, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+        denom = torch._foreach_sqrt(v)
+        update = m
+        if bias_correction:
+            step = t[0]
+            torch._foreach_div_(denom, torch.sqrt(1 - torch.pow(beta2, step)))
+            torch._foreach_add_(denom, eps)
+            update = torch._foreach_div(m, denom)
+            torch._foreach_div_(update, 1 - torch.pow(beta1, step))
+        else:
+            torch._foreach_add_(denom, eps)
+            update = torch._foreach_div(m, denom)
+        if weight_decay != 0:
+            torch._foreach_add_(update, p, alpha=weight_decay)
+        if layer_adaptation:
+            w_norm = torch._foreach_norm(p)
+            u_norm = torch._foreach_norm(update)
+            ratios = [
+                torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w)) for w, u in zip(w_norm, u_norm, strict=True)
+            ]
+            torch._foreach_mul_(update, ratios)
+        torch._foreach_mul_(update, -lrs[i])
+        torch._foreach_add_(p, update)
 
 
 def poly_warmup_lr(

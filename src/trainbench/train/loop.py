@@ -18,17 +18,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig
 from trainbench.console import RunConsole, TrainProgress
 from trainbench.data.prefetch import prefetch
-from trainbench.errors import Preempted, TrainingDiverged
+from trainbench.errors import ConfigError, Preempted, TrainingDiverged
 from trainbench.mlperf import MLPerfLog, constants
 from trainbench.telemetry import Sampler, run_energy
 from trainbench.train import checkpoint
-from trainbench.train.distributed import DistInfo, all_reduce_sum
+from trainbench.train.distributed import DistInfo, ReduceSettings, all_reduce_sum, wrap_ddp
 from trainbench.train.profiling import StepProfiler
 
 # Logged (a point in time) when a run continues from a checkpoint; value: how many times it was resumed.
@@ -151,17 +150,29 @@ def train(
     header.event(constants.SUBMISSION_PLATFORM, o.submission_platform or platform_name(device, info.world_size))
 
     seed_everything(cfg.seed)
-    model = bench.build_model(cfg).to(device)
+    # raw_model: the parameters and the checkpoint; ddp: the gradient all-reduce; model: what is called.
+    raw_model = bench.build_model(cfg).to(device)
+    ddp = None
+    if cfg.optimizer.clip == "bucket" and info.world_size == 1:
+        raise ConfigError("optimizer.clip=bucket clips before the all-reduce: it needs more than one rank")
     if info.world_size > 1:
-        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = bench.build_optimizer(cfg, model)
+        reduce = ReduceSettings(
+            clip_norm=cfg.optimizer.max_grad_norm if cfg.optimizer.clip == "bucket" else None,
+            bf16=cfg.distributed.grad_reduce_dtype == "bf16",
+        )
+        ddp = wrap_ddp(raw_model, info, cfg.distributed.bucket_cap_mb, reduce)
+    model = ddp or raw_model
+    if cfg.perf.compile:
+        # Static shapes: one graph per shape (packed rows: one; length bins: one per bin; eval: its own).
+        model = torch.compile(model, mode="reduce-overhead" if cfg.perf.cuda_graphs else None, dynamic=False)
+    optimizer = bench.build_optimizer(cfg, raw_model)
     accumulation = bench.accumulation_steps(cfg)
     gbs = cfg.data.global_batch_size
     eval_every = cfg.eval.every_samples or bench.eval_every_samples(cfg)
     max_samples = cfg.schedule.max_samples or cfg.schedule.total_steps * gbs
     state = checkpoint.LoopState(next_eval=eval_every)
     if ckpt is not None:
-        state = checkpoint.load(ckpt, model, optimizer, info)
+        state = checkpoint.load(ckpt, raw_model, optimizer, info)
         state.resumed += 1
     # The data stream is in rows: step x GBS of them were consumed (a packed row holds several samples).
     data = bench.build_data(cfg, info.rank, info.world_size, start_sample=state.step * gbs)
@@ -177,7 +188,7 @@ def train(
     if o.telemetry_hz > 0 and info.local_rank == 0:
         sampler = Sampler(run_dir, o.telemetry_hz).start()
         out.say(f"run {index}: {sampler.note}")
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in raw_model.parameters())
     out.say(
         f"run {index}: {bench.name}/{cfg.preset}, seed {cfg.seed}, {n_params / 1e6:.2f}M parameters, "
         f"{info.world_size} x {device.type}, {'bf16' if use_bf16 else 'fp32'}, global batch {gbs} "
@@ -235,8 +246,7 @@ def train(
 
     def save_checkpoint() -> None:
         loop_state = checkpoint.LoopState(step, samples, next_eval, run_start_ms, evals, state.resumed)
-        checkpoint.save(run_dir, index, model.module if hasattr(model, "module") else model, optimizer,
-                        loop_state, info)  # fmt: skip
+        checkpoint.save(run_dir, index, raw_model, optimizer, loop_state, info)
 
     try:
         for micro_batches in prefetch(data.train, cfg.data.prefetch):
@@ -251,8 +261,11 @@ def train(
             # ranks, which the factor world_size undoes.
             weights = all_reduce_sum(sum(bench.loss_weights(b) for b in batches), info)
             for i, batch in enumerate(batches):
-                sync = i == len(batches) - 1 or not isinstance(model, DistributedDataParallel)
-                with contextlib.nullcontext() if sync else model.no_sync(), autocast:
+                sync = i == len(batches) - 1 or ddp is None
+                if cfg.perf.cuda_graphs:
+                    # A new step: the previous replay's outputs are used up.
+                    torch.compiler.cudagraph_mark_step_begin()
+                with contextlib.nullcontext() if sync else ddp.no_sync(), autocast:
                     loss = bench.loss(model, batch, weights) * info.world_size
                 loss.backward()
                 loss_sum += loss.detach() / info.world_size

@@ -1,0 +1,132 @@
+"""BERT-large data-parallel scaling on one node, through `trainbench run` itself.
+
+Prepares packed data from WikiText-2 with MLPerf's vocab (as bert_throughput.py does), then trains the large
+preset on packed rows with the speed switches on (compiled model, fused LAMB), 48 rows per GPU per step and
+no accumulation: on 1 GPU, then on N GPUs with DDP (global batch 48 x N rows): plain, with bucket-wise
+clipping, with the all-reduce in bf16, and with bf16 and 100 MB buckets. Throughput is read from each run's
+metrics.jsonl: samples/s per logging interval, the first intervals (compilation) left out.
+
+    python benchmarks/bert_scaling.py --out OUT --gpus 4 [--steps 80] [--data DIR]
+
+Writes OUT/bert_scaling.json: samples/s for each configuration and the scaling efficiency
+(N-GPU samples/s divided by N times the 1-GPU samples/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def prepare(work: Path, data: Path) -> Path:
+    prepared = work / "wikitext"
+    if (prepared / "manifest.json").exists():
+        return prepared
+    corpus = work / "corpus"
+    corpus.mkdir(parents=True, exist_ok=True)
+    text = "".join((data / "text" / "wikitext-2" / n).read_text() for n in ("valid.txt", "test.txt"))
+    for c in range(4):
+        (corpus / f"wiki.{c}.txt").write_text(text)
+    run([sys.executable, "-m", "trainbench", "prepare", "bert", "--input", str(corpus), "--vocab",
+         str(data / "bert" / "vocab.txt"), "--out", str(prepared), "--num-shards", "8", "--eval-samples", "256",
+         "--eval-fraction", "0.05", "--formats", "fixed,packed", "--no-progress"])  # fmt: skip
+    return prepared
+
+
+def run(cmd: list[str], ok: tuple[int, ...] = (0,)) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    print("+", " ".join(cmd), flush=True)
+    code = subprocess.run(cmd, env=env).returncode
+    if code not in ok:
+        raise SystemExit(f"exit code {code}: {' '.join(cmd)}")
+
+
+def train(name: str, gpus: int, prepared: Path, out: Path, steps: int, extra: list[str]) -> dict:
+    rows = 48 * gpus
+    results = out / name
+    run(
+        [
+            sys.executable,
+            "-m",
+            "trainbench",
+            "run",
+            "bert",
+            "--preset",
+            "large",
+            "--nproc",
+            str(gpus),
+            f"data.dir={prepared}",
+            "data.layout=packed",
+            f"global_batch_size={rows}",
+            "micro_batch_size=48",
+            "eval_samples=256",
+            "eval.every_samples=100000000",
+            f"schedule.max_samples={rows * steps}",
+            "perf.compile=true",
+            "log_every_steps=10",
+            "progress=false",
+            "telemetry_hz=1",
+            "model.hidden_dropout=0.0",
+            "model.attention_dropout=0.0",
+            f"output.results_dir={results}",
+            *extra,
+        ],
+        ok=(0, 1),
+    )  # fmt: skip  (1: stopped before the target)
+    (run_dir,) = [d for d in results.iterdir() if d.is_dir()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
+    steady = rates[3:]  # the first 30 steps hold the compilation and the first CUDA allocations
+    outcome = json.loads((run_dir / "run_0.json").read_text())
+    return {
+        "config": name,
+        "gpus": gpus,
+        "rows_per_step": rows,
+        "samples_per_s": statistics.median(steady),
+        "samples_per_s_intervals": rates,
+        "peak_memory_gib": outcome["peak_memory_gib"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
+    p.add_argument("--work", type=Path, default=Path("/tmp/tb-scaling"))
+    p.add_argument("--only", nargs="*", help="run only these N-GPU configurations (the 1-GPU run always runs)")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    prepared = prepare(args.work, args.data)
+    report = {"runs": []}
+    n = args.gpus
+    configs = [
+        ("1gpu", 1, []),
+        (f"{n}gpu_ddp", n, []),
+        (f"{n}gpu_ddp_bucket_clip", n, ["optimizer.clip=bucket"]),
+        (f"{n}gpu_ddp_bf16_reduce", n, ["distributed.grad_reduce_dtype=bf16"]),
+        (f"{n}gpu_ddp_bf16_bucket100", n, ["distributed.grad_reduce_dtype=bf16", "distributed.bucket_cap_mb=100"]),
+    ]
+    for name, gpus, extra in configs:
+        if args.only and name not in args.only and name != "1gpu":
+            continue
+        report["runs"].append(train(name, gpus, prepared, args.work / "runs", args.steps, extra))
+        (args.out / "bert_scaling.json").write_text(json.dumps(report, indent=1))
+        print(json.dumps(report["runs"][-1]), flush=True)
+    one = report["runs"][0]["samples_per_s"]
+    for r in report["runs"][1:]:
+        r["scaling_efficiency"] = r["samples_per_s"] / (r["gpus"] * one)
+    (args.out / "bert_scaling.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({r["config"]: r.get("scaling_efficiency") for r in report["runs"]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
