@@ -61,7 +61,11 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    name: str = option("lamb", "Optimizer.", choices=("lamb",))
+    name: str = option(
+        "lamb",
+        "Optimizer (the benchmark's: lamb for bert, adam/adamw for gpt3/llama31_8b).",
+        choices=("lamb", "adam", "adamw"),
+    )
     lr: float = option(4e-4, "Base (peak) learning rate: MLPerf `opt_base_learning_rate`.")
     beta1: float = option(0.9, "First-moment decay.")
     beta2: float = option(0.999, "Second-moment decay.")
@@ -83,6 +87,7 @@ class ScheduleConfig:
     start_warmup_step: int = option(0, "Step at which warmup begins (negative starts it earlier).")
     total_steps: int = option(10000, "Steps of the decay: MLPerf `opt_learning_rate_training_steps`.")
     poly_power: float = option(1.0, "Power of the polynomial decay after warmup (1.0: linear).")
+    end_lr: float | None = option(None, "Learning rate at the end of a cosine decay (None: 0.1 x optimizer.lr).")
     max_samples: int | None = option(None, "Stop, status aborted, after this many samples (None: total_steps x GBS).")
 
 
@@ -96,6 +101,7 @@ class EvalConfig:
 class DistributedConfig:
     nproc: int = option(1, "Processes (one per GPU, or CPU ranks) on this node; >1 launches torchrun.")
     backend: str = option("auto", "torch.distributed backend.", choices=("auto", "gloo", "nccl"))
+    tp: int = option(1, "Tensor-parallel degree (LLM benchmarks): ranks per tensor-parallel group; the rest is FSDP.")
     bucket_cap_mb: float = option(
         25.0, "DDP gradient bucket size (MB): each bucket's all-reduce starts while backward goes on."
     )
@@ -111,6 +117,9 @@ class DistributedConfig:
 class PerfConfig:
     compile: bool = option(
         False, "torch.compile the model (forward and backward) and fuse the optimizer update into a few kernels."
+    )
+    activation_checkpointing: bool = option(
+        False, "LLM benchmarks: recompute each block's activations in backward instead of keeping them."
     )
     cuda_graphs: bool = option(
         False, "With compile: replay the compiled forward and backward as CUDA graphs (static shapes; CUDA only)."

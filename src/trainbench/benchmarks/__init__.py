@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from trainbench.benchmarks.base import Benchmark
 from trainbench.benchmarks.bert import BertBenchmark
+from trainbench.benchmarks.llm import Gpt3Benchmark, Llama31Benchmark
 from trainbench.errors import ConfigError
 
-BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (BertBenchmark(),)}
+BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (BertBenchmark(), Llama31Benchmark(), Gpt3Benchmark())}
 
 
 def get_benchmark(name: str) -> Benchmark:

@@ -49,7 +49,8 @@ class Benchmark(ABC):
 
     def validate(self, cfg: RunConfig) -> None:
         """Raise ConfigError for combinations the loop cannot run."""
-        d, world = cfg.data, cfg.distributed.nproc
+        # Data-parallel replicas: tensor-parallel ranks share their replica's batch.
+        d, world = cfg.data, cfg.distributed.nproc // max(1, cfg.distributed.tp)
         if d.global_batch_size % world:
             raise ConfigError(f"data.global_batch_size={d.global_batch_size} is not divisible by {world} processes")
         per_rank = d.global_batch_size // world
@@ -71,7 +72,8 @@ class Benchmark(ABC):
             )
 
     def accumulation_steps(self, cfg: RunConfig) -> int:
-        return cfg.data.global_batch_size // (cfg.distributed.nproc * cfg.data.micro_batch_size)
+        replicas = cfg.distributed.nproc // max(1, cfg.distributed.tp)
+        return cfg.data.global_batch_size // (replicas * cfg.data.micro_batch_size)
 
     @abstractmethod
     def eval_every_samples(self, cfg: RunConfig) -> int:
@@ -87,6 +89,15 @@ class Benchmark(ABC):
 
     @abstractmethod
     def build_model(self, cfg: RunConfig) -> torch.nn.Module: ...
+
+    def place(self, model: torch.nn.Module, cfg: RunConfig, info, bf16: bool) -> torch.nn.Module | None:
+        """Put ``model`` on the rank's device with the benchmark's own parallelism (sharding, tensor
+        parallelism) and return it; None (the default) lets the loop move it and wrap it in DDP."""
+        return None
+
+    def data_rank(self, cfg: RunConfig, info) -> tuple[int, int]:
+        """(rank, ranks) among the data-parallel replicas: which share of each global batch this rank reads."""
+        return info.rank, info.world_size
 
     @abstractmethod
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer: ...

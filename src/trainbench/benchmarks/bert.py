@@ -117,6 +117,8 @@ class BertBenchmark(Benchmark):
             )
         if m.hidden_size % m.num_heads:
             raise ConfigError(f"model.hidden_size={m.hidden_size} is not a multiple of model.num_heads={m.num_heads}")
+        if cfg.distributed.tp != 1:
+            raise ConfigError("bert is data-parallel only: distributed.tp must be 1")
         if d.length_bins and d.layout != "fixed":
             raise ConfigError(
                 "data.length_bins applies to the fixed layout (packed rows have no padding to cut); "

@@ -151,18 +151,23 @@ def train(
 
     seed_everything(cfg.seed)
     # raw_model: the parameters and the checkpoint; ddp: the gradient all-reduce; model: what is called.
-    raw_model = bench.build_model(cfg).to(device)
+    raw_model = bench.build_model(cfg)
+    placed = bench.place(raw_model, cfg, info, use_bf16)
     ddp = None
     if cfg.optimizer.clip == "bucket" and info.world_size == 1:
         raise ConfigError("optimizer.clip=bucket clips before the all-reduce: it needs more than one rank")
-    if info.world_size > 1:
+    if placed is not None:  # the benchmark shards and compiles its model itself
+        raw_model = placed
+    else:
+        raw_model = raw_model.to(device)
+    if placed is None and info.world_size > 1:
         reduce = ReduceSettings(
             clip_norm=cfg.optimizer.max_grad_norm if cfg.optimizer.clip == "bucket" else None,
             bf16=cfg.distributed.grad_reduce_dtype == "bf16",
         )
         ddp = wrap_ddp(raw_model, info, cfg.distributed.bucket_cap_mb, reduce)
     model = ddp or raw_model
-    if cfg.perf.compile:
+    if cfg.perf.compile and placed is None:
         # Static shapes: one graph per shape (packed rows: one; length bins: one per bin; eval: its own).
         model = torch.compile(model, mode="reduce-overhead" if cfg.perf.cuda_graphs else None, dynamic=False)
     optimizer = bench.build_optimizer(cfg, raw_model)
@@ -175,7 +180,8 @@ def train(
         state = checkpoint.load(ckpt, raw_model, optimizer, info)
         state.resumed += 1
     # The data stream is in rows: step x GBS of them were consumed (a packed row holds several samples).
-    data = bench.build_data(cfg, info.rank, info.world_size, start_sample=state.step * gbs)
+    data_rank, data_ranks = bench.data_rank(cfg, info)
+    data = bench.build_data(cfg, data_rank, data_ranks, start_sample=state.step * gbs)
 
     header.event(constants.SEED, cfg.seed)
     header.event(constants.GLOBAL_BATCH_SIZE, gbs)

@@ -1,0 +1,356 @@
+"""MLPerf `gpt3` and `llama31_8b`: decoder-only pretraining with Adam(W) to a target log perplexity.
+
+One model (:mod:`trainbench.models.decoder`), one data path (Megatron indexed datasets cut into fixed-length
+samples), one loop. Rules followed:
+
+- `llama31_8b` (MLPerf Training 5.1): Llama 3.1 8B from scratch on C4, seq 8192, AdamW beta 0.9/0.95,
+  eps 1e-5, weight decay 0.1, clip 1.0, cosine decay with linear warmup over 1.2 M steps, eval on 1,024
+  sequences every 12,288 sequences, target log perplexity <= 3.3.
+- `gpt3` (MLPerf Training 4.1): GPT-3 175B on C4, seq 2048, Adam beta 0.9/0.95, eps 1e-8, weight decay 0.1,
+  clip 1.0, eval every 24,576 sequences, target log perplexity <= 2.69 (MLPerf starts from its step-4000
+  checkpoint; ``model`` weights load through ``model_init`` of HF Llama names only, so a GPT-3 run here
+  starts from scratch).
+
+The eval metric is the mean next-token cross entropy (nats) over every token of the eval sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from trainbench.benchmarks.base import Benchmark, BenchmarkData
+from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
+from trainbench.data.bert_hdf5 import Step
+from trainbench.data.indexed import IndexedDataset, PackedSamples, find_prefixes
+from trainbench.errors import ConfigError, DataError
+from trainbench.mlperf import constants
+from trainbench.models.decoder import DecoderConfig, DecoderLM
+from trainbench.train.distributed import DistInfo
+
+# Models smaller than this are initialised whole on every rank and then sharded, so a run on N ranks
+# starts from exactly the weights of a one-rank run; larger ones are initialised shard by shard.
+FULL_INIT_MAX_PARAMS = 2_000_000_000
+
+
+def _run(name: str, preset: str, model: DecoderConfig, data: DataConfig, optimizer: OptimizerConfig,
+         schedule: ScheduleConfig, target: float, every: int | None = None) -> RunConfig:  # fmt: skip
+    return RunConfig(benchmark=name, preset=preset, model=model, data=data, optimizer=optimizer, schedule=schedule,
+                     eval=EvalConfig(target=target, every_samples=every))  # fmt: skip
+
+
+TINY_MODEL = DecoderConfig(
+    vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384,
+    max_seq_length=128, rope_theta=10000.0,
+)  # fmt: skip
+TINY_DATA = DataConfig(seq_length=128, global_batch_size=32, micro_batch_size=32, eval_batch_size=64, eval_samples=256)
+
+
+def tiny(name: str) -> RunConfig:
+    """2 blocks, width 128, on the synthetic Markov language of `prepare <bench> --synthetic --preset tiny`:
+    reaches log perplexity 1.6 (the language's floor is about 1.27) in about a minute on 2 CPU cores."""
+    model = TINY_MODEL if name == "llama31_8b" else dataclasses.replace(TINY_MODEL, arch="gpt3", num_kv_heads=None)
+    llama = name == "llama31_8b"
+    opt = OptimizerConfig(
+        name="adamw" if llama else "adam",
+        lr=3e-3,
+        beta1=0.9,
+        beta2=0.95,
+        epsilon=1e-5 if llama else 1e-8,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+    )
+    sched = ScheduleConfig(warmup_steps=20, total_steps=1000)
+    return _run(name, "tiny", model, dataclasses.replace(TINY_DATA), opt, sched, target=1.6, every=3200)
+
+
+def llama(preset: str, model: DecoderConfig, gbs: int, micro: int, lr: float) -> RunConfig:
+    return _run(
+        "llama31_8b", preset, model,
+        DataConfig(seq_length=8192, global_batch_size=gbs, micro_batch_size=micro, eval_batch_size=1,
+                   eval_samples=1024),
+        OptimizerConfig(name="adamw", lr=lr, beta1=0.9, beta2=0.95, epsilon=1e-5, weight_decay=0.1, max_grad_norm=1.0),
+        ScheduleConfig(warmup_steps=16, total_steps=1_200_000), target=3.3,
+    )  # fmt: skip
+
+
+LLAMA31_8B = DecoderConfig()  # the defaults are Llama 3.1 8B
+LLAMA_1B = DecoderConfig(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
+                         tie_embeddings=True)  # the Llama 3.2 1B shape: one GPU  # fmt: skip
+
+# GPT-3 paper, table 2.1: (layers, d_model, heads). The paper gives 24 heads of 128 for 1.3B, which does not
+# multiply to 2048, and d_model 5140 for 13B; we use 16 heads of 128 and 5120, as Megatron does.
+GPT3_SHAPES = {
+    "gpt3-125m": (12, 768, 12),
+    "gpt3-350m": (24, 1024, 16),
+    "gpt3-760m": (24, 1536, 16),
+    "gpt3-1.3b": (24, 2048, 16),
+    "gpt3-2.7b": (32, 2560, 32),
+    "gpt3-6.7b": (32, 4096, 32),
+    "gpt3-13b": (40, 5120, 40),
+    "gpt3-175b": (96, 12288, 96),
+}
+
+
+def gpt3(preset: str) -> RunConfig:
+    layers, width, heads = GPT3_SHAPES[preset]
+    model = DecoderConfig(arch="gpt3", vocab_size=50257, hidden_size=width, num_layers=layers, num_heads=heads,
+                          num_kv_heads=None, intermediate_size=4 * width, max_seq_length=2048)  # fmt: skip
+    return _run(
+        "gpt3", preset, model,
+        DataConfig(seq_length=2048, global_batch_size=1536, micro_batch_size=1, eval_batch_size=1, eval_samples=24567),
+        OptimizerConfig(name="adam", lr=2e-5, beta1=0.9, beta2=0.95, epsilon=1e-8, weight_decay=0.1, max_grad_norm=1.0),
+        ScheduleConfig(warmup_steps=265, total_steps=108_600), target=2.69,
+    )  # fmt: skip
+
+
+class AdamClipped(torch.optim.AdamW):
+    """AdamW (Adam with decoupled weight decay; ``weight_decay=0`` groups for biases and norms) after clipping
+    the global gradient norm. The norm is taken over sharded (DTensor) gradients too: squares are summed
+    locally and all-reduced over the mesh dimensions each gradient is sharded on."""
+
+    def __init__(self, params, max_grad_norm: float, **kw):
+        super().__init__(params, **kw)
+        self.max_grad_norm = max_grad_norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.max_grad_norm > 0:
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            norm = global_grad_norm(grads)
+            scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            for g in grads:
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(scale)
+        return super().step(closure)
+
+
+def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            key = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements) if pl.is_shard())
+            groups.setdefault(key, []).append(g.to_local())
+        else:
+            groups.setdefault((), []).append(g)
+    total = None
+    for key, tensors in groups.items():
+        sq = torch.stack(torch._foreach_norm([t.float() for t in tensors])).pow(2).sum()
+        for group in key:
+            dist.all_reduce(sq, group=group)
+        total = sq if total is None else total + sq.to(total.device)
+    return total.sqrt()
+
+
+class LLMBenchmark(Benchmark):
+    metric_name = "log_perplexity"
+    higher_is_better = False
+    eval_every: int
+
+    def validate(self, cfg: RunConfig) -> None:
+        super().validate(cfg)
+        m, d = cfg.model, cfg.data
+        if m.hidden_size % m.num_heads or m.num_heads % m.kv_heads:
+            raise ConfigError(f"model: hidden_size {m.hidden_size}, heads {m.num_heads}, kv heads {m.kv_heads} "
+                              "must divide evenly")  # fmt: skip
+        if m.arch == "gpt3" and d.seq_length > m.max_seq_length:
+            raise ConfigError(f"data.seq_length={d.seq_length} exceeds model.max_seq_length={m.max_seq_length}")
+        if cfg.optimizer.name not in ("adam", "adamw"):
+            raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with adam or adamw")
+        if d.layout != "fixed" or d.length_bins:
+            raise ConfigError(f"{self.name} samples are fixed-length token windows: no data.layout/length_bins")
+        if cfg.optimizer.clip != "global":
+            raise ConfigError(f"{self.name} clips the global gradient norm (optimizer.clip=global)")
+        if cfg.distributed.nproc % cfg.distributed.tp:
+            raise ConfigError(f"distributed.tp={cfg.distributed.tp} does not divide --nproc {cfg.distributed.nproc}")
+
+    def eval_every_samples(self, cfg: RunConfig) -> int:
+        return self.eval_every
+
+    # -- data -----------------------------------------------------------------------------------
+    def _split(self, cfg: RunConfig, split: str) -> list[IndexedDataset]:
+        if not cfg.data.dir:
+            raise DataError(f"no dataset given: set data.dir=DIR to a folder made by `trainbench prepare {self.name} "
+                            f"--synthetic --preset {cfg.preset} --out DIR` or `--source C4_DIR`")  # fmt: skip
+        root = Path(cfg.data.dir)
+        return [IndexedDataset(p) for p in find_prefixes(root / split, f"{split} data")]
+
+    def check_data(self, cfg: RunConfig) -> None:
+        train, evals = self._split(cfg, "train"), self._split(cfg, "eval")
+        vocab = cfg.model.vocab_size
+        for d in train[:1] + evals[:1]:
+            if d.num_tokens and int(np.max(d.tokens[: min(d.num_tokens, 1 << 20)])) >= vocab:
+                raise DataError(f"{d.prefix}: token ids reach past model.vocab_size={vocab}; another tokenizer?")
+        n_eval = PackedSamples(evals, cfg.data.seq_length, 0).samples_per_epoch
+        if cfg.data.eval_samples and cfg.data.eval_samples > n_eval:
+            raise DataError(f"data.eval_samples={cfg.data.eval_samples} but the eval data holds {n_eval} sequences "
+                            f"of {cfg.data.seq_length + 1} tokens")  # fmt: skip
+
+    def data_rank(self, cfg: RunConfig, info: DistInfo) -> tuple[int, int]:
+        tp = cfg.distributed.tp
+        return info.rank // tp, info.world_size // tp
+
+    def build_data(self, cfg: RunConfig, rank: int, world_size: int, start_sample: int = 0) -> BenchmarkData:
+        d = cfg.data
+        train = PackedSamples(self._split(cfg, "train"), d.seq_length, cfg.seed)
+        evals = PackedSamples(self._split(cfg, "eval"), d.seq_length, 0)
+        n_eval = min(d.eval_samples or evals.samples_per_epoch, evals.samples_per_epoch)
+        lo, hi = n_eval * rank // world_size, n_eval * (rank + 1) // world_size
+        eval_batches = [{"tokens": evals.batch(range(i, min(i + d.eval_batch_size, hi)))}
+                        for i in range(lo, hi, d.eval_batch_size)]  # fmt: skip
+        return BenchmarkData(
+            train=TokenSteps(train, d.global_batch_size, d.micro_batch_size, rank, world_size, start_sample),
+            eval=eval_batches,
+            train_samples=train.samples_per_epoch,
+            eval_samples=n_eval,
+        )
+
+    def to_device(self, batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+        return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
+
+    # -- model and optimizer --------------------------------------------------------------------
+    def build_model(self, cfg: RunConfig) -> torch.nn.Module:
+        with torch.device("meta"):
+            return DecoderLM(cfg.model)
+
+    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> torch.nn.Module:
+        from trainbench.train.parallel import parallelize
+
+        full = None
+        if cfg.model.num_params() <= FULL_INIT_MAX_PARAMS:
+            whole = DecoderLM(cfg.model)
+            whole.init_weights(cfg.seed)
+            full = whole.state_dict()
+        return parallelize(model, info.device, info.world_size, cfg.distributed.tp, bf16 and info.device.type == "cuda",
+                           cfg.perf.activation_checkpointing, cfg.perf.compile, full, cfg.seed)  # fmt: skip
+
+    def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+        o = cfg.optimizer
+        decay, plain = [], []
+        for name, p in model.named_parameters():
+            (plain if p.ndim <= 1 or name.endswith(".bias") else decay).append(p)
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+        cuda = next(model.parameters()).device.type == "cuda"
+        return AdamClipped(groups, o.max_grad_norm, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.epsilon,
+                           foreach=not cuda, fused=cuda)  # fmt: skip
+
+    def lr_at(self, cfg: RunConfig, step: int) -> float:
+        s, base = cfg.schedule, cfg.optimizer.lr
+        end = s.end_lr if s.end_lr is not None else 0.1 * base
+        if step < s.warmup_steps:
+            return base * (step + 1) / s.warmup_steps
+        progress = min(1.0, (step - s.warmup_steps) / max(1, s.total_steps - s.warmup_steps))
+        return end + 0.5 * (base - end) * (1 + math.cos(math.pi * progress))
+
+    # -- step -----------------------------------------------------------------------------------
+    def loss_weights(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        tokens = batch["tokens"]
+        return torch.tensor([tokens.shape[0] * (tokens.shape[1] - 1)], dtype=torch.float32, device=tokens.device)
+
+    def _token_losses(self, model, batch) -> torch.Tensor:
+        tokens = batch["tokens"]
+        logits = model(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum")
+
+    def loss(self, model, batch, weights):
+        return self._token_losses(model, batch) / weights[0]
+
+    def eval_sums(self, model, batch) -> torch.Tensor:
+        count = torch.tensor(batch["tokens"][:, 1:].numel(), dtype=torch.float64, device=batch["tokens"].device)
+        return torch.stack([self._token_losses(model, batch).double(), count])
+
+    def eval_metric(self, sums: torch.Tensor) -> float:
+        return float(sums[0] / sums[1].clamp(min=1))
+
+    def eval_metadata(self, samples: int) -> dict[str, Any]:
+        return {"epoch_num": samples, "samples_count": samples}
+
+
+class TokenSteps:
+    """Optimizer steps of token windows: global batch k is samples [k*B, (k+1)*B) of the seeded order; data-
+    parallel rank r takes its contiguous share, split into micro-batches."""
+
+    def __init__(self, samples: PackedSamples, gbs: int, micro: int, rank: int, world: int, start_sample: int):
+        self.samples, self.gbs, self.micro = samples, gbs, micro
+        self.per_rank = gbs // world
+        self.rank, self.start = rank, start_sample
+
+    def __iter__(self):
+        k = self.start
+        while True:
+            lo = k + self.rank * self.per_rank
+            tokens = self.samples.batch(range(lo, lo + self.per_rank))
+            step = Step({"tokens": tokens[i : i + self.micro]} for i in range(0, self.per_rank, self.micro))
+            step.samples = self.gbs
+            yield step
+            k += self.gbs
+
+
+class Llama31Benchmark(LLMBenchmark):
+    name = "llama31_8b"
+    mlperf_name = constants.LLAMA31_8B
+    ruleset = "5.1.0"
+    description = "Llama 3.1 8B pretraining on C4 (AdamW, seq 8192), target log perplexity 3.3"
+    eval_every = 12_288
+    presets = {
+        "tiny": lambda: tiny("llama31_8b"),
+        "llama-1b": lambda: llama("llama-1b", LLAMA_1B, gbs=32, micro=1, lr=1e-3),
+        "llama31-8b": lambda: llama("llama31-8b", LLAMA31_8B, gbs=32, micro=1, lr=1e-3),
+    }
+
+    def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
+        o, s = cfg.optimizer, cfg.schedule
+        return {
+            "max_sequence_length": cfg.data.seq_length,
+            constants.OPT_NAME: "adamw",
+            constants.OPT_BASE_LR: o.lr,
+            constants.OPT_END_LR: s.end_lr if s.end_lr is not None else 0.1 * o.lr,
+            constants.OPT_LR_WARMUP_STEPS: s.warmup_steps,
+            constants.OPT_LR_DECAY_STEPS: s.total_steps - s.warmup_steps,
+            constants.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",
+            constants.OPT_ADAMW_BETA_1: o.beta1,
+            constants.OPT_ADAMW_BETA_2: o.beta2,
+            constants.OPT_ADAMW_EPSILON: o.epsilon,
+            constants.OPT_ADAMW_WEIGHT_DECAY: o.weight_decay,
+            constants.OPT_GRADIENT_CLIP_NORM: o.max_grad_norm,
+            "max_steps": s.total_steps,
+        }
+
+
+class Gpt3Benchmark(LLMBenchmark):
+    name = "gpt3"
+    mlperf_name = constants.GPT3
+    ruleset = "4.1.0"
+    description = "GPT-3 175B pretraining on C4 (Adam, seq 2048), target log perplexity 2.69"
+    eval_every = 24_576
+    presets = {"tiny": lambda: tiny("gpt3")} | {name: (lambda n=name: gpt3(n)) for name in GPT3_SHAPES}
+
+    def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
+        o, s = cfg.optimizer, cfg.schedule
+        return {
+            "max_sequence_length": cfg.data.seq_length,
+            constants.OPT_NAME: "adam",
+            constants.OPT_BASE_LR: o.lr,
+            constants.OPT_END_LR: s.end_lr if s.end_lr is not None else 0.1 * o.lr,
+            constants.OPT_LR_WARMUP_STEPS: s.warmup_steps,
+            constants.OPT_LR_DECAY_STEPS: s.total_steps - s.warmup_steps,
+            constants.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",
+            constants.OPT_ADAM_BETA_1: o.beta1,
+            constants.OPT_ADAM_BETA_2: o.beta2,
+            constants.OPT_ADAM_EPSILON: o.epsilon,
+            constants.OPT_GRADIENT_CLIP_NORM: o.max_grad_norm,
+        }
+
+
+def manifest(data_dir: str | Path) -> dict:
+    path = Path(data_dir) / "manifest.json"
+    return json.loads(path.read_text()) if path.exists() else {}

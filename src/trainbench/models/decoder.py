@@ -1,0 +1,232 @@
+"""One decoder-only transformer for GPT-3 and Llama, chosen by config: architecture only.
+
+GPT-3 (Brown et al. 2020): learned positions, LayerNorm with biases, GELU MLP, multi-head attention.
+Llama 3 / 3.1: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases.
+
+Module names are those of ``transformers.LlamaForCausalLM`` (``model.embed_tokens``,
+``model.layers.N.self_attn.q_proj``, ``model.layers.N.mlp.gate_proj``, ``model.norm``, ``lm_head``), so an
+HF Llama state dict or safetensors file loads as it is (:func:`load_hf_weights`); the GPT-3 variant adds
+``model.embed_positions`` and norm and projection biases under the same scheme.
+
+The model is meant to be built on the meta device (no memory), parallelised from outside
+(``trainbench.train.parallel``) and only then materialised with :meth:`DecoderLM.init_weights`.
+Attention is causal SDPA (flash attention on CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from trainbench.config import option
+
+
+@dataclass(kw_only=True)
+class DecoderConfig:
+    vocab_size: int = option(128256, "Token ids (rows of the embedding and of the output layer).")
+    hidden_size: int = option(4096, "Model width.")
+    num_layers: int = option(32, "Transformer blocks.")
+    num_heads: int = option(32, "Query heads.")
+    num_kv_heads: int | None = option(8, "Key/value heads (grouped-query attention); None: as many as query heads.")
+    intermediate_size: int = option(14336, "MLP width.")
+    max_seq_length: int = option(8192, "Longest sequence (rows of the learned position table, if any).")
+    arch: str = option("llama", "llama: RoPE, RMSNorm, SwiGLU, no biases; gpt3: learned positions, LayerNorm, "
+                       "GELU, biases.", choices=("llama", "gpt3"))  # fmt: skip
+    rope_theta: float = option(500000.0, "RoPE base (llama).")
+    norm_eps: float = option(1e-5, "Epsilon of RMSNorm / LayerNorm.")
+    tie_embeddings: bool = option(False, "Share the input embedding with the output layer.")
+    init_std: float = option(0.02, "Std of the normal initialisation; output projections get std / sqrt(2 x layers).")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def num_params(self, embeddings: bool = True) -> int:
+        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_heads * self.head_dim
+        bias = self.arch == "gpt3"
+        attn = h * h * 2 + 2 * h * kv + (2 * h + 2 * kv if bias else 0)
+        mlp = (3 if self.arch == "llama" else 2) * h * i + ((i + h) if bias else 0)
+        norms = (4 if bias else 2) * h
+        per_layer = attn + mlp + norms
+        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        if self.arch == "gpt3":
+            emb += self.max_seq_length * h
+        return self.num_layers * per_layer + (2 if bias else 1) * h + (emb if embeddings else 0)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def norm(cfg: DecoderConfig) -> nn.Module:
+    return (
+        RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.arch == "llama" else nn.LayerNorm(cfg.hidden_size, cfg.norm_eps)
+    )
+
+
+def rope_tables(cfg: DecoderConfig, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [seq, head_dim] for rotate-half RoPE (HF Llama's convention)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
+    freqs = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [batch, heads, seq, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.arch == "gpt3"
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a share of the heads.
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.swiglu = cfg.arch == "llama"
+        if self.swiglu:
+            self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=not self.swiglu)
+        self.down_proj = nn.Linear(i, h, bias=not self.swiglu)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.input_layernorm = norm(cfg)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.arch == "gpt3":
+            self.embed_positions = nn.Embedding(cfg.max_seq_length, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = norm(cfg)
+        self.checkpointing = False  # recompute each block in backward (activation checkpointing)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        seq = input_ids.shape[1]
+        x = self.embed_tokens(input_ids)
+        rope = None
+        if self.cfg.arch == "gpt3":
+            x = x + self.embed_positions(torch.arange(seq, device=input_ids.device))
+        else:
+            rope = rope_tables(self.cfg, seq, input_ids.device)
+        for layer in self.layers:
+            if self.checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, rope, use_reentrant=False)
+            else:
+                x = layer(x, rope)
+        return self.norm(x)
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab]."""
+        return self.lm_head(self.model(input_ids))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter in place (after ``to_empty`` from the meta device): normal(0, std) for
+        matrices and embeddings, std / sqrt(2 x layers) for the projections into the residual stream (GPT-2/3),
+        zeros for biases, ones for norm weights. Works on sharded (DTensor) parameters too."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_out = name.endswith(("o_proj", "down_proj"))
+                nn.init.normal_(module.weight, std=out_std if is_out else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                module.reset_parameters()
+
+
+def load_hf_weights(model: DecoderLM, path: str | Path) -> None:
+    """Load an HF ``LlamaForCausalLM`` state dict (.safetensors, a folder of them, or .pt/.bin): same names."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state.update(load_file(str(f)))
+        else:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if model.cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (model.cfg.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -1,0 +1,94 @@
+"""Parallelism applied to a :class:`~trainbench.models.decoder.DecoderLM` from outside the model.
+
+A 2-d DeviceMesh named ``("dp", "tp")``: tensor parallelism inside each ``tp`` group (DTensor
+``parallelize_module``: q/k/v and gate/up column-parallel, o/down row-parallel, so each block needs one
+all-reduce after attention and one after the MLP), FSDP2 (``fully_shard``) over ``dp`` with bf16
+parameters and fp32 gradient reduction on CUDA, activation checkpointing and ``torch.compile`` per block.
+The order is the one FSDP2 and DTensor expect: TP, then checkpointing and compile, then FSDP, then
+materialisation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainbench.errors import ConfigError
+from trainbench.models.decoder import DecoderLM
+
+
+def make_mesh(device_type: str, world: int, tp: int) -> DeviceMesh:
+    if tp < 1 or world % tp:
+        raise ConfigError(f"distributed.tp={tp} does not divide the {world} ranks")
+    return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def apply_tp(model: DecoderLM, mesh: DeviceMesh) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    cfg = model.cfg
+    tp = mesh.size()
+    for name, heads in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads)):
+        if heads % tp:
+            raise ConfigError(f"model.{name}={heads} is not divisible by distributed.tp={tp}")
+    if cfg.intermediate_size % tp:
+        raise ConfigError(f"model.intermediate_size={cfg.intermediate_size} is not divisible by distributed.tp={tp}")
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    if cfg.arch == "llama":
+        plan["mlp.gate_proj"] = ColwiseParallel()
+    for block in model.model.layers:
+        parallelize_module(block, mesh, plan)
+
+
+def apply_fsdp(model: DecoderLM, mesh: DeviceMesh, bf16: bool) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
+    for i, block in enumerate(model.model.layers):
+        # The last block's parameters are needed at once by the backward: no point resharding them.
+        fully_shard(block, reshard_after_forward=i < len(model.model.layers) - 1, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def wrap_blocks(model: DecoderLM, checkpointing: bool, compile_blocks: bool) -> None:
+    """Checkpointing and compilation per block, in place: parameter names stay those of HF Llama."""
+    model.model.checkpointing = checkpointing
+    if compile_blocks:
+        for block in model.model.layers:
+            block.compile(dynamic=False)
+
+
+def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf16: bool, checkpointing: bool,
+                compile_blocks: bool, full_state: dict[str, torch.Tensor] | None, seed: int) -> nn.Module:  # fmt: skip
+    """Shard ``model`` (built on the meta device) over ``world`` ranks and materialise it on ``device``.
+
+    With ``full_state`` (an unsharded state dict on CPU, the same on every rank) the shards are cut from it,
+    so the model equals the one-rank model exactly; otherwise each shard is initialised in place.
+    """
+    if world > 1:
+        mesh = make_mesh(device.type, world, tp)
+        if tp > 1:
+            apply_tp(model, mesh["tp"])
+    wrap_blocks(model, checkpointing, compile_blocks)
+    if world > 1:
+        apply_fsdp(model, mesh["dp"], bf16)
+    model.to_empty(device=device)
+    if full_state is None:
+        model.init_weights(seed)
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if world > 1:
+            set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True))
+        else:
+            model.load_state_dict(full_state)
+    return model

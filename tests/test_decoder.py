@@ -1,0 +1,88 @@
+"""The decoder model against transformers' Llama on the same random weights, and its configurations."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from trainbench.models.decoder import DecoderConfig, DecoderLM, load_hf_weights
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = DecoderConfig(
+    vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=160,
+    max_seq_length=64, rope_theta=10000.0,
+)  # fmt: skip
+
+
+def hf_llama(cfg: DecoderConfig):
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_seq_length, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False, attn_implementation="eager",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(hf_cfg).eval()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_match_transformers_llama_on_the_same_weights(tie, tmp_path):
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(SMALL, tie_embeddings=tie)
+    hf = hf_llama(cfg)
+    with torch.no_grad():  # HF zero-initialises nothing we could hide behind: make every weight random
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+    path = tmp_path / "model.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items() if not (tie and k == "lm_head.weight")}, path)
+    ours = DecoderLM(cfg).eval()
+    load_hf_weights(ours, path)
+    ids = torch.randint(0, cfg.vocab_size, (3, 48))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = ours(ids)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel <= 1e-5, rel
+    assert sorted(ours.state_dict()) == sorted(hf.state_dict())
+
+
+def test_meta_build_then_init_weights():
+    with torch.device("meta"):
+        model = DecoderLM(SMALL)
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    params = dict(model.named_parameters())
+    assert torch.equal(params["model.norm.weight"], torch.ones(64))
+    out_std = params["model.layers.0.mlp.down_proj.weight"].std().item()
+    in_std = params["model.layers.0.mlp.up_proj.weight"].std().item()
+    assert 0.017 < in_std < 0.023 and out_std < in_std * 0.6
+    assert torch.isfinite(model(torch.randint(0, 512, (2, 16)))).all()
+
+
+def test_gpt3_architecture_is_causal_with_learned_positions():
+    cfg = dataclasses.replace(SMALL, arch="gpt3", num_kv_heads=None)
+    model = DecoderLM(cfg).eval()
+    names = dict(model.named_parameters())
+    assert "model.embed_positions.weight" in names and "model.layers.0.self_attn.q_proj.bias" in names
+    assert "model.layers.0.mlp.gate_proj.weight" not in names
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    ids = torch.randint(0, 512, (1, 32))
+    with torch.no_grad():
+        full = model(ids)
+        changed = ids.clone()
+        changed[0, 20:] = (changed[0, 20:] + 1) % 512
+        later = model(changed)
+    # Tokens after position 19 never change the logits at positions up to 19.
+    torch.testing.assert_close(full[0, :20], later[0, :20])
+    assert not torch.allclose(full[0, 20:], later[0, 20:])
+
+
+def test_parameter_count_formula_for_llama():
+    for tie in (False, True):
+        cfg = dataclasses.replace(SMALL, tie_embeddings=tie)
+        assert sum(p.numel() for p in DecoderLM(cfg).parameters()) == cfg.num_params()
