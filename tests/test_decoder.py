@@ -86,3 +86,14 @@ def test_parameter_count_formula_for_llama():
     for tie in (False, True):
         cfg = dataclasses.replace(SMALL, tie_embeddings=tie)
         assert sum(p.numel() for p in DecoderLM(cfg).parameters()) == cfg.num_params()
+
+
+def test_materialised_model_keeps_tied_embeddings():
+    from trainbench.train.parallel import parallelize
+
+    cfg = dataclasses.replace(SMALL, tie_embeddings=True)
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    model = parallelize(model, torch.device("cpu"), 1, 1, False, False, False, None, 0)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()

@@ -134,5 +134,10 @@ class Benchmark(ABC):
     def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
         """Benchmark-specific MLPerf keys and values logged before run_start."""
 
+    def waived_checks(self, cfg: RunConfig) -> frozenset[str]:
+        """Closed-division compliance checks this config cannot pass because they fix the full benchmark's
+        shape (sequence length, eval set size, schedule length); none by default."""
+        return frozenset()
+
     def eval_metadata(self, samples: int) -> dict[str, Any]:
         return {"epoch_num": samples, "samples_count": samples}

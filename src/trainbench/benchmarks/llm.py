@@ -307,6 +307,16 @@ class Llama31Benchmark(LLMBenchmark):
         "llama31-8b": lambda: llama("llama31-8b", LLAMA31_8B, gbs=32, micro=1, lr=1e-3),
     }
 
+    def waived_checks(self, cfg: RunConfig) -> frozenset[str]:
+        waived = set()
+        if cfg.data.seq_length != 8192:
+            waived.add("max_sequence_length")
+        if cfg.data.eval_samples != 1024:
+            waived.add("eval_samples")
+        if cfg.schedule.total_steps != 1_200_000:
+            waived |= {"max_steps", "opt_learning_rate_decay_steps"}
+        return frozenset(waived)
+
     def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
         o, s = cfg.optimizer, cfg.schedule
         return {
@@ -333,6 +343,16 @@ class Gpt3Benchmark(LLMBenchmark):
     description = "GPT-3 175B pretraining on C4 (Adam, seq 2048), target log perplexity 2.69"
     eval_every = 24_576
     presets = {"tiny": lambda: tiny("gpt3")} | {name: (lambda n=name: gpt3(n)) for name in GPT3_SHAPES}
+
+    def waived_checks(self, cfg: RunConfig) -> frozenset[str]:
+        # Only the shape: the target window (2.6-2.69) and init_checkpoint_step (MLPerf's step-4000 checkpoint)
+        # are never waived, so a run from scratch is not compliant, as it should not be.
+        waived = set()
+        if cfg.data.seq_length != 2048:
+            waived.add("max_sequence_length")
+        if cfg.optimizer.lr not in (2e-5, 3e-5):
+            waived.add("opt_base_learning_rate")
+        return frozenset(waived)
 
     def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
         o, s = cfg.optimizer, cfg.schedule

@@ -249,7 +249,7 @@ def finish(run_dir: Path, index: int, rc: int) -> None:
 
     bench, cfg = load_run_config(run_dir / "config.yaml")
     nexp = json.loads((run_dir / "job.json").read_text()).get("nexp", 1) if (run_dir / "job.json").exists() else 1
-    records = [_collect(bench, run_dir, i) for i in range(nexp)]
+    records = [_collect(bench, run_dir, i, cfg) for i in range(nexp)]
     write_summary(bench, cfg, run_dir, records)
     state = "COMPLETED" if rc == 0 else "FAILED"
     (run_dir / f"slurm_{index}.json").write_text(

@@ -104,7 +104,7 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
                                  "finish)", None, None, None, None, None))  # fmt: skip
             continue
         events = log_events(log)
-        check = check_compliance(log, ruleset)
+        check = check_compliance(log, ruleset, waived=frozenset(summary.get("waived_checks", [])))
         window = run_window(events)
         ttt = None if window is None else (window[1] - window[0]) / 60_000
         energy = outcome.get("energy")
@@ -115,7 +115,7 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
                 index=i,
                 log=log.name,
                 status=outcome.get("status", "unknown"),
-                compliant=check.passed,
+                compliant=check.ok,
                 compliance_reason=check.reason(),
                 time_to_train_min=ttt,
                 samples=outcome.get("samples"),

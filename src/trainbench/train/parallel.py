@@ -74,6 +74,8 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
     With ``full_state`` (an unsharded state dict on CPU, the same on every rank) the shards are cut from it,
     so the model equals the one-rank model exactly; otherwise each shard is initialised in place.
     """
+    if world > 1 and model.cfg.tie_embeddings:
+        raise ConfigError("model.tie_embeddings=true runs on one rank only (sharding would untie the weights)")
     if world > 1:
         mesh = make_mesh(device.type, world, tp)
         if tp > 1:
@@ -82,6 +84,8 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
     if world > 1:
         apply_fsdp(model, mesh["dp"], bf16)
     model.to_empty(device=device)
+    if model.cfg.tie_embeddings:  # to_empty gives every module its own tensor: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
     if full_state is None:
         model.init_weights(seed)
     else:
