@@ -38,23 +38,11 @@ sys.path.insert(0, str(REPO / "src"))
 
 from trainbench.models.bert import BertConfig, BertForPreTraining  # noqa: E402
 from trainbench.train.lamb import Lamb, param_groups  # noqa: E402
+from trainbench.train.profiling import bf16_matmul_peak_tflops  # noqa: E402
 
 MICRO = 48
 SEQ = 512
 PRED = 76
-
-
-def matmul_peak(n: int = 8192, reps: int = 30) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(5):
-        a @ b
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
 
 
 def train_flops(cfg: BertConfig, lengths: np.ndarray, predictions: int) -> float:
@@ -260,7 +248,7 @@ def main() -> None:
     from trainbench.benchmarks.bert import BertBenchmark
 
     bench = BertBenchmark()
-    peak = matmul_peak()
+    peak = bf16_matmul_peak_tflops()
     print(json.dumps({"bf16_matmul_peak_tflops": peak, "gpu": torch.cuda.get_device_name()}), flush=True)
     prepared = args.work / "wikitext"
     if not (prepared / "manifest.json").exists():

@@ -31,19 +31,7 @@ sys.path.insert(0, str(REPO / "src"))
 from trainbench.benchmarks.llm import LLAMA31_8B, LLAMA_1B, AdamClipped  # noqa: E402
 from trainbench.models.decoder import DecoderConfig, DecoderLM  # noqa: E402
 from trainbench.train.parallel import parallelize  # noqa: E402
-
-
-def matmul_peak(n: int = 8192, reps: int = 30) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(5):
-        a @ b
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
+from trainbench.train.profiling import bf16_matmul_peak_tflops  # noqa: E402
 
 
 def flops_per_token(cfg: DecoderConfig, seq: int) -> float:
@@ -51,6 +39,22 @@ def flops_per_token(cfg: DecoderConfig, seq: int) -> float:
     matmul_params = cfg.num_params(embeddings=False) + cfg.vocab_size * cfg.hidden_size
     attention = 2 * 2 * cfg.num_layers * cfg.hidden_size * seq / 2
     return 6 * matmul_params + 3 * attention
+
+
+def train_step(forward, opt, tokens: torch.Tensor, autocast: bool):
+    """A function running one training step on the next of ``tokens`` [steps, batch, seq + 1] per call."""
+    it = iter(range(len(tokens)))
+
+    def step():
+        batch = tokens[next(it)]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            logits = forward(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
 
 
 def timed_steps(step, steps: int, warmup: int) -> float:
@@ -91,16 +95,7 @@ def single(args, peak: float) -> list[dict]:
             forward = model
         n_params = sum(p.numel() for p in model.parameters())
         opt = AdamClipped(model.parameters(), 1.0, lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1, fused=True)
-        it = iter(range(len(tokens)))
-
-        def step(forward=forward, opt=opt, it=it):
-            batch = tokens[next(it)]
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = forward(batch[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step = train_step(forward, opt, tokens, autocast=True)
 
         torch.cuda.reset_peak_memory_stats()
         seconds = timed_steps(step, args.steps, args.warmup)
@@ -132,20 +127,12 @@ def worker(args) -> None:
     cfg, seq = LLAMA31_8B, args.seq
     with torch.device("meta"):
         model = DecoderLM(cfg)
-    model = parallelize(model, torch.device("cuda"), world, args.tp, True, True, True, None, 0).train()
+    model = parallelize(model, torch.device("cuda"), world, args.tp, True, args.ac, True, None, 0).train()
     opt = AdamClipped(model.parameters(), 1.0, lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1, fused=True)
     dp_rank = rank // args.tp
     gen = torch.Generator(device="cuda").manual_seed(dp_rank)
     tokens = torch.randint(0, cfg.vocab_size, (args.steps + args.warmup, 1, seq + 1), device="cuda", generator=gen)
-    it = iter(range(len(tokens)))
-
-    def step():
-        batch = tokens[next(it)]
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = train_step(model, opt, tokens, autocast=False)  # FSDP's policy computes in bf16
 
     torch.cuda.reset_peak_memory_stats()
     seconds = timed_steps(step, args.steps, args.warmup)
@@ -173,6 +160,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--gpus", type=int, default=1, help="N > 1: the sharded 8B measurement on N GPUs")
+    p.add_argument("--tps", type=int, nargs="+", default=[1, 2], help="tensor-parallel degrees to measure (--gpus > 1)")
+    p.add_argument("--ac", action=argparse.BooleanOptionalAction, default=True, help="activation checkpointing (8B)")
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--peak", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -181,7 +170,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
     torch.backends.cuda.matmul.allow_tf32 = True
-    peak = matmul_peak()
+    peak = bf16_matmul_peak_tflops()
     report = {"bf16_matmul_peak_tflops": peak, "gpu": torch.cuda.get_device_name(), "runs": []}
     print(json.dumps({"bf16_matmul_peak_tflops": peak}), flush=True)
     if args.gpus == 1:
@@ -189,7 +178,7 @@ def main() -> None:
         hf, ours = report["runs"]
         ours["ratio_to_hf"] = ours["tokens_per_s"] / hf["tokens_per_s"]
     else:
-        for tp in (1, 2):
+        for tp in args.tps:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
                    __file__, "--worker", "--out", str(args.out), "--steps", str(args.steps), "--warmup",
                    str(args.warmup), "--seq", str(args.seq), "--tp", str(tp), "--peak", str(peak)]  # fmt: skip

@@ -97,3 +97,18 @@ def test_materialised_model_keeps_tied_embeddings():
     model = parallelize(model, torch.device("cpu"), 1, 1, False, False, False, None, 0)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = DecoderLM(SMALL)
+    ids = torch.randint(0, 512, (2, 24))
+    grads = []
+    for checkpointing in (False, True):
+        for block in model.model.layers:
+            block.checkpointing = checkpointing
+        model.zero_grad()
+        model(ids).logsumexp(-1).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)

@@ -274,6 +274,24 @@ class LLMBenchmark(Benchmark):
     def eval_metadata(self, samples: int) -> dict[str, Any]:
         return {"epoch_num": samples, "samples_count": samples}
 
+    # -- MLPerf ---------------------------------------------------------------------------------
+    def optimizer_keys(self, cfg: RunConfig) -> dict[str, Any]:
+        """The benchmark's own optimizer keys (opt_adamw_* or opt_adam_*)."""
+        raise NotImplementedError
+
+    def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
+        o, s = cfg.optimizer, cfg.schedule
+        return {
+            "max_sequence_length": cfg.data.seq_length,
+            constants.OPT_NAME: o.name,
+            constants.OPT_BASE_LR: o.lr,
+            constants.OPT_END_LR: s.end_lr if s.end_lr is not None else 0.1 * o.lr,
+            constants.OPT_LR_WARMUP_STEPS: s.warmup_steps,
+            constants.OPT_LR_DECAY_STEPS: s.total_steps - s.warmup_steps,
+            constants.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",
+            constants.OPT_GRADIENT_CLIP_NORM: o.max_grad_norm,
+        } | self.optimizer_keys(cfg)
+
 
 class TokenSteps:
     """Optimizer steps of token windows: global batch k is samples [k*B, (k+1)*B) of the seeded order; data-
@@ -317,22 +335,14 @@ class Llama31Benchmark(LLMBenchmark):
             waived |= {"max_steps", "opt_learning_rate_decay_steps"}
         return frozenset(waived)
 
-    def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
-        o, s = cfg.optimizer, cfg.schedule
+    def optimizer_keys(self, cfg: RunConfig) -> dict[str, Any]:
+        o = cfg.optimizer
         return {
-            "max_sequence_length": cfg.data.seq_length,
-            constants.OPT_NAME: "adamw",
-            constants.OPT_BASE_LR: o.lr,
-            constants.OPT_END_LR: s.end_lr if s.end_lr is not None else 0.1 * o.lr,
-            constants.OPT_LR_WARMUP_STEPS: s.warmup_steps,
-            constants.OPT_LR_DECAY_STEPS: s.total_steps - s.warmup_steps,
-            constants.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",
             constants.OPT_ADAMW_BETA_1: o.beta1,
             constants.OPT_ADAMW_BETA_2: o.beta2,
             constants.OPT_ADAMW_EPSILON: o.epsilon,
             constants.OPT_ADAMW_WEIGHT_DECAY: o.weight_decay,
-            constants.OPT_GRADIENT_CLIP_NORM: o.max_grad_norm,
-            "max_steps": s.total_steps,
+            "max_steps": cfg.schedule.total_steps,
         }
 
 
@@ -354,20 +364,12 @@ class Gpt3Benchmark(LLMBenchmark):
             waived.add("opt_base_learning_rate")
         return frozenset(waived)
 
-    def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
-        o, s = cfg.optimizer, cfg.schedule
+    def optimizer_keys(self, cfg: RunConfig) -> dict[str, Any]:
+        o = cfg.optimizer
         return {
-            "max_sequence_length": cfg.data.seq_length,
-            constants.OPT_NAME: "adam",
-            constants.OPT_BASE_LR: o.lr,
-            constants.OPT_END_LR: s.end_lr if s.end_lr is not None else 0.1 * o.lr,
-            constants.OPT_LR_WARMUP_STEPS: s.warmup_steps,
-            constants.OPT_LR_DECAY_STEPS: s.total_steps - s.warmup_steps,
-            constants.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",
             constants.OPT_ADAM_BETA_1: o.beta1,
             constants.OPT_ADAM_BETA_2: o.beta2,
             constants.OPT_ADAM_EPSILON: o.epsilon,
-            constants.OPT_GRADIENT_CLIP_NORM: o.max_grad_norm,
         }
 
 

@@ -145,7 +145,16 @@ class Block(nn.Module):
         self.post_attention_layernorm = norm(cfg)
         self.mlp = MLP(cfg)
 
+    checkpointing = False  # recompute this block's activations in backward (activation checkpointing)
+
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        # Inside the block's own forward, so a sharding wrapper's hooks (gather, cast) stay outside the
+        # recomputed region and run again for the recomputation.
+        if self.checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, rope, use_reentrant=False)
+        return self._forward(x, rope)
+
+    def _forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -159,7 +168,6 @@ class Body(nn.Module):
             self.embed_positions = nn.Embedding(cfg.max_seq_length, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = norm(cfg)
-        self.checkpointing = False  # recompute each block in backward (activation checkpointing)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         seq = input_ids.shape[1]
@@ -170,10 +178,7 @@ class Body(nn.Module):
         else:
             rope = rope_tables(self.cfg, seq, input_ids.device)
         for layer in self.layers:
-            if self.checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, use_reentrant=False)
-            else:
-                x = layer(x, rope)
+            x = layer(x, rope)
         return self.norm(x)
 
 

@@ -61,9 +61,9 @@ def apply_fsdp(model: DecoderLM, mesh: DeviceMesh, bf16: bool) -> None:
 
 def wrap_blocks(model: DecoderLM, checkpointing: bool, compile_blocks: bool) -> None:
     """Checkpointing and compilation per block, in place: parameter names stay those of HF Llama."""
-    model.model.checkpointing = checkpointing
-    if compile_blocks:
-        for block in model.model.layers:
+    for block in model.model.layers:
+        block.checkpointing = checkpointing
+        if compile_blocks:
             block.compile(dynamic=False)
 
 

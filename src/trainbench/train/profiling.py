@@ -8,6 +8,7 @@ run) and ``profile_<i>_trace.json`` (open it in chrome://tracing or ui.perfetto.
 from __future__ import annotations
 
 import csv
+import time
 from pathlib import Path
 
 import torch
@@ -59,3 +60,17 @@ class StepProfiler:
                 writer.writerow([e.key, e.count, round(device_time(e), 1), round(e.self_cpu_time_total, 1),
                                  round(e.cpu_time_total, 1)])  # fmt: skip
         self.outputs = [table, trace]
+
+
+def bf16_matmul_peak_tflops(n: int = 8192, reps: int = 30) -> float:
+    """Measured bf16 matmul throughput of this GPU (n^3 GEMMs): the denominator of the MFU we report."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
