@@ -3,8 +3,9 @@
 Prepares packed data from WikiText-2 with MLPerf's vocab (as bert_throughput.py does), then trains the large
 preset on packed rows with the speed switches on (compiled model, fused LAMB), 48 rows per GPU per step and
 no accumulation: on 1 GPU, then on N GPUs with DDP (global batch 48 x N rows): plain, with bucket-wise
-clipping, with the all-reduce in bf16, and with bf16 and 100 MB buckets. Throughput is read from each run's
-metrics.jsonl: samples/s per logging interval, the first intervals (compilation) left out.
+clipping, with the all-reduce in bf16, and with bf16 and 100 MB buckets; and N independent one-GPU runs at
+once (no communication at all: what the node gives when every GPU trains alone). Throughput is read from each
+run's metrics.jsonl: samples/s per logging interval, the first intervals (compilation) left out.
 
     python benchmarks/bert_scaling.py --out OUT --gpus 4 [--steps 80] [--data DIR]
 
@@ -40,58 +41,65 @@ def prepare(work: Path, data: Path) -> Path:
     return prepared
 
 
+def env_with_src() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def run(cmd: list[str], ok: tuple[int, ...] = (0,)) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     print("+", " ".join(cmd), flush=True)
-    code = subprocess.run(cmd, env=env).returncode
+    code = subprocess.run(cmd, env=env_with_src()).returncode
     if code not in ok:
         raise SystemExit(f"exit code {code}: {' '.join(cmd)}")
 
 
-def train(name: str, gpus: int, prepared: Path, out: Path, steps: int, extra: list[str]) -> dict:
+def train_command(gpus: int, prepared: Path, results: Path, steps: int, extra: list[str]) -> list[str]:
     rows = 48 * gpus
-    results = out / name
-    run(
-        [
-            sys.executable,
-            "-m",
-            "trainbench",
-            "run",
-            "bert",
-            "--preset",
-            "large",
-            "--nproc",
-            str(gpus),
-            f"data.dir={prepared}",
-            "data.layout=packed",
-            f"global_batch_size={rows}",
-            "micro_batch_size=48",
-            "eval_samples=256",
-            "eval.every_samples=100000000",
-            f"schedule.max_samples={rows * steps}",
-            "perf.compile=true",
-            "log_every_steps=10",
-            "progress=false",
-            "telemetry_hz=1",
-            "model.hidden_dropout=0.0",
-            "model.attention_dropout=0.0",
-            f"output.results_dir={results}",
-            *extra,
-        ],
-        ok=(0, 1),
-    )  # fmt: skip  (1: stopped before the target)
+    return [
+        sys.executable, "-m", "trainbench", "run", "bert", "--preset", "large", "--nproc", str(gpus),
+        f"data.dir={prepared}", "data.layout=packed", f"global_batch_size={rows}", "micro_batch_size=48",
+        "eval_samples=256", "eval.every_samples=100000000", f"schedule.max_samples={rows * steps}",
+        "perf.compile=true", "log_every_steps=10", "progress=false", "telemetry_hz=1", "model.hidden_dropout=0.0",
+        "model.attention_dropout=0.0", f"output.results_dir={results}", *extra,
+    ]  # fmt: skip
+
+
+def read_run(results: Path) -> dict:
     (run_dir,) = [d for d in results.iterdir() if d.is_dir()]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
     steady = rates[3:]  # the first 30 steps hold the compilation and the first CUDA allocations
     outcome = json.loads((run_dir / "run_0.json").read_text())
     return {
-        "config": name,
-        "gpus": gpus,
-        "rows_per_step": rows,
         "samples_per_s": statistics.median(steady),
         "samples_per_s_intervals": rates,
         "peak_memory_gib": outcome["peak_memory_gib"],
+    }
+
+
+def train(name: str, gpus: int, prepared: Path, out: Path, steps: int, extra: list[str]) -> dict:
+    results = out / name
+    run(train_command(gpus, prepared, results, steps, extra), ok=(0, 1))  # 1: stopped before the target
+    return {"config": name, "gpus": gpus, "rows_per_step": 48 * gpus} | read_run(results)
+
+
+def train_apart(name: str, gpus: int, prepared: Path, out: Path, steps: int, extra: list[str]) -> dict:
+    """``gpus`` independent one-GPU runs at once, one per GPU: the node's throughput without any communication
+    (what DDP would reach if the all-reduce cost nothing), so power, clocks and the host are shared as under DDP."""
+    procs = []
+    for i in range(gpus):
+        cmd = train_command(1, prepared, out / name / str(i), steps, extra)
+        print("+", f"CUDA_VISIBLE_DEVICES={i}", " ".join(cmd), flush=True)
+        procs.append(subprocess.Popen(cmd, env=env_with_src() | {"CUDA_VISIBLE_DEVICES": str(i)}))
+    if any(p.wait() not in (0, 1) for p in procs):
+        raise SystemExit(f"{name}: a run failed")
+    runs = [read_run(out / name / str(i)) for i in range(gpus)]
+    return {
+        "config": name,
+        "gpus": gpus,
+        "rows_per_step": 48,
+        "samples_per_s": sum(r["samples_per_s"] for r in runs),
+        "samples_per_s_per_run": [r["samples_per_s"] for r in runs],
+        "peak_memory_gib": max(r["peak_memory_gib"] for r in runs),
     }
 
 
@@ -110,6 +118,7 @@ def main() -> None:
     n = args.gpus
     configs = [
         ("1gpu", 1, []),
+        (f"{n}x1gpu_apart", n, []),
         (f"{n}gpu_ddp", n, []),
         (f"{n}gpu_ddp_bucket_clip", n, ["optimizer.clip=bucket"]),
         (f"{n}gpu_ddp_bf16_reduce", n, ["distributed.grad_reduce_dtype=bf16"]),
@@ -118,7 +127,8 @@ def main() -> None:
     for name, gpus, extra in configs:
         if args.only and name not in args.only and name != "1gpu":
             continue
-        report["runs"].append(train(name, gpus, prepared, args.work / "runs", args.steps, extra))
+        measure = train_apart if name.endswith("_apart") else train
+        report["runs"].append(measure(name, gpus, prepared, args.work / "runs", args.steps, extra))
         (args.out / "bert_scaling.json").write_text(json.dumps(report, indent=1))
         print(json.dumps(report["runs"][-1]), flush=True)
     one = report["runs"][0]["samples_per_s"]

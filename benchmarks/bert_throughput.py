@@ -11,8 +11,10 @@ One process, one GPU, bf16 autocast, micro-batch 48, seq 512, LAMB for every mod
 4. for each: HF BertForPreTraining (torch.compile; its MLM head over all positions, as HF computes it),
    trainbench's BERT eager and compiled (MLM head at the masked positions only), compiled with the trainer's
    4 length bins (global batch 768 sorted, 16 micro-batches each cut to its bin), and on packed rows:
-   compiled, with the fused (compiled) LAMB, with CUDA graphs, and with 96 rows per step;
-5. a profile of the packed, fused-LAMB configuration: every GPU kernel's time and share (kernels_*.csv).
+   compiled, with the fused (compiled) LAMB, with CUDA graphs, and with 96 rows per step, with FlexAttention
+   document masks or varlen flash attention; and with the large preset's dropout (0.1), where FlexAttention
+   cannot run: the dense-mask SDPA path against varlen flash attention (which has dropout in its kernel);
+5. a profile of the packed varlen configuration: every GPU kernel's time and share (kernels_*.csv).
 
 Reported per configuration: samples/s, real (non-pad) tokens/s, model TFLOP/s on real tokens and MFU against
 the measured peak, peak memory, and the ratio to HF.
@@ -23,6 +25,7 @@ the measured peak, peak memory, and the ratio to HF.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -242,6 +245,7 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
     p.add_argument("--work", type=Path, default=Path("/tmp/tb-throughput"))
     p.add_argument("--only", nargs="*", help="run only these configurations")
+    p.add_argument("--profile", nargs="*", help="configurations to profile (default: ours_packed_varlen)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -277,19 +281,25 @@ def main() -> None:
     def want(name):
         return not args.only or name in args.only
 
-    # name: (model, data, micro-batch rows, fused LAMB, compile mode). Models outer, data sets inner:
-    # each model is compiled once (both sets have the same shapes).
+    # name: (model, data, micro-batch rows, fused LAMB, compile mode, packed attention kernel, dropout). Models
+    # outer, data sets inner: each model is compiled once (both sets have the same shapes). Dropout is 0 except
+    # in the `dropout` configurations, which train as the large preset does (0.1 on hidden states and attention).
     configs = {
-        "hf_compiled": ("hf", "fixed", MICRO, False, "default"),
-        "ours_eager": ("ours", "fixed", MICRO, False, None),
-        "ours_compiled": ("ours", "fixed", MICRO, False, "default"),
-        "ours_bins_compiled": ("ours", "bins", MICRO, True, "default"),
-        "ours_packed_compiled": ("ours", "packed", MICRO, False, "default"),
-        "ours_packed_fused_lamb": ("ours", "packed", MICRO, True, "default"),
-        "ours_packed_fused_lamb_cudagraphs": ("ours", "packed", MICRO, True, "reduce-overhead"),
-        "ours_packed_fused_lamb_b96": ("ours", "packed", 2 * MICRO, True, "default"),
+        "hf_compiled": ("hf", "fixed", MICRO, False, "default", None, 0.0),
+        "ours_eager": ("ours", "fixed", MICRO, False, None, None, 0.0),
+        "ours_compiled": ("ours", "fixed", MICRO, False, "default", None, 0.0),
+        "ours_bins_compiled": ("ours", "bins", MICRO, True, "default", None, 0.0),
+        "ours_packed_compiled": ("ours", "packed", MICRO, False, "default", "flex", 0.0),
+        "ours_packed_fused_lamb": ("ours", "packed", MICRO, True, "default", "flex", 0.0),
+        "ours_packed_fused_lamb_cudagraphs": ("ours", "packed", MICRO, True, "reduce-overhead", "flex", 0.0),
+        "ours_packed_fused_lamb_b96": ("ours", "packed", 2 * MICRO, True, "default", "flex", 0.0),
+        "ours_packed_varlen": ("ours", "packed", MICRO, True, "default", "varlen", 0.0),
+        "ours_packed_varlen_b96": ("ours", "packed", 2 * MICRO, True, "default", "varlen", 0.0),
+        "ours_packed_dropout_sdpa": ("ours", "packed", MICRO, True, "default", "sdpa", 0.1),
+        "ours_packed_dropout_varlen": ("ours", "packed", MICRO, True, "default", "varlen", 0.1),
     }
-    for config, (impl, layout, micro, fused, mode) in configs.items():
+    profiled = args.profile or ["ours_packed_varlen"]
+    for config, (impl, layout, micro, fused, mode, attention, dropout) in configs.items():
         if not want(config):
             continue
         if impl == "hf":
@@ -305,7 +315,9 @@ def main() -> None:
             assert model.num_parameters() > 300e6, "not the large shape"
             step = hf_step
         else:
-            model, step = BertForPreTraining(cfg).cuda().train(), our_step(bench)
+            model_cfg = dataclasses.replace(cfg, hidden_dropout=dropout, attention_dropout=dropout,
+                                            packed_attention=attention or "auto")  # fmt: skip
+            model, step = BertForPreTraining(model_cfg).cuda().train(), our_step(bench)
         if mode is not None:
             model = torch.compile(model, mode=mode, dynamic=False)
         for data_name in sets:
@@ -314,7 +326,7 @@ def main() -> None:
             else:
                 arrays = packed_sets[data_name] if layout == "packed" else sets[data_name]
                 data, warmup = batches(arrays, args.warmup + args.steps, micro), args.warmup
-            profile = args.out / f"kernels_{data_name}_{config}.csv" if config == "ours_packed_fused_lamb" else None
+            profile = args.out / f"kernels_{data_name}_{config}.csv" if config in profiled else None
             run = time_model(f"{data_name}/{config}", step, model, data, warmup, cfg, peak, fused, profile)
             results["runs"].append(run)
             (args.out / "bert_throughput.json").write_text(json.dumps(results, indent=1))  # kept if cut short

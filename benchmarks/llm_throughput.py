@@ -1,10 +1,12 @@
 """LLM training throughput: trainbench's decoder against HF LlamaForCausalLM of the same shape, and 8B sharded.
 
 Single GPU (default): the bf16 matmul peak (8192^3 GEMMs), then the `llama-1b` preset's shape (Llama 3.2 1B:
-16 x 2048, GQA 32/8, SwiGLU 8192, vocab 128,256, tied embeddings), seq 8192, one sequence per step, bf16
-autocast, AdamW, on the same random tokens: HF `LlamaForCausalLM` (SDPA, torch.compile) and ours (compiled per
-block). Reported: tokens/s, MFU against the measured peak (6 x parameters + causal attention per token, the
-embedding lookup excluded), peak memory.
+16 x 2048, GQA 32/8, SwiGLU 8192, vocab 128,256, tied embeddings), seq 8192, one sequence per micro-batch and
+`--accum` (default 1, then 32, the preset's global batch) micro-batches per AdamW step, bf16 autocast, on the same
+random tokens: HF `LlamaForCausalLM` (SDPA, torch.compile, labels in and the loss computed inside the model, as
+HF users train) and ours (compiled per block, and the output layer with its loss compiled as one function).
+Reported: tokens/s, MFU against the measured peak (6 x parameters + causal attention per token, the embedding
+lookup excluded), peak memory.
 
 Multi GPU (`--gpus N`, run on N GPUs): the `llama31-8b` preset's shape under torchrun, FSDP2 over N, then FSDP
 x TP 2, both with activation checkpointing, compiled blocks, bf16 parameters and fp32 gradient reduction.
@@ -23,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -41,20 +42,25 @@ def flops_per_token(cfg: DecoderConfig, seq: int) -> float:
     return 6 * matmul_params + 3 * attention
 
 
-def train_step(forward, opt, tokens: torch.Tensor, autocast: bool):
-    """A function running one training step on the next of ``tokens`` [steps, batch, seq + 1] per call."""
+def train_step(mean_loss, opt, tokens: torch.Tensor, autocast: bool, accum: int = 1):
+    """A function running one optimizer step per call, over the next ``accum`` of ``tokens`` [n, batch, seq + 1]
+    (one micro-batch each); ``mean_loss(batch)`` is the model's mean next-token loss on a micro-batch."""
     it = iter(range(len(tokens)))
 
     def step():
-        batch = tokens[next(it)]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            logits = forward(batch[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        loss.backward()
+        for _ in range(accum):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = mean_loss(tokens[next(it)]) / accum
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def ours_mean_loss(model):
+    """Our model's loss: the output layer and the cross entropy in one compiled function (``targets=``)."""
+    return lambda batch: model(batch[:, :-1], targets=batch[:, 1:]) / batch[:, 1:].numel()
 
 
 def timed_steps(step, steps: int, warmup: int) -> float:
@@ -70,7 +76,6 @@ def timed_steps(step, steps: int, warmup: int) -> float:
 
 def single(args, peak: float) -> list[dict]:
     cfg, seq = LLAMA_1B, args.seq
-    tokens = torch.randint(0, cfg.vocab_size, (args.steps + args.warmup, 1, seq + 1), device="cuda")
     results = []
     for impl in ("hf_compiled", "ours_compiled"):
         torch.manual_seed(0)
@@ -86,31 +91,37 @@ def single(args, peak: float) -> list[dict]:
             model = transformers.LlamaForCausalLM(hf_cfg).cuda().train()
             model = torch.compile(model)
 
-            def forward(x, m=model):
-                return m(input_ids=x).logits
+            def mean_loss(batch, m=model):  # as HF users train: labels in, the loss computed inside the model
+                return m(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
         else:
             with torch.device("meta"):
                 model = DecoderLM(cfg)
             model = parallelize(model, torch.device("cuda"), 1, 1, False, False, True, None, 0).train()
-            forward = model
+            mean_loss = ours_mean_loss(model)
         n_params = sum(p.numel() for p in model.parameters())
         opt = AdamClipped(model.parameters(), 1.0, lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1, fused=True)
-        step = train_step(forward, opt, tokens, autocast=True)
-
-        torch.cuda.reset_peak_memory_stats()
-        seconds = timed_steps(step, args.steps, args.warmup)
-        tok_s = seq / seconds
-        out = {
-            "config": f"llama-1b/{impl}",
-            "parameters": n_params,
-            "tokens_per_s": tok_s,
-            "step_ms": seconds * 1000,
-            "model_tflops": tok_s * flops_per_token(cfg, seq) / 1e12,
-            "mfu_vs_measured_peak": tok_s * flops_per_token(cfg, seq) / 1e12 / peak,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-        }
-        print(json.dumps(out), flush=True)
-        results.append(out)
+        for accum in args.accum:
+            # --steps and --warmup count sequences' worth of work: at least 2 timed optimizer steps and 1 warm-up
+            steps, warmup = max(2, args.steps // accum), max(1, args.warmup // accum)
+            gen = torch.Generator(device="cuda").manual_seed(accum)
+            shape = ((steps + warmup) * accum, 1, seq + 1)
+            tokens = torch.randint(0, cfg.vocab_size, shape, device="cuda", generator=gen)
+            step = train_step(mean_loss, opt, tokens, autocast=True, accum=accum)
+            torch.cuda.reset_peak_memory_stats()
+            seconds = timed_steps(step, steps, warmup)
+            tok_s = seq * accum / seconds
+            out = {
+                "config": f"llama-1b/{impl}/accum{accum}",
+                "sequences_per_optimizer_step": accum,
+                "parameters": n_params,
+                "tokens_per_s": tok_s,
+                "optimizer_step_ms": seconds * 1000,
+                "model_tflops": tok_s * flops_per_token(cfg, seq) / 1e12,
+                "mfu_vs_measured_peak": tok_s * flops_per_token(cfg, seq) / 1e12 / peak,
+                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            }
+            print(json.dumps(out), flush=True)
+            results.append(out)
         del model, opt
         torch._dynamo.reset()
         torch.cuda.empty_cache()
@@ -132,7 +143,7 @@ def worker(args) -> None:
     dp_rank = rank // args.tp
     gen = torch.Generator(device="cuda").manual_seed(dp_rank)
     tokens = torch.randint(0, cfg.vocab_size, (args.steps + args.warmup, 1, seq + 1), device="cuda", generator=gen)
-    step = train_step(model, opt, tokens, autocast=False)  # FSDP's policy computes in bf16
+    step = train_step(ours_mean_loss(model), opt, tokens, autocast=False)  # FSDP's policy computes in bf16
 
     torch.cuda.reset_peak_memory_stats()
     seconds = timed_steps(step, args.steps, args.warmup)
@@ -159,6 +170,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--seq", type=int, default=8192)
+    p.add_argument(
+        "--accum",
+        type=int,
+        nargs="+",
+        default=[1, 32],
+        help="one GPU: sequences per optimizer step (the llama-1b preset: global batch 32, micro-batch 1)",
+    )
     p.add_argument("--gpus", type=int, default=1, help="N > 1: the sharded 8B measurement on N GPUs")
     p.add_argument("--tps", type=int, nargs="+", default=[1, 2], help="tensor-parallel degrees to measure (--gpus > 1)")
     p.add_argument("--ac", action=argparse.BooleanOptionalAction, default=True, help="activation checkpointing (8B)")
@@ -175,8 +193,8 @@ def main() -> None:
     print(json.dumps({"bf16_matmul_peak_tflops": peak}), flush=True)
     if args.gpus == 1:
         report["runs"] = single(args, peak)
-        hf, ours = report["runs"]
-        ours["ratio_to_hf"] = ours["tokens_per_s"] / hf["tokens_per_s"]
+        for hf, ours in zip(report["runs"][: len(args.accum)], report["runs"][len(args.accum) :], strict=True):
+            ours["ratio_to_hf"] = ours["tokens_per_s"] / hf["tokens_per_s"]
     else:
         for tp in args.tps:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",

@@ -112,3 +112,26 @@ def test_activation_checkpointing_gives_the_same_gradients():
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_loss_with_targets_is_the_cross_entropy_of_the_logits_and_of_hf_with_gradients():
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = DecoderLM(dataclasses.replace(SMALL, tie_embeddings=True))
+    model.init_weights(0)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 33))
+    loss = model(ids[:, :-1], targets=ids[:, 1:])
+    loss.backward()
+    grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    logits = model(ids[:, :-1])
+    reference = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    assert torch.allclose(grad, model.lm_head.weight.grad, rtol=1e-5, atol=1e-7)
+    hf = hf_llama(model.cfg)
+    hf.load_state_dict(model.state_dict(), strict=False)
+    # HF's loss is the mean over the shifted labels of the same tokens
+    hf_loss = hf(input_ids=ids, labels=ids).loss
+    assert hf_loss.item() * 32 * 2 == pytest.approx(loss.item(), rel=1e-5)

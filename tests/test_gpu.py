@@ -44,44 +44,73 @@ def test_tiny_preset_trains_on_cuda(small_data, tmp_path):
     assert outcome["steps"] == 20 and outcome["peak_memory_gib"] > 0
 
 
-def test_flex_attention_packed_rows_match_the_dense_mask_with_gradients_on_cuda():
-    import dataclasses
-
+def _packed_batch(rows: int = 4, seq: int = 128):
+    """Packed rows as the packer lays them out: sequences 1, 2, 3 of random lengths, then padding."""
     import numpy as np
+
+    rng = np.random.default_rng(0)
+    ids_of_seq = np.zeros((rows, seq), np.int64)
+    for row in ids_of_seq:
+        cuts = np.sort(rng.choice(np.arange(8, seq - 8), 2, replace=False))
+        row[: cuts[0]], row[cuts[0] : cuts[1]], row[cuts[1] : seq - 4] = 1, 2, 3
+    ids = torch.from_numpy(rng.integers(5, 1000, (rows, seq))).cuda()
+    sequence_ids = torch.from_numpy(ids_of_seq).cuda()
+    positions = torch.zeros_like(sequence_ids)
+    for b in range(rows):
+        for s in (1, 2, 3):
+            where = (sequence_ids[b] == s).nonzero().flatten()
+            positions[b, where] = torch.arange(len(where), device="cuda")
+    cls = torch.stack([(sequence_ids[b] == s).nonzero()[0, 0] for b in range(rows) for s in (1, 2, 3)]).view(rows, 3)
+    return {
+        "input_ids": ids * (sequence_ids > 0), "segment_ids": torch.zeros_like(ids), "position_ids": positions,
+        "sequence_ids": sequence_ids, "cls_positions": cls, "next_sentence_labels": torch.ones(rows, 3).long().cuda(),
+        "masked_lm_positions": cls + 2, "masked_lm_ids": ids[:, :3],
+    }  # fmt: skip
+
+
+def _packed_loss_and_grad(attention: str, bf16: bool, dropout: float = 0.0, seed: int = 0):
+    import dataclasses
 
     from trainbench.benchmarks.bert import BertBenchmark
     from trainbench.models.bert import BertConfig, BertForPreTraining
 
-    rng = np.random.default_rng(0)
-    seq = np.zeros((4, 128), np.int64)
-    for row in seq:
-        cuts = np.sort(rng.choice(np.arange(8, 120), 2, replace=False))
-        row[: cuts[0]], row[cuts[0] : cuts[1]], row[cuts[1] : 124] = 1, 2, 3
-    ids = torch.from_numpy(rng.integers(5, 1000, (4, 128))).cuda()
-    sequence_ids = torch.from_numpy(seq).cuda()
-    positions = torch.zeros_like(sequence_ids)
-    for b in range(4):
-        for s in (1, 2, 3):
-            where = (sequence_ids[b] == s).nonzero().flatten()
-            positions[b, where] = torch.arange(len(where), device="cuda")
-    cls = torch.stack([(sequence_ids[b] == s).nonzero()[0, 0] for b in range(4) for s in (1, 2, 3)]).view(4, 3)
-    batch = {
-        "input_ids": ids * (sequence_ids > 0), "segment_ids": torch.zeros_like(ids), "position_ids": positions,
-        "sequence_ids": sequence_ids, "cls_positions": cls, "next_sentence_labels": torch.ones(4, 3).long().cuda(),
-        "masked_lm_positions": cls + 2, "masked_lm_ids": ids[:, :3],
-    }  # fmt: skip
-    cfg = BertConfig(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
-                     max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
-    bench, results = BertBenchmark(), []
-    for attention in ("auto", "sdpa"):
-        torch.manual_seed(0)
-        model = BertForPreTraining(dataclasses.replace(cfg, packed_attention=attention)).cuda()
-        assert model._use_flex(torch.device("cuda")) == (attention == "auto")
+    cfg = BertConfig(vocab_size=1000, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512,
+                     max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=dropout)  # fmt: skip
+    torch.manual_seed(0)
+    model = BertForPreTraining(dataclasses.replace(cfg, packed_attention=attention)).cuda()
+    batch, bench = _packed_batch(), BertBenchmark()
+    torch.manual_seed(seed)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        kernel = model.packed_kernel(torch.device("cuda"))
         loss = bench.loss(model, batch, bench.loss_weights(batch))
-        loss.backward()
-        results.append((loss.item(), model.layers[0].qkv.weight.grad.norm().item()))
-    assert results[0][0] == pytest.approx(results[1][0], rel=1e-4)
-    assert results[0][1] == pytest.approx(results[1][1], rel=1e-3)
+    loss.backward()
+    return kernel, loss.item(), model.layers[0].qkv.weight.grad.clone()
+
+
+def test_flex_attention_packed_rows_match_the_dense_mask_with_gradients_on_cuda():
+    flex = _packed_loss_and_grad("auto", bf16=False)
+    dense = _packed_loss_and_grad("sdpa", bf16=False)
+    assert flex[0] == "flex" and dense[0] == "sdpa"
+    assert flex[1] == pytest.approx(dense[1], rel=1e-4)
+    assert (flex[2] - dense[2]).norm() <= 1e-3 * dense[2].norm()
+
+
+def test_varlen_flash_attention_matches_the_dense_mask_and_has_seeded_dropout_on_cuda():
+    reference = _packed_loss_and_grad("sdpa", bf16=False)  # fp32, dense mask
+    varlen = _packed_loss_and_grad("auto", bf16=True)
+    dense_bf16 = _packed_loss_and_grad("sdpa", bf16=True)
+    assert varlen[0] == "varlen" and dense_bf16[0] == "sdpa"
+    # bf16 compute: as close to the fp32 reference as the dense bf16 path is
+    for _, loss, grad in (varlen, dense_bf16):
+        assert loss == pytest.approx(reference[1], rel=1e-2)
+        assert (grad - reference[2]).norm() <= 3e-2 * reference[2].norm()
+    # Dropout inside the kernel: it changes the loss, the same seed gives the same loss and gradient.
+    first = _packed_loss_and_grad("varlen", bf16=True, dropout=0.3, seed=1)
+    again = _packed_loss_and_grad("varlen", bf16=True, dropout=0.3, seed=1)
+    other = _packed_loss_and_grad("varlen", bf16=True, dropout=0.3, seed=2)
+    assert first[1] == again[1] and torch.equal(first[2], again[2])
+    assert first[1] != other[1] and abs(first[1] - varlen[1]) > 1e-4
+    assert torch.isfinite(first[2]).all()
 
 
 def test_compiled_step_with_cuda_graphs_and_length_bins_trains_like_eager_on_cuda(small_data, tmp_path):
@@ -98,3 +127,18 @@ def test_compiled_step_with_cuda_graphs_and_length_bins_trains_like_eager_on_cud
     # bf16 autocast and other kernels: close, not equal
     for a, b in zip(losses["eager"], losses["fast"], strict=True):
         assert abs(a - b) <= 0.02 * abs(a), losses
+
+
+def test_pinned_steps_keep_their_sample_count_and_copy_without_waiting_on_cuda():
+    import numpy as np
+
+    from trainbench.benchmarks.bert import BertBenchmark
+    from trainbench.data.bert_hdf5 import Step
+    from trainbench.data.prefetch import pinned
+
+    step = Step({"input_ids": np.arange(6).reshape(2, 3) + 10 * i} for i in range(2))
+    step.samples = 7
+    (out,) = list(pinned([step]))
+    assert out.samples == 7 and len(out) == 2 and all(mb["input_ids"].is_pinned() for mb in out)
+    on_gpu = BertBenchmark().to_device(out[1], torch.device("cuda"))
+    assert on_gpu["input_ids"].is_cuda and on_gpu["input_ids"].tolist() == [[10, 11, 12], [13, 14, 15]]

@@ -557,10 +557,23 @@ def test_flex_attention_and_dense_masks_give_the_same_packed_loss():
         torch.manual_seed(0)
         model = BertForPreTraining(dataclasses.replace(cfg, packed_attention=attention)).eval()
         with torch.no_grad():  # FlexAttention's backward needs CUDA (tests/test_gpu.py covers it there)
-            assert model._use_flex(torch.device("cpu")) == (attention == "auto")
+            assert model.packed_kernel(torch.device("cpu")) == ("flex" if attention == "auto" else "sdpa")
             losses.append(bench.loss(model, batch, bench.loss_weights(batch)).item())
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
-    # Training with attention dropout keeps the dense path: FlexAttention has no dropout.
-    assert (
-        not BertForPreTraining(dataclasses.replace(cfg, attention_dropout=0.1)).train()._use_flex(torch.device("cuda"))
-    )
+    # Training with attention dropout in fp32 keeps the dense path: FlexAttention has no dropout. In bf16 on
+    # CUDA the varlen flash kernel takes packed rows, dropout or not (tests/test_gpu.py).
+    dropout = BertForPreTraining(dataclasses.replace(cfg, attention_dropout=0.1)).train()
+    assert dropout.packed_kernel(torch.device("cuda")) == "sdpa"
+    assert dropout.bfloat16().packed_kernel(torch.device("cuda")) == "varlen"
+    with pytest.raises(ValueError, match="varlen needs CUDA"):
+        BertForPreTraining(dataclasses.replace(cfg, packed_attention="varlen")).packed_kernel(torch.device("cpu"))
+
+
+def test_varlen_segments_cover_every_sequence_and_the_padding_of_each_row():
+    from trainbench.models.bert import varlen_segments
+
+    sequence_ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1], [1, 2, 3, 3, 3, 3, 0, 0]])
+    segments = varlen_segments(sequence_ids, 3)
+    # per row: sequences 1, 2, 3, then padding; empty slots are zero-length sequences
+    assert segments.cu_seqlens.tolist() == [0, 3, 5, 5, 8, 16, 16, 16, 16, 17, 18, 22, 24]
+    assert segments.cu_seqlens.dtype == torch.int32 and segments.max_len == 8

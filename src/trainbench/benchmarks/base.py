@@ -109,8 +109,10 @@ class Benchmark(ABC):
     def build_data(self, cfg: RunConfig, rank: int, world_size: int, start_sample: int = 0) -> BenchmarkData: ...
 
     # -- the step -------------------------------------------------------------------------------
-    @abstractmethod
-    def to_device(self, batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]: ...
+    def to_device(self, batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+        """A micro-batch (numpy arrays, or tensors that :func:`~trainbench.data.prefetch.pinned` put in page-locked
+        memory, whose copies do not wait for the GPU) on ``device``."""
+        return {k: torch.as_tensor(v).to(device, non_blocking=True) for k, v in batch.items()}
 
     @abstractmethod
     def loss_weights(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

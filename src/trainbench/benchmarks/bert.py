@@ -124,6 +124,16 @@ class BertBenchmark(Benchmark):
                 "data.length_bins applies to the fixed layout (packed rows have no padding to cut); "
                 "set data.length_bins=0 or data.layout=fixed"
             )
+        if d.layout == "packed" and m.packed_attention in ("varlen", "flex"):
+            cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+            if not cuda or (m.packed_attention == "varlen" and cfg.precision == "fp32"):
+                raise ConfigError(
+                    f"model.packed_attention={m.packed_attention} runs on CUDA"
+                    + (" in bf16 (precision=auto or bf16)" if m.packed_attention == "varlen" else "")
+                    + "; use model.packed_attention=auto to pick what runs here"
+                )
+            if m.packed_attention == "flex" and m.attention_dropout > 0:
+                raise ConfigError("model.packed_attention=flex has no attention dropout: set model.attention_dropout=0")
         if d.length_bins < 0 or d.length_bins > d.seq_length:
             raise ConfigError(f"data.length_bins={d.length_bins} must be between 0 and data.seq_length={d.seq_length}")
 
@@ -202,9 +212,6 @@ class BertBenchmark(Benchmark):
         evals = eval_batches(eval_shards, d.eval_samples, d.eval_batch_size, rank, world_size)
         eval_total = d.eval_samples if d.eval_samples is not None else sum(s.num_samples for s in eval_shards)
         return BenchmarkData(train=train, eval=evals, train_samples=train.epoch_size, eval_samples=eval_total)
-
-    def to_device(self, batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
-        return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
 
     # -- model and optimizer --------------------------------------------------------------------
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:

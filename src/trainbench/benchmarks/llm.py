@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
@@ -214,9 +213,6 @@ class LLMBenchmark(Benchmark):
             eval_samples=n_eval,
         )
 
-    def to_device(self, batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
-        return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
-
     # -- model and optimizer --------------------------------------------------------------------
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
         with torch.device("meta"):
@@ -258,8 +254,7 @@ class LLMBenchmark(Benchmark):
 
     def _token_losses(self, model, batch) -> torch.Tensor:
         tokens = batch["tokens"]
-        logits = model(tokens[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum")
+        return model(tokens[:, :-1], targets=tokens[:, 1:])
 
     def loss(self, model, batch, weights):
         return self._token_losses(model, batch) / weights[0]

@@ -6,6 +6,8 @@ import queue
 import threading
 from collections.abc import Iterable, Iterator
 
+import torch
+
 
 def prefetch(iterable: Iterable, depth: int) -> Iterator:
     """Produce items of ``iterable`` in a background thread, ``depth`` ahead of the consumer."""
@@ -44,3 +46,16 @@ def prefetch(iterable: Iterable, depth: int) -> Iterator:
             yield item
     finally:
         stop.set()
+
+
+def pinned(steps: Iterable[list[dict]]) -> Iterator[list[dict]]:
+    """Each step's micro-batches (dicts of numpy arrays) as tensors in page-locked host memory.
+
+    A copy to the GPU from ordinary (pageable) memory makes the host wait until the GPU has finished all the
+    work queued before it, so the next step could not be queued while this one runs; from page-locked memory
+    the copy is queued like a kernel. Attributes of a step (its sample count) are kept.
+    """
+    for step in steps:
+        out = type(step)({k: torch.from_numpy(v).pin_memory() for k, v in mb.items()} for mb in step)
+        out.__dict__.update(getattr(step, "__dict__", {}))
+        yield out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,31 @@ def document_mask(sequence_ids: torch.Tensor) -> BlockMask:
     return create_block_mask(same_sequence, batch, None, seq, seq, device=sequence_ids.device)
 
 
+class Varlen(NamedTuple):
+    """Packed rows as one stream of variable-length sequences for flash attention: ``cu_seqlens`` [N + 1] (int32)
+    are the offsets of the sequences in the flattened [rows x seq] tokens, ``max_len`` bounds their length."""
+
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+
+def varlen_segments(sequence_ids: torch.Tensor, per_row: int) -> Varlen:
+    """Offsets of every sequence of packed rows laid out as the packer writes them (sequence 1, 2, ... then the
+    row's padding), with static shapes: each row contributes ``per_row`` sequence slots and one padding slot,
+    any of which may be empty. Padding attends only to padding, so it never mixes with a sequence."""
+    ids = sequence_ids.long()
+    counts = (ids[:, :, None] == torch.arange(per_row + 1, device=ids.device)).sum(1)  # [rows, slots]; 0: pad
+    lengths = torch.cat([counts[:, 1:], counts[:, :1]], dim=1).flatten()
+    return Varlen(F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32), sequence_ids.shape[1])
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Varlen, dropout_p: float):
+    """Flash attention over variable-length sequences (q, k, v: [tokens, heads, head_dim], 16-bit, CUDA):
+    no compute on padding or across sequences, and attention dropout inside the kernel."""
+    cu, n = segments
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, n, n, dropout_p, False, False)[0]
+
+
 @dataclass(kw_only=True)
 class BertConfig:
     vocab_size: int = option(30522, "Rows of the word-embedding table (and MLM output classes).")
@@ -46,9 +72,10 @@ class BertConfig:
     init_std: float = option(0.02, "Std of the normal initialisation of weights.")
     packed_attention: str = option(
         "auto",
-        "Attention for packed rows: auto (FlexAttention with a block-sparse document mask, except while training "
-        "with attention dropout, which FlexAttention lacks) or sdpa (SDPA with a dense boolean mask).",
-        choices=("auto", "sdpa"),
+        "Attention for packed rows: varlen (flash attention over variable-length sequences, with dropout; CUDA, "
+        "bf16/fp16), flex (FlexAttention with a block-sparse document mask; no dropout), sdpa (SDPA with a dense "
+        "boolean mask), or auto: varlen on CUDA in bf16/fp16, else flex where it can run, else sdpa.",
+        choices=("auto", "varlen", "flex", "sdpa"),
     )
     init_checkpoint: str | None = option(
         None, "Weights to start from: a .pt/.bin state dict (HF or MLPerf names) or HF .safetensors."
@@ -70,21 +97,21 @@ class EncoderLayer(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, attn_mask) -> torch.Tensor:
-        batch, seq, hidden = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, hidden // self.num_heads).unbind(2)
-        if isinstance(attn_mask, BlockMask):  # packed rows: only blocks that hold one sequence are computed
-            attn = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=attn_mask)
-        else:
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=attn_mask,
-                dropout_p=self.attention_dropout if self.training else 0.0,
-            )
-        attn = attn.transpose(1, 2).reshape(batch, seq, hidden)
-        x = self.attn_norm(x + self.dropout(self.attn_out(attn)))
+        x = self.attn_norm(x + self.dropout(self.attn_out(self.attention(x, attn_mask))))
         return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))
+
+    def attention(self, x: torch.Tensor, attn_mask) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        heads, dropout_p = self.num_heads, self.attention_dropout if self.training else 0.0
+        if isinstance(attn_mask, Varlen):  # packed rows as one stream of sequences
+            q, k, v = self.qkv(x).view(batch * seq, 3, heads, hidden // heads).unbind(1)
+            return varlen_attention(q, k, v, attn_mask, dropout_p).view(batch, seq, hidden)
+        q, k, v = self.qkv(x).view(batch, seq, 3, heads, hidden // heads).transpose(1, 3).unbind(2)
+        if isinstance(attn_mask, BlockMask):  # packed rows: only blocks that hold one sequence are computed
+            attn = flex_attention(q, k, v, block_mask=attn_mask)
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p)
+        return attn.transpose(1, 2).reshape(batch, seq, hidden)
 
 
 class BertForPreTraining(nn.Module):
@@ -119,12 +146,15 @@ class BertForPreTraining(nn.Module):
                 nn.init.zeros_(module.bias)
         nn.init.zeros_(self.mlm_bias)
 
-    def encode(self, input_ids, token_type_ids, attention_mask, position_ids=None, sequence_ids=None) -> torch.Tensor:
+    def encode(
+        self, input_ids, token_type_ids, attention_mask, position_ids=None, sequence_ids=None, per_row: int = 3
+    ) -> torch.Tensor:
         """Hidden states [batch, seq, hidden].
 
         Unpacked rows pass ``attention_mask`` (1 for tokens, 0 for padding). Packed rows (several sequences per
         row) pass ``position_ids`` (restarting at 0 per sequence) and ``sequence_ids`` (1, 2, ... per sequence,
-        0 for padding) instead: a token then attends only to tokens of its own sequence.
+        0 for padding; at most ``per_row`` sequences, in that order, then padding) instead: a token then attends
+        only to tokens of its own sequence.
         """
         seq = input_ids.shape[1]
         positions = torch.arange(seq, device=input_ids.device) if position_ids is None else position_ids.long()
@@ -134,9 +164,12 @@ class BertForPreTraining(nn.Module):
             + self.token_type_embeddings(token_type_ids)
         )
         x = self.dropout(self.embedding_norm(x))
-        if sequence_ids is not None and self._use_flex(sequence_ids.device):
+        kernel = self.packed_kernel(input_ids.device) if sequence_ids is not None else None
+        if kernel == "varlen":
+            attn_mask = varlen_segments(sequence_ids, per_row)
+        elif kernel == "flex":
             attn_mask = document_mask(sequence_ids)
-        elif sequence_ids is not None:
+        elif kernel == "sdpa":
             # [batch, 1, seq, seq]: same sequence. Padding attends to padding, so no row is all False.
             attn_mask = (sequence_ids[:, None, :, None] == sequence_ids[:, None, None, :]).contiguous()
         else:
@@ -146,12 +179,23 @@ class BertForPreTraining(nn.Module):
             x = layer(x, attn_mask)
         return x
 
-    def _use_flex(self, device: torch.device | None = None) -> bool:
-        """FlexAttention for packed rows: on CUDA (its backward does not run on CPU; without gradients
-        it runs anywhere), and not while training with attention dropout, which it does not implement."""
+    def packed_kernel(self, device: torch.device) -> str:
+        """The attention kernel for packed rows (``model.packed_attention``): varlen flash attention on CUDA in a
+        16-bit compute type (it has dropout); else FlexAttention, on CUDA (its backward does not run on CPU;
+        without gradients it runs anywhere) and not while training with attention dropout, which it lacks;
+        else SDPA with a dense mask. A kernel named outright must be able to run here."""
+        choice = self.cfg.packed_attention
+        cuda = device.type == "cuda"
+        half = torch.is_autocast_enabled("cuda") or self.word_embeddings.weight.dtype in (torch.bfloat16, torch.half)
         dropout = self.training and self.cfg.attention_dropout > 0
-        runs_here = (device is not None and device.type == "cuda") or not torch.is_grad_enabled()
-        return self.cfg.packed_attention == "auto" and not dropout and runs_here
+        flex_runs = (cuda or not torch.is_grad_enabled()) and not dropout
+        if choice == "auto":
+            return "varlen" if cuda and half else "flex" if flex_runs else "sdpa"
+        if choice == "varlen" and not (cuda and half):
+            raise ValueError("model.packed_attention=varlen needs CUDA and bf16/fp16 compute (precision=bf16)")
+        if choice == "flex" and not flex_runs:
+            raise ValueError("model.packed_attention=flex needs CUDA to train, and no attention dropout while training")
+        return choice
 
     def forward(
         self,
@@ -170,7 +214,8 @@ class BertForPreTraining(nn.Module):
         NSP logits are [batch, 2] from each row's first token, or [batch, K, 2] from the tokens at
         ``cls_positions`` [batch, K] (packed rows: one [CLS] per sequence).
         """
-        x = self.encode(input_ids, token_type_ids, attention_mask, position_ids, sequence_ids)
+        per_row = 3 if cls_positions is None else cls_positions.shape[1]
+        x = self.encode(input_ids, token_type_ids, attention_mask, position_ids, sequence_ids, per_row)
         if cls_positions is None:
             cls = x[:, 0]
         else:

@@ -182,6 +182,14 @@ class Body(nn.Module):
         return self.norm(x)
 
 
+def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy of the output layer ``weight`` on ``hidden`` [batch, seq, width], taken in
+    fp32. One function, so that compiled it becomes a matmul and two fused passes over the logits (log-sum-exp
+    forward, softmax-minus-one-hot backward) instead of several eager passes over the fp32 logits."""
+    logits = F.linear(hidden, weight)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
 class DecoderLM(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -190,10 +198,15 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.loss_fn = lm_loss  # replaced by its compiled form where blocks are compiled
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, seq, vocab]."""
-        return self.lm_head(self.model(input_ids))
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab]; with ``targets`` [batch, seq], the summed cross entropy instead (the logits
+        then never leave the loss function)."""
+        hidden = self.model(input_ids)
+        if targets is None:
+            return self.lm_head(hidden)
+        return self.loss_fn(hidden, self.lm_head.weight, targets)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

@@ -22,7 +22,7 @@ import torch
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig
 from trainbench.console import RunConsole, TrainProgress
-from trainbench.data.prefetch import prefetch
+from trainbench.data.prefetch import pinned, prefetch
 from trainbench.errors import ConfigError, Preempted, TrainingDiverged
 from trainbench.mlperf import MLPerfLog, constants
 from trainbench.telemetry import Sampler, run_energy
@@ -255,7 +255,8 @@ def train(
         checkpoint.save(run_dir, index, raw_model, optimizer, loop_state, info)
 
     try:
-        for micro_batches in prefetch(data.train, cfg.data.prefetch):
+        steps = pinned(data.train) if device.type == "cuda" else data.train
+        for micro_batches in prefetch(steps, cfg.data.prefetch):
             if profiler is not None:
                 profiler.before_step(step)
             lr = bench.lr_at(cfg, step)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainbench.errors import ConfigError
-from trainbench.models.decoder import DecoderLM
+from trainbench.models.decoder import DecoderLM, lm_loss
 
 
 def make_mesh(device_type: str, world: int, tp: int) -> DeviceMesh:
@@ -60,11 +60,14 @@ def apply_fsdp(model: DecoderLM, mesh: DeviceMesh, bf16: bool) -> None:
 
 
 def wrap_blocks(model: DecoderLM, checkpointing: bool, compile_blocks: bool) -> None:
-    """Checkpointing and compilation per block, in place: parameter names stay those of HF Llama."""
+    """Checkpointing and compilation per block (and of the output layer with its loss), in place: parameter names
+    stay those of HF Llama."""
     for block in model.model.layers:
         block.checkpointing = checkpointing
         if compile_blocks:
             block.compile(dynamic=False)
+    if compile_blocks:
+        model.loss_fn = torch.compile(lm_loss, dynamic=False)
 
 
 def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf16: bool, checkpointing: bool,
