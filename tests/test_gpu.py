@@ -138,7 +138,7 @@ def test_pinned_steps_keep_their_sample_count_and_copy_without_waiting_on_cuda()
 
     step = Step({"input_ids": np.arange(6).reshape(2, 3) + 10 * i} for i in range(2))
     step.samples = 7
-    (out,) = list(pinned([step]))
+    (out,) = list(pinned([step], torch.device("cuda", 0)))
     assert out.samples == 7 and len(out) == 2 and all(mb["input_ids"].is_pinned() for mb in out)
     on_gpu = BertBenchmark().to_device(out[1], torch.device("cuda"))
     assert on_gpu["input_ids"].is_cuda and on_gpu["input_ids"].tolist() == [[10, 11, 12], [13, 14, 15]]

@@ -48,13 +48,15 @@ def prefetch(iterable: Iterable, depth: int) -> Iterator:
         stop.set()
 
 
-def pinned(steps: Iterable[list[dict]]) -> Iterator[list[dict]]:
+def pinned(steps: Iterable[list[dict]], device: torch.device) -> Iterator[list[dict]]:
     """Each step's micro-batches (dicts of numpy arrays) as tensors in page-locked host memory.
 
     A copy to the GPU from ordinary (pageable) memory makes the host wait until the GPU has finished all the
     work queued before it, so the next step could not be queued while this one runs; from page-locked memory
-    the copy is queued like a kernel. Attributes of a step (its sample count) are kept.
+    the copy is queued like a kernel. Attributes of a step (its sample count) are kept. ``device`` is made current
+    in the thread that runs this (the prefetch thread), else pinning would open a context on GPU 0 in every rank.
     """
+    torch.cuda.set_device(device)
     for step in steps:
         out = type(step)({k: torch.from_numpy(v).pin_memory() for k, v in mb.items()} for mb in step)
         out.__dict__.update(getattr(step, "__dict__", {}))

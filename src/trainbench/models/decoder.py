@@ -184,8 +184,8 @@ class Body(nn.Module):
 
 def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross entropy of the output layer ``weight`` on ``hidden`` [batch, seq, width], taken in
-    fp32. One function, so that compiled it becomes a matmul and two fused passes over the logits (log-sum-exp
-    forward, softmax-minus-one-hot backward) instead of several eager passes over the fp32 logits."""
+    fp32. One function, so that compiled the cast, the log-sum-exp and its backward fuse into a few passes over
+    the logits instead of several eager passes over an fp32 copy of them."""
     logits = F.linear(hidden, weight)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 

@@ -255,7 +255,7 @@ def train(
         checkpoint.save(run_dir, index, raw_model, optimizer, loop_state, info)
 
     try:
-        steps = pinned(data.train) if device.type == "cuda" else data.train
+        steps = pinned(data.train, device) if device.type == "cuda" else data.train
         for micro_batches in prefetch(steps, cfg.data.prefetch):
             if profiler is not None:
                 profiler.before_step(step)
