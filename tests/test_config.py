@@ -108,3 +108,13 @@ def test_mlperf_eval_cadence():
     assert bench.eval_every_samples(cfg) == 150_000  # GBS 768, as in MLPerf's table
     cfg.data.global_batch_size = 8192
     assert bench.eval_every_samples(cfg) == 225_000  # FLOOR(0.05 * (230.23 * 8192 + 3e6), 25000)
+
+
+def test_packed_attention_kernel_must_run_where_the_run_trains():
+    packed = {"data.layout": "packed", "device": "cpu"}
+    with pytest.raises(ConfigError, match="packed_attention=varlen runs on CUDA in bf16"):
+        build_config("bert", "tiny", overrides=packed | {"model.packed_attention": "varlen"})
+    with pytest.raises(ConfigError, match="packed_attention=flex runs on CUDA"):
+        build_config("bert", "tiny", overrides=packed | {"model.packed_attention": "flex"})
+    _, cfg = build_config("bert", "tiny", overrides=packed)  # auto picks what runs here
+    assert cfg.model.packed_attention == "auto"
