@@ -110,7 +110,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
     p.add_argument("--work", type=Path, default=Path("/tmp/tb-scaling"))
-    p.add_argument("--only", nargs="*", help="run only these N-GPU configurations (the 1-GPU run always runs)")
+    p.add_argument("--only", nargs="*", help="run only these N-GPU configurations (and the 1-GPU run)")
+    p.add_argument("--reference", type=float, help="1-GPU samples/s measured before: skip the 1-GPU run")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     prepared = prepare(args.work, args.data)
@@ -123,16 +124,20 @@ def main() -> None:
         (f"{n}gpu_ddp_bucket_clip", n, ["optimizer.clip=bucket"]),
         (f"{n}gpu_ddp_bf16_reduce", n, ["distributed.grad_reduce_dtype=bf16"]),
         (f"{n}gpu_ddp_bf16_bucket100", n, ["distributed.grad_reduce_dtype=bf16", "distributed.bucket_cap_mb=100"]),
+        (f"{n}gpu_ddp_prefetch16", n, ["data.prefetch=16"]),
+        (f"{n}gpu_ddp_gc50", n, ["perf.gc_every_steps=50"]),
     ]
     for name, gpus, extra in configs:
-        if args.only and name not in args.only and name != "1gpu":
+        if args.only and name not in args.only and not (name == "1gpu" and args.reference is None):
             continue
         measure = train_apart if name.endswith("_apart") else train
         report["runs"].append(measure(name, gpus, prepared, args.work / "runs", args.steps, extra))
         (args.out / "bert_scaling.json").write_text(json.dumps(report, indent=1))
         print(json.dumps(report["runs"][-1]), flush=True)
-    one = report["runs"][0]["samples_per_s"]
-    for r in report["runs"][1:]:
+    one = args.reference or report["runs"][0]["samples_per_s"]
+    for r in report["runs"]:
+        if r["config"] == "1gpu":
+            continue
         r["scaling_efficiency"] = r["samples_per_s"] / (r["gpus"] * one)
     (args.out / "bert_scaling.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({r["config"]: r.get("scaling_efficiency") for r in report["runs"]}), flush=True)

@@ -137,3 +137,20 @@ def test_every_switch_on_converges_like_every_switch_off(tiny_data, tmp_path):
     assert on_samples == off_samples, evals  # the target is reached at the same eval
     assert abs(on_acc - off_acc) <= 0.01, evals
     assert np.isfinite([a for _, a in evals["on"]]).all()
+
+
+def test_scheduled_garbage_collection_gives_the_same_losses_and_restores_automatic_collection(
+    small_data, tmp_path, monkeypatch
+):
+    import gc
+
+    common = ["run", "bert", "--preset", "tiny", f"data.dir={small_data}", "log_every_steps=1", *QUICK]
+    run_cli(*common, f"output.results_dir={tmp_path / 'auto'}")
+    calls, collect = [], gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append((a, gc.isenabled(), gc.get_freeze_count() > 0)) or 0)
+    run_cli(*common, f"output.results_dir={tmp_path / 'scheduled'}", "perf.gc_every_steps=3")
+    monkeypatch.setattr(gc, "collect", collect)
+    # one full collection before freezing, then generation 1 at steps 3, 6, 9 with automatic collection off
+    assert calls == [((), True, False)] + [((1,), False, True)] * 3
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert _losses(tmp_path / "auto") == _losses(tmp_path / "scheduled")

@@ -7,6 +7,7 @@ order of things MLPerf measures: init, run_start, train blocks between evals, ev
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import random
@@ -250,6 +251,12 @@ def train(
     if o.profile and is_main:
         profiler = StepProfiler(run_dir, index, o.profile_start_step, o.profile_steps, device)
 
+    collect_every = cfg.perf.gc_every_steps
+    if collect_every > 0:
+        gc.collect()
+        gc.freeze()  # what set-up made (model, compiled graphs, data index) is never scanned again
+        gc.disable()
+
     def save_checkpoint() -> None:
         loop_state = checkpoint.LoopState(step, samples, next_eval, run_start_ms, evals, state.resumed)
         checkpoint.save(run_dir, index, raw_model, optimizer, loop_state, info)
@@ -321,10 +328,15 @@ def train(
                 last_log_time = time.perf_counter()
             if o.checkpoint_every_steps and step % o.checkpoint_every_steps == 0:
                 save_checkpoint()
+            if collect_every > 0 and step % collect_every == 0:
+                gc.collect(1)
     except TrainingDiverged as exc:
         reason = str(exc)
         raise
     finally:
+        if collect_every > 0:
+            gc.unfreeze()
+            gc.enable()
         progress.close()
         stop.restore()
         run_stop_ms = int(time.time() * 1000)
