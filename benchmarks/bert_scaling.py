@@ -124,7 +124,10 @@ def main() -> None:
         (f"{n}gpu_ddp_bucket_clip", n, ["optimizer.clip=bucket"]),
         (f"{n}gpu_ddp_bf16_reduce", n, ["distributed.grad_reduce_dtype=bf16"]),
         (f"{n}gpu_ddp_bf16_bucket100", n, ["distributed.grad_reduce_dtype=bf16", "distributed.bucket_cap_mb=100"]),
-        (f"{n}gpu_ddp_prefetch16", n, ["data.prefetch=16"]),
+        # Garbage collection: Python's automatic collection (the trainer's default until gc_every_steps), with
+        # the default prefetch of 2 steps and with 16; and collection at fixed steps (the default now).
+        (f"{n}gpu_ddp_autogc", n, ["perf.gc_every_steps=0"]),
+        (f"{n}gpu_ddp_autogc_prefetch16", n, ["perf.gc_every_steps=0", "data.prefetch=16"]),
         (f"{n}gpu_ddp_gc50", n, ["perf.gc_every_steps=50"]),
     ]
     for name, gpus, extra in configs:

@@ -145,7 +145,7 @@ def test_scheduled_garbage_collection_gives_the_same_losses_and_restores_automat
     import gc
 
     common = ["run", "bert", "--preset", "tiny", f"data.dir={small_data}", "log_every_steps=1", *QUICK]
-    run_cli(*common, f"output.results_dir={tmp_path / 'auto'}")
+    run_cli(*common, f"output.results_dir={tmp_path / 'auto'}", "perf.gc_every_steps=0")
     calls, collect = [], gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append((a, gc.isenabled(), gc.get_freeze_count() > 0)) or 0)
     run_cli(*common, f"output.results_dir={tmp_path / 'scheduled'}", "perf.gc_every_steps=3")

@@ -125,10 +125,10 @@ class PerfConfig:
         False, "With compile: replay the compiled forward and backward as CUDA graphs (static shapes; CUDA only)."
     )
     gc_every_steps: int = option(
-        0,
-        "0: Python's automatic garbage collection. N > 0: objects made during set-up are frozen, automatic "
-        "collection is off, and every rank collects the young generations at the same step, every N steps (a "
-        "collection at a random time on one rank holds up all the others at the next all-reduce).",
+        50,
+        "N > 0: objects made during set-up are frozen, automatic garbage collection is off, and every rank "
+        "collects the young generations at the same step, every N steps (automatic collections stalled 4-GPU "
+        "runs for ~1.4 s every ~30 steps). 0: Python's automatic collection.",
     )
 
 
