@@ -150,7 +150,9 @@ def test_scheduled_garbage_collection_gives_the_same_losses_and_restores_automat
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append((a, gc.isenabled(), gc.get_freeze_count() > 0)) or 0)
     run_cli(*common, f"output.results_dir={tmp_path / 'scheduled'}", "perf.gc_every_steps=3")
     monkeypatch.setattr(gc, "collect", collect)
-    # one full collection before freezing, then generation 1 at steps 3, 6, 9 with automatic collection off
-    assert calls == [((), True, False)] + [((1,), False, True)] * 3
+    # one full collection before freezing; then, with automatic collection off, generation 1 at steps 3, 6, 9 and
+    # a full collection after each eval (steps 5 and 10)
+    young, full = ((1,), False, True), ((), False, True)
+    assert calls == [((), True, False), young, full, young, young, full]
     assert gc.isenabled() and gc.get_freeze_count() == 0
     assert _losses(tmp_path / "auto") == _losses(tmp_path / "scheduled")

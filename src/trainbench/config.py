@@ -127,8 +127,8 @@ class PerfConfig:
     gc_every_steps: int = option(
         50,
         "N > 0: objects made during set-up are frozen, automatic garbage collection is off, and every rank "
-        "collects the young generations at the same step, every N steps (automatic collections stalled 4-GPU "
-        "runs for ~1.4 s every ~30 steps). 0: Python's automatic collection.",
+        "collects the young generations at the same step, every N steps, and everything after each eval "
+        "(automatic collections stalled 4-GPU runs for ~1.4 s every ~30 steps). 0: Python's automatic collection.",
     )
 
 

@@ -313,6 +313,8 @@ def train(
                 metric = evaluate(bench, model, data.eval, info, autocast, mll, samples)
                 evals.append((samples, metric))
                 record({bench.metric_name: metric})
+                if collect_every > 0:
+                    gc.collect()  # what training made and kept long enough to reach the oldest generation
                 progress.update(samples, metric=metric)
                 out.say(f"  eval at {samples:,} samples: {bench.metric_name} {metric:.4f}")
                 model.train()
