@@ -275,7 +275,9 @@ def test_usr1_checkpoints_requeues_and_the_job_finishes_from_its_checkpoint(tiny
             )
         time.sleep(0.5)
     subprocess.run(["scancel", "--signal=USR1", job_id], check=True)  # to every rank, as at the time limit
-    assert _wait_state(run_dir, {"REQUEUED"}, timeout=120)["exit_code"] == 3
+    # Requeued on rank 0's marker. srun's exit code is 3 (every rank exited with it) or 143: --kill-on-bad-exit
+    # may end the other rank with SIGTERM once the first has exited with 3, after the checkpoint was written.
+    assert _wait_state(run_dir, {"REQUEUED"}, timeout=120)["exit_code"] in (3, 143)
     # Slurm holds a requeued job for a while (BeginTime) before it starts again.
     state = _wait_state(run_dir, {"COMPLETED", "FAILED"}, timeout=600)
     assert state["state"] == "COMPLETED"
