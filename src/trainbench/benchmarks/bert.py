@@ -22,7 +22,7 @@ from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig
 from trainbench.data.bert_hdf5 import TrainBatches, eval_batches, find_shards
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
-from trainbench.models.bert import BertConfig, BertForPreTraining, from_hf_state_dict
+from trainbench.models.bert import BertConfig, BertForPreTraining, from_hf_state_dict, packed_kernel_unavailable
 from trainbench.train.lamb import Lamb, param_groups, poly_warmup_lr
 
 MLPERF_TARGET = 0.720
@@ -124,16 +124,13 @@ class BertBenchmark(Benchmark):
                 "data.length_bins applies to the fixed layout (packed rows have no padding to cut); "
                 "set data.length_bins=0 or data.layout=fixed"
             )
-        if d.layout == "packed" and m.packed_attention in ("varlen", "flex"):
+        if d.layout == "packed" and m.packed_attention != "auto":
             cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-            if not cuda or (m.packed_attention == "varlen" and cfg.precision == "fp32"):
-                raise ConfigError(
-                    f"model.packed_attention={m.packed_attention} runs on CUDA"
-                    + (" in bf16 (precision=auto or bf16)" if m.packed_attention == "varlen" else "")
-                    + "; use model.packed_attention=auto to pick what runs here"
-                )
-            if m.packed_attention == "flex" and m.attention_dropout > 0:
-                raise ConfigError("model.packed_attention=flex has no attention dropout: set model.attention_dropout=0")
+            # Training: with gradients, and bf16 on CUDA unless precision=fp32.
+            problem = packed_kernel_unavailable(m.packed_attention, cuda=cuda, half=cfg.precision != "fp32",
+                                                grad=True, dropout=m.attention_dropout > 0)  # fmt: skip
+            if problem is not None:
+                raise ConfigError(f"{problem}; use model.packed_attention=auto to pick what runs here")
         if d.length_bins < 0 or d.length_bins > d.seq_length:
             raise ConfigError(f"data.length_bins={d.length_bins} must be between 0 and data.seq_length={d.seq_length}")
 

@@ -57,6 +57,20 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
     return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, n, n, dropout_p, False, False)[0]
 
 
+def packed_kernel_unavailable(kernel: str, cuda: bool, half: bool, grad: bool, dropout: bool) -> str | None:
+    """Why the packed-row attention ``kernel`` cannot run (on CUDA or not, in a 16-bit compute type or not, with
+    gradients or not, with attention dropout or not), or None where it can. Varlen flash attention needs CUDA
+    and 16-bit inputs; FlexAttention's backward does not run on CPU (without gradients it runs anywhere), and it
+    has no dropout; SDPA with a dense mask runs anywhere."""
+    if kernel == "varlen" and not (cuda and half):
+        return "model.packed_attention=varlen runs on CUDA in bf16 (precision=auto or bf16)"
+    if kernel == "flex" and not (cuda or not grad):
+        return "model.packed_attention=flex runs on CUDA (its backward does not run on CPU)"
+    if kernel == "flex" and dropout:
+        return "model.packed_attention=flex has no attention dropout: set model.attention_dropout=0"
+    return None
+
+
 @dataclass(kw_only=True)
 class BertConfig:
     vocab_size: int = option(30522, "Rows of the word-embedding table (and MLM output classes).")
@@ -181,20 +195,19 @@ class BertForPreTraining(nn.Module):
 
     def packed_kernel(self, device: torch.device) -> str:
         """The attention kernel for packed rows (``model.packed_attention``): varlen flash attention on CUDA in a
-        16-bit compute type (it has dropout); else FlexAttention, on CUDA (its backward does not run on CPU;
-        without gradients it runs anywhere) and not while training with attention dropout, which it lacks;
-        else SDPA with a dense mask. A kernel named outright must be able to run here."""
+        16-bit compute type (it has dropout); else FlexAttention where it can run; else SDPA with a dense mask.
+        A kernel named outright must be able to run here (:func:`packed_kernel_unavailable`)."""
         choice = self.cfg.packed_attention
-        cuda = device.type == "cuda"
-        half = torch.is_autocast_enabled("cuda") or self.word_embeddings.weight.dtype in (torch.bfloat16, torch.half)
-        dropout = self.training and self.cfg.attention_dropout > 0
-        flex_runs = (cuda or not torch.is_grad_enabled()) and not dropout
+        here = dict(
+            cuda=device.type == "cuda",
+            half=torch.is_autocast_enabled("cuda") or self.word_embeddings.weight.dtype in (torch.bfloat16, torch.half),
+            grad=torch.is_grad_enabled(),
+            dropout=self.training and self.cfg.attention_dropout > 0,
+        )
         if choice == "auto":
-            return "varlen" if cuda and half else "flex" if flex_runs else "sdpa"
-        if choice == "varlen" and not (cuda and half):
-            raise ValueError("model.packed_attention=varlen needs CUDA and bf16/fp16 compute (precision=bf16)")
-        if choice == "flex" and not flex_runs:
-            raise ValueError("model.packed_attention=flex needs CUDA to train, and no attention dropout while training")
+            return next(k for k in ("varlen", "flex", "sdpa") if packed_kernel_unavailable(k, **here) is None)
+        if (problem := packed_kernel_unavailable(choice, **here)) is not None:
+            raise ValueError(problem)
         return choice
 
     def forward(
