@@ -1,23 +1,28 @@
 """BERT-large data-parallel scaling on one node, through `trainbench run` itself.
 
 Prepares packed data from WikiText-2 with MLPerf's vocab (as bert_throughput.py does), then trains the large
-preset on packed rows with the speed switches on (compiled model, fused LAMB), 48 rows per GPU per step and
-no accumulation: on 1 GPU, then on N GPUs with DDP (global batch 48 x N rows): plain, with bucket-wise
-clipping, with the all-reduce in bf16, and with bf16 and 100 MB buckets; and N independent one-GPU runs at
-once (no communication at all: what the node gives when every GPU trains alone). Throughput is read from each
-run's metrics.jsonl: samples/s per logging interval, the first intervals (compilation) left out.
+preset on packed rows with the speed switches on (compiled model, fused LAMB), 48 rows per GPU per step (96 in the
+`_b96` configurations) and no accumulation: on 1 GPU, then on N GPUs with DDP (global batch 48 x N rows): plain,
+with bucket-wise clipping, with the all-reduce in bf16, with bf16 and 100 MB buckets, with NCCL held to 8 thread
+blocks (fewer SMs taken from backward), with other garbage-collection and prefetch settings; and N independent
+one-GPU runs at once (no communication at all: what the node gives when every GPU trains alone). Throughput is
+read from each run's metrics.jsonl: samples/s per logging interval, the first intervals (compilation) left out.
 
-    python benchmarks/bert_scaling.py --out OUT --gpus 4 [--steps 80] [--data DIR]
+    python benchmarks/bert_scaling.py --out OUT --gpus 4 [--steps 80] [--data DIR] [--only NAME ...] [--profile]
 
-Writes OUT/bert_scaling.json: samples/s for each configuration and the scaling efficiency
-(N-GPU samples/s divided by N times the 1-GPU samples/s).
+Writes OUT/bert_scaling.json: samples/s for each configuration and the scaling efficiency (N-GPU samples/s divided
+by N times the 1-GPU samples/s at the same rows per GPU). With --profile every run records steps 40-42 on every
+rank, and the report carries each rank's timeline (compute, exposed communication, idle per step; see
+trainbench.train.profiling.timeline); rank 0's Chrome trace of each run is OUT/<config>_trace.json.gz.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,22 +50,23 @@ def env_with_src() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def run(cmd: list[str], ok: tuple[int, ...] = (0,)) -> None:
-    print("+", " ".join(cmd), flush=True)
-    code = subprocess.run(cmd, env=env_with_src()).returncode
+def run(cmd: list[str], ok: tuple[int, ...] = (0,), env: dict[str, str] | None = None) -> None:
+    print("+", " ".join(f"{k}={v}" for k, v in (env or {}).items()), " ".join(cmd), flush=True)
+    code = subprocess.run(cmd, env=env_with_src() | (env or {})).returncode
     if code not in ok:
         raise SystemExit(f"exit code {code}: {' '.join(cmd)}")
 
 
-def train_command(gpus: int, prepared: Path, results: Path, steps: int, extra: list[str]) -> list[str]:
-    rows = 48 * gpus
+def train_command(gpus: int, prepared: Path, results: Path, steps: int, extra: list[str], rows_per_gpu: int = 48,
+                  profile: bool = False) -> list[str]:  # fmt: skip
+    rows = rows_per_gpu * gpus
     return [
         sys.executable, "-m", "trainbench", "run", "bert", "--preset", "large", "--nproc", str(gpus),
-        f"data.dir={prepared}", "data.layout=packed", f"global_batch_size={rows}", "micro_batch_size=48",
+        f"data.dir={prepared}", "data.layout=packed", f"global_batch_size={rows}", f"micro_batch_size={rows_per_gpu}",
         "eval_samples=256", "eval.every_samples=100000000", f"schedule.max_samples={rows * steps}",
         "perf.compile=true", "log_every_steps=10", "progress=false", "telemetry_hz=1", "model.hidden_dropout=0.0",
         "model.attention_dropout=0.0", f"output.results_dir={results}", *extra,
-    ]  # fmt: skip
+    ] + (["profile=true", "profile_start_step=40", "profile_steps=3"] if profile else [])  # fmt: skip
 
 
 def read_run(results: Path) -> dict:
@@ -69,38 +75,47 @@ def read_run(results: Path) -> dict:
     rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
     steady = rates[3:]  # the first 30 steps hold the compilation and the first CUDA allocations
     outcome = json.loads((run_dir / "run_0.json").read_text())
-    return {
+    out = {
         "samples_per_s": statistics.median(steady),
         "samples_per_s_intervals": rates,
         "peak_memory_gib": outcome["peak_memory_gib"],
+        "run_dir": str(run_dir),
     }
+    timelines = sorted(run_dir.glob("profile_0_*timeline.json"))
+    if timelines:
+        out["timelines"] = {p.name: json.loads(p.read_text()) for p in timelines}
+    return out
 
 
-def train(name: str, gpus: int, prepared: Path, out: Path, steps: int, extra: list[str]) -> dict:
+def train(name: str, gpus: int, rows: int, prepared: Path, out: Path, steps: int, extra: list[str],
+          env: dict[str, str], profile: bool) -> dict:  # fmt: skip
     results = out / name
-    run(train_command(gpus, prepared, results, steps, extra), ok=(0, 1))  # 1: stopped before the target
-    return {"config": name, "gpus": gpus, "rows_per_step": 48 * gpus} | read_run(results)
+    run(train_command(gpus, prepared, results, steps, extra, rows, profile), ok=(0, 1), env=env)  # 1: no target
+    return {"config": name, "gpus": gpus, "rows_per_gpu": rows, "rows_per_step": rows * gpus} | read_run(results)
 
 
-def train_apart(name: str, gpus: int, prepared: Path, out: Path, steps: int, extra: list[str]) -> dict:
+def train_apart(name: str, gpus: int, rows: int, prepared: Path, out: Path, steps: int, extra: list[str],
+                env: dict[str, str], profile: bool) -> dict:  # fmt: skip
     """``gpus`` independent one-GPU runs at once, one per GPU: the node's throughput without any communication
     (what DDP would reach if the all-reduce cost nothing), so power, clocks and the host are shared as under DDP."""
     procs = []
     for i in range(gpus):
-        cmd = train_command(1, prepared, out / name / str(i), steps, extra)
+        cmd = train_command(1, prepared, out / name / str(i), steps, extra, rows, profile)
         print("+", f"CUDA_VISIBLE_DEVICES={i}", " ".join(cmd), flush=True)
-        procs.append(subprocess.Popen(cmd, env=env_with_src() | {"CUDA_VISIBLE_DEVICES": str(i)}))
+        procs.append(subprocess.Popen(cmd, env=env_with_src() | env | {"CUDA_VISIBLE_DEVICES": str(i)}))
     if any(p.wait() not in (0, 1) for p in procs):
         raise SystemExit(f"{name}: a run failed")
     runs = [read_run(out / name / str(i)) for i in range(gpus)]
     return {
         "config": name,
         "gpus": gpus,
-        "rows_per_step": 48,
+        "rows_per_gpu": rows,
+        "rows_per_step": rows,
         "samples_per_s": sum(r["samples_per_s"] for r in runs),
         "samples_per_s_per_run": [r["samples_per_s"] for r in runs],
         "peak_memory_gib": max(r["peak_memory_gib"] for r in runs),
-    }
+        "run_dir": runs[0]["run_dir"],
+    } | ({"timelines": runs[0]["timelines"]} if "timelines" in runs[0] else {})
 
 
 def main() -> None:
@@ -110,38 +125,58 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
     p.add_argument("--work", type=Path, default=Path("/tmp/tb-scaling"))
-    p.add_argument("--only", nargs="*", help="run only these N-GPU configurations (and the 1-GPU run)")
-    p.add_argument("--reference", type=float, help="1-GPU samples/s measured before: skip the 1-GPU run")
+    p.add_argument("--only", nargs="*", help="run only these configurations (and the 1-GPU runs they compare with)")
+    p.add_argument("--reference", type=float, help="1-GPU samples/s at 48 rows measured before: skip that run")
+    p.add_argument("--profile", action="store_true", help="profile steps 40-42 of every run on every rank")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     prepared = prepare(args.work, args.data)
     report = {"runs": []}
     n = args.gpus
+    bf16 = "distributed.grad_reduce_dtype=bf16"
+    # name, GPUs, rows per GPU, overrides, environment
     configs = [
-        ("1gpu", 1, []),
-        (f"{n}x1gpu_apart", n, []),
-        (f"{n}gpu_ddp", n, []),
-        (f"{n}gpu_ddp_bucket_clip", n, ["optimizer.clip=bucket"]),
-        (f"{n}gpu_ddp_bf16_reduce", n, ["distributed.grad_reduce_dtype=bf16"]),
-        (f"{n}gpu_ddp_bf16_bucket100", n, ["distributed.grad_reduce_dtype=bf16", "distributed.bucket_cap_mb=100"]),
+        ("1gpu", 1, 48, [], {}),
+        (f"{n}x1gpu_apart", n, 48, [], {}),
+        (f"{n}gpu_ddp", n, 48, [], {}),
+        (f"{n}gpu_ddp_bucket_clip", n, 48, ["optimizer.clip=bucket"], {}),
+        (f"{n}gpu_ddp_bf16_reduce", n, 48, [bf16], {}),
+        (f"{n}gpu_ddp_bf16_bucket100", n, 48, [bf16, "distributed.bucket_cap_mb=100"], {}),
+        # NCCL's all-reduce kernels run on SMs that backward's GEMMs then lack: hold them to 8 thread blocks.
+        (f"{n}gpu_ddp_ctas8", n, 48, [], {"NCCL_MIN_CTAS": "1", "NCCL_MAX_CTAS": "8"}),
+        ("1gpu_b96", 1, 96, [], {}),
+        (f"{n}gpu_ddp_b96", n, 96, [], {}),
         # Garbage collection: Python's automatic collection (the trainer's default until gc_every_steps), with
         # the default prefetch of 2 steps and with 16; and collection at fixed steps (the default now).
-        (f"{n}gpu_ddp_autogc", n, ["perf.gc_every_steps=0"]),
-        (f"{n}gpu_ddp_autogc_prefetch16", n, ["perf.gc_every_steps=0", "data.prefetch=16"]),
-        (f"{n}gpu_ddp_gc50", n, ["perf.gc_every_steps=50"]),
+        (f"{n}gpu_ddp_autogc", n, 48, ["perf.gc_every_steps=0"], {}),
+        (f"{n}gpu_ddp_autogc_prefetch16", n, 48, ["perf.gc_every_steps=0", "data.prefetch=16"], {}),
+        (f"{n}gpu_ddp_gc50", n, 48, ["perf.gc_every_steps=50"], {}),
     ]
-    for name, gpus, extra in configs:
-        if args.only and name not in args.only and not (name == "1gpu" and args.reference is None):
+    wanted = set(args.only or [c[0] for c in configs])
+    for name, gpus, rows, _, _ in configs:  # each N-GPU run is compared with one GPU at its rows per GPU
+        if name in wanted and gpus > 1 and not name.endswith("_apart"):
+            if not (rows == 48 and args.reference is not None):
+                wanted.add("1gpu" if rows == 48 else f"1gpu_b{rows}")
+    if args.only and args.reference is None:
+        wanted.add("1gpu")
+    for name, gpus, rows, extra, env in configs:
+        if name not in wanted:
             continue
         measure = train_apart if name.endswith("_apart") else train
-        report["runs"].append(measure(name, gpus, prepared, args.work / "runs", args.steps, extra))
+        report["runs"].append(measure(name, gpus, rows, prepared, args.work / "runs", args.steps, extra, env,
+                                      args.profile))  # fmt: skip
         (args.out / "bert_scaling.json").write_text(json.dumps(report, indent=1))
-        print(json.dumps(report["runs"][-1]), flush=True)
-    one = args.reference or report["runs"][0]["samples_per_s"]
+        print(json.dumps({k: v for k, v in report["runs"][-1].items() if k != "timelines"}), flush=True)
+        trace = Path(report["runs"][-1]["run_dir"]) / "profile_0_trace.json"
+        if trace.exists():
+            with open(trace, "rb") as src, gzip.open(args.out / f"{name}_trace.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    one = {r["rows_per_gpu"]: r["samples_per_s"] for r in report["runs"] if r["gpus"] == 1}
+    if args.reference is not None:
+        one[48] = args.reference
     for r in report["runs"]:
-        if r["config"] == "1gpu":
-            continue
-        r["scaling_efficiency"] = r["samples_per_s"] / (r["gpus"] * one)
+        if r["gpus"] > 1 and r["rows_per_gpu"] in one:
+            r["scaling_efficiency"] = r["samples_per_s"] / (r["gpus"] * one[r["rows_per_gpu"]])
     (args.out / "bert_scaling.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({r["config"]: r.get("scaling_efficiency") for r in report["runs"]}), flush=True)
 

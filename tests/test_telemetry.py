@@ -120,7 +120,7 @@ def test_a_cpu_run_records_telemetry_without_failing(small_data, tmp_path):
     assert "energy" in outcome
 
 
-def test_profile_writes_a_kernel_table_and_a_chrome_trace(small_data, tmp_path):
+def test_profile_writes_a_kernel_table_and_a_chrome_trace_on_every_rank(small_data, tmp_path):
     import csv
     import json
 
@@ -129,12 +129,43 @@ def test_profile_writes_a_kernel_table_and_a_chrome_trace(small_data, tmp_path):
     code = run_cli(
         "run", "bert", f"data.dir={small_data}", f"output.results_dir={tmp_path}", "progress=false",
         "schedule.max_samples=640", "eval.every_samples=640", "eval_samples=256", "profile=true",
-        "profile_start_step=2", "profile_steps=2",
+        "profile_start_step=2", "profile_steps=2", "--nproc", "2", "micro_batch_size=32",
     )  # fmt: skip
     assert code == 1
     run_dir = only_run_dir(tmp_path)
-    with open(run_dir / "profile_0_kernels.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert len(rows) >= 10 and any(r["name"] in ("aten::mm", "aten::addmm") for r in rows)
-    trace = json.loads((run_dir / "profile_0_trace.json").read_text())
-    assert len(trace["traceEvents"]) > 100
+    for prefix in ("profile_0_", "profile_0_rank1_"):  # every rank profiles its own steps
+        with open(run_dir / f"{prefix}kernels.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) >= 10 and any(r["name"] in ("aten::mm", "aten::addmm") for r in rows)
+        trace = json.loads((run_dir / f"{prefix}trace.json").read_text())
+        assert len(trace["traceEvents"]) > 100
+    assert not list(run_dir.glob("*timeline.json"))  # no GPU time to split on a CPU run
+
+
+def test_profile_timeline_splits_gpu_time_into_compute_exposed_communication_and_idle():
+    import pytest
+
+    from trainbench.train.profiling import timeline
+
+    def kernel(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    # Two steps over 0-1000 us: compute 0-300 and 350-600 (a copy 590-650 inside the second), an all-reduce
+    # 250-450 (hidden behind compute but for 300-350) and another 700-900 (nothing beside it), idle 650-700
+    # and 900-1000 except a last kernel 950-1000. CPU events are not GPU time.
+    trace = {"traceEvents": [
+        kernel("sm90_gemm", 0, 300), kernel("gelu", 350, 250), kernel("Memcpy HtoD", 590, 60, "gpu_memcpy"),
+        kernel("ncclDevKernel_AllReduce_Sum_f32", 250, 200), kernel("ncclDevKernel_AllReduce_Sum_f32", 700, 200),
+        kernel("layer_norm", 950, 50), kernel("aten::mm", 0, 5000, "cpu_op"), {"ph": "i", "name": "marker"},
+    ]}  # fmt: skip
+    t = timeline(trace, steps=2)
+    assert t["window_ms"] == pytest.approx(1.0 / 2)
+    assert t["busy_ms"] == pytest.approx((650 + 200 + 50) / 2e3)
+    assert t["compute_ms"] == pytest.approx((300 + 300 + 50) / 2e3)
+    assert t["compute_kernels_ms"] == pytest.approx((300 + 250 + 50) / 2e3)
+    assert t["comm_ms"] == pytest.approx(400 / 2e3)
+    assert t["comm_exposed_ms"] == pytest.approx((50 + 200) / 2e3)
+    assert t["idle_ms"] == pytest.approx((50 + 50) / 2e3)
+    assert t["comm_kernels"] == 2
+    with pytest.raises(ValueError, match="no GPU activity"):
+        timeline({"traceEvents": [kernel("aten::mm", 0, 10, "cpu_op")]}, steps=1)

@@ -136,7 +136,11 @@ class PerfConfig:
 class OutputConfig:
     results_dir: str = option("results", "Where run folders are created.")
     log_every_steps: int = option(10, "Steps between loss/throughput records (each is a host sync).")
-    profile: bool = option(False, "Record a torch.profiler window: profile_<i>_kernels.csv and a Chrome trace.")
+    profile: bool = option(
+        False,
+        "Record a torch.profiler window on every rank: profile_<i>_kernels.csv, a Chrome trace and, on a GPU, "
+        "where each step's time went (profile_<i>_timeline.json; ranks > 0: profile_<i>_rank<r>_*).",
+    )
     profile_start_step: int = option(5, "First profiled step (after warm-up).")
     profile_steps: int = option(3, "Steps in the profiled window.")
     telemetry_hz: float = option(

@@ -248,8 +248,8 @@ def train(
     model.train()
 
     profiler = None
-    if o.profile and is_main:
-        profiler = StepProfiler(run_dir, index, o.profile_start_step, o.profile_steps, device)
+    if o.profile:
+        profiler = StepProfiler(run_dir, index, o.profile_start_step, o.profile_steps, device, info.rank)
 
     collect_every = cfg.perf.gc_every_steps
     if collect_every > 0:
@@ -347,8 +347,9 @@ def train(
         if profiler is not None:
             profiler.finish()  # a run that ended inside the window still gets its files
             if profiler.outputs:
+                others = f" (ranks 1-{info.world_size - 1}: profile_{index}_rank<r>_*)" if info.world_size > 1 else ""
                 out.say(f"run {index}: profile of steps {o.profile_start_step}-{profiler.stop_step - 1}: "
-                        f"{', '.join(p.name for p in profiler.outputs)}")  # fmt: skip
+                        f"{', '.join(p.name for p in profiler.outputs)}{others}")  # fmt: skip
         if not preempted:  # a preempted run is not over: no run_stop, the log stays .partial
             mll.end(constants.RUN_STOP, metadata={"status": status}, time_ms=run_stop_ms)
         mll.close()

@@ -1,40 +1,53 @@
-"""A short torch.profiler window in a run: the top kernels by GPU time as CSV, and a Chrome trace.
+"""A short torch.profiler window in a run: the top kernels by GPU time as CSV, a Chrome trace, and where each
+step's GPU time went.
 
-``profile=true`` records steps ``profile_start_step`` .. ``profile_start_step + profile_steps - 1`` on rank 0
-and writes ``profile_<i>_kernels.csv`` (operators and kernels by self device time, or CPU time on a CPU
-run) and ``profile_<i>_trace.json`` (open it in chrome://tracing or ui.perfetto.dev).
+``profile=true`` records steps ``profile_start_step`` .. ``profile_start_step + profile_steps - 1`` on every rank.
+Rank 0 writes ``profile_<i>_kernels.csv`` (operators and kernels by self device time, or CPU time on a CPU run),
+``profile_<i>_trace.json`` (open it in chrome://tracing or ui.perfetto.dev) and, on a GPU,
+``profile_<i>_timeline.json`` (:func:`timeline`); rank r > 0 writes the same files named
+``profile_<i>_rank<r>_*``, so a rank that makes the others wait shows up in its own files.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+# GPU activity in a Chrome trace that occupies the device: kernels, copies and memsets.
+_GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
 
 class StepProfiler:
-    def __init__(self, run_dir: Path, index: int, start_step: int, steps: int, device: torch.device):
+    def __init__(self, run_dir: Path, index: int, start_step: int, steps: int, device: torch.device, rank: int = 0):
         self.run_dir, self.index = Path(run_dir), index
+        self.prefix = f"profile_{index}_" if rank == 0 else f"profile_{index}_rank{rank}_"
         self.start_step, self.stop_step = start_step, start_step + steps
         self.cuda = device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._prof = profile(activities=activities, record_shapes=False)
         self._active = False
+        self._steps_recorded = 0
         self.outputs: list[Path] = []
 
     def before_step(self, step: int) -> None:
         """Call with the number of the step about to run (0-based)."""
         if step == self.start_step and not self._active:
+            if self.cuda:
+                torch.cuda.synchronize()  # the window holds this step's GPU work and nothing earlier
             self._prof.__enter__()
             self._active = True
 
     def after_step(self, step_done: int) -> None:
         """Call with the count of steps finished."""
-        if self._active and step_done >= self.stop_step:
-            self.finish()
+        if self._active:
+            self._steps_recorded = step_done - self.start_step
+            if step_done >= self.stop_step:
+                self.finish()
 
     def finish(self) -> None:
         if not self._active:
@@ -43,9 +56,9 @@ class StepProfiler:
             torch.cuda.synchronize()
         self._prof.__exit__(None, None, None)
         self._active = False
-        trace = self.run_dir / f"profile_{self.index}_trace.json"
+        trace = self.run_dir / f"{self.prefix}trace.json"
         self._prof.export_chrome_trace(str(trace))
-        table = self.run_dir / f"profile_{self.index}_kernels.csv"
+        table = self.run_dir / f"{self.prefix}kernels.csv"
         events = self._prof.key_averages()
         device_key = "self_device_time_total"
 
@@ -60,6 +73,78 @@ class StepProfiler:
                 writer.writerow([e.key, e.count, round(device_time(e), 1), round(e.self_cpu_time_total, 1),
                                  round(e.cpu_time_total, 1)])  # fmt: skip
         self.outputs = [table, trace]
+        if self.cuda and self._steps_recorded > 0:
+            summary = self.run_dir / f"{self.prefix}timeline.json"
+            with open(trace) as f:
+                summary.write_text(json.dumps(timeline(json.load(f), self._steps_recorded), indent=1) + "\n")
+            self.outputs.append(summary)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the union ``a`` outside the union ``b`` (both sorted, disjoint)."""
+    covered, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            covered += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return _length(a) - covered
+
+
+def timeline(trace: dict, steps: int) -> dict:
+    """Where a profiled window's GPU time went, per step in ms, from a Chrome trace of one rank.
+
+    ``window``: first GPU activity to last. ``busy``: some kernel, copy or memset runs. ``compute``: some
+    non-communication activity runs (``compute_kernels`` sums those kernels' own times, counting twice what
+    ran concurrently). ``comm``: a collective (NCCL) kernel runs; ``comm_exposed``: a collective runs and
+    nothing else does, which is the all-reduce not hidden behind backward, and the time this rank waited
+    inside a collective for a slower one. ``idle``: nothing runs, which is the GPU waiting for the host.
+    """
+    gpu, comm = [], []
+    compute_sum = 0.0
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in _GPU_CATEGORIES:
+            continue
+        span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        if "nccl" in e.get("name", "").lower():
+            comm.append(span)
+        else:
+            gpu.append(span)
+            if e["cat"] == "kernel":
+                compute_sum += span[1] - span[0]
+    if not gpu and not comm:
+        raise ValueError("the trace has no GPU activity")
+    busy, compute, comm_u = _union(gpu + comm), _union(gpu), _union(comm)
+    window = busy[-1][1] - busy[0][0]
+    per_step = 1e-3 / steps  # trace times are in microseconds
+    return {
+        "steps": steps,
+        "window_ms": window * per_step,
+        "busy_ms": _length(busy) * per_step,
+        "compute_ms": _length(compute) * per_step,
+        "compute_kernels_ms": compute_sum * per_step,
+        "comm_ms": _length(comm_u) * per_step,
+        "comm_exposed_ms": _minus(comm_u, compute) * per_step,
+        "idle_ms": (window - _length(busy)) * per_step,
+        "comm_kernels": len(comm),
+    }
 
 
 def bf16_matmul_peak_tflops(n: int = 8192, reps: int = 30) -> float:
