@@ -4,9 +4,10 @@ Prepares packed data from WikiText-2 with MLPerf's vocab (as bert_throughput.py 
 preset on packed rows with the speed switches on (compiled model, fused LAMB), 48 rows per GPU per step (96 in the
 `_b96` configurations) and no accumulation: on 1 GPU, then on N GPUs with DDP (global batch 48 x N rows): plain,
 with bucket-wise clipping, with the all-reduce in bf16, with bf16 and 100 MB buckets, with NCCL held to 8 thread
-blocks (fewer SMs taken from backward), with other garbage-collection and prefetch settings; and N independent
-one-GPU runs at once (no communication at all: what the node gives when every GPU trains alone). Throughput is
-read from each run's metrics.jsonl: samples/s per logging interval, the first intervals (compilation) left out.
+blocks (fewer SMs taken from backward), with NCCL's Simple or LL128 protocol, with other garbage-collection and
+prefetch settings; and N independent one-GPU runs at once (no communication at all: what the node gives when every
+GPU trains alone). Throughput is read from each run's metrics.jsonl: samples/s per logging interval, the first
+intervals (compilation) left out.
 
     python benchmarks/bert_scaling.py --out OUT --gpus 4 [--steps 80] [--data DIR] [--only NAME ...] [--profile]
 
@@ -72,8 +73,12 @@ def train_command(gpus: int, prepared: Path, results: Path, steps: int, extra: l
 def read_run(results: Path) -> dict:
     (run_dir,) = [d for d in results.iterdir() if d.is_dir()]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rates = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
-    steady = rates[3:]  # the first 30 steps hold the compilation and the first CUDA allocations
+    timed = [m for m in metrics if "samples_per_s" in m]
+    rates = [m["samples_per_s"] for m in timed]
+    # The first 30 steps hold the compilation and the first CUDA allocations. A profiled run also loses the
+    # intervals of steps 41-60: the profiled steps, the trace's export and the collection of its objects.
+    profiled = bool(list(run_dir.glob("profile_0_*")))
+    steady = [m["samples_per_s"] for m in timed if m["step"] > 30 and not (profiled and 40 < m["step"] <= 60)]
     outcome = json.loads((run_dir / "run_0.json").read_text())
     out = {
         "samples_per_s": statistics.median(steady),
@@ -144,8 +149,12 @@ def main() -> None:
         (f"{n}gpu_ddp_bf16_bucket100", n, 48, [bf16, "distributed.bucket_cap_mb=100"], {}),
         # NCCL's all-reduce kernels run on SMs that backward's GEMMs then lack: hold them to 8 thread blocks.
         (f"{n}gpu_ddp_ctas8", n, 48, [], {"NCCL_MIN_CTAS": "1", "NCCL_MAX_CTAS": "8"}),
+        # NCCL's protocol, which it picks by message size and platform; Simple moves the most bytes per flag.
+        (f"{n}gpu_ddp_simple", n, 48, [], {"NCCL_PROTO": "Simple"}),
+        (f"{n}gpu_ddp_ll128", n, 48, [], {"NCCL_PROTO": "LL128"}),
         ("1gpu_b96", 1, 96, [], {}),
         (f"{n}gpu_ddp_b96", n, 96, [], {}),
+        (f"{n}gpu_ddp_b96_simple", n, 96, [], {"NCCL_PROTO": "Simple"}),
         # Garbage collection: Python's automatic collection (the trainer's default until gc_every_steps), with
         # the default prefetch of 2 steps and with 16; and collection at fixed steps (the default now).
         (f"{n}gpu_ddp_autogc", n, 48, ["perf.gc_every_steps=0"], {}),
