@@ -87,6 +87,32 @@ def _packed_loss_and_grad(attention: str, bf16: bool, dropout: float = 0.0, seed
     return kernel, loss.item(), model.layers[0].qkv.weight.grad.clone()
 
 
+def test_a_packed_training_step_never_makes_the_host_wait_on_cuda():
+    """Forward, loss and backward on packed rows with varlen flash attention in bf16 (the trainer's path) queue
+    their kernels without a host sync: one would leave the GPU idle while the host catches up, every step."""
+    from trainbench.benchmarks.bert import BertBenchmark
+    from trainbench.models.bert import BertConfig, BertForPreTraining
+
+    cfg = BertConfig(vocab_size=1000, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512,
+                     max_position_embeddings=128, hidden_dropout=0.1, attention_dropout=0.1)  # fmt: skip
+    model, batch, bench = BertForPreTraining(cfg).cuda(), _packed_batch(), BertBenchmark()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = bench.loss(model, batch, bench.loss_weights(batch))
+        loss.backward()
+        return loss
+
+    step()  # first calls: kernel choice, lazy initialisation
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert model.packed_kernel(torch.device("cuda")) == "varlen" and torch.isfinite(loss)
+
+
 def test_flex_attention_packed_rows_match_the_dense_mask_with_gradients_on_cuda():
     flex = _packed_loss_and_grad("auto", bf16=False)
     dense = _packed_loss_and_grad("sdpa", bf16=False)

@@ -190,3 +190,50 @@ def test_convert_reads_a_real_tensorflow_checkpoint(tmp_path):
     assert main(["convert", "bert", "--tf-checkpoint", prefix, "--out", str(tmp_path / "model.pt")]) == 0
     converted = torch.load(tmp_path / "model.pt")
     assert all(torch.equal(converted[k], v) for k, v in model.state_dict().items())
+
+
+def _loss_batch(packed: bool):
+    """A batch with padding predictions (position 0) and, for packed rows, empty sequence slots (label -1)."""
+    g = torch.Generator().manual_seed(0)
+    rows, preds = 4, 10
+    positions = torch.randint(1, 60, (rows, preds), generator=g)
+    positions[:, 7:] = 0  # padding predictions
+    positions[2, 3:] = 0
+    batch = {
+        "masked_lm_positions": positions.int(),
+        "masked_lm_ids": torch.randint(0, 50, (rows, preds), generator=g).int(),
+    }
+    if packed:
+        batch["next_sentence_labels"] = torch.tensor([[0, 1, -1], [1, -1, -1], [0, 0, 1], [1, 0, -1]]).to(torch.int8)
+        nsp_shape = (rows, 3, 2)
+    else:
+        batch["next_sentence_labels"] = torch.tensor([0, 1, 1, 0]).to(torch.int8)
+        nsp_shape = (rows, 2)
+    mlm_logits = torch.randn(rows, preds, 50, generator=g, requires_grad=True)
+    nsp_logits = torch.randn(*nsp_shape, generator=g, requires_grad=True)
+    return batch, mlm_logits, nsp_logits
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_pretraining_loss_ignores_padding_like_selecting_the_valid_positions(packed):
+    """The loss ignores padding predictions and empty sequence slots by label (no boolean index, so no host
+    sync): loss and gradients equal those of cross entropy over the valid positions only."""
+    import torch.nn.functional as F
+
+    from trainbench.benchmarks.bert import BertBenchmark
+
+    batch, mlm_logits, nsp_logits = _loss_batch(packed)
+    bench = BertBenchmark()
+    weights = bench.loss_weights(batch)
+    ours = bench.loss(lambda *a, **k: (mlm_logits, nsp_logits), batch | {"input_ids": None, "segment_ids": None,
+                                                                           "input_mask": None}, weights)  # fmt: skip
+    ours_grads = torch.autograd.grad(ours, [mlm_logits, nsp_logits])
+    valid = batch["masked_lm_positions"] > 0
+    labels = batch["next_sentence_labels"].long()
+    mlm = F.cross_entropy(mlm_logits[valid], batch["masked_lm_ids"][valid].long(), reduction="sum")
+    nsp = F.cross_entropy(nsp_logits[labels >= 0], labels[labels >= 0], reduction="sum")
+    reference = mlm / valid.sum() + nsp / (labels >= 0).sum()
+    assert weights.tolist() == [valid.sum().item(), (labels >= 0).sum().item()]
+    torch.testing.assert_close(ours, reference)
+    for a, b in zip(ours_grads, torch.autograd.grad(reference, [mlm_logits, nsp_logits]), strict=True):
+        torch.testing.assert_close(a, b)

@@ -260,12 +260,15 @@ class BertBenchmark(Benchmark):
         return model(batch["input_ids"], batch["segment_ids"], batch["input_mask"], batch["masked_lm_positions"])
 
     def loss(self, model, batch, weights):
+        # Padding predictions and empty sequence slots are ignored by label, not cut out with a boolean index:
+        # an index's output size is known only on the host, so it would make the host wait for the forward
+        # (and again in backward) every step, leaving the GPU idle while the host catches up.
         mlm_logits, nsp_logits = self._logits(model, batch)
-        valid = self._valid(batch)
-        mlm = F.cross_entropy(mlm_logits[valid].float(), batch["masked_lm_ids"][valid], reduction="sum")
-        labels = batch["next_sentence_labels"]
-        nsp_valid = labels >= 0  # packed rows mark their empty sequence slots with -1
-        nsp = F.cross_entropy(nsp_logits[nsp_valid].float(), labels[nsp_valid], reduction="sum")
+        mlm_ids = batch["masked_lm_ids"].long().masked_fill(~self._valid(batch), -100)
+        mlm = F.cross_entropy(mlm_logits.flatten(0, -2).float(), mlm_ids.flatten(), ignore_index=-100, reduction="sum")
+        # packed rows mark their empty sequence slots with -1
+        labels = batch["next_sentence_labels"].long().flatten()
+        nsp = F.cross_entropy(nsp_logits.flatten(0, -2).float(), labels, ignore_index=-1, reduction="sum")
         return mlm / weights[0] + nsp / weights[1]
 
     def eval_sums(self, model, batch) -> torch.Tensor:
