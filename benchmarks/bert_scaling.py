@@ -11,9 +11,11 @@ intervals (compilation) left out.
 
     python benchmarks/bert_scaling.py --out OUT --gpus 4 [--steps 80] [--data DIR] [--only NAME ...] [--profile]
 
-Writes OUT/bert_scaling.json: samples/s for each configuration and the scaling efficiency (N-GPU samples/s divided
-by N times the 1-GPU samples/s at the same rows per GPU). With --profile every run records steps 40-42 on every
-rank, and the report carries each rank's timeline (compute, exposed communication, idle per step; see
+Writes OUT/bert_scaling.json: samples/s and steps/s for each configuration, the scaling efficiency (N-GPU samples/s
+divided by N times the 1-GPU samples/s at the same rows per GPU) and the step scaling efficiency (N-GPU steps/s
+divided by 1-GPU steps/s, that is packed rows/s against N times one GPU's: it does not move with the number of
+sequences per row, which differs between intervals by a few per cent). With --profile every run records steps 40-42
+on every rank, and the report carries each rank's timeline (compute, exposed communication, idle per step; see
 trainbench.train.profiling.timeline); rank 0's Chrome trace of each run is OUT/<config>_trace.json.gz.
 """
 
@@ -78,11 +80,21 @@ def read_run(results: Path) -> dict:
     # The first 30 steps hold the compilation and the first CUDA allocations. A profiled run also loses the
     # intervals of steps 41-60: the profiled steps, the trace's export and the collection of its objects.
     profiled = bool(list(run_dir.glob("profile_0_*")))
-    steady = [m["samples_per_s"] for m in timed if m["step"] > 30 and not (profiled and 40 < m["step"] <= 60)]
+
+    def kept(m: dict) -> bool:
+        return m["step"] > 30 and not (profiled and 40 < m["step"] <= 60)
+
+    steady = [m["samples_per_s"] for m in timed if kept(m)]
+    # Packed rows per second (steps per second times rows per step): unlike samples/s it does not move with how
+    # many sequences the interval's rows happen to hold, so it is the steadier measure of the step time.
+    pairs = zip(timed, timed[1:], strict=False)
+    steps_per_s = [(b["step"] - a["step"]) * 1000 / (b["time_ms"] - a["time_ms"]) for a, b in pairs if kept(b)]
     outcome = json.loads((run_dir / "run_0.json").read_text())
     out = {
         "samples_per_s": statistics.median(steady),
         "samples_per_s_intervals": rates,
+        "steps_per_s": statistics.median(steps_per_s),
+        "steps_per_s_intervals": steps_per_s,
         "peak_memory_gib": outcome["peak_memory_gib"],
         "run_dir": str(run_dir),
     }
@@ -181,13 +193,22 @@ def main() -> None:
             with open(trace, "rb") as src, gzip.open(args.out / f"{name}_trace.json.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
     one = {r["rows_per_gpu"]: r["samples_per_s"] for r in report["runs"] if r["gpus"] == 1}
+    one_steps = {r["rows_per_gpu"]: r["steps_per_s"] for r in report["runs"] if r["gpus"] == 1 and "steps_per_s" in r}
     if args.reference is not None:
         one[48] = args.reference
     for r in report["runs"]:
         if r["gpus"] > 1 and r["rows_per_gpu"] in one:
             r["scaling_efficiency"] = r["samples_per_s"] / (r["gpus"] * one[r["rows_per_gpu"]])
+        if r["gpus"] > 1 and r["rows_per_gpu"] in one_steps and "steps_per_s" in r:
+            # N GPUs each take rows_per_gpu rows a step: the ratio of step rates is the rows/s efficiency
+            r["step_scaling_efficiency"] = r["steps_per_s"] / one_steps[r["rows_per_gpu"]]
     (args.out / "bert_scaling.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps({r["config"]: r.get("scaling_efficiency") for r in report["runs"]}), flush=True)
+    print(
+        json.dumps(
+            {r["config"]: [r.get("scaling_efficiency"), r.get("step_scaling_efficiency")] for r in report["runs"]}
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
