@@ -22,6 +22,7 @@ trainbench.train.profiling.timeline); rank 0's Chrome trace of each run is OUT/<
 from __future__ import annotations
 
 import argparse
+import csv
 import gzip
 import json
 import os
@@ -98,9 +99,29 @@ def read_run(results: Path) -> dict:
         "peak_memory_gib": outcome["peak_memory_gib"],
         "run_dir": str(run_dir),
     }
+    kept_times = [b["time_ms"] for b in timed if kept(b)]
+    out["gpus_while_timed"] = telemetry(run_dir, min(kept_times) - 10_000, max(kept_times))
     timelines = sorted(run_dir.glob("profile_0_*timeline.json"))
     if timelines:
         out["timelines"] = {p.name: json.loads(p.read_text()) for p in timelines}
+    return out
+
+
+def telemetry(run_dir: Path, start_ms: int, stop_ms: int) -> dict[str, dict]:
+    """Median power and SM clock, and the throttle reasons seen, of every busy GPU (utilisation >= 50 %) over the
+    timed intervals, from the run's telemetry CSVs: whether a configuration runs at other clocks than another."""
+    out = {}
+    for path in sorted(run_dir.glob("telemetry_*_gpu*.csv")):
+        with open(path) as f:
+            rows = [r for r in csv.DictReader(f) if start_ms <= int(r["time_ms"]) <= stop_ms]
+        busy = [r for r in rows if r["gpu_util_pct"] and float(r["gpu_util_pct"]) >= 50]
+        if busy:
+            out[path.stem.rsplit("_", 1)[-1]] = {
+                "samples": len(busy),
+                "power_w": statistics.median(float(r["power_w"]) for r in busy),
+                "sm_clock_mhz": statistics.median(float(r["sm_clock_mhz"]) for r in busy),
+                "throttle_reasons": sorted({r["throttle_reasons"] for r in busy}),
+            }
     return out
 
 
