@@ -1,13 +1,13 @@
 """BERT-large data-parallel scaling on one node, through `trainbench run` itself.
 
-Prepares packed data from WikiText-2 with MLPerf's vocab (as bert_throughput.py does), then trains the large
-preset on packed rows with the speed switches on (compiled model, fused LAMB), 48 rows per GPU per step (96 in the
-`_b96` configurations) and no accumulation: on 1 GPU, then on N GPUs with DDP (global batch 48 x N rows): plain,
-with bucket-wise clipping, with the all-reduce in bf16, with bf16 and 100 MB buckets, with NCCL held to 8 thread
-blocks (fewer SMs taken from backward), with NCCL's Simple or LL128 protocol, with other garbage-collection and
-prefetch settings; and N independent one-GPU runs at once (no communication at all: what the node gives when every
-GPU trains alone). Throughput is read from each run's metrics.jsonl: samples/s per logging interval, the first
-intervals (compilation) left out.
+Prepares packed data from WikiText-2 with MLPerf's vocab (as bert_throughput.py does), then trains the large preset
+on packed rows with the speed switches on (compiled model, fused LAMB), 48 rows per GPU per step (96 in the `_b96`
+configurations) and no accumulation (two micro-batches of 48 per step in the `_48x2` ones): on 1 GPU, then on N GPUs
+with DDP (global batch 48 x N rows): plain, with bucket-wise clipping, with the all-reduce in bf16, with bf16 and
+100 MB buckets, with NCCL held to 8 thread blocks (fewer SMs taken from backward), with NCCL's Simple or LL128
+protocol, with other garbage-collection and prefetch settings; and N independent one-GPU runs at once (no
+communication at all: what the node gives when every GPU trains alone). Throughput is read from each run's
+metrics.jsonl: samples/s per logging interval, the first intervals (compilation) left out.
 
     python benchmarks/bert_scaling.py --out OUT --gpus 4 [--steps 80] [--data DIR] [--only NAME ...] [--profile]
 
@@ -62,8 +62,8 @@ def run(cmd: list[str], ok: tuple[int, ...] = (0,), env: dict[str, str] | None =
 
 
 def train_command(gpus: int, prepared: Path, results: Path, steps: int, extra: list[str], rows_per_gpu: int = 48,
-                  profile: bool = False) -> list[str]:  # fmt: skip
-    rows = rows_per_gpu * gpus
+                  profile: bool = False, accumulation: int = 1) -> list[str]:  # fmt: skip
+    rows = rows_per_gpu * accumulation * gpus
     return [
         sys.executable, "-m", "trainbench", "run", "bert", "--preset", "large", "--nproc", str(gpus),
         f"data.dir={prepared}", "data.layout=packed", f"global_batch_size={rows}", f"micro_batch_size={rows_per_gpu}",
@@ -126,10 +126,12 @@ def telemetry(run_dir: Path, start_ms: int, stop_ms: int) -> dict[str, dict]:
 
 
 def train(name: str, gpus: int, rows: int, prepared: Path, out: Path, steps: int, extra: list[str],
-          env: dict[str, str], profile: bool) -> dict:  # fmt: skip
+          env: dict[str, str], profile: bool, accumulation: int = 1) -> dict:  # fmt: skip
     results = out / name
-    run(train_command(gpus, prepared, results, steps, extra, rows, profile), ok=(0, 1), env=env)  # 1: no target
-    return {"config": name, "gpus": gpus, "rows_per_gpu": rows, "rows_per_step": rows * gpus} | read_run(results)
+    cmd = train_command(gpus, prepared, results, steps, extra, rows, profile, accumulation)
+    run(cmd, ok=(0, 1), env=env)  # 1: no target
+    shape = {"rows_per_gpu": rows, "accumulation": accumulation, "rows_per_step": rows * accumulation * gpus}
+    return {"config": name, "gpus": gpus} | shape | read_run(results)
 
 
 def train_apart(name: str, gpus: int, rows: int, prepared: Path, out: Path, steps: int, extra: list[str],
@@ -172,7 +174,7 @@ def main() -> None:
     report = {"runs": []}
     n = args.gpus
     bf16 = "distributed.grad_reduce_dtype=bf16"
-    # name, GPUs, rows per GPU, overrides, environment
+    # name, GPUs, rows per GPU per micro-batch, overrides, environment[, micro-batches per step]
     configs = [
         ("1gpu", 1, 48, [], {}),
         (f"{n}x1gpu_apart", n, 48, [], {}),
@@ -188,6 +190,10 @@ def main() -> None:
         ("1gpu_b96", 1, 96, [], {}),
         (f"{n}gpu_ddp_b96", n, 96, [], {}),
         (f"{n}gpu_ddp_b96_simple", n, 96, [], {"NCCL_PROTO": "Simple"}),
+        # Two micro-batches of 48 rows per step (DDP all-reduces once per step, after the second): the
+        # accumulation MLPerf configurations take on one node, 1x8x48x2 on 8 H100.
+        ("1gpu_48x2", 1, 48, [], {}, 2),
+        (f"{n}gpu_ddp_48x2", n, 48, [], {}, 2),
         # Garbage collection: Python's automatic collection (the trainer's default until gc_every_steps), with
         # the default prefetch of 2 steps and with 16; and collection at fixed steps (the default now).
         (f"{n}gpu_ddp_autogc", n, 48, ["perf.gc_every_steps=0"], {}),
@@ -195,34 +201,42 @@ def main() -> None:
         (f"{n}gpu_ddp_gc50", n, 48, ["perf.gc_every_steps=50"], {}),
     ]
     wanted = set(args.only or [c[0] for c in configs])
-    for name, gpus, rows, _, _ in configs:  # each N-GPU run is compared with one GPU at its rows per GPU
+
+    def same_on_one_gpu(rows: int, accumulation: int) -> str:
+        return "1gpu" + (f"_b{rows}" if rows != 48 else "") + (f"_{rows}x{accumulation}" if accumulation > 1 else "")
+
+    for name, gpus, rows, _, _, *accumulation in configs:  # each N-GPU run is compared with one GPU at its shape
         if name in wanted and gpus > 1 and not name.endswith("_apart"):
-            if not (rows == 48 and args.reference is not None):
-                wanted.add("1gpu" if rows == 48 else f"1gpu_b{rows}")
+            if not (rows == 48 and not accumulation and args.reference is not None):
+                wanted.add(same_on_one_gpu(rows, accumulation[0] if accumulation else 1))
     if args.only and args.reference is None:
         wanted.add("1gpu")
-    for name, gpus, rows, extra, env in configs:
+    for name, gpus, rows, extra, env, *accumulation in configs:
         if name not in wanted:
             continue
         measure = train_apart if name.endswith("_apart") else train
         report["runs"].append(measure(name, gpus, rows, prepared, args.work / "runs", args.steps, extra, env,
-                                      args.profile))  # fmt: skip
+                                      args.profile, *accumulation))  # fmt: skip
         (args.out / "bert_scaling.json").write_text(json.dumps(report, indent=1))
         print(json.dumps({k: v for k, v in report["runs"][-1].items() if k != "timelines"}), flush=True)
         trace = Path(report["runs"][-1]["run_dir"]) / "profile_0_trace.json"
         if trace.exists():
             with open(trace, "rb") as src, gzip.open(args.out / f"{name}_trace.json.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
-    one = {r["rows_per_gpu"]: r["samples_per_s"] for r in report["runs"] if r["gpus"] == 1}
-    one_steps = {r["rows_per_gpu"]: r["steps_per_s"] for r in report["runs"] if r["gpus"] == 1 and "steps_per_s" in r}
+
+    def shape(r: dict) -> tuple[int, int]:
+        return r["rows_per_gpu"], r.get("accumulation", 1)
+
+    one = {shape(r): r["samples_per_s"] for r in report["runs"] if r["gpus"] == 1}
+    one_steps = {shape(r): r["steps_per_s"] for r in report["runs"] if r["gpus"] == 1 and "steps_per_s" in r}
     if args.reference is not None:
-        one[48] = args.reference
+        one[48, 1] = args.reference
     for r in report["runs"]:
-        if r["gpus"] > 1 and r["rows_per_gpu"] in one:
-            r["scaling_efficiency"] = r["samples_per_s"] / (r["gpus"] * one[r["rows_per_gpu"]])
-        if r["gpus"] > 1 and r["rows_per_gpu"] in one_steps and "steps_per_s" in r:
-            # N GPUs each take rows_per_gpu rows a step: the ratio of step rates is the rows/s efficiency
-            r["step_scaling_efficiency"] = r["steps_per_s"] / one_steps[r["rows_per_gpu"]]
+        if r["gpus"] > 1 and shape(r) in one:
+            r["scaling_efficiency"] = r["samples_per_s"] / (r["gpus"] * one[shape(r)])
+        if r["gpus"] > 1 and shape(r) in one_steps and "steps_per_s" in r:
+            # N GPUs each take the rows one GPU takes a step: the ratio of step rates is the rows/s efficiency
+            r["step_scaling_efficiency"] = r["steps_per_s"] / one_steps[shape(r)]
     (args.out / "bert_scaling.json").write_text(json.dumps(report, indent=1))
     print(
         json.dumps(
