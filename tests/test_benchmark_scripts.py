@@ -1,0 +1,48 @@
+"""Helpers of the scripts under benchmarks/ that compute what docs/performance.md reports."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rank_imbalance_costs_a_row_by_its_sequences_squared_lengths(tmp_path):
+    rank_imbalance = load("rank_imbalance")
+    ids = np.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 1, 1], [1, 2, 2, 3, 3, 3]], dtype=np.int8)
+    with h5py.File(tmp_path / "part_0.hdf5", "w") as f:
+        f["sequence_ids"] = ids
+    assert rank_imbalance.row_costs(tmp_path).tolist() == [9 + 4, 36, 1 + 4 + 9]
+    with pytest.raises(SystemExit, match="no packed shards"):
+        rank_imbalance.row_costs(tmp_path / "missing")
+
+
+def test_bert_scaling_reads_steps_per_second_outside_compilation_and_profiled_steps(tmp_path):
+    bert_scaling = load("bert_scaling")
+    run = tmp_path / "results" / "run"
+    run.mkdir(parents=True)
+    # 10 steps per interval: 125 ms a step, except a slow interval at step 50, which a profiled run leaves out
+    rows, t = [], 0
+    for step in range(10, 101, 10):
+        t += 1250 if step != 50 else 5000
+        rows.append({"step": step, "time_ms": t, "samples_per_s": 400.0 + step})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "run_0.json").write_text(json.dumps({"peak_memory_gib": 1.0}))
+    plain = bert_scaling.read_run(tmp_path / "results")
+    assert plain["steps_per_s_intervals"] == pytest.approx([8, 2, 8, 8, 8, 8, 8])  # steps 40-100
+    assert plain["samples_per_s"] == 470  # the median of steps 40-100
+    (run / "profile_0_kernels.csv").write_text("")
+    profiled = bert_scaling.read_run(tmp_path / "results")
+    assert profiled["steps_per_s_intervals"] == pytest.approx([8, 8, 8, 8, 8])  # steps 40 and 70-100
+    assert profiled["gpus_while_timed"] == {}
