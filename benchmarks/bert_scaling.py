@@ -168,6 +168,7 @@ def main() -> None:
     p.add_argument("--only", nargs="*", help="run only these configurations (and the 1-GPU runs they compare with)")
     p.add_argument("--reference", type=float, help="1-GPU samples/s at 48 rows measured before: skip that run")
     p.add_argument("--profile", action="store_true", help="profile steps 40-42 of every run on every rank")
+    p.add_argument("--no-one-gpu", action="store_true", help="with --only: no 1-GPU runs to compare with")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     prepared = prepare(args.work, args.data)
@@ -194,6 +195,9 @@ def main() -> None:
         # accumulation MLPerf configurations take on one node, 1x8x48x2 on 8 H100.
         ("1gpu_48x2", 1, 48, [], {}, 2),
         (f"{n}gpu_ddp_48x2", n, 48, [], {}, 2),
+        # One compiled graph (no split at bucket boundaries): more fusion, every all-reduce after backward.
+        (f"{n}gpu_ddp_48x2_one_graph", n, 48, ["distributed.overlap_compiled=false"], {}, 2),
+        (f"{n}gpu_ddp_one_graph", n, 48, ["distributed.overlap_compiled=false"], {}),
         # Garbage collection: Python's automatic collection (the trainer's default until gc_every_steps), with
         # the default prefetch of 2 steps and with 16; and collection at fixed steps (the default now).
         (f"{n}gpu_ddp_autogc", n, 48, ["perf.gc_every_steps=0"], {}),
@@ -206,10 +210,10 @@ def main() -> None:
         return "1gpu" + (f"_b{rows}" if rows != 48 else "") + (f"_{rows}x{accumulation}" if accumulation > 1 else "")
 
     for name, gpus, rows, _, _, *accumulation in configs:  # each N-GPU run is compared with one GPU at its shape
-        if name in wanted and gpus > 1 and not name.endswith("_apart"):
+        if name in wanted and not (args.only and args.no_one_gpu) and gpus > 1 and not name.endswith("_apart"):
             if not (rows == 48 and not accumulation and args.reference is not None):
                 wanted.add(same_on_one_gpu(rows, accumulation[0] if accumulation else 1))
-    if args.only and args.reference is None:
+    if args.only and args.reference is None and not args.no_one_gpu:
         wanted.add("1gpu")
     for name, gpus, rows, extra, env, *accumulation in configs:
         if name not in wanted:

@@ -111,6 +111,12 @@ class DistributedConfig:
         "to bf16, summed, and cast back).",
         choices=("fp32", "bf16"),
     )
+    overlap_compiled: bool = option(
+        True,
+        "With compile and DDP: split the compiled graph at the bucket boundaries, so each bucket's all-reduce "
+        "overlaps backward (true), or compile one graph and all-reduce every bucket after backward (false: "
+        "more fusion, no overlap).",
+    )
 
 
 @dataclass(kw_only=True)

@@ -169,7 +169,9 @@ def train(
         ddp = wrap_ddp(raw_model, info, cfg.distributed.bucket_cap_mb, reduce)
     model = ddp or raw_model
     if cfg.perf.compile and placed is None:
-        # Static shapes: one graph per shape (packed rows: one; length bins: one per bin; eval: its own).
+        # Under DDP, dynamo splits the graph at bucket boundaries (so each bucket's all-reduce overlaps backward)
+        # unless told not to. Static shapes: one graph per shape (packed rows: one; length bins: one per bin).
+        torch._dynamo.config.optimize_ddp = cfg.distributed.overlap_compiled
         model = torch.compile(model, mode="reduce-overhead" if cfg.perf.cuda_graphs else None, dynamic=False)
     optimizer = bench.build_optimizer(cfg, raw_model)
     accumulation = bench.accumulation_steps(cfg)
