@@ -86,6 +86,7 @@ def read_run(results: Path) -> dict:
         return m["step"] > 30 and not (profiled and 40 < m["step"] <= 60)
 
     steady = [m["samples_per_s"] for m in timed if kept(m)]
+    kept_times = [m["time_ms"] for m in timed if kept(m)]
     # Packed rows per second (steps per second times rows per step): unlike samples/s it does not move with how
     # many sequences the interval's rows happen to hold, so it is the steadier measure of the step time.
     pairs = zip(timed, timed[1:], strict=False)
@@ -99,7 +100,6 @@ def read_run(results: Path) -> dict:
         "peak_memory_gib": outcome["peak_memory_gib"],
         "run_dir": str(run_dir),
     }
-    kept_times = [b["time_ms"] for b in timed if kept(b)]
     out["gpus_while_timed"] = telemetry(run_dir, min(kept_times) - 10_000, max(kept_times))
     timelines = sorted(run_dir.glob("profile_0_*timeline.json"))
     if timelines:
@@ -206,13 +206,16 @@ def main() -> None:
     ]
     wanted = set(args.only or [c[0] for c in configs])
 
-    def same_on_one_gpu(rows: int, accumulation: int) -> str:
-        return "1gpu" + (f"_b{rows}" if rows != 48 else "") + (f"_{rows}x{accumulation}" if accumulation > 1 else "")
+    # each N-GPU run is compared with the 1-GPU run of its shape (rows per micro-batch, micro-batches per step)
+    def shape_of(config: tuple) -> tuple[int, int]:
+        return config[2], config[5] if len(config) > 5 else 1
 
-    for name, gpus, rows, _, _, *accumulation in configs:  # each N-GPU run is compared with one GPU at its shape
+    one_gpu = {shape_of(c): c[0] for c in configs if c[1] == 1}
+    for c in configs:
+        name, gpus = c[:2]
         if name in wanted and not (args.only and args.no_one_gpu) and gpus > 1 and not name.endswith("_apart"):
-            if not (rows == 48 and not accumulation and args.reference is not None):
-                wanted.add(same_on_one_gpu(rows, accumulation[0] if accumulation else 1))
+            if not (shape_of(c) == (48, 1) and args.reference is not None):
+                wanted.add(one_gpu[shape_of(c)])
     if args.only and args.reference is None and not args.no_one_gpu:
         wanted.add("1gpu")
     for name, gpus, rows, extra, env, *accumulation in configs:

@@ -240,7 +240,7 @@ def our_step(bench, index_loss: bool = False):
         """The loss as it was before: padding predictions and empty slots cut out by a boolean index, whose
         output size the host must read (a sync in forward and another in backward)."""
         mlm_logits, nsp_logits = bench._logits(model, b)
-        valid = b["masked_lm_positions"] > 0
+        valid = bench._valid(b)
         mlm = F.cross_entropy(mlm_logits[valid].float(), b["masked_lm_ids"][valid].long(), reduction="sum")
         labels = b["next_sentence_labels"].long()
         nsp = F.cross_entropy(nsp_logits[labels >= 0].float(), labels[labels >= 0], reduction="sum")
