@@ -3,10 +3,11 @@
 Prepares packed data from WikiText-2 with MLPerf's vocab (as bert_throughput.py does), then trains the large preset
 on packed rows with the speed switches on (compiled model, fused LAMB), 48 rows per GPU per step (96 in the `_b96`
 configurations) and no accumulation (two micro-batches of 48 per step in the `_48x2` ones): on 1 GPU, then on N GPUs
-with DDP (global batch 48 x N rows): plain, with bucket-wise clipping, with the all-reduce in bf16, with bf16 and
-100 MB buckets, with NCCL held to 8 thread blocks (fewer SMs taken from backward), with NCCL's Simple or LL128
-protocol, with other garbage-collection and prefetch settings; and N independent one-GPU runs at once (no
-communication at all: what the node gives when every GPU trains alone). Throughput is read from each run's
+with DDP (global batch 48 x N rows): plain (the compiled graph split at the DDP buckets), as one compiled graph that
+all-reduces after backward (the trainer's choice on one node), with bucket-wise clipping, with the all-reduce in
+bf16, with bf16 and 100 MB buckets, with NCCL held to 8 thread blocks (fewer SMs taken from backward), with NCCL's
+Simple or LL128 protocol, with other garbage-collection and prefetch settings; and N independent one-GPU runs at
+once (no communication at all: what the node gives when every GPU trains alone). Throughput is read from each run's
 metrics.jsonl: samples/s per logging interval, the first intervals (compilation) left out.
 
     python benchmarks/bert_scaling.py --out OUT --gpus 4 [--steps 80] [--data DIR] [--only NAME ...] [--profile]
@@ -128,6 +129,7 @@ def telemetry(run_dir: Path, start_ms: int, stop_ms: int) -> dict[str, dict]:
 def train(name: str, gpus: int, rows: int, prepared: Path, out: Path, steps: int, extra: list[str],
           env: dict[str, str], profile: bool, accumulation: int = 1) -> dict:  # fmt: skip
     results = out / name
+    shutil.rmtree(results, ignore_errors=True)  # an earlier call's run of the same name in the same --work
     cmd = train_command(gpus, prepared, results, steps, extra, rows, profile, accumulation)
     run(cmd, ok=(0, 1), env=env)  # 1: no target
     shape = {"rows_per_gpu": rows, "accumulation": accumulation, "rows_per_step": rows * accumulation * gpus}
@@ -139,6 +141,7 @@ def train_apart(name: str, gpus: int, rows: int, prepared: Path, out: Path, step
     """``gpus`` independent one-GPU runs at once, one per GPU: the node's throughput without any communication
     (what DDP would reach if the all-reduce cost nothing), so power, clocks and the host are shared as under DDP."""
     procs = []
+    shutil.rmtree(out / name, ignore_errors=True)
     for i in range(gpus):
         cmd = train_command(1, prepared, out / name / str(i), steps, extra, rows, profile)
         print("+", f"CUDA_VISIBLE_DEVICES={i}", " ".join(cmd), flush=True)
@@ -175,34 +178,39 @@ def main() -> None:
     report = {"runs": []}
     n = args.gpus
     bf16 = "distributed.grad_reduce_dtype=bf16"
+    # The compiled DDP graph split at the buckets (all-reduce overlapping backward; the default before
+    # `overlap_compiled=auto`, which all the plain `_ddp` configurations measure), or one graph (auto's choice
+    # on one node).
+    split, one_graph = "distributed.overlap_compiled=true", "distributed.overlap_compiled=false"
     # name, GPUs, rows per GPU per micro-batch, overrides, environment[, micro-batches per step]
     configs = [
         ("1gpu", 1, 48, [], {}),
         (f"{n}x1gpu_apart", n, 48, [], {}),
-        (f"{n}gpu_ddp", n, 48, [], {}),
-        (f"{n}gpu_ddp_bucket_clip", n, 48, ["optimizer.clip=bucket"], {}),
-        (f"{n}gpu_ddp_bf16_reduce", n, 48, [bf16], {}),
-        (f"{n}gpu_ddp_bf16_bucket100", n, 48, [bf16, "distributed.bucket_cap_mb=100"], {}),
+        (f"{n}gpu_ddp", n, 48, [split], {}),
+        (f"{n}gpu_ddp_bucket_clip", n, 48, [split, "optimizer.clip=bucket"], {}),
+        (f"{n}gpu_ddp_bf16_reduce", n, 48, [split, bf16], {}),
+        (f"{n}gpu_ddp_bf16_bucket100", n, 48, [split, bf16, "distributed.bucket_cap_mb=100"], {}),
         # NCCL's all-reduce kernels run on SMs that backward's GEMMs then lack: hold them to 8 thread blocks.
-        (f"{n}gpu_ddp_ctas8", n, 48, [], {"NCCL_MIN_CTAS": "1", "NCCL_MAX_CTAS": "8"}),
+        (f"{n}gpu_ddp_ctas8", n, 48, [split], {"NCCL_MIN_CTAS": "1", "NCCL_MAX_CTAS": "8"}),
         # NCCL's protocol, which it picks by message size and platform; Simple moves the most bytes per flag.
-        (f"{n}gpu_ddp_simple", n, 48, [], {"NCCL_PROTO": "Simple"}),
-        (f"{n}gpu_ddp_ll128", n, 48, [], {"NCCL_PROTO": "LL128"}),
+        (f"{n}gpu_ddp_simple", n, 48, [split], {"NCCL_PROTO": "Simple"}),
+        (f"{n}gpu_ddp_ll128", n, 48, [split], {"NCCL_PROTO": "LL128"}),
         ("1gpu_b96", 1, 96, [], {}),
-        (f"{n}gpu_ddp_b96", n, 96, [], {}),
-        (f"{n}gpu_ddp_b96_simple", n, 96, [], {"NCCL_PROTO": "Simple"}),
+        (f"{n}gpu_ddp_b96", n, 96, [split], {}),
+        (f"{n}gpu_ddp_b96_simple", n, 96, [split], {"NCCL_PROTO": "Simple"}),
         # Two micro-batches of 48 rows per step (DDP all-reduces once per step, after the second): the
         # accumulation MLPerf configurations take on one node, 1x8x48x2 on 8 H100.
         ("1gpu_48x2", 1, 48, [], {}, 2),
-        (f"{n}gpu_ddp_48x2", n, 48, [], {}, 2),
         # One compiled graph (no split at bucket boundaries): more fusion, every all-reduce after backward.
-        (f"{n}gpu_ddp_48x2_one_graph", n, 48, ["distributed.overlap_compiled=false"], {}, 2),
-        (f"{n}gpu_ddp_one_graph", n, 48, ["distributed.overlap_compiled=false"], {}),
+        (f"{n}gpu_ddp_48x2_one_graph", n, 48, [one_graph], {}, 2),
+        (f"{n}gpu_ddp_48x2", n, 48, [split], {}, 2),
+        (f"{n}gpu_ddp_48x2_one_graph_bf16", n, 48, [one_graph, bf16], {}, 2),
+        (f"{n}gpu_ddp_one_graph", n, 48, [one_graph], {}),
         # Garbage collection: Python's automatic collection (the trainer's default until gc_every_steps), with
         # the default prefetch of 2 steps and with 16; and collection at fixed steps (the default now).
-        (f"{n}gpu_ddp_autogc", n, 48, ["perf.gc_every_steps=0"], {}),
-        (f"{n}gpu_ddp_autogc_prefetch16", n, 48, ["perf.gc_every_steps=0", "data.prefetch=16"], {}),
-        (f"{n}gpu_ddp_gc50", n, 48, ["perf.gc_every_steps=50"], {}),
+        (f"{n}gpu_ddp_autogc", n, 48, [split, "perf.gc_every_steps=0"], {}),
+        (f"{n}gpu_ddp_autogc_prefetch16", n, 48, [split, "perf.gc_every_steps=0", "data.prefetch=16"], {}),
+        (f"{n}gpu_ddp_gc50", n, 48, [split, "perf.gc_every_steps=50"], {}),
     ]
     wanted = set(args.only or [c[0] for c in configs])
 

@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import only_run_dir, read_metrics, run_cli, tiny_spec
 from trainbench.data.bert_hdf5 import TrainBatches, find_shards
 from trainbench.data.synthetic_bert import prepare_synthetic
+from trainbench.errors import ConfigError
+from trainbench.launch.local import build_config
 
 QUICK = ["progress=false", "eval_samples=256", "eval.every_samples=320", "schedule.max_samples=640"]
 needs_compiler = pytest.mark.skipif(
@@ -164,9 +166,43 @@ def test_one_compiled_graph_under_ddp_gives_the_losses_of_the_graph_split_at_buc
     enough that the default splits the tiny model's graph, both train to the same losses on 2 ranks."""
     common = ["run", "bert", "--preset", "tiny", f"data.dir={small_data}", "log_every_steps=1", "--nproc", "2", *QUICK]
     common += ["micro_batch_size=16", "telemetry_hz=0", "perf.compile=true", "distributed.bucket_cap_mb=2"]
-    for overlap in ("true", "false"):
+    # auto: both ranks are on this node, so one graph
+    for overlap in ("true", "auto"):
         out = f"output.results_dir={tmp_path / overlap}"
         assert run_cli(*common, f"distributed.overlap_compiled={overlap}", out) in (0, 1)  # 1: target not reached
-    split, one = _losses(tmp_path / "true"), _losses(tmp_path / "false")
+    split, one = _losses(tmp_path / "true"), _losses(tmp_path / "auto")
     assert len(split) >= 5
     np.testing.assert_allclose(one, split, rtol=1e-4)
+    notes = {o: (only_run_dir(tmp_path / o) / "console.log").read_text() for o in ("true", "auto")}
+    assert "the compiled graph split at the DDP buckets" in notes["true"]
+    assert "one compiled graph, the DDP buckets all-reduced after backward" in notes["auto"]
+
+
+@pytest.mark.parametrize(
+    ("env", "overlap", "split"),
+    [
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, "auto", False),  # torchrun on one node
+        ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, "auto", True),  # torchrun, two nodes
+        ({"SLURM_NTASKS": "8", "SLURM_NNODES": "1"}, "auto", False),  # srun, one node
+        ({"SLURM_NTASKS": "16", "SLURM_NNODES": "2"}, "auto", True),  # srun, two nodes
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, "true", True),
+        ({"SLURM_NTASKS": "16", "SLURM_NNODES": "2"}, "false", False),
+    ],
+)
+def test_compiled_ddp_is_one_graph_on_one_node_and_split_across_nodes(env, overlap, split):
+    from trainbench.train.distributed import DistInfo, ranks_on_this_node, split_compiled_graph
+
+    world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS")))
+    info = DistInfo(rank=0, local_rank=0, world_size=world, device=None, local_world_size=ranks_on_this_node(env))
+    assert split_compiled_graph(overlap, info) is split
+
+
+def test_overlap_compiled_takes_yaml_booleans_and_auto(tmp_path):
+    path = tmp_path / "o.yaml"
+    path.write_text("distributed:\n  overlap_compiled: false\n")
+    assert build_config("bert", "tiny", yaml_files=[str(path)])[1].distributed.overlap_compiled == "false"
+    path.write_text("distributed:\n  overlap_compiled: true\n")
+    assert build_config("bert", "tiny", yaml_files=[str(path)])[1].distributed.overlap_compiled == "true"
+    assert build_config("bert", "tiny")[1].distributed.overlap_compiled == "auto"
+    with pytest.raises(ConfigError, match="must be one of auto, true, false"):
+        build_config("bert", "tiny", overrides={"distributed.overlap_compiled": "maybe"})

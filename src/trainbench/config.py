@@ -111,11 +111,13 @@ class DistributedConfig:
         "to bf16, summed, and cast back).",
         choices=("fp32", "bf16"),
     )
-    overlap_compiled: bool = option(
-        True,
+    overlap_compiled: str = option(
+        "auto",
         "With compile and DDP: split the compiled graph at the bucket boundaries, so each bucket's all-reduce "
         "overlaps backward (true), or compile one graph and all-reduce every bucket after backward (false: "
-        "more fusion, no overlap).",
+        "more fusion, and backward's GEMMs do not share the GPU with NCCL). auto: false when every rank is on "
+        "one node (faster over NVLink, docs/performance.md), true across nodes.",
+        choices=("auto", "true", "false"),
     )
 
 
@@ -292,6 +294,8 @@ def coerce(leaf: Leaf, value: Any) -> Any:
                 raise bad() from None
         raise bad()
     if base is str:
+        if isinstance(value, bool) and leaf.choices and {"true", "false"} <= set(leaf.choices):
+            value = "true" if value else "false"  # YAML's true/false for a switch that also takes auto
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise bad()
         value = str(value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +20,15 @@ class DistInfo:
     local_rank: int
     world_size: int
     device: torch.device
+    local_world_size: int = 1  # ranks on this node
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def one_node(self) -> bool:
+        return self.local_world_size >= self.world_size
 
 
 def resolve_device(requested: str) -> str:
@@ -40,6 +46,13 @@ def available_slots(device: str) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def ranks_on_this_node(env: Mapping[str, str]) -> int:
+    """Ranks that share this node: torchrun's LOCAL_WORLD_SIZE, or under srun the job's tasks over its nodes."""
+    world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
+    nodes = int(env.get("SLURM_NNODES", "1"))
+    return min(world, int(env.get("LOCAL_WORLD_SIZE", str(max(1, world // nodes)))))
+
+
 def init_distributed(device_kind: str, backend: str) -> DistInfo:
     """Read torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE), or Slurm's (SLURM_PROCID, SLURM_LOCALID,
     SLURM_NTASKS) for a task started by srun, and join the process group (MASTER_ADDR/MASTER_PORT)."""
@@ -47,8 +60,7 @@ def init_distributed(device_kind: str, backend: str) -> DistInfo:
     world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
     rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
     local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")))
-    nodes = int(env.get("SLURM_NNODES", "1"))
-    local_world = int(env.get("LOCAL_WORLD_SIZE", str(max(1, world // nodes))))
+    local_world = ranks_on_this_node(env)
     if world > 1:
         # torch reads these from the environment; under srun they come from SLURM_* instead.
         env.setdefault("RANK", str(rank))
@@ -65,7 +77,18 @@ def init_distributed(device_kind: str, backend: str) -> DistInfo:
         if backend == "auto":
             backend = "nccl" if device_kind == "cuda" else "gloo"
         dist.init_process_group(backend=backend, device_id=device if device_kind == "cuda" else None)
-    return DistInfo(rank, local_rank, world, device)
+    return DistInfo(rank, local_rank, world, device, local_world)
+
+
+def split_compiled_graph(overlap: str, info: DistInfo) -> bool:
+    """Whether dynamo splits a compiled DDP model at its bucket boundaries (``distributed.overlap_compiled``).
+    Split, each bucket's all-reduce overlaps the rest of backward, but backward's GEMMs then run beside NCCL's
+    kernels and the graph's fusions stop at every split; over one node's NVLink one graph that all-reduces after
+    backward is faster (2 and 4 H200, docs/performance.md). Across nodes the all-reduce is slower and overlapping
+    it is kept."""
+    if overlap == "auto":
+        return not info.one_node
+    return overlap == "true"
 
 
 def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:

@@ -28,7 +28,7 @@ from trainbench.errors import ConfigError, Preempted, TrainingDiverged
 from trainbench.mlperf import MLPerfLog, constants
 from trainbench.telemetry import Sampler, run_energy
 from trainbench.train import checkpoint
-from trainbench.train.distributed import DistInfo, ReduceSettings, all_reduce_sum, wrap_ddp
+from trainbench.train.distributed import DistInfo, ReduceSettings, all_reduce_sum, split_compiled_graph, wrap_ddp
 from trainbench.train.profiling import StepProfiler
 
 # Logged (a point in time) when a run continues from a checkpoint; value: how many times it was resumed.
@@ -168,10 +168,17 @@ def train(
         )
         ddp = wrap_ddp(raw_model, info, cfg.distributed.bucket_cap_mb, reduce)
     model = ddp or raw_model
+    graph_note = None
     if cfg.perf.compile and placed is None:
         # Under DDP, dynamo splits the graph at bucket boundaries (so each bucket's all-reduce overlaps backward)
         # unless told not to. Static shapes: one graph per shape (packed rows: one; length bins: one per bin).
-        torch._dynamo.config.optimize_ddp = cfg.distributed.overlap_compiled
+        torch._dynamo.config.optimize_ddp = split_compiled_graph(cfg.distributed.overlap_compiled, info)
+        if ddp is not None:
+            graph_note = (
+                "the compiled graph split at the DDP buckets, each all-reduce overlapping backward"
+                if torch._dynamo.config.optimize_ddp
+                else "one compiled graph, the DDP buckets all-reduced after backward"
+            )
         model = torch.compile(model, mode="reduce-overhead" if cfg.perf.cuda_graphs else None, dynamic=False)
     optimizer = bench.build_optimizer(cfg, raw_model)
     accumulation = bench.accumulation_steps(cfg)
@@ -205,6 +212,8 @@ def train(
         f"eval every {eval_every:,} samples, target {bench.metric_name} "
         f"{'>=' if bench.higher_is_better else '<='} {cfg.eval.target}"
     )
+    if graph_note:
+        out.say(f"run {index}: {graph_note} (distributed.overlap_compiled={cfg.distributed.overlap_compiled})")
 
     if ckpt is None:
         mll.end(constants.INIT_STOP)
