@@ -162,11 +162,11 @@ def test_scheduled_garbage_collection_gives_the_same_losses_and_restores_automat
 
 @needs_compiler
 def test_one_compiled_graph_under_ddp_gives_the_losses_of_the_graph_split_at_buckets(small_data, tmp_path):
-    """distributed.overlap_compiled=false compiles one graph and reduces after backward; with buckets small
-    enough that the default splits the tiny model's graph, both train to the same losses on 2 ranks."""
+    """With buckets small enough to split the tiny model's compiled graph, overlap_compiled=true (split, each bucket
+    reduced during backward) and auto (on one node: one graph, every bucket reduced after backward) train to the same
+    losses on 2 ranks, and the console says which one ran."""
     common = ["run", "bert", "--preset", "tiny", f"data.dir={small_data}", "log_every_steps=1", "--nproc", "2", *QUICK]
     common += ["micro_batch_size=16", "telemetry_hz=0", "perf.compile=true", "distributed.bucket_cap_mb=2"]
-    # auto: both ranks are on this node, so one graph
     for overlap in ("true", "auto"):
         out = f"output.results_dir={tmp_path / overlap}"
         assert run_cli(*common, f"distributed.overlap_compiled={overlap}", out) in (0, 1)  # 1: target not reached
