@@ -205,6 +205,8 @@ def main() -> None:
         (f"{n}gpu_ddp_48x2_one_graph", n, 48, [one_graph], {}, 2),
         (f"{n}gpu_ddp_48x2", n, 48, [split], {}, 2),
         (f"{n}gpu_ddp_48x2_one_graph_bf16", n, 48, [one_graph, bf16], {}, 2),
+        # One graph reduces nothing during backward: fewer, larger all-reduces after it.
+        (f"{n}gpu_ddp_48x2_one_graph_bucket400", n, 48, [one_graph, "distributed.bucket_cap_mb=400"], {}, 2),
         (f"{n}gpu_ddp_one_graph", n, 48, [one_graph], {}),
         # Garbage collection: Python's automatic collection (the trainer's default until gc_every_steps), with
         # the default prefetch of 2 steps and with 16; and collection at fixed steps (the default now).
