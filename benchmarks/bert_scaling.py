@@ -86,8 +86,8 @@ def read_run(results: Path) -> dict:
     def kept(m: dict) -> bool:
         return m["step"] > 30 and not (profiled and 40 < m["step"] <= 60)
 
-    steady = [m["samples_per_s"] for m in timed if kept(m)]
-    kept_times = [m["time_ms"] for m in timed if kept(m)]
+    steady_rows = [m for m in timed if kept(m)]
+    steady = [m["samples_per_s"] for m in steady_rows]
     # Packed rows per second (steps per second times rows per step): unlike samples/s it does not move with how
     # many sequences the interval's rows happen to hold, so it is the steadier measure of the step time.
     pairs = zip(timed, timed[1:], strict=False)
@@ -101,7 +101,7 @@ def read_run(results: Path) -> dict:
         "peak_memory_gib": outcome["peak_memory_gib"],
         "run_dir": str(run_dir),
     }
-    out["gpus_while_timed"] = telemetry(run_dir, min(kept_times) - 10_000, max(kept_times))
+    out["gpus_while_timed"] = telemetry(run_dir, steady_rows[0]["time_ms"] - 10_000, steady_rows[-1]["time_ms"])
     timelines = sorted(run_dir.glob("profile_0_*timeline.json"))
     if timelines:
         out["timelines"] = {p.name: json.loads(p.read_text()) for p in timelines}

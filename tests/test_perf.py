@@ -193,7 +193,8 @@ def test_compiled_ddp_is_one_graph_on_one_node_and_split_across_nodes(env, overl
     from trainbench.train.distributed import DistInfo, ranks_on_this_node, split_compiled_graph
 
     world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS")))
-    info = DistInfo(rank=0, local_rank=0, world_size=world, device=None, local_world_size=ranks_on_this_node(env))
+    local = ranks_on_this_node(env, world)
+    info = DistInfo(rank=0, local_rank=0, world_size=world, device=None, local_world_size=local)
     assert split_compiled_graph(overlap, info) is split
 
 

@@ -46,9 +46,9 @@ def available_slots(device: str) -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def ranks_on_this_node(env: Mapping[str, str]) -> int:
-    """Ranks that share this node: torchrun's LOCAL_WORLD_SIZE, or under srun the job's tasks over its nodes."""
-    world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
+def ranks_on_this_node(env: Mapping[str, str], world: int) -> int:
+    """Ranks of a job of ``world`` that share this node: torchrun's LOCAL_WORLD_SIZE, or under srun the job's tasks
+    over its nodes."""
     nodes = int(env.get("SLURM_NNODES", "1"))
     return min(world, int(env.get("LOCAL_WORLD_SIZE", str(max(1, world // nodes)))))
 
@@ -60,7 +60,7 @@ def init_distributed(device_kind: str, backend: str) -> DistInfo:
     world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
     rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
     local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")))
-    local_world = ranks_on_this_node(env)
+    local_world = ranks_on_this_node(env, world)
     if world > 1:
         # torch reads these from the environment; under srun they come from SLURM_* instead.
         env.setdefault("RANK", str(rank))

@@ -172,11 +172,12 @@ def train(
     if cfg.perf.compile and placed is None:
         # Under DDP, dynamo splits the graph at bucket boundaries (so each bucket's all-reduce overlaps backward)
         # unless told not to. Static shapes: one graph per shape (packed rows: one; length bins: one per bin).
-        torch._dynamo.config.optimize_ddp = split_compiled_graph(cfg.distributed.overlap_compiled, info)
+        split = split_compiled_graph(cfg.distributed.overlap_compiled, info)
+        torch._dynamo.config.optimize_ddp = split
         if ddp is not None:
             graph_note = (
                 "the compiled graph split at the DDP buckets, each all-reduce overlapping backward"
-                if torch._dynamo.config.optimize_ddp
+                if split
                 else "one compiled graph, the DDP buckets all-reduced after backward"
             )
         model = torch.compile(model, mode="reduce-overhead" if cfg.perf.cuda_graphs else None, dynamic=False)
