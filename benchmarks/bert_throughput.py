@@ -12,7 +12,8 @@ One process, one GPU, bf16 autocast, micro-batch 48, seq 512, LAMB for every mod
    trainbench's BERT eager and compiled (MLM head at the masked positions only), compiled with the trainer's
    4 length bins (global batch 768 sorted, 16 micro-batches each cut to its bin), and on packed rows:
    compiled, with the fused (compiled) LAMB, with CUDA graphs, and with 96 rows per step, with FlexAttention
-   document masks or varlen flash attention; and with the large preset's dropout (0.1), where FlexAttention
+   document masks or varlen flash attention; at most 6 sequences per packed row instead of 3 (`packed6`, fuller
+   rows), with 48, 96 and 144 rows per step; and with the large preset's dropout (0.1), where FlexAttention
    cannot run: the dense-mask SDPA path against varlen flash attention (which has dropout in its kernel); and
    varlen with the loss as it was before it stopped making the host wait (`ours_packed_varlen_index_loss`);
 5. a profile of the packed varlen configuration: every GPU kernel's time and share (kernels_*.csv).
@@ -96,8 +97,8 @@ def synthetic_fixed(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-def pack_fixed(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Packed rows from fixed rows with the project's packer (LPFHP, at most 3 per row)."""
+def pack_fixed(batch: dict[str, np.ndarray], per_pack: int = 3) -> dict[str, np.ndarray]:
+    """Packed rows from fixed rows with the project's packer (LPFHP, at most ``per_pack`` per row)."""
     from trainbench.data.packing import pack, packed_predictions
     from trainbench.data.pretraining import Instances
 
@@ -115,7 +116,8 @@ def pack_fixed(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         mask_ids=np.concatenate([batch["masked_lm_ids"][r, :c] for r, c in enumerate(counts)]),
         mask_offsets=np.concatenate([[0], np.cumsum(counts)]),
     )
-    return pack(inst, SEQ, 3, packed_predictions(SEQ, PRED, 0.15, 3), np.random.default_rng(0))
+    columns = packed_predictions(SEQ, PRED, 0.15, per_pack)
+    return pack(inst, SEQ, per_pack, columns, np.random.default_rng(0))
 
 
 def batches(arrays: dict[str, np.ndarray], steps: int, micro: int) -> list[dict[str, torch.Tensor]]:
@@ -182,6 +184,7 @@ def time_model(name: str, step_fn, model, data: list, warmup: int, cfg: BertConf
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "rows_per_step": int(timed[0]["input_ids"].shape[0]),
         "row_width_mean": float(np.mean([b["input_ids"].shape[1] for b in timed])),
+        "row_fill": float(lengths.sum()) / sum(b["input_ids"].numel() for b in timed),
         "step_ms": seconds / steps * 1000,
         "lamb_step_ms": lamb_ms,
         "mean_length": float(lengths.mean()),
@@ -283,6 +286,7 @@ def main() -> None:
     n_fixed = max(MICRO * (args.steps + args.warmup), 3 * 16 * MICRO)
     sets = {"wikitext": load_prepared(prepared, "fixed"), "synthetic": synthetic_fixed(n_fixed)}
     packed_sets = {"wikitext": load_prepared(prepared, "packed"), "synthetic": pack_fixed(sets["synthetic"])}
+    packed6_sets = {name: pack_fixed(arrays, per_pack=6) for name, arrays in sets.items()}
     synthetic_dir = args.work / "synthetic"
     synthetic_dir.mkdir(parents=True, exist_ok=True)
     write_shard(synthetic_dir / "part_0.hdf5", sets["synthetic"])
@@ -307,6 +311,10 @@ def main() -> None:
         "ours_packed_fused_lamb_b96": ("ours", "packed", 2 * MICRO, True, "default", "flex", 0.0),
         "ours_packed_varlen": ("ours", "packed", MICRO, True, "default", "varlen", 0.0),
         "ours_packed_varlen_b96": ("ours", "packed", 2 * MICRO, True, "default", "varlen", 0.0),
+        # at most 6 sequences per packed row instead of 3: fuller rows
+        "ours_packed6_varlen": ("ours", "packed6", MICRO, True, "default", "varlen", 0.0),
+        "ours_packed6_varlen_b96": ("ours", "packed6", 2 * MICRO, True, "default", "varlen", 0.0),
+        "ours_packed6_varlen_b144": ("ours", "packed6", 3 * MICRO, True, "default", "varlen", 0.0),
         # the loss before it stopped syncing the host (boolean index of the valid predictions)
         "ours_packed_varlen_index_loss": ("ours", "packed", MICRO, True, "default", "varlen", 0.0),
         "ours_packed_dropout_sdpa": ("ours", "packed", MICRO, True, "default", "sdpa", 0.1),
@@ -339,7 +347,7 @@ def main() -> None:
             if layout == "bins":
                 data, warmup = binned_batches(shard_dirs[data_name], 3), 16  # one global batch of warm-up
             else:
-                arrays = packed_sets[data_name] if layout == "packed" else sets[data_name]
+                arrays = {"packed": packed_sets, "packed6": packed6_sets}.get(layout, sets)[data_name]
                 data, warmup = batches(arrays, args.warmup + args.steps, micro), args.warmup
             profile = args.out / f"kernels_{data_name}_{config}.csv" if config in profiled else None
             run = time_model(f"{data_name}/{config}", step, model, data, warmup, cfg, peak, fused, profile)

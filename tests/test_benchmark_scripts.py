@@ -46,3 +46,32 @@ def test_bert_scaling_reads_steps_per_second_outside_compilation_and_profiled_st
     profiled = bert_scaling.read_run(tmp_path / "results")
     assert profiled["steps_per_s_intervals"] == pytest.approx([8, 8, 8, 8, 8])  # steps 40 and 70-100
     assert profiled["gpus_while_timed"] == {}
+
+
+def test_attention_benchmark_packs_synthetic_rows_in_order_and_within_the_cap():
+    attention_kernels = load("attention_kernels")
+    fills = {}
+    for per_row in (3, 6):
+        ids = attention_kernels.packed_sequence_ids(per_row)
+        assert ids.shape == (48, 512)
+        for row in ids:
+            real = int((row > 0).sum())
+            assert (row[real:] == 0).all()  # sequences first, then the row's padding
+            assert (np.diff(row[:real]) >= 0).all() and (np.diff(row[:real]) <= 1).all()  # 1, 2, ... in order
+            assert 1 <= row.max() <= per_row
+        fills[per_row] = (ids > 0).mean()
+    assert fills[6] > fills[3]  # more sequences per row fill the rows better
+
+
+def test_throughput_benchmark_packs_every_sample_once_at_six_per_row():
+    bert_throughput = load("bert_throughput")
+    fixed = bert_throughput.synthetic_fixed(300)
+    fill = {}
+    for per_pack in (3, 6):
+        packed = bert_throughput.pack_fixed(fixed, per_pack=per_pack)
+        assert packed["cls_positions"].shape[1] == per_pack
+        assert (packed["next_sentence_labels"] >= 0).sum() == 300  # each sample in exactly one slot
+        assert (packed["sequence_ids"] > 0).sum() == fixed["input_mask"].sum()  # every token kept
+        assert (packed["masked_lm_positions"] > 0).sum() == (fixed["masked_lm_positions"] > 0).sum()
+        fill[per_pack] = (packed["sequence_ids"] > 0).mean()
+    assert fill[6] > fill[3]
