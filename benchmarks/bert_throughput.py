@@ -13,7 +13,8 @@ One process, one GPU, bf16 autocast, micro-batch 48, seq 512, LAMB for every mod
    4 length bins (global batch 768 sorted, 16 micro-batches each cut to its bin), and on packed rows:
    compiled, with the fused (compiled) LAMB, with CUDA graphs, and with 96 rows per step, with FlexAttention
    document masks or varlen flash attention; at most 6 sequences per packed row instead of 3 (`packed6`, fuller
-   rows), with 48, 96 and 144 rows per step; and with the large preset's dropout (0.1), where FlexAttention
+   rows), with 48, 96 and 144 rows per step, with the residual stream in fp32 (autocast's default) or in bf16
+   (`_bf16res`: model.low_precision_residual=true); and with the large preset's dropout (0.1), where FlexAttention
    cannot run: the dense-mask SDPA path against varlen flash attention (which has dropout in its kernel); and
    varlen with the loss as it was before it stopped making the host wait (`ours_packed_varlen_index_loss`);
 5. a profile of the packed varlen configuration: every GPU kernel's time and share (kernels_*.csv).
@@ -315,6 +316,10 @@ def main() -> None:
         "ours_packed6_varlen": ("ours", "packed6", MICRO, True, "default", "varlen", 0.0),
         "ours_packed6_varlen_b96": ("ours", "packed6", 2 * MICRO, True, "default", "varlen", 0.0),
         "ours_packed6_varlen_b144": ("ours", "packed6", 3 * MICRO, True, "default", "varlen", 0.0),
+        # and the residual stream in bf16 (model.low_precision_residual=true)
+        "ours_packed6_varlen_bf16res": ("ours", "packed6", MICRO, True, "default", "varlen", 0.0),
+        "ours_packed6_varlen_bf16res_b96": ("ours", "packed6", 2 * MICRO, True, "default", "varlen", 0.0),
+        "ours_packed6_varlen_bf16res_b144": ("ours", "packed6", 3 * MICRO, True, "default", "varlen", 0.0),
         # the loss before it stopped syncing the host (boolean index of the valid predictions)
         "ours_packed_varlen_index_loss": ("ours", "packed", MICRO, True, "default", "varlen", 0.0),
         "ours_packed_dropout_sdpa": ("ours", "packed", MICRO, True, "default", "sdpa", 0.1),
@@ -338,7 +343,8 @@ def main() -> None:
             step = hf_step
         else:
             model_cfg = dataclasses.replace(cfg, hidden_dropout=dropout, attention_dropout=dropout,
-                                            packed_attention=attention or "auto")  # fmt: skip
+                                            packed_attention=attention or "auto",
+                                            low_precision_residual="_bf16res" in config)  # fmt: skip
             model = BertForPreTraining(model_cfg).cuda().train()
             step = our_step(bench, index_loss=config.endswith("_index_loss"))
         if mode is not None:

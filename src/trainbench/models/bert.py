@@ -91,6 +91,12 @@ class BertConfig:
         "boolean mask), or auto: varlen on CUDA in bf16/fp16, else flex where it can run, else sdpa.",
         choices=("auto", "varlen", "flex", "sdpa"),
     )
+    low_precision_residual: bool = option(
+        False,
+        "Under bf16 autocast, keep the residual stream (every LayerNorm's output) in bf16 instead of fp32. "
+        "LayerNorm still computes in fp32; this halves the bytes of the residual adds, LayerNorms and their "
+        "casts. No effect without autocast.",
+    )
     init_checkpoint: str | None = option(
         None, "Weights to start from: a .pt/.bin state dict (HF or MLPerf names) or HF .safetensors."
     )
@@ -111,8 +117,9 @@ class EncoderLayer(nn.Module):
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, attn_mask) -> torch.Tensor:
-        x = self.attn_norm(x + self.dropout(self.attn_out(self.attention(x, attn_mask))))
-        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))
+        # LayerNorm returns fp32 under autocast; the residual stream keeps the dtype it came in with.
+        x = self.attn_norm(x + self.dropout(self.attn_out(self.attention(x, attn_mask)))).to(x.dtype)
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x))))).to(x.dtype)
 
     def attention(self, x: torch.Tensor, attn_mask) -> torch.Tensor:
         batch, seq, hidden = x.shape
@@ -178,6 +185,8 @@ class BertForPreTraining(nn.Module):
             + self.token_type_embeddings(token_type_ids)
         )
         x = self.dropout(self.embedding_norm(x))
+        if self.cfg.low_precision_residual and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         kernel = self.packed_kernel(input_ids.device) if sequence_ids is not None else None
         if kernel == "varlen":
             attn_mask = varlen_segments(sequence_ids, per_row)
