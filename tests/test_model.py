@@ -237,3 +237,37 @@ def test_pretraining_loss_ignores_padding_like_selecting_the_valid_positions(pac
     torch.testing.assert_close(ours, reference)
     for a, b in zip(ours_grads, torch.autograd.grad(reference, [mlm_logits, nsp_logits]), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_low_precision_residual_keeps_the_stream_in_bf16_under_autocast_only():
+    """model.low_precision_residual (the default) keeps every layer's output in bf16 under bf16 autocast, and
+    in fp32 without autocast, where it changes nothing. Under autocast the loss and gradients stay within bf16
+    rounding of the fp32 residual stream."""
+    _, ours = make_pair()
+    ours.train()
+    ids, types, mask = inputs()
+    positions = torch.tensor([[1, 5, 9], [2, 3, 29], [7, 8, 4], [1, 11, 2]])
+    dtypes = []
+    for layer in ours.layers:
+        layer.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+
+    def run(low_precision: bool, autocast: bool):
+        ours.cfg.low_precision_residual = low_precision
+        ours.zero_grad()
+        dtypes.clear()
+        torch.manual_seed(0)  # the same dropout masks
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            mlm, nsp = ours(ids, types, mask, positions)
+        loss = mlm.float().log_softmax(-1).mean() + nsp.float().log_softmax(-1).mean()
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in ours.parameters()]), set(dtypes)
+
+    assert BertConfig().low_precision_residual
+    fp32 = [run(low_precision, autocast=False) for low_precision in (True, False)]
+    assert fp32[0][0] == fp32[1][0] and torch.equal(fp32[0][1], fp32[1][1])
+    assert fp32[0][2] == fp32[1][2] == {torch.float32}
+    (loss_lp, grad_lp, dtypes_lp), (loss_hp, grad_hp, dtypes_hp) = (run(lp, autocast=True) for lp in (True, False))
+    assert dtypes_lp == {torch.bfloat16} and dtypes_hp == {torch.float32}
+    assert loss_lp != loss_hp  # the switch does act under autocast
+    assert abs(loss_lp - loss_hp) <= 1e-4 * abs(loss_hp)  # 2e-7 measured
+    assert 0 < rel_err(grad_lp, grad_hp) <= 1e-2  # 2.5e-3 measured

@@ -92,7 +92,7 @@ class BertConfig:
         choices=("auto", "varlen", "flex", "sdpa"),
     )
     low_precision_residual: bool = option(
-        False,
+        True,
         "Under bf16 autocast, keep the residual stream (every LayerNorm's output) in bf16 instead of fp32. "
         "LayerNorm still computes in fp32; this halves the bytes of the residual adds, LayerNorms and their "
         "casts. No effect without autocast.",
