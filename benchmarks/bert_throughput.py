@@ -13,8 +13,9 @@ One process, one GPU, bf16 autocast, micro-batch 48, seq 512, LAMB for every mod
    4 length bins (global batch 768 sorted, 16 micro-batches each cut to its bin), and on packed rows:
    compiled, with the fused (compiled) LAMB, with CUDA graphs, and with 96 rows per step, with FlexAttention
    document masks or varlen flash attention; at most 6 sequences per packed row instead of 3 (`packed6`, fuller
-   rows), with 48, 96 and 144 rows per step, with the residual stream in fp32 (autocast's default) or in bf16
-   (`_bf16res`: model.low_precision_residual=true); and with the large preset's dropout (0.1), where FlexAttention
+   rows), with 48, 96 and 144 rows per step, with the residual stream in bf16 (`_bf16res`:
+   model.low_precision_residual=true, the trainer's default) or in fp32 (every other configuration of ours, as
+   they were measured before that default); and with the large preset's dropout (0.1), where FlexAttention
    cannot run: the dense-mask SDPA path against varlen flash attention (which has dropout in its kernel); and
    varlen with the loss as it was before it stopped making the host wait (`ours_packed_varlen_index_loss`);
 5. a profile of the packed varlen configuration: every GPU kernel's time and share (kernels_*.csv).
@@ -287,7 +288,7 @@ def main() -> None:
     n_fixed = max(MICRO * (args.steps + args.warmup), 3 * 16 * MICRO)
     sets = {"wikitext": load_prepared(prepared, "fixed"), "synthetic": synthetic_fixed(n_fixed)}
     packed_sets = {"wikitext": load_prepared(prepared, "packed"), "synthetic": pack_fixed(sets["synthetic"])}
-    packed6_sets = {name: pack_fixed(arrays, per_pack=6) for name, arrays in sets.items()}
+    packed6_sets: dict[str, dict[str, np.ndarray]] = {}  # packed on first use, only when a packed6 run is wanted
     synthetic_dir = args.work / "synthetic"
     synthetic_dir.mkdir(parents=True, exist_ok=True)
     write_shard(synthetic_dir / "part_0.hdf5", sets["synthetic"])
@@ -353,6 +354,8 @@ def main() -> None:
             if layout == "bins":
                 data, warmup = binned_batches(shard_dirs[data_name], 3), 16  # one global batch of warm-up
             else:
+                if layout == "packed6" and not packed6_sets:
+                    packed6_sets.update({name: pack_fixed(arrays, per_pack=6) for name, arrays in sets.items()})
                 arrays = {"packed": packed_sets, "packed6": packed6_sets}.get(layout, sets)[data_name]
                 data, warmup = batches(arrays, args.warmup + args.steps, micro), args.warmup
             profile = args.out / f"kernels_{data_name}_{config}.csv" if config in profiled else None
