@@ -3,13 +3,20 @@
 Packed rows are built from the synthetic MLPerf-like length mix of `bert_throughput.py` (25 % of samples
 uniform in [470, 512] tokens, 75 % uniform in [16, 370]) with the project's packer (LPFHP) at 3 and at 6
 sequences per row at most. 48 rows of 512 tokens, 16 heads of 64, bf16. For each packing, times one
-attention call of a BERT-large layer, forward and forward + backward (median of CUDA-event timings), with:
+attention call of a BERT-large layer, forward and forward + backward (median of CUDA-event timings). Every
+kernel starts from the fused QKV projection's output, [tokens, 3, heads, 64], as the model has it, so the
+times include splitting it into query, key and value (and stacking their gradients back) where a kernel needs
+that. The kernels:
 
-- `flash_varlen`: flash attention over variable-length sequences (`aten._flash_attention_forward`, FA2), what
-  the trainer runs now (`model.packed_attention=varlen`);
+- `flash_varlen`: flash attention over variable-length sequences (`aten._flash_attention_forward`, FA2), the
+  trainer's default (`model.packed_attention=varlen`);
+- `cudnn_frontend_varlen`: cuDNN's fused attention over the same sequences, built with the cuDNN frontend
+  (`model.packed_attention=cudnn`): it reads query, key and value in place from the projection and writes
+  their gradients into one tensor (needs the `nvidia-cudnn-frontend` package; reported as an error without);
 - `cudnn_varlen`: cuDNN's fused attention over the same ragged sequences (`aten._cudnn_attention_forward`
   with cumulative offsets, eager: ATen has no fake kernel for it, so it does not compile);
-- `flash_varlen_dropout` and `cudnn_varlen_dropout`: the same at attention dropout 0.1 (time only);
+- `flash_varlen_dropout`, `cudnn_frontend_varlen_dropout` and `cudnn_varlen_dropout`: the same at attention
+  dropout 0.1 (time only);
 - `flex`: FlexAttention with the document block mask, compiled;
 - `cudnn_dense_nomask` and `flash_dense_nomask`: every row as one 512-token sequence, no mask. They do more
   work than the packed kernels (all 512 x 512 scores); they show each kernel's raw speed at this shape.
@@ -40,6 +47,7 @@ from fp8_gemm import bench  # noqa: E402
 
 from trainbench.data.packing import lpfhp  # noqa: E402
 from trainbench.models.bert import document_mask, varlen_attention, varlen_segments  # noqa: E402
+from trainbench.models.cudnn_attention import cudnn_segments, cudnn_varlen_attention  # noqa: E402
 
 ROWS, SEQ, HEADS, DIM = 48, 512, 16, 64
 
@@ -76,47 +84,62 @@ def from_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def kernels_for(seq_ids: torch.Tensor, per_row: int, flex) -> dict:
-    """name -> attention(q, k, v) on [tokens, heads, dim], for the packed rows ``seq_ids``."""
+    """name -> attention(qkv) on [tokens, 3, heads, dim] -> [tokens, heads, dim], for the packed rows
+    ``seq_ids``."""
     segments = varlen_segments(seq_ids, per_row)
     block_mask = document_mask(seq_ids)
+    cudnn_segs = None
 
     def dense(backend):
-        def run(q, k, v):
+        def run(qkv):
             with torch.nn.attention.sdpa_kernel(backend):
-                return from_rows(F.scaled_dot_product_attention(as_rows(q), as_rows(k), as_rows(v)))
+                return from_rows(F.scaled_dot_product_attention(*(as_rows(t) for t in qkv.unbind(1))))
+
+        return run
+
+    def cudnn_frontend(dropout_p):
+        def run(qkv):
+            nonlocal cudnn_segs
+            cudnn_segs = cudnn_segs or cudnn_segments(*segments, HEADS * DIM)
+            return cudnn_varlen_attention(qkv, cudnn_segs, dropout_p)
 
         return run
 
     return {
-        "flash_varlen": lambda q, k, v: varlen_attention(q, k, v, segments, 0.0),
-        "cudnn_varlen": lambda q, k, v: cudnn_varlen(q, k, v, segments, 0.0),
-        "flash_varlen_dropout": lambda q, k, v: varlen_attention(q, k, v, segments, 0.1),
-        "cudnn_varlen_dropout": lambda q, k, v: cudnn_varlen(q, k, v, segments, 0.1),
-        "flex": lambda q, k, v: from_rows(flex(as_rows(q), as_rows(k), as_rows(v), block_mask=block_mask)),
+        "flash_varlen": lambda qkv: varlen_attention(*qkv.unbind(1), segments, 0.0),
+        "cudnn_frontend_varlen": cudnn_frontend(0.0),
+        "cudnn_varlen": lambda qkv: cudnn_varlen(*qkv.unbind(1), segments, 0.0),
+        "flash_varlen_dropout": lambda qkv: varlen_attention(*qkv.unbind(1), segments, 0.1),
+        "cudnn_frontend_varlen_dropout": cudnn_frontend(0.1),
+        "cudnn_varlen_dropout": lambda qkv: cudnn_varlen(*qkv.unbind(1), segments, 0.1),
+        "flex": lambda qkv: from_rows(flex(*(as_rows(t) for t in qkv.unbind(1)), block_mask=block_mask)),
         "cudnn_dense_nomask": dense(torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
         "flash_dense_nomask": dense(torch.nn.attention.SDPBackend.FLASH_ATTENTION),
     }
 
 
-def measure(name: str, fn, q, k, v, grad, ref, ref_grads, real) -> dict:
+def measure(name: str, fn, qkv, grad, ref, ref_grads, real) -> dict:
     """Agreement with the fp32 reference at real tokens (packed kernels without dropout), and median times."""
     row = {"kernel": name}
-    ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = fn(*ins)
+    qkv = qkv.detach().clone().requires_grad_()
+    out = fn(qkv)
     out.backward(grad)
     if not name.endswith(("nomask", "dropout")):
         row["out_max_err"] = float((out.detach().float() - ref)[real].abs().max())
-        row["grad_q_max_err"] = float((ins[0].grad.float() - ref_grads[0])[real].abs().max())
-        row["grad_v_max_err"] = float((ins[2].grad.float() - ref_grads[2])[real].abs().max())
+        for i, part in enumerate("qkv"):
+            row[f"grad_{part}_max_err"] = float((qkv.grad[:, i].float() - ref_grads[i])[real].abs().max())
         row["ref_out_max"] = float(ref[real].abs().max())
         row["ref_grad_q_max"] = float(ref_grads[0][real].abs().max())
+    if name.endswith("dropout"):  # dropout zeroes about p of the probabilities: the output moves, stays finite
+        row["finite"] = bool(torch.isfinite(out).all() and torch.isfinite(qkv.grad).all())
+        row["out_mean_abs_change"] = float((out.detach().float() - ref)[real].abs().mean())
 
     def fwd():
         with torch.no_grad():
-            fn(*ins)
+            fn(qkv)
 
     row["forward_ms"] = bench(fwd)
-    row["forward_backward_ms"] = bench(lambda: fn(*ins).backward(grad))
+    row["forward_backward_ms"] = bench(lambda: fn(qkv).backward(grad))
     row["per_step_ms_24_layers"] = 24 * row["forward_backward_ms"]
     return row
 
@@ -133,10 +156,10 @@ def main() -> None:
     for per_row in (3, 6):
         seq_ids = torch.from_numpy(packed_sequence_ids(per_row)).cuda()
         dense_mask = (seq_ids[:, None, :, None] == seq_ids[:, None, None, :]).contiguous()
-        q, k, v = (torch.randn(ROWS * SEQ, HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        grad = torch.randn_like(q)
+        qkv = torch.randn(ROWS * SEQ, 3, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+        grad = torch.randn(ROWS * SEQ, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
         # fp32 reference: dense-mask SDPA on the same inputs
-        ref_in = [t.float().requires_grad_() for t in (q, k, v)]
+        ref_in = [t.float().requires_grad_() for t in qkv.unbind(1)]
         ref = from_rows(F.scaled_dot_product_attention(*(as_rows(t) for t in ref_in), attn_mask=dense_mask))
         ref.backward(grad.float())
         ref_grads = [t.grad for t in ref_in]
@@ -144,7 +167,7 @@ def main() -> None:
         fill = float(real.float().mean())
         for name, fn in kernels_for(seq_ids, per_row, flex).items():
             try:
-                row = measure(name, fn, q, k, v, grad, ref.detach(), ref_grads, real)
+                row = measure(name, fn, qkv, grad, ref.detach(), ref_grads, real)
             except Exception as e:  # a kernel this build cannot run is a result, not a crash
                 row = {"kernel": name, "error": f"{type(e).__name__}: {e}"[:500]}
             row.update(per_row=per_row, fill=fill)

@@ -9,15 +9,16 @@ One process, one GPU, bf16 autocast, micro-batch 48, seq 512, LAMB for every mod
    half of the 512 positions padding (Krell et al. 2021 report ~50 % padding for Wikipedia at 512): 25 % of
    samples uniform in [470, 512] tokens, 75 % uniform in [16, 370] (mean about 268);
 4. for each: HF BertForPreTraining (torch.compile; its MLM head over all positions, as HF computes it),
-   trainbench's BERT eager and compiled (MLM head at the masked positions only), compiled with the trainer's
-   4 length bins (global batch 768 sorted, 16 micro-batches each cut to its bin), and on packed rows:
-   compiled, with the fused (compiled) LAMB, with CUDA graphs, and with 96 rows per step, with FlexAttention
-   document masks or varlen flash attention; at most 6 sequences per packed row instead of 3 (`packed6`, fuller
-   rows), with 48, 96 and 144 rows per step, with the residual stream in bf16 (`_bf16res`:
-   model.low_precision_residual=true, the trainer's default) or in fp32 (every other configuration of ours, as
-   they were measured before that default); and with the large preset's dropout (0.1), where FlexAttention
-   cannot run: the dense-mask SDPA path against varlen flash attention (which has dropout in its kernel); and
-   varlen with the loss as it was before it stopped making the host wait (`ours_packed_varlen_index_loss`);
+   trainbench's BERT eager and compiled (MLM head at the masked positions only), compiled with the trainer's 4
+   length bins (global batch 768 sorted, 16 micro-batches each cut to its bin), and on packed rows: compiled,
+   with the fused (compiled) LAMB, with CUDA graphs, and with 96 rows per step, with FlexAttention document masks
+   or varlen flash attention; at most 6 sequences per packed row instead of 3 (`packed6`, fuller rows), with 48,
+   96 and 144 rows per step, with the residual stream in bf16 (`_bf16res`: model.low_precision_residual=true, the
+   trainer's default) or in fp32 (every other configuration of ours, as they were measured before that default);
+   with cuDNN's attention for the packed rows (`_cudnn_`: model.packed_attention=cudnn) against varlen flash
+   attention, with dropout 0 and 0.1; and with the large preset's dropout (0.1), where FlexAttention cannot run:
+   the dense-mask SDPA path against varlen flash attention (which has dropout in its kernel); and varlen with the
+   loss as it was before it stopped making the host wait (`ours_packed_varlen_index_loss`);
 5. a profile of the packed varlen configuration: every GPU kernel's time and share (kernels_*.csv).
 
 Reported per configuration: samples/s, real (non-pad) tokens/s, model TFLOP/s on real tokens and MFU against
@@ -321,6 +322,13 @@ def main() -> None:
         "ours_packed6_varlen_bf16res": ("ours", "packed6", MICRO, True, "default", "varlen", 0.0),
         "ours_packed6_varlen_bf16res_b96": ("ours", "packed6", 2 * MICRO, True, "default", "varlen", 0.0),
         "ours_packed6_varlen_bf16res_b144": ("ours", "packed6", 3 * MICRO, True, "default", "varlen", 0.0),
+        # the trainer's default (3 sequences per row, bf16 residual) with each packed-row kernel: varlen flash
+        # attention, and cuDNN's attention read in place from the QKV projection (model.packed_attention=cudnn)
+        "ours_packed_varlen_bf16res": ("ours", "packed", MICRO, True, "default", "varlen", 0.0),
+        "ours_packed_cudnn_bf16res": ("ours", "packed", MICRO, True, "default", "cudnn", 0.0),
+        "ours_packed6_cudnn_bf16res_b144": ("ours", "packed6", 3 * MICRO, True, "default", "cudnn", 0.0),
+        "ours_packed_dropout_varlen_bf16res": ("ours", "packed", MICRO, True, "default", "varlen", 0.1),
+        "ours_packed_dropout_cudnn_bf16res": ("ours", "packed", MICRO, True, "default", "cudnn", 0.1),
         # the loss before it stopped syncing the host (boolean index of the valid predictions)
         "ours_packed_varlen_index_loss": ("ours", "packed", MICRO, True, "default", "varlen", 0.0),
         "ours_packed_dropout_sdpa": ("ours", "packed", MICRO, True, "default", "sdpa", 0.1),

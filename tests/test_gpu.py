@@ -140,6 +140,64 @@ def test_varlen_flash_attention_matches_the_dense_mask_and_has_seeded_dropout_on
     assert torch.isfinite(first[2]).all()
 
 
+def _needs_cudnn_frontend():
+    from trainbench.models.cudnn_attention import unavailable
+
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+
+
+def test_cudnn_attention_matches_the_dense_mask_and_has_seeded_dropout_on_cuda():
+    _needs_cudnn_frontend()
+    reference = _packed_loss_and_grad("sdpa", bf16=False)  # fp32, dense mask
+    cudnn = _packed_loss_and_grad("cudnn", bf16=True)
+    assert cudnn[0] == "cudnn"
+    assert cudnn[1] == pytest.approx(reference[1], rel=1e-2)
+    assert (cudnn[2] - reference[2]).norm() <= 3e-2 * reference[2].norm()
+    first = _packed_loss_and_grad("cudnn", bf16=True, dropout=0.3, seed=1)
+    again = _packed_loss_and_grad("cudnn", bf16=True, dropout=0.3, seed=1)
+    other = _packed_loss_and_grad("cudnn", bf16=True, dropout=0.3, seed=2)
+    assert first[1] == again[1] and torch.equal(first[2], again[2])
+    assert first[1] != other[1] and abs(first[1] - cudnn[1]) > 1e-4
+    assert torch.isfinite(first[2]).all()
+
+
+def test_cudnn_attention_handles_empty_slots_full_rows_and_padding_rows_on_cuda():
+    """Rows with one sequence and no padding, three sequences and padding, and only padding: empty sequence
+    slots. Output and the gradients of query, key and value (written into one tensor) match fp32 attention
+    with a dense same-sequence mask at every real token."""
+    _needs_cudnn_frontend()
+    import torch.nn.functional as F
+
+    from trainbench.models.bert import varlen_segments
+    from trainbench.models.cudnn_attention import cudnn_segments, cudnn_varlen_attention
+
+    rows, seq, heads, dim = 4, 256, 4, 64
+    ids = torch.zeros(rows, seq, dtype=torch.long)
+    ids[0] = 1
+    ids[1, :100], ids[1, 100:180], ids[1, 180:250] = 1, 2, 3
+    ids[2, :17], ids[2, 17:240] = 1, 2
+    ids = ids.cuda()  # row 3: padding only
+    torch.manual_seed(0)
+    qkv = torch.randn(rows * seq, 3, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(rows * seq, heads, dim, device="cuda", dtype=torch.bfloat16)
+    segments = cudnn_segments(*varlen_segments(ids, 3), heads * dim)
+    out = cudnn_varlen_attention(qkv, segments, 0.0)
+    out.backward(grad)
+
+    ref_in = qkv.detach().float().requires_grad_()
+    q, k, v = (t.view(rows, seq, heads, dim).transpose(1, 2) for t in ref_in.unbind(1))
+    mask = ids[:, None, :, None] == ids[:, None, None, :]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(rows * seq, heads, dim)
+    ref.backward(grad.float())
+    real = (ids > 0).flatten()
+    assert ((out.float() - ref)[real]).norm() <= 1e-2 * ref[real].norm()
+    for i in range(3):
+        got, want = qkv.grad[:, i].float()[real], ref_in.grad[:, i][real]
+        assert (got - want).norm() <= 2e-2 * want.norm(), f"gradient {'qkv'[i]}"
+    assert torch.isfinite(out).all() and torch.isfinite(qkv.grad).all()
+
+
 def test_compiled_step_with_cuda_graphs_and_length_bins_trains_like_eager_on_cuda(small_data, tmp_path):
     common = ["run", "bert", f"data.dir={small_data}", "device=cuda", "eval_samples=256", "eval.every_samples=640"]
     common += ["schedule.max_samples=1280", "progress=false", "log_every_steps=1", "micro_batch_size=64"]

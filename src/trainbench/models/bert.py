@@ -18,6 +18,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from trainbench.config import option
+from trainbench.models.cudnn_attention import CudnnSegments, cudnn_segments, cudnn_varlen_attention
+from trainbench.models.cudnn_attention import unavailable as cudnn_unavailable
 
 
 def document_mask(sequence_ids: torch.Tensor) -> BlockMask:
@@ -59,11 +61,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
 
 def packed_kernel_unavailable(kernel: str, cuda: bool, half: bool, grad: bool, dropout: bool) -> str | None:
     """Why the packed-row attention ``kernel`` cannot run (on CUDA or not, in a 16-bit compute type or not, with
-    gradients or not, with attention dropout or not), or None where it can. Varlen flash attention needs CUDA
-    and 16-bit inputs; FlexAttention's backward does not run on CPU (without gradients it runs anywhere), and it
-    has no dropout; SDPA with a dense mask runs anywhere."""
-    if kernel == "varlen" and not (cuda and half):
-        return "model.packed_attention=varlen runs on CUDA in bf16 (precision=auto or bf16)"
+    gradients or not, with attention dropout or not), or None where it can. Varlen flash attention and cuDNN's
+    attention need CUDA and 16-bit inputs (cuDNN's also its frontend package); FlexAttention's backward does not
+    run on CPU (without gradients it runs anywhere), and it has no dropout; SDPA with a dense mask runs
+    anywhere."""
+    if kernel in ("varlen", "cudnn") and not (cuda and half):
+        return f"model.packed_attention={kernel} runs on CUDA in bf16 (precision=auto or bf16)"
+    if kernel == "cudnn" and (problem := cudnn_unavailable()) is not None:
+        return problem
     if kernel == "flex" and not (cuda or not grad):
         return "model.packed_attention=flex runs on CUDA (its backward does not run on CPU)"
     if kernel == "flex" and dropout:
@@ -87,9 +92,11 @@ class BertConfig:
     packed_attention: str = option(
         "auto",
         "Attention for packed rows: varlen (flash attention over variable-length sequences, with dropout; CUDA, "
-        "bf16/fp16), flex (FlexAttention with a block-sparse document mask; no dropout), sdpa (SDPA with a dense "
-        "boolean mask), or auto: varlen on CUDA in bf16/fp16, else flex where it can run, else sdpa.",
-        choices=("auto", "varlen", "flex", "sdpa"),
+        "bf16/fp16), cudnn (cuDNN's fused attention over the same sequences, read in place from the QKV "
+        "projection, with dropout; CUDA, bf16/fp16, needs trainbench[cudnn]), flex (FlexAttention with a "
+        "block-sparse document mask; no dropout), sdpa (SDPA with a dense boolean mask), or auto: varlen on CUDA "
+        "in bf16/fp16, else flex where it can run, else sdpa.",
+        choices=("auto", "varlen", "cudnn", "flex", "sdpa"),
     )
     low_precision_residual: bool = option(
         True,
@@ -124,6 +131,9 @@ class EncoderLayer(nn.Module):
     def attention(self, x: torch.Tensor, attn_mask) -> torch.Tensor:
         batch, seq, hidden = x.shape
         heads, dropout_p = self.num_heads, self.attention_dropout if self.training else 0.0
+        if isinstance(attn_mask, CudnnSegments):  # the same, read in place from the fused projection
+            qkv = self.qkv(x).view(batch * seq, 3, heads, hidden // heads)
+            return cudnn_varlen_attention(qkv, attn_mask, dropout_p).view(batch, seq, hidden)
         if isinstance(attn_mask, Varlen):  # packed rows as one stream of sequences
             q, k, v = self.qkv(x).view(batch * seq, 3, heads, hidden // heads).unbind(1)
             return varlen_attention(q, k, v, attn_mask, dropout_p).view(batch, seq, hidden)
@@ -190,6 +200,8 @@ class BertForPreTraining(nn.Module):
         kernel = self.packed_kernel(input_ids.device) if sequence_ids is not None else None
         if kernel == "varlen":
             attn_mask = varlen_segments(sequence_ids, per_row)
+        elif kernel == "cudnn":
+            attn_mask = cudnn_segments(*varlen_segments(sequence_ids, per_row), self.cfg.hidden_size)
         elif kernel == "flex":
             attn_mask = document_mask(sequence_ids)
         elif kernel == "sdpa":
