@@ -126,13 +126,19 @@ def telemetry(run_dir: Path, start_ms: int, stop_ms: int) -> dict[str, dict]:
     return out
 
 
+def attention_of(extra: list[str]) -> str:
+    """The packed-row attention kernel a configuration asks for (`auto` unless it names one)."""
+    return next((o.split("=", 1)[1] for o in extra if o.startswith("model.packed_attention=")), "auto")
+
+
 def train(name: str, gpus: int, rows: int, prepared: Path, out: Path, steps: int, extra: list[str],
           env: dict[str, str], profile: bool, accumulation: int = 1) -> dict:  # fmt: skip
     results = out / name
     shutil.rmtree(results, ignore_errors=True)  # an earlier call's run of the same name in the same --work
     cmd = train_command(gpus, prepared, results, steps, extra, rows, profile, accumulation)
     run(cmd, ok=(0, 1), env=env)  # 1: no target
-    shape = {"rows_per_gpu": rows, "accumulation": accumulation, "rows_per_step": rows * accumulation * gpus}
+    shape = {"rows_per_gpu": rows, "accumulation": accumulation, "rows_per_step": rows * accumulation * gpus,
+             "attention": attention_of(extra)}  # fmt: skip
     return {"config": name, "gpus": gpus} | shape | read_run(results)
 
 
@@ -182,6 +188,7 @@ def main() -> None:
     # `overlap_compiled=auto`, which all the plain `_ddp` configurations measure), or one graph (auto's choice
     # on one node).
     split, one_graph = "distributed.overlap_compiled=true", "distributed.overlap_compiled=false"
+    cudnn = "model.packed_attention=cudnn"
     # name, GPUs, rows per GPU per micro-batch, overrides, environment[, micro-batches per step]
     configs = [
         ("1gpu", 1, 48, [], {}),
@@ -207,6 +214,9 @@ def main() -> None:
         (f"{n}gpu_ddp_48x2_one_graph_bf16", n, 48, [one_graph, bf16], {}, 2),
         # One graph reduces nothing during backward: fewer, larger all-reduces after it.
         (f"{n}gpu_ddp_48x2_one_graph_bucket400", n, 48, [one_graph, "distributed.bucket_cap_mb=400"], {}, 2),
+        # cuDNN's attention for the packed rows instead of varlen flash attention
+        ("1gpu_48x2_cudnn", 1, 48, [cudnn], {}, 2),
+        (f"{n}gpu_ddp_48x2_one_graph_cudnn", n, 48, [one_graph, cudnn], {}, 2),
         (f"{n}gpu_ddp_one_graph", n, 48, [one_graph], {}),
         # Garbage collection: Python's automatic collection (the trainer's default until gc_every_steps), with
         # the default prefetch of 2 steps and with 16; and collection at fixed steps (the default now).
@@ -217,14 +227,15 @@ def main() -> None:
     wanted = set(args.only or [c[0] for c in configs])
 
     # each N-GPU run is compared with the 1-GPU run of its shape (rows per micro-batch, micro-batches per step)
-    def shape_of(config: tuple) -> tuple[int, int]:
-        return config[2], config[5] if len(config) > 5 else 1
+    # and attention kernel
+    def shape_of(config: tuple) -> tuple[int, int, str]:
+        return config[2], config[5] if len(config) > 5 else 1, attention_of(config[3])
 
     one_gpu = {shape_of(c): c[0] for c in configs if c[1] == 1}
     for c in configs:
         name, gpus = c[:2]
         if name in wanted and not (args.only and args.no_one_gpu) and gpus > 1 and not name.endswith("_apart"):
-            if not (shape_of(c) == (48, 1) and args.reference is not None):
+            if not (shape_of(c) == (48, 1, "auto") and args.reference is not None):
                 wanted.add(one_gpu[shape_of(c)])
     if args.only and args.reference is None and not args.no_one_gpu:
         wanted.add("1gpu")
@@ -241,13 +252,13 @@ def main() -> None:
             with open(trace, "rb") as src, gzip.open(args.out / f"{name}_trace.json.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
 
-    def shape(r: dict) -> tuple[int, int]:
-        return r["rows_per_gpu"], r.get("accumulation", 1)
+    def shape(r: dict) -> tuple[int, int, str]:
+        return r["rows_per_gpu"], r.get("accumulation", 1), r.get("attention", "auto")
 
     one = {shape(r): r["samples_per_s"] for r in report["runs"] if r["gpus"] == 1}
     one_steps = {shape(r): r["steps_per_s"] for r in report["runs"] if r["gpus"] == 1 and "steps_per_s" in r}
     if args.reference is not None:
-        one[48, 1] = args.reference
+        one[48, 1, "auto"] = args.reference
     for r in report["runs"]:
         if r["gpus"] > 1 and shape(r) in one:
             r["scaling_efficiency"] = r["samples_per_s"] / (r["gpus"] * one[shape(r)])

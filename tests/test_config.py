@@ -114,6 +114,8 @@ def test_packed_attention_kernel_must_run_where_the_run_trains():
     packed = {"data.layout": "packed", "device": "cpu"}
     with pytest.raises(ConfigError, match="packed_attention=varlen runs on CUDA in bf16"):
         build_config("bert", "tiny", overrides=packed | {"model.packed_attention": "varlen"})
+    with pytest.raises(ConfigError, match="packed_attention=cudnn runs on CUDA in bf16"):
+        build_config("bert", "tiny", overrides=packed | {"model.packed_attention": "cudnn"})
     with pytest.raises(ConfigError, match="packed_attention=flex runs on CUDA"):
         build_config("bert", "tiny", overrides=packed | {"model.packed_attention": "flex"})
     _, cfg = build_config("bert", "tiny", overrides=packed)  # auto picks what runs here

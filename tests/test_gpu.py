@@ -87,14 +87,26 @@ def _packed_loss_and_grad(attention: str, bf16: bool, dropout: float = 0.0, seed
     return kernel, loss.item(), model.layers[0].qkv.weight.grad.clone()
 
 
-def test_a_packed_training_step_never_makes_the_host_wait_on_cuda():
-    """Forward, loss and backward on packed rows with varlen flash attention in bf16 (the trainer's path) queue
-    their kernels without a host sync: one would leave the GPU idle while the host catches up, every step."""
+def _needs_cudnn_frontend():
+    from trainbench.models.cudnn_attention import unavailable
+
+    if (why := unavailable()) is not None:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("attention, kernel", [("auto", "varlen"), ("cudnn", "cudnn")])
+def test_a_packed_training_step_never_makes_the_host_wait_on_cuda(attention, kernel):
+    """Forward, loss and backward on packed rows with varlen flash attention in bf16 (the trainer's path), or
+    cuDNN's attention, queue their kernels without a host sync: one would leave the GPU idle while the host
+    catches up, every step."""
     from trainbench.benchmarks.bert import BertBenchmark
     from trainbench.models.bert import BertConfig, BertForPreTraining
 
+    if attention == "cudnn":
+        _needs_cudnn_frontend()
     cfg = BertConfig(vocab_size=1000, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512,
-                     max_position_embeddings=128, hidden_dropout=0.1, attention_dropout=0.1)  # fmt: skip
+                     max_position_embeddings=128, hidden_dropout=0.1, attention_dropout=0.1,
+                     packed_attention=attention)  # fmt: skip
     model, batch, bench = BertForPreTraining(cfg).cuda(), _packed_batch(), BertBenchmark()
 
     def step():
@@ -108,10 +120,10 @@ def test_a_packed_training_step_never_makes_the_host_wait_on_cuda():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        kernel, loss = step()
+        got, loss = step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert kernel == "varlen" and torch.isfinite(loss)
+    assert got == kernel and torch.isfinite(loss)
 
 
 def test_flex_attention_packed_rows_match_the_dense_mask_with_gradients_on_cuda():
@@ -138,13 +150,6 @@ def test_varlen_flash_attention_matches_the_dense_mask_and_has_seeded_dropout_on
     assert first[1] == again[1] and torch.equal(first[2], again[2])
     assert first[1] != other[1] and abs(first[1] - varlen[1]) > 1e-4
     assert torch.isfinite(first[2]).all()
-
-
-def _needs_cudnn_frontend():
-    from trainbench.models.cudnn_attention import unavailable
-
-    if (why := unavailable()) is not None:
-        pytest.skip(why)
 
 
 def test_cudnn_attention_matches_the_dense_mask_and_has_seeded_dropout_on_cuda():
@@ -196,6 +201,35 @@ def test_cudnn_attention_handles_empty_slots_full_rows_and_padding_rows_on_cuda(
         got, want = qkv.grad[:, i].float()[real], ref_in.grad[:, i][real]
         assert (got - want).norm() <= 2e-2 * want.norm(), f"gradient {'qkv'[i]}"
     assert torch.isfinite(out).all() and torch.isfinite(qkv.grad).all()
+
+
+def test_cudnn_attention_compiles_and_replays_in_cuda_graphs_on_cuda():
+    """The trainer's fastest path: the model compiled with CUDA graphs (mode reduce-overhead) around the cuDNN
+    custom ops gives the eager loss and gradient on every replay."""
+    _needs_cudnn_frontend()
+    from trainbench.benchmarks.bert import BertBenchmark
+    from trainbench.models.bert import BertConfig, BertForPreTraining
+
+    cfg = BertConfig(vocab_size=1000, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512,
+                     max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0,
+                     packed_attention="cudnn")  # fmt: skip
+    torch.manual_seed(0)
+    model, batch, bench = BertForPreTraining(cfg).cuda(), _packed_batch(), BertBenchmark()
+
+    def loss_and_grad(m):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = bench.loss(m, batch, bench.loss_weights(batch))
+        loss.backward()
+        return loss.item(), model.layers[0].qkv.weight.grad.clone()
+
+    eager = loss_and_grad(model)
+    compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+    for _ in range(3):  # warm-up, recording, replay
+        torch.compiler.cudagraph_mark_step_begin()
+        loss, grad = loss_and_grad(compiled)
+        assert loss == pytest.approx(eager[0], rel=1e-2)
+        assert (grad - eager[1]).norm() <= 3e-2 * eager[1].norm()
 
 
 def test_compiled_step_with_cuda_graphs_and_length_bins_trains_like_eager_on_cuda(small_data, tmp_path):

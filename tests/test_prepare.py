@@ -577,3 +577,37 @@ def test_varlen_segments_cover_every_sequence_and_the_padding_of_each_row():
     # per row: sequences 1, 2, 3, then padding; empty slots are zero-length sequences
     assert segments.cu_seqlens.tolist() == [0, 3, 5, 5, 8, 16, 16, 16, 16, 17, 18, 22, 24]
     assert segments.cu_seqlens.dtype == torch.int32 and segments.max_len == 8
+
+
+def test_cudnn_segments_give_lengths_and_element_offsets_in_the_fused_projection_and_the_output():
+    from trainbench.models.bert import varlen_segments
+    from trainbench.models.cudnn_attention import cudnn_segments
+
+    sequence_ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    segments = cudnn_segments(*varlen_segments(sequence_ids, 3), hidden=32)
+    starts = [0, 3, 5, 5, 8, 16, 16, 16, 16]  # token where each slot starts (sequences 1-3, then padding)
+    assert segments.lengths.flatten().tolist() == [3, 2, 0, 3, 8, 0, 0, 0]
+    # [tokens, 3, heads, head_dim]: a token is 3 x 32 elements in the projection and 32 in the output
+    assert segments.offsets_qkv.flatten().tolist() == [96 * t for t in starts]
+    assert segments.offsets_out.flatten().tolist() == [32 * t for t in starts]
+    assert all(t.shape[1:] == (1, 1, 1) and t.dtype == torch.int32 for t in segments[:3])
+    assert segments.max_len == 8
+
+
+def test_cudnn_attention_is_chosen_only_by_name_and_only_where_it_can_run(monkeypatch):
+    import trainbench.models.bert as bert
+    from trainbench.models.bert import BertConfig, BertForPreTraining, packed_kernel_unavailable
+
+    gpu = dict(cuda=True, half=True, grad=True, dropout=True)
+    monkeypatch.setattr(bert, "cudnn_unavailable", lambda: None)  # as with the cuDNN frontend installed
+    assert packed_kernel_unavailable("cudnn", **gpu) is None
+    assert "runs on CUDA in bf16" in packed_kernel_unavailable("cudnn", **gpu | {"half": False})
+    assert "runs on CUDA in bf16" in packed_kernel_unavailable("cudnn", **gpu | {"cuda": False})
+    model = BertForPreTraining(BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
+                                          intermediate_size=64, max_position_embeddings=16)).bfloat16()  # fmt: skip
+    assert model.packed_kernel(torch.device("cuda")) == "varlen"  # auto keeps flash attention
+    monkeypatch.setattr(bert, "cudnn_unavailable", lambda: "needs the cuDNN frontend: pip install x")
+    assert "pip install" in packed_kernel_unavailable("cudnn", **gpu)
+    model.cfg.packed_attention = "cudnn"
+    with pytest.raises(ValueError, match="needs the cuDNN frontend"):
+        model.packed_kernel(torch.device("cuda"))
