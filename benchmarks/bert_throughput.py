@@ -102,25 +102,10 @@ def synthetic_fixed(n: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 def pack_fixed(batch: dict[str, np.ndarray], per_pack: int = 3) -> dict[str, np.ndarray]:
     """Packed rows from fixed rows with the project's packer (LPFHP, at most ``per_pack`` per row)."""
-    from trainbench.data.packing import pack, packed_predictions
-    from trainbench.data.pretraining import Instances
+    from trainbench.data.packing import instances_from_fixed, pack, packed_predictions
 
-    lengths = batch["input_mask"].sum(1)
-    counts = (batch["masked_lm_positions"] > 0).sum(1)
-    tokens = np.concatenate([batch["input_ids"][r, :n] for r, n in enumerate(lengths)])
-    len_a = np.array([int(np.argmax(batch["segment_ids"][r, :n])) - 2 if batch["segment_ids"][r, :n].any()
-                      else n - 3 for r, n in enumerate(lengths)])  # fmt: skip
-    inst = Instances(
-        tokens=tokens,
-        offsets=np.concatenate([[0], np.cumsum(lengths)]),
-        len_a=len_a,
-        nsp=batch["next_sentence_labels"],
-        mask_pos=np.concatenate([batch["masked_lm_positions"][r, :c] for r, c in enumerate(counts)]),
-        mask_ids=np.concatenate([batch["masked_lm_ids"][r, :c] for r, c in enumerate(counts)]),
-        mask_offsets=np.concatenate([[0], np.cumsum(counts)]),
-    )
     columns = packed_predictions(SEQ, PRED, 0.15, per_pack)
-    return pack(inst, SEQ, per_pack, columns, np.random.default_rng(0))
+    return pack(instances_from_fixed(batch), SEQ, per_pack, columns, np.random.default_rng(0))
 
 
 def batches(arrays: dict[str, np.ndarray], steps: int, micro: int) -> list[dict[str, torch.Tensor]]:

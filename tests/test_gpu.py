@@ -94,7 +94,7 @@ def _needs_cudnn_frontend():
         pytest.skip(why)
 
 
-@pytest.mark.parametrize("attention, kernel", [("auto", "varlen"), ("cudnn", "cudnn")])
+@pytest.mark.parametrize("attention, kernel", [("varlen", "varlen"), ("cudnn", "cudnn")])
 def test_a_packed_training_step_never_makes_the_host_wait_on_cuda(attention, kernel):
     """Forward, loss and backward on packed rows with varlen flash attention in bf16 (the trainer's path), or
     cuDNN's attention, queue their kernels without a host sync: one would leave the GPU idle while the host
@@ -136,7 +136,7 @@ def test_flex_attention_packed_rows_match_the_dense_mask_with_gradients_on_cuda(
 
 def test_varlen_flash_attention_matches_the_dense_mask_and_has_seeded_dropout_on_cuda():
     reference = _packed_loss_and_grad("sdpa", bf16=False)  # fp32, dense mask
-    varlen = _packed_loss_and_grad("auto", bf16=True)
+    varlen = _packed_loss_and_grad("varlen", bf16=True)
     dense_bf16 = _packed_loss_and_grad("sdpa", bf16=True)
     assert varlen[0] == "varlen" and dense_bf16[0] == "sdpa"
     # bf16 compute: as close to the fp32 reference as the dense bf16 path is

@@ -470,9 +470,10 @@ def test_a_shard_interrupted_while_written_never_has_its_final_name(tmp_path, mo
     assert not (tmp_path / "part_00000_of_00001.hdf5").exists()
 
 
-def test_prepared_data_trains_fixed_and_packed(prepared, corpus, tmp_path):
+def test_prepared_data_trains_fixed_and_packed(prepared, corpus, tmp_path, capsys):
     vocab_size = len(corpus[1].read_text().split())
     for layout in ("fixed", "packed"):
+        capsys.readouterr()
         code = run_cli(
             "run", "bert", f"data.dir={prepared}", f"output.results_dir={tmp_path / layout}",
             f"model.vocab_size={vocab_size}", "data.max_predictions=20", "eval_samples=100",
@@ -482,6 +483,9 @@ def test_prepared_data_trains_fixed_and_packed(prepared, corpus, tmp_path):
         run_dir = next((tmp_path / layout).iterdir())
         outcome = json.loads((run_dir / "run_0.json").read_text())
         assert outcome["samples"] >= 256 and outcome["final_metric"] is not None
+        # the console names the kernel auto picked for packed rows (on a CPU with gradients: the dense mask)
+        note = "attention over packed rows: sdpa (model.packed_attention=auto)"
+        assert (note in capsys.readouterr().out) == (layout == "packed")
 
 
 def test_train_vocab_makes_a_usable_vocabulary(corpus, tmp_path):
@@ -564,7 +568,11 @@ def test_flex_attention_and_dense_masks_give_the_same_packed_loss():
     # CUDA the varlen flash kernel takes packed rows, dropout or not (tests/test_gpu.py).
     dropout = BertForPreTraining(dataclasses.replace(cfg, attention_dropout=0.1)).train()
     assert dropout.packed_kernel(torch.device("cuda")) == "sdpa"
-    assert dropout.bfloat16().packed_kernel(torch.device("cuda")) == "varlen"
+    import trainbench.models.bert as bert
+
+    with pytest.MonkeyPatch.context() as patch:  # without the cuDNN frontend (with it, auto takes cudnn)
+        patch.setattr(bert, "cudnn_unavailable", lambda: "not installed")
+        assert dropout.bfloat16().packed_kernel(torch.device("cuda")) == "varlen"
     with pytest.raises(ValueError, match="varlen runs on CUDA in bf16"):
         BertForPreTraining(dataclasses.replace(cfg, packed_attention="varlen")).packed_kernel(torch.device("cpu"))
 
@@ -605,9 +613,27 @@ def test_cudnn_attention_is_chosen_only_by_name_and_only_where_it_can_run(monkey
     assert "runs on CUDA in bf16" in packed_kernel_unavailable("cudnn", **gpu | {"cuda": False})
     model = BertForPreTraining(BertConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
                                           intermediate_size=64, max_position_embeddings=16)).bfloat16()  # fmt: skip
-    assert model.packed_kernel(torch.device("cuda")) == "varlen"  # auto keeps flash attention
+    assert model.packed_kernel(torch.device("cuda")) == "cudnn"  # auto takes it where it can run
+    assert model.float().packed_kernel(torch.device("cuda")) != "cudnn"  # not in fp32
+    model.bfloat16()
     monkeypatch.setattr(bert, "cudnn_unavailable", lambda: "needs the cuDNN frontend: pip install x")
     assert "pip install" in packed_kernel_unavailable("cudnn", **gpu)
+    assert model.packed_kernel(torch.device("cuda")) == "varlen"  # auto falls back to flash attention
     model.cfg.packed_attention = "cudnn"
     with pytest.raises(ValueError, match="needs the cuDNN frontend"):
         model.packed_kernel(torch.device("cuda"))
+
+
+def test_fixed_rows_turn_back_into_the_instances_they_were_written_from():
+    """instances_from_fixed inverts fixed_arrays: the synthetic generator's rows (short ones included) go to
+    Instances and back unchanged, so packing them packs exactly these samples."""
+    from trainbench.data.packing import instances_from_fixed
+    from trainbench.data.synthetic_bert import _Language, make_samples
+
+    rng = np.random.default_rng(0)
+    fixed = make_samples(_Language(1024, 0), rng, 300, 128, 20, short_seq_prob=0.5)
+    inst = instances_from_fixed(fixed)
+    assert len(inst) == 300 and int(inst.lengths.min()) < 64  # short samples are there
+    again = fixed_arrays(inst, 128, 20)
+    for key, value in fixed.items():
+        np.testing.assert_array_equal(again[key], value, err_msg=key)

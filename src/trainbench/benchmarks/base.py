@@ -131,6 +131,10 @@ class Benchmark(ABC):
     @abstractmethod
     def eval_metric(self, sums: torch.Tensor) -> float: ...
 
+    def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
+        """Lines for the run's console on choices made for this machine (e.g. which kernel ``auto`` picked)."""
+        return []
+
     # -- MLPerf ---------------------------------------------------------------------------------
     @abstractmethod
     def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:

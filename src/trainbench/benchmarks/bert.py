@@ -22,7 +22,13 @@ from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig
 from trainbench.data.bert_hdf5 import TrainBatches, eval_batches, find_shards
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
-from trainbench.models.bert import BertConfig, BertForPreTraining, from_hf_state_dict, packed_kernel_unavailable
+from trainbench.models.bert import (
+    BertConfig,
+    BertForPreTraining,
+    choose_packed_kernel,
+    from_hf_state_dict,
+    packed_kernel_unavailable,
+)
 from trainbench.train.lamb import Lamb, param_groups, poly_warmup_lr
 
 MLPERF_TARGET = 0.720
@@ -281,6 +287,14 @@ class BertBenchmark(Benchmark):
         return float(sums[0] / sums[1].clamp(min=1))
 
     # -- MLPerf ---------------------------------------------------------------------------------
+    def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
+        if cfg.data.layout != "packed":
+            return []
+        m = cfg.model
+        kernel = choose_packed_kernel(m.packed_attention, cuda=device.type == "cuda", half=bf16, grad=True,
+                                      dropout=m.attention_dropout > 0)  # fmt: skip
+        return [f"attention over packed rows: {kernel} (model.packed_attention={m.packed_attention})"]
+
     def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
         o, s = cfg.optimizer, cfg.schedule
         return {

@@ -121,3 +121,23 @@ def pack(inst: Instances, seq_length: int, max_per_pack: int, max_pred: int, rng
             col += n
             mcol += mhi - mlo
     return out
+
+
+def instances_from_fixed(arrays: dict[str, np.ndarray]) -> Instances:
+    """The samples of fixed rows (the fixed layout's arrays: one sample per row, padded) as :class:`Instances`,
+    ready to :func:`pack`: tokens up to each row's input mask, segment A's length from the segment ids, and
+    the masked positions and ids in use (position 0 marks an unused slot, as in MLPerf's files)."""
+    lengths = arrays["input_mask"].sum(1)
+    counts = (arrays["masked_lm_positions"] > 0).sum(1)
+    # [CLS] A [SEP] B [SEP]: B's first token is the first segment id 1; a row without B is [CLS] A [SEP]
+    len_a = np.array([int(np.argmax(arrays["segment_ids"][r, :n])) - 2 if arrays["segment_ids"][r, :n].any()
+                      else n - 2 for r, n in enumerate(lengths)])  # fmt: skip
+    return Instances(
+        tokens=np.concatenate([arrays["input_ids"][r, :n] for r, n in enumerate(lengths)]),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]),
+        len_a=len_a,
+        nsp=arrays["next_sentence_labels"],
+        mask_pos=np.concatenate([arrays["masked_lm_positions"][r, :c] for r, c in enumerate(counts)]),
+        mask_ids=np.concatenate([arrays["masked_lm_ids"][r, :c] for r, c in enumerate(counts)]),
+        mask_offsets=np.concatenate([[0], np.cumsum(counts)]),
+    )

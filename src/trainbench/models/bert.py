@@ -76,6 +76,23 @@ def packed_kernel_unavailable(kernel: str, cuda: bool, half: bool, grad: bool, d
     return None
 
 
+PACKED_KERNELS = ("cudnn", "varlen", "flex", "sdpa")  # auto's order of preference
+
+
+def choose_packed_kernel(choice: str, cuda: bool, half: bool, grad: bool, dropout: bool) -> str:
+    """The attention kernel for packed rows (``model.packed_attention``). ``auto`` takes the first that can run
+    here: cuDNN's attention on CUDA in a 16-bit compute type where its frontend is installed (the fastest,
+    with dropout); else varlen flash attention there (also with dropout); else FlexAttention where it can run;
+    else SDPA with a dense mask. A kernel named outright must be able to run here
+    (:func:`packed_kernel_unavailable`), or this raises ValueError saying why not."""
+    here = dict(cuda=cuda, half=half, grad=grad, dropout=dropout)
+    if choice == "auto":
+        return next(k for k in PACKED_KERNELS if packed_kernel_unavailable(k, **here) is None)
+    if (problem := packed_kernel_unavailable(choice, **here)) is not None:
+        raise ValueError(problem)
+    return choice
+
+
 @dataclass(kw_only=True)
 class BertConfig:
     vocab_size: int = option(30522, "Rows of the word-embedding table (and MLM output classes).")
@@ -94,8 +111,9 @@ class BertConfig:
         "Attention for packed rows: varlen (flash attention over variable-length sequences, with dropout; CUDA, "
         "bf16/fp16), cudnn (cuDNN's fused attention over the same sequences, read in place from the QKV "
         "projection, with dropout; CUDA, bf16/fp16, needs trainbench[cudnn]), flex (FlexAttention with a "
-        "block-sparse document mask; no dropout), sdpa (SDPA with a dense boolean mask), or auto: varlen on CUDA "
-        "in bf16/fp16, else flex where it can run, else sdpa.",
+        "block-sparse document mask; no dropout), sdpa (SDPA with a dense boolean mask), or auto: cudnn on CUDA "
+        "in bf16/fp16 where trainbench[cudnn] is installed, else varlen there, else flex where it can run, else "
+        "sdpa.",
         choices=("auto", "varlen", "cudnn", "flex", "sdpa"),
     )
     low_precision_residual: bool = option(
@@ -215,21 +233,14 @@ class BertForPreTraining(nn.Module):
         return x
 
     def packed_kernel(self, device: torch.device) -> str:
-        """The attention kernel for packed rows (``model.packed_attention``): varlen flash attention on CUDA in a
-        16-bit compute type (it has dropout); else FlexAttention where it can run; else SDPA with a dense mask.
-        A kernel named outright must be able to run here (:func:`packed_kernel_unavailable`)."""
-        choice = self.cfg.packed_attention
-        here = dict(
+        """The attention kernel for packed rows here (:func:`choose_packed_kernel`)."""
+        return choose_packed_kernel(
+            self.cfg.packed_attention,
             cuda=device.type == "cuda",
             half=torch.is_autocast_enabled("cuda") or self.word_embeddings.weight.dtype in (torch.bfloat16, torch.half),
             grad=torch.is_grad_enabled(),
             dropout=self.training and self.cfg.attention_dropout > 0,
         )
-        if choice == "auto":
-            return next(k for k in ("varlen", "flex", "sdpa") if packed_kernel_unavailable(k, **here) is None)
-        if (problem := packed_kernel_unavailable(choice, **here)) is not None:
-            raise ValueError(problem)
-        return choice
 
     def forward(
         self,

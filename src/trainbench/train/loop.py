@@ -215,6 +215,8 @@ def train(
     )
     if graph_note:
         out.say(f"run {index}: {graph_note} (distributed.overlap_compiled={cfg.distributed.overlap_compiled})")
+    for note in bench.model_notes(cfg, device, use_bf16):
+        out.say(f"run {index}: {note}")
 
     if ckpt is None:
         mll.end(constants.INIT_STOP)
