@@ -41,7 +41,8 @@ class DataConfig:
     layout: str = option(
         "fixed",
         "Training data layout: fixed (train/, one sample per row) or packed (train_packed/, several per row; "
-        "global_batch_size then counts rows).",
+        "global_batch_size then counts rows: divide a fixed-row batch by the sequences per row to keep the "
+        "samples per step).",
         choices=("fixed", "packed"),
     )
     global_batch_size: int = option(256, "Samples per optimizer step, summed over all ranks and accumulation steps.")
