@@ -286,7 +286,6 @@ class BertBenchmark(Benchmark):
     def eval_metric(self, sums: torch.Tensor) -> float:
         return float(sums[0] / sums[1].clamp(min=1))
 
-    # -- MLPerf ---------------------------------------------------------------------------------
     def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
         if cfg.data.layout != "packed":
             return []
@@ -295,6 +294,7 @@ class BertBenchmark(Benchmark):
                                       dropout=m.attention_dropout > 0)  # fmt: skip
         return [f"attention over packed rows: {kernel} (model.packed_attention={m.packed_attention})"]
 
+    # -- MLPerf ---------------------------------------------------------------------------------
     def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
         o, s = cfg.optimizer, cfg.schedule
         return {
