@@ -203,6 +203,41 @@ def test_cudnn_attention_handles_empty_slots_full_rows_and_padding_rows_on_cuda(
     assert torch.isfinite(out).all() and torch.isfinite(qkv.grad).all()
 
 
+@pytest.mark.parametrize("kernel", ["varlen", "cudnn"])
+def test_attention_dropout_keeps_the_expected_output_on_cuda(kernel):
+    """Dropout on the attention probabilities, scaled by 1 / (1 - p), leaves the output's expectation unchanged:
+    the mean of many draws approaches the output without dropout (a missing scale would sit 30 % below it),
+    and one draw differs from it."""
+    if kernel == "cudnn":
+        _needs_cudnn_frontend()
+    from trainbench.models.bert import varlen_attention, varlen_segments
+    from trainbench.models.cudnn_attention import cudnn_segments, cudnn_varlen_attention
+
+    rows, seq, heads, dim, draws = 2, 256, 4, 64, 400
+    ids = torch.zeros(rows, seq, dtype=torch.long, device="cuda")
+    ids[0, :100], ids[0, 100:220], ids[1, :256] = 1, 2, 1
+    segments = varlen_segments(ids, 3)
+    torch.manual_seed(0)
+    qkv = torch.randn(rows * seq, 3, heads, dim, device="cuda", dtype=torch.bfloat16)
+    if kernel == "cudnn":
+        cudnn_segs = cudnn_segments(*segments, heads * dim)
+
+        def attend(p):
+            return cudnn_varlen_attention(qkv, cudnn_segs, p).float()
+    else:
+
+        def attend(p):
+            return varlen_attention(*qkv.unbind(1), segments, p).float()
+
+    with torch.no_grad():
+        exact = attend(0.0)
+        mean = sum(attend(0.3) for _ in range(draws)) / draws
+        one = attend(0.3)
+    real = (ids > 0).flatten()
+    assert (mean - exact)[real].norm() <= 0.1 * exact[real].norm()
+    assert (one - exact)[real].norm() >= 0.2 * exact[real].norm()
+
+
 def test_cudnn_attention_compiles_and_replays_in_cuda_graphs_on_cuda():
     """The trainer's fastest path: the model compiled with CUDA graphs (mode reduce-overhead) around the cuDNN
     custom ops gives the eager loss and gradient on every replay."""
