@@ -143,12 +143,16 @@ def test_varlen_flash_attention_matches_the_dense_mask_and_has_seeded_dropout_on
     for _, loss, grad in (varlen, dense_bf16):
         assert loss == pytest.approx(reference[1], rel=1e-2)
         assert (grad - reference[2]).norm() <= 3e-2 * reference[2].norm()
-    # Dropout inside the kernel: it changes the loss, the same seed gives the same loss and gradient.
-    first = _packed_loss_and_grad("varlen", bf16=True, dropout=0.3, seed=1)
-    again = _packed_loss_and_grad("varlen", bf16=True, dropout=0.3, seed=1)
-    other = _packed_loss_and_grad("varlen", bf16=True, dropout=0.3, seed=2)
+    _assert_seeded_dropout("varlen", varlen[1])
+
+
+def _assert_seeded_dropout(attention: str, loss_without: float):
+    """Dropout inside the kernel: it changes the loss, the same seed gives the same loss and gradient."""
+    first = _packed_loss_and_grad(attention, bf16=True, dropout=0.3, seed=1)
+    again = _packed_loss_and_grad(attention, bf16=True, dropout=0.3, seed=1)
+    other = _packed_loss_and_grad(attention, bf16=True, dropout=0.3, seed=2)
     assert first[1] == again[1] and torch.equal(first[2], again[2])
-    assert first[1] != other[1] and abs(first[1] - varlen[1]) > 1e-4
+    assert first[1] != other[1] and abs(first[1] - loss_without) > 1e-4
     assert torch.isfinite(first[2]).all()
 
 
@@ -159,12 +163,7 @@ def test_cudnn_attention_matches_the_dense_mask_and_has_seeded_dropout_on_cuda()
     assert cudnn[0] == "cudnn"
     assert cudnn[1] == pytest.approx(reference[1], rel=1e-2)
     assert (cudnn[2] - reference[2]).norm() <= 3e-2 * reference[2].norm()
-    first = _packed_loss_and_grad("cudnn", bf16=True, dropout=0.3, seed=1)
-    again = _packed_loss_and_grad("cudnn", bf16=True, dropout=0.3, seed=1)
-    other = _packed_loss_and_grad("cudnn", bf16=True, dropout=0.3, seed=2)
-    assert first[1] == again[1] and torch.equal(first[2], again[2])
-    assert first[1] != other[1] and abs(first[1] - cudnn[1]) > 1e-4
-    assert torch.isfinite(first[2]).all()
+    _assert_seeded_dropout("cudnn", cudnn[1])
 
 
 def test_cudnn_attention_handles_empty_slots_full_rows_and_padding_rows_on_cuda():

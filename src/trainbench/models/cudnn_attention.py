@@ -27,7 +27,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def unavailable() -> str | None:
-    """Why the cuDNN kernel cannot run in this Python (the package is missing, or too old), or None."""
+    """Why the cuDNN kernel cannot run in this Python (the frontend package is missing, or its cuDNN library
+    would not load), or None."""
     try:
         import cudnn  # noqa: F401
     except ImportError:
@@ -138,11 +139,18 @@ def _graph(backward: bool, qkv: torch.Tensor, segments_n: int, max_len: int, dro
     return (*_graphs[key], handle)
 
 
-def _bindings(qkv: torch.Tensor, segments: tuple, rng: torch.Tensor, dropout_p: float, q_uids) -> dict:
-    """uid -> device pointer for the three views of ``qkv`` (uids ``q_uids``), the segment tensors and the seed."""
+def _thirds(t: torch.Tensor, uids) -> dict:
+    """uid -> device pointer of each third of a [tokens, 3, heads, head_dim] tensor (query, key, value, or their
+    gradients): the three start one [heads, head_dim] block apart within a token."""
+    step = t.shape[2] * t.shape[3] * t.element_size()
+    return {uid: t.data_ptr() + i * step for i, uid in enumerate(uids)}
+
+
+def _bindings(qkv: torch.Tensor, segments: tuple, rng: torch.Tensor, dropout_p: float) -> dict:
+    """uid -> device buffer for what both graphs read: query, key and value in ``qkv``, the segment tensors
+    and, with dropout, the seed and offset."""
     lengths, offsets_qkv, offsets_out = segments
-    step = qkv.shape[2] * qkv.shape[3] * qkv.element_size()  # bytes from q to k to v within a token
-    bound = {uid: qkv.data_ptr() + i * step for i, uid in enumerate(q_uids)}
+    bound = _thirds(qkv, (_UID_Q, _UID_K, _UID_V))
     bound.update({_UID_LEN: lengths, _UID_OFF_QKV: offsets_qkv, _UID_OFF_O: offsets_out})
     if dropout_p > 0:
         bound.update({_UID_SEED: rng[0:1], _UID_OFFSET: rng[1:2]})
@@ -156,7 +164,7 @@ def _forward(qkv: torch.Tensor, lengths: torch.Tensor, offsets_qkv: torch.Tensor
     graph, workspace, handle = _graph(False, qkv, lengths.shape[0], max_len, dropout_p)
     out = torch.empty(tokens, heads, dim, dtype=qkv.dtype, device=qkv.device)
     stats = torch.empty(lengths.shape[0], heads, max_len, 1, dtype=torch.float32, device=qkv.device)
-    bound = _bindings(qkv, (lengths, offsets_qkv, offsets_out), rng, dropout_p, (_UID_Q, _UID_K, _UID_V))
+    bound = _bindings(qkv, (lengths, offsets_qkv, offsets_out), rng, dropout_p)
     bound.update({_UID_O: out, _UID_STATS: stats})
     graph.execute(bound, torch.empty(max(workspace, 1), dtype=torch.uint8, device=qkv.device), handle=handle)
     return out, stats
@@ -174,8 +182,8 @@ def _backward(grad_out: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, stat
               max_len: int, dropout_p: float) -> torch.Tensor:  # fmt: skip
     graph, workspace, handle = _graph(True, qkv, lengths.shape[0], max_len, dropout_p)
     grad_qkv = torch.empty_like(qkv)
-    bound = _bindings(qkv, (lengths, offsets_qkv, offsets_out), rng, dropout_p, (_UID_Q, _UID_K, _UID_V))
-    bound.update(_bindings(grad_qkv, (lengths, offsets_qkv, offsets_out), rng, 0.0, (_UID_DQ, _UID_DK, _UID_DV)))
+    bound = _bindings(qkv, (lengths, offsets_qkv, offsets_out), rng, dropout_p)
+    bound.update(_thirds(grad_qkv, (_UID_DQ, _UID_DK, _UID_DV)))
     bound.update({_UID_O: out, _UID_DO: grad_out.contiguous(), _UID_STATS: stats})
     graph.execute(bound, torch.empty(max(workspace, 1), dtype=torch.uint8, device=qkv.device), handle=handle)
     return grad_qkv
