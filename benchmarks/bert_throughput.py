@@ -16,9 +16,12 @@ One process, one GPU, bf16 autocast, micro-batch 48, seq 512, LAMB for every mod
    96 and 144 rows per step, with the residual stream in bf16 (`_bf16res`: model.low_precision_residual=true, the
    trainer's default) or in fp32 (every other configuration of ours, as they were measured before that default);
    with cuDNN's attention for the packed rows (`_cudnn_`: model.packed_attention=cudnn) against varlen flash
-   attention, with dropout 0 and 0.1; and with the large preset's dropout (0.1), where FlexAttention cannot run:
-   the dense-mask SDPA path against varlen flash attention (which has dropout in its kernel); and varlen with the
-   loss as it was before it stopped making the host wait (`ours_packed_varlen_index_loss`);
+   attention, with dropout 0 and 0.1; compiled with max-autotune (`_autotune`: Triton GEMM templates against
+   cuBLAS) or with every generated kernel's block sizes tuned by coordinate descent (`_tuned`); with the
+   encoder's linear layers in FP8 (`_fp8*`: torchao's float8 training, tensorwise, rowwise, and rowwise with the
+   weight gradient in bf16; `pip install torchao`); and with the large preset's dropout (0.1), where
+   FlexAttention cannot run: the dense-mask SDPA path against varlen flash attention (which has dropout in its
+   kernel); and varlen with the loss as it was before it stopped making the host wait (`ours_packed_varlen_index_loss`);
 5. a profile of the packed varlen configuration: every GPU kernel's time and share (kernels_*.csv).
 
 Reported per configuration: samples/s, real (non-pad) tokens/s, model TFLOP/s on real tokens and MFU against
@@ -52,6 +55,9 @@ from trainbench.train.profiling import bf16_matmul_peak_tflops  # noqa: E402
 MICRO = 48
 SEQ = 512
 PRED = 76
+AUTOTUNE = "max-autotune-no-cudagraphs"
+TUNED = "coordinate-descent"  # Inductor's default mode, each generated kernel's block sizes tuned by measurement
+FP8_TENSOR, FP8_ROW, FP8_GW_HP = "tensorwise", "rowwise", "rowwise_with_gw_hp"  # torchao's float8 recipes
 
 
 def train_flops(cfg: BertConfig, lengths: np.ndarray, predictions: int) -> float:
@@ -106,6 +112,17 @@ def pack_fixed(batch: dict[str, np.ndarray], per_pack: int = 3) -> dict[str, np.
 
     columns = packed_predictions(SEQ, PRED, 0.15, per_pack)
     return pack(instances_from_fixed(batch), SEQ, per_pack, columns, np.random.default_rng(0))
+
+
+def convert_linears_to_fp8(model: torch.nn.Module, recipe: str) -> int:
+    """Swap the encoder's linear layers (QKV, attention output, both feed-forward layers) for torchao's FP8
+    ones with ``recipe``; returns how many. The weights, their gradients and LAMB stay fp32."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    names = ("qkv", "attn_out", "ffn_in", "ffn_out")
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn.rsplit(".", 1)[-1] in names, config=config)
+    return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
 
 
 def batches(arrays: dict[str, np.ndarray], steps: int, micro: int) -> list[dict[str, torch.Tensor]]:
@@ -285,9 +302,10 @@ def main() -> None:
     def want(name):
         return not args.only or name in args.only
 
-    # name: (model, data, micro-batch rows, fused LAMB, compile mode, packed attention kernel, dropout). Models
-    # outer, data sets inner: each model is compiled once (both sets have the same shapes). Dropout is 0 except
-    # in the `dropout` configurations, which train as the large preset does (0.1 on hidden states and attention).
+    # name: (model, data, micro-batch rows, fused LAMB, compile mode, packed attention kernel, dropout[, FP8
+    # recipe]). Models outer, data sets inner: each model is compiled once (both sets have the same shapes). Dropout
+    # is 0 except in the `dropout` configurations, which train as the large preset does (0.1 on hidden states and
+    # attention).
     configs = {
         "hf_compiled": ("hf", "fixed", MICRO, False, "default", None, 0.0),
         "ours_eager": ("ours", "fixed", MICRO, False, None, None, 0.0),
@@ -314,15 +332,27 @@ def main() -> None:
         "ours_packed6_cudnn_bf16res_b144": ("ours", "packed6", 3 * MICRO, True, "default", "cudnn", 0.0),
         "ours_packed_dropout_varlen_bf16res": ("ours", "packed", MICRO, True, "default", "varlen", 0.1),
         "ours_packed_dropout_cudnn_bf16res": ("ours", "packed", MICRO, True, "default", "cudnn", 0.1),
+        # the same, compiled with max-autotune: Triton GEMM templates against cuBLAS, with the elementwise ops
+        # around a GEMM (bias, GELU, their backward) fused into its epilogue where that is faster
+        "ours_packed_cudnn_bf16res_autotune": ("ours", "packed", MICRO, True, AUTOTUNE, "cudnn", 0.0),
+        # the same, every kernel Inductor generates tuned by coordinate descent over its block sizes
+        "ours_packed_cudnn_bf16res_tuned": ("ours", "packed", MICRO, True, TUNED, "cudnn", 0.0),
+        "ours_packed6_cudnn_bf16res_b144_tuned": ("ours", "packed6", 3 * MICRO, True, TUNED, "cudnn", 0.0),
+        # the same with the encoder's linear layers in FP8 (torchao's float8 training recipes)
+        "ours_packed_cudnn_bf16res_fp8": ("ours", "packed", MICRO, True, "default", "cudnn", 0.0, FP8_TENSOR),
+        "ours_packed_cudnn_bf16res_fp8_rowwise": ("ours", "packed", MICRO, True, "default", "cudnn", 0.0, FP8_ROW),
+        "ours_packed_cudnn_bf16res_fp8_gw_hp": ("ours", "packed", MICRO, True, "default", "cudnn", 0.0, FP8_GW_HP),
+        "ours_packed6_cudnn_bf16res_b144_fp8": ("ours", "packed6", 144, True, "default", "cudnn", 0.0, FP8_TENSOR),
         # the loss before it stopped syncing the host (boolean index of the valid predictions)
         "ours_packed_varlen_index_loss": ("ours", "packed", MICRO, True, "default", "varlen", 0.0),
         "ours_packed_dropout_sdpa": ("ours", "packed", MICRO, True, "default", "sdpa", 0.1),
         "ours_packed_dropout_varlen": ("ours", "packed", MICRO, True, "default", "varlen", 0.1),
     }
     profiled = args.profile or ["ours_packed_varlen"]
-    for config, (impl, layout, micro, fused, mode, attention, dropout) in configs.items():
+    for config, spec in configs.items():
         if not want(config):
             continue
+        impl, layout, micro, fused, mode, attention, dropout, fp8 = (*spec, None)[:8]
         if impl == "hf":
             import transformers
 
@@ -340,8 +370,12 @@ def main() -> None:
                                             packed_attention=attention or "auto",
                                             low_precision_residual="_bf16res" in config)  # fmt: skip
             model = BertForPreTraining(model_cfg).cuda().train()
+            if fp8 is not None:
+                print(json.dumps({"config": config, "fp8_linears": convert_linears_to_fp8(model, fp8)}))
             step = our_step(bench, index_loss=config.endswith("_index_loss"))
-        if mode is not None:
+        if mode == TUNED:
+            model = torch.compile(model, dynamic=False, options={"coordinate_descent_tuning": True})
+        elif mode is not None:
             model = torch.compile(model, mode=mode, dynamic=False)
         for data_name in sets:
             if layout == "bins":
