@@ -11,7 +11,7 @@ lookup excluded), peak memory.
 Multi GPU (`--gpus N`, run on N GPUs): the `llama31-8b` preset's shape under torchrun, FSDP2 over N, then FSDP
 x TP 2, both with activation checkpointing, compiled blocks, bf16 parameters and fp32 gradient reduction.
 
-    python benchmarks/llm_throughput.py --out OUT [--steps 10] [--gpus 4]
+    python perf/llm_throughput.py --out OUT [--steps 10] [--gpus 4]
 """
 
 from __future__ import annotations

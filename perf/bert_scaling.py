@@ -10,7 +10,7 @@ Simple or LL128 protocol, with other garbage-collection and prefetch settings; a
 once (no communication at all: what the node gives when every GPU trains alone). Throughput is read from each run's
 metrics.jsonl: samples/s per logging interval, the first intervals (compilation) left out.
 
-    python benchmarks/bert_scaling.py --out OUT --gpus 4 [--steps 80] [--data DIR] [--only NAME ...] [--profile]
+    python perf/bert_scaling.py --out OUT --gpus 4 [--steps 80] [--data DIR] [--only NAME ...] [--profile]
 
 Writes OUT/bert_scaling.json: samples/s and steps/s for each configuration, the scaling efficiency (N-GPU samples/s
 divided by N times the 1-GPU samples/s at the same rows per GPU) and the step scaling efficiency (N-GPU steps/s

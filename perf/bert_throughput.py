@@ -27,7 +27,7 @@ One process, one GPU, bf16 autocast, micro-batch 48, seq 512, LAMB for every mod
 Reported per configuration: samples/s, real (non-pad) tokens/s, model TFLOP/s on real tokens and MFU against
 the measured peak, peak memory, and the ratio to HF.
 
-    python benchmarks/bert_throughput.py --out OUT [--steps 20] [--data .bench-data]
+    python perf/bert_throughput.py --out OUT [--steps 20] [--data .bench-data]
 """
 
 from __future__ import annotations

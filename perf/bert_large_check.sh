@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # 50 steps of the BERT-large preset (GBS 768) on one GPU in bf16, plus the GPU test tier.
-# Usage: bash benchmarks/bert_large_check.sh OUTDIR
+# Usage: bash perf/bert_large_check.sh OUTDIR
 # Writes OUTDIR/run_0.json (samples/s, peak memory), OUTDIR/nvidia-smi.txt and OUTDIR/pytest-gpu.txt.
 set -euo pipefail
 out=${1:?usage: bert_large_check.sh OUTDIR}

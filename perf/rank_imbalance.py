@@ -6,7 +6,7 @@ random steps (world x accumulation x micro-batch rows, as the trainer's shuffled
 packed shards and reports the expected excess of the slowest rank's attention work over the mean rank's, as a
 fraction; multiply by a step's attention time (from a profile) for milliseconds.
 
-    python benchmarks/rank_imbalance.py DATA_DIR/train_packed [--draws 4000]
+    python perf/rank_imbalance.py DATA_DIR/train_packed [--draws 4000]
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ that. The kernels:
 
 Outputs and input gradients of every packed kernel are compared with the dense-mask SDPA result in fp32.
 
-    python benchmarks/attention_kernels.py --out OUT
+    python perf/attention_kernels.py --out OUT
 
 Writes OUT/attention_kernels.json.
 """
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "perf"))
 
 from fp8_gemm import bench  # noqa: E402
 

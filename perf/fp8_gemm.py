@@ -7,7 +7,7 @@ one scale per tensor), and separately the casts FP8 needs (amax, scale, cast, an
 FP8 kernels require), compiled. Sums them over the 24 layers: the GEMM time per step in bf16, in FP8, and
 FP8 with its casts.
 
-    python benchmarks/fp8_gemm.py --out OUT
+    python perf/fp8_gemm.py --out OUT
 
 Writes OUT/fp8_gemm.json.
 """

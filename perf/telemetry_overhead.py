@@ -2,7 +2,7 @@
 10 Hz (interleaved, repeated); plus what its CSV holds (rows per second, value ranges), a profiled run's top
 kernels, and a report of the folder.
 
-    python benchmarks/telemetry_overhead.py --out OUT [--steps 40] [--repeats 2]
+    python perf/telemetry_overhead.py --out OUT [--steps 40] [--repeats 2]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Every run reports its masked-LM accuracy at each eval and its training loss. The
 configuration is the noise a switch's difference is judged against (with dropout, the kernels draw their masks
 differently, so no two configurations match step by step).
 
-    python benchmarks/bert_convergence.py --out OUT [--preset tiny|base] [--data DIR] [--samples N] [--only NAME ...]
+    python perf/bert_convergence.py --out OUT [--preset tiny|base] [--data DIR] [--samples N] [--only NAME ...]
 
 Writes OUT/bert_convergence.json.
 """
@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "perf"))
 
 from bert_scaling import prepare, run  # noqa: E402
 

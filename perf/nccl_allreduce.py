@@ -5,7 +5,7 @@ of the node, once per NCCL protocol (NCCL's own choice, then NCCL_PROTO=Simple, 
 processes (NCCL reads the variable at start), and reports algorithm bandwidth (bytes / time) and bus bandwidth
 (x 2(n-1)/n, what each link carries in a ring), and which transport NCCL took between the GPUs (NCCL_DEBUG).
 
-    python benchmarks/nccl_allreduce.py --out OUT [--gpus 4]
+    python perf/nccl_allreduce.py --out OUT [--gpus 4]
 
 Writes OUT/nccl_allreduce.json.
 """

@@ -5,7 +5,7 @@ The corpus is WikiText-2 (valid + test, about 2.4 MB of Wikipedia articles) copi
 MLPerf's uncased BERT vocab. Each configuration runs the real command line in a fresh process and is timed
 from process start to exit, so interpreter start-up, both passes, md5s and the manifest are all included.
 
-    python benchmarks/prepare_bert.py --workers 1 4 --out /tmp/prep-bench --json results.json
+    python perf/prepare_bert.py --workers 1 4 --out /tmp/prep-bench --json results.json
 
 Caveat: a replicated corpus repeats its words, so the tokenizer's word cache is warmer than on the full
 Wikipedia (about 2.4 MB of distinct text here against 20 GB there); the tokenizer is about a fifth of the

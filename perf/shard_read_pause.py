@@ -4,7 +4,7 @@ The trainer reads a whole shard when its sample order enters it (``ShardCache``)
 times that read for the first shard of a folder and, from a second thread that wakes every millisecond, the
 longest gap it sees meanwhile: a read that held the interpreter lock would stall the training thread that long.
 
-    python benchmarks/shard_read_pause.py DIR/train_packed [--layout packed]
+    python perf/shard_read_pause.py DIR/train_packed [--layout packed]
 """
 
 from __future__ import annotations

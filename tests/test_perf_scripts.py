@@ -1,4 +1,4 @@
-"""Helpers of the scripts under benchmarks/ that compute what docs/performance.md reports."""
+"""Helpers of the scripts under perf/ that compute what docs/performance.md reports."""
 
 import importlib.util
 import json
@@ -8,11 +8,11 @@ import h5py
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = Path(__file__).resolve().parents[1] / "perf"
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
