@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from trainbench.models.bert import BertConfig, BertForPreTraining  # noqa: E402
-from trainbench.train.lamb import Lamb, param_groups  # noqa: E402
+from trainbench.optim.lamb import Lamb, param_groups  # noqa: E402
 from trainbench.train.profiling import bf16_matmul_peak_tflops  # noqa: E402
 
 MICRO = 48

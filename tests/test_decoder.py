@@ -89,7 +89,7 @@ def test_parameter_count_formula_for_llama():
 
 
 def test_materialised_model_keeps_tied_embeddings():
-    from trainbench.train.parallel import parallelize
+    from trainbench.models.decoder_parallel import parallelize
 
     cfg = dataclasses.replace(SMALL, tie_embeddings=True)
     with torch.device("meta"):

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from trainbench.train.lamb import Lamb, no_decay, param_groups, poly_warmup_lr
+from trainbench.optim.groups import no_decay
+from trainbench.optim.lamb import Lamb, param_groups
+from trainbench.optim.schedules import poly_warmup_lr
 
 
 def reference_lamb_step(params, grads, state, lr, beta1, beta2, eps, wd, adapt, max_norm, step, bias_correction=True):

@@ -204,9 +204,10 @@ def _two_d_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainbench.benchmarks.llm import TINY_MODEL, AdamClipped
+    from trainbench.benchmarks.llm import TINY_MODEL
     from trainbench.models.decoder import DecoderLM
-    from trainbench.train.parallel import parallelize
+    from trainbench.models.decoder_parallel import parallelize
+    from trainbench.optim.adamw import AdamClipped
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -241,8 +242,9 @@ def test_fsdp_times_tensor_parallel_on_four_ranks_gives_the_loss_of_one(tmp_path
 
     import torch
 
-    from trainbench.benchmarks.llm import TINY_MODEL, AdamClipped
+    from trainbench.benchmarks.llm import TINY_MODEL
     from trainbench.models.decoder import DecoderLM
+    from trainbench.optim.adamw import AdamClipped
 
     model = DecoderLM(TINY_MODEL)
     model.init_weights(0)

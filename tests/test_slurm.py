@@ -178,8 +178,8 @@ def test_missing_container_image_is_caught_before_submit(tmp_path, small_data, c
 
 
 def test_cpu_map_beyond_the_node_is_a_readable_error(monkeypatch):
+    from trainbench.distributed import DistInfo
     from trainbench.launch.worker import bind_cpus
-    from trainbench.train.distributed import DistInfo
 
     monkeypatch.setenv("TRAINBENCH_CPU_MAP", f"0;{os.cpu_count() + 100}-{os.cpu_count() + 110}")
     info = DistInfo(rank=1, local_rank=1, world_size=2, device=None)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from trainbench.data.text import WIKI_DUMP_URL
 from trainbench.errors import Preempted, UserError
 
 EXAMPLES_RUN = """examples:
@@ -20,7 +18,6 @@ overrides are key=value; a key is its dotted path (optimizer.lr) or, where unamb
 """
 
 
-WIKI_DUMP = "enwiki-*-pages-articles*.xml.bz2; the latest is at " + WIKI_DUMP_URL
 EXAMPLES_SUBMIT = """examples:
   trainbench submit bert --system dgxh100_8x8 --nexp 10 data.dir=/lustre/bert
   trainbench submit bert --system dgxh100_1x8 --nodes 2 --time 00:45:00 --dry-run data.dir=/data/bert
@@ -65,34 +62,6 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument(
         "--num-shards", "--shards", dest="shards", type=int, help="training shards (raw text: default 4320)"
     )
-    raw = prep.add_argument_group("from raw text")
-    raw.add_argument(
-        "--input",
-        nargs="+",
-        metavar="PATH",
-        help=f"text files or folders: a Wikipedia dump ({WIKI_DUMP}), results4 files, or WikiText",
-    )
-    raw.add_argument("--input-format", default="auto", help="auto (default), wiki-xml, results4 or wikitext")
-    raw.add_argument("--vocab", help="WordPiece vocab.txt (MLPerf: the uncased BERT vocabulary, 30,522 tokens)")
-    raw.add_argument("--train-vocab", type=int, metavar="SIZE", help="train a vocabulary of SIZE tokens instead")
-    raw.add_argument("--workers", type=int, default=0, help="worker processes (default: all cores)")
-    raw.add_argument("--max-memory-gb", type=float, help="memory bound: fewer workers run when it is low")
-    raw.add_argument("--chunk-mb", type=float, default=4.0, help="raw text per work unit in MB (default 4)")
-    raw.add_argument(
-        "--formats",
-        default="fixed,varlength",
-        help="comma list of fixed, varlength, bins (4-bin split by length), packed (default fixed,varlength)",
-    )
-    raw.add_argument("--eval-fraction", type=float, default=0.01, help="documents held out for eval (default 0.01)")
-    raw.add_argument("--max-seq-length", type=int, default=512, help="tokens per sample (default 512)")
-    raw.add_argument("--max-predictions", type=int, default=76, help="masked tokens per sample at most (default 76)")
-    raw.add_argument("--masked-lm-prob", type=float, default=0.15, help="fraction of tokens masked (default 0.15)")
-    raw.add_argument("--short-seq-prob", type=float, default=0.1, help="chance of a shorter target (default 0.1)")
-    raw.add_argument("--dupe-factor", type=int, default=10, help="passes over the documents (default 10)")
-    raw.add_argument("--max-per-pack", type=int, default=3, help="sequences per packed row at most (default 3)")
-    raw.add_argument("--resume", action="store_true", help="continue an interrupted preparation in --out")
-    raw.add_argument("--keep-work", action="store_true", help="keep the intermediate files (OUT/.work)")
-    raw.add_argument("--no-progress", action="store_true", help="no progress bar")
     syn = prep.add_argument_group("synthetic")
     syn.add_argument(
         "--synthetic",
@@ -101,11 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     syn.add_argument("--preset", default="tiny", help="preset whose shapes (seq length, vocab) the data takes")
     syn.add_argument("--train-samples", type=int, help="training samples (default: by preset)")
-    llm = prep.add_argument_group("LLM benchmarks (gpt3, llama31_8b)")
-    llm.add_argument("--source", metavar="C4_DIR", help="folder of C4 json(.gz) files (c4-train.*, c4-validation.*)")
-    llm.add_argument("--tokenizer", metavar="tokenizer.json", help="HF tokenizer file used to tokenise --source")
-    llm.add_argument("--eod-token", help="end-of-document token appended to each document (default: the tokenizer's)")
-    llm.add_argument("--train-tokens", type=int, help="synthetic: training tokens (default 2,000,000)")
+    seen = []
+    for bench in _registry().values():  # each benchmark's own options (benchmarks of one family share them)
+        if bench.add_prepare_arguments not in seen:
+            seen.append(bench.add_prepare_arguments)
+            bench.add_prepare_arguments(prep)
 
     run = sub.add_parser(
         "run",
@@ -187,163 +156,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def cmd_list(_args) -> int:
+def _registry() -> dict:
     from trainbench.benchmarks import BENCHMARKS
 
-    rows = [[b.name, b.mlperf_name, ", ".join(b.presets), b.description] for b in BENCHMARKS.values()]
+    return BENCHMARKS
+
+
+def cmd_list(_args) -> int:
+    rows = [[b.name, b.mlperf_name, ", ".join(b.presets), b.description] for b in _registry().values()]
     _print_table("trainbench benchmarks", ["benchmark", "MLPerf name", "presets", "description"], rows)
     return 0
 
 
 def cmd_prepare(args) -> int:
-    if args.benchmark in ("gpt3", "llama31_8b"):
-        return _prepare_llm(args)
-    if args.benchmark != "bert":
-        from trainbench.benchmarks import get_benchmark
-
-        bench = get_benchmark(args.benchmark)  # an unknown name fails here with the list of known ones
-        raise UserError(f"`trainbench prepare {bench.name}` is not available yet; `prepare bert` is")
-    if args.synthetic == bool(args.input):
-        raise UserError("give --input PATH (raw text) or --synthetic, one of the two")
-    if args.input:
-        return _prepare_bert_text(args)  # no torch import: workers start faster
     from trainbench.benchmarks import get_benchmark
 
-    return _prepare_bert_synthetic(args, get_benchmark("bert"))
-
-
-def _prepare_llm(args) -> int:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from trainbench.console import console
-    from trainbench.data import prepare_llm as p
-
-    if args.synthetic == bool(args.source):
-        raise UserError("give --source C4_DIR (with --tokenizer) or --synthetic, one of the two")
-    out = Path(args.out)
-    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
-               TimeRemainingColumn()]  # fmt: skip
-    if args.synthetic:
-        from trainbench.benchmarks import get_benchmark
-
-        cfg = get_benchmark(args.benchmark).config(args.preset)
-        spec = p.SyntheticLMSpec(vocab_size=cfg.model.vocab_size, train_tokens=args.train_tokens or 2_000_000,
-                                 eval_tokens=200_000, seed=args.seed)  # fmt: skip
-        if (out / "manifest.json").exists():
-            if json.loads((out / "manifest.json").read_text()).get("spec") == spec.__dict__:
-                console.print(f"{out} already holds this data set (manifest.json matches); nothing to do")
-                return 0
-            if not args.force:
-                raise UserError(f"{out} already holds a different data set; choose another --out or add --force")
-        with Progress(*columns, console=console, transient=True) as progress:
-            task = progress.add_task("synthetic tokens", total=spec.train_tokens + spec.eval_tokens)
-            m = p.prepare_synthetic_lm(out, spec, progress=lambda done, total: progress.update(task, completed=done))
-        floor = m["loss_floor_nats"]
-        console.print(
-            f"wrote {spec.train_tokens:,} training and {spec.eval_tokens:,} eval tokens to {out} "
-            f"(vocab {spec.vocab_size}; best possible log perplexity {floor:.3f})"
-        )
-        return 0
-    if not args.tokenizer:
-        raise UserError("--source needs --tokenizer tokenizer.json")
-    workers = args.workers or p.default_workers()
-    with Progress(*columns, console=console, transient=True, disable=args.no_progress) as progress:
-        task = progress.add_task(f"tokenising with {workers} workers (MB of input)", total=None)
-
-        def update(done, total):
-            progress.update(task, completed=done / 1e6, total=total / 1e6)
-
-        m = p.prepare_c4(Path(args.source), out, Path(args.tokenizer), workers, args.eod_token, progress=update)
-    console.print(f"{m['documents']:,} documents, {m['tokens']:,} tokens into {out}/train and {out}/eval "
-                  f"(EOD id {m['eod_id']}, vocab {m['vocab_size']})")  # fmt: skip
-    return 0
-
-
-def _prepare_bert_text(args) -> int:
-    from trainbench.console import console
-    from trainbench.data.prepare_bert import Options, prepare
-
-    spec_args = {
-        "seed": args.seed,
-        "max_seq_length": args.max_seq_length,
-        "max_predictions": args.max_predictions,
-        "masked_lm_prob": args.masked_lm_prob,
-        "short_seq_prob": args.short_seq_prob,
-        "dupe_factor": args.dupe_factor,
-        "num_shards": 4320 if args.shards is None else args.shards,
-        "eval_samples": 10000 if args.eval_samples is None else args.eval_samples,
-        "eval_fraction": args.eval_fraction,
-        "chunk_mb": args.chunk_mb,
-        "formats": [f.strip() for f in args.formats.split(",") if f.strip()],
-        "max_per_pack": args.max_per_pack,
-    }
-    opts = Options(
-        workers=args.workers,
-        max_memory_gb=args.max_memory_gb,
-        resume=args.resume,
-        force=args.force,
-        keep_work=args.keep_work,
-        progress=not args.no_progress,
-    )
-    m = prepare(args.input, args.out, args.vocab, spec_args, opts, args.train_vocab, args.input_format)
-    st, inp = m["statistics"], m["input"]
-    console.print(
-        f"{inp['text_characters'] / 1e6:,.1f} MB of text ({inp['documents']:,} documents, {inp['tokens']:,} tokens) "
-        f"-> {st['train_samples']:,} training samples in {m['spec']['num_shards']:,} shards and "
-        f"{st['eval_samples']:,} eval samples, in {m['run']['seconds']:.1f} s with {m['run']['workers']} workers "
-        f"({inp['text_characters'] / 1e6 / max(m['run']['seconds'], 1e-9):.2f} MB/s)"
-    )
-    console.print(
-        f"mean length {st['mean_sequence_length']:.1f} tokens; by length {st['samples_by_length_bin']}; "
-        f"masked {st['masked_fraction']:.4f}; random next {st['random_next_fraction']:.4f}"
-    )
-    console.print(f"data: {args.out}  (manifest: {Path(args.out) / 'manifest.json'})")
-    return 0
-
-
-def _prepare_bert_synthetic(args, bench) -> int:
-    from rich.progress import Progress
-
-    from trainbench.benchmarks.bert import SYNTHETIC_SIZES
-    from trainbench.console import console
-    from trainbench.data.synthetic_bert import SyntheticSpec, prepare_synthetic
-
-    cfg = bench.config(args.preset)
-    sizes = dict(SYNTHETIC_SIZES[args.preset])
-    for key, value in (
-        ("num_train_samples", args.train_samples),
-        ("num_eval_samples", args.eval_samples),
-        ("num_shards", args.shards),
-    ):
-        if value is not None:
-            if value < 1:
-                raise UserError(f"--{key.removeprefix('num_').replace('_', '-')} must be at least 1, got {value}")
-            sizes[key] = value
-    spec = SyntheticSpec(
-        seq_length=cfg.data.seq_length,
-        max_predictions=cfg.data.max_predictions,
-        vocab_size=cfg.model.vocab_size,
-        seed=args.seed,
-        **sizes,
-    )
-    out = Path(args.out)
-    manifest = out / "manifest.json"
-    if manifest.exists():
-        existing = json.loads(manifest.read_text()).get("spec")
-        if existing == spec.__dict__:
-            console.print(f"{out} already holds this data set (manifest.json matches); nothing to do")
-            return 0
-        if not args.force:
-            raise UserError(f"{out} already holds a different data set; choose another --out or add --force")
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"writing {spec.num_shards} shards", total=spec.num_shards + 1)
-        written = prepare_synthetic(out, spec, progress=lambda done, total: progress.update(task, completed=done))
-    console.print(
-        f"wrote {written['train_samples']:,} training samples in {spec.num_shards} shards and "
-        f"{written['eval_samples']:,} eval samples to {out} (seq {spec.seq_length}, "
-        f"{spec.max_predictions} predictions, vocab {spec.vocab_size})"
-    )
-    return 0
+    return get_benchmark(args.benchmark).prepare(args)
 
 
 def cmd_run(args) -> int:
@@ -445,10 +273,11 @@ def cmd_report(args) -> int:
 def cmd_package(args) -> int:
     from trainbench.console import console
     from trainbench.report.package import check_package, make_package
+    from trainbench.report.scoring import folder_benchmark
+    from trainbench.runfiles import finished_logs
 
     root = make_package(Path(args.folder), Path(args.out), args.org, args.system)
-    summary = Path(args.folder) / "summary.json"
-    ruleset = json.loads(summary.read_text()).get("ruleset", "5.0.0") if summary.exists() else "5.0.0"
+    _, ruleset = folder_benchmark(Path(args.folder), finished_logs(Path(args.folder)))
     code, output = check_package(root, ruleset)
     (root / "package_checker.log").write_text(output)
     errors = [ln.removeprefix("ERROR - ").strip() for ln in output.splitlines() if ln.startswith("ERROR")]
@@ -464,34 +293,25 @@ def cmd_package(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from trainbench.console import console
-    from trainbench.convert import convert_bert
+    from trainbench.benchmarks import get_benchmark
 
-    if args.benchmark != "bert":
-        raise UserError(f"`trainbench convert {args.benchmark}` is not available; `convert bert` is")
-    state = convert_bert(args.tf_checkpoint, args.out)
-    params = sum(t.numel() for t in state.values())
-    console.print(
-        f"wrote {args.out}: {len(state)} tensors, {params / 1e6:.2f}M parameters; "
-        f"use it with model.init_checkpoint={args.out}"
-    )
-    return 0
+    return get_benchmark(args.benchmark).convert(args)
 
 
 def cmd_check(args) -> int:
     from trainbench.console import console
     from trainbench.launch.local import load_run_config
     from trainbench.mlperf import check_compliance
+    from trainbench.runfiles import CONFIG, finished_logs, partial_logs
 
     path = Path(args.path)
     if path.is_dir():
-        logs = sorted(path.glob("result_*.txt"))
-        partial = sorted(path.glob("result_*.txt.partial"))
-        for p in partial:
+        logs = finished_logs(path)
+        for p in partial_logs(path):
             console.print(f"{p.name}: run did not finish (no run_stop); not checked", style="yellow")
         if not logs:
             raise UserError(f"{path} holds no finished MLPerf log (result_*.txt)")
-        config = path / "config.yaml"
+        config = path / CONFIG
         waived = frozenset()
         if config.exists():
             bench, cfg = load_run_config(config)
@@ -504,9 +324,7 @@ def cmd_check(args) -> int:
     else:
         raise UserError(f"{path} does not exist")
     if ruleset is None:
-        from trainbench.benchmarks import BENCHMARKS
-
-        ruleset = _ruleset_from_log(logs[0], BENCHMARKS)
+        ruleset = _ruleset_from_log(logs[0])
     failures = 0
     for log in logs:
         result = check_compliance(log, ruleset, waived=waived)
@@ -515,14 +333,14 @@ def cmd_check(args) -> int:
     return 1 if failures else 0
 
 
-def _ruleset_from_log(log: Path, benchmarks) -> str:
-    for line in log.read_text().splitlines():
-        if '"submission_benchmark"' in line:
-            name = json.loads(line.split(":::MLLOG", 1)[1])["value"]
-            for b in benchmarks.values():
-                if b.mlperf_name == name:
-                    return b.ruleset
-    raise UserError(f"{log}: no known submission_benchmark in the log; pass --ruleset")
+def _ruleset_from_log(log: Path) -> str:
+    from trainbench.benchmarks import by_mlperf_name
+    from trainbench.mlperf import read_log, submission_benchmark
+
+    bench = by_mlperf_name(submission_benchmark(read_log(log, errors="replace")) or "")
+    if bench is None:
+        raise UserError(f"{log}: no known submission_benchmark in the log; pass --ruleset")
+    return bench.ruleset
 
 
 COMMANDS = {

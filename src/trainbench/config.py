@@ -170,7 +170,7 @@ class OutputConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    benchmark: str = option("bert", "Benchmark name (see `trainbench list`).")
+    benchmark: str = option("", "Benchmark name (see `trainbench list`); set by the preset.")
     preset: str = option("tiny", "Preset the config started from.")
     seed: int = option(1234, "Seed of the run (experiment i of --nexp uses seed + i).")
     resume: bool = option(

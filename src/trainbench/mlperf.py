@@ -1,7 +1,8 @@
-"""The single place that speaks mlperf-logging: writing MLPerf logs and running its compliance checker."""
+"""The single place that speaks mlperf-logging: writing and reading MLPerf log lines, and its compliance checker."""
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -13,7 +14,9 @@ from typing import Any
 from mlperf_logging.mllog import constants
 from mlperf_logging.mllog import mllog as mllog_impl
 
-__all__ = ["constants", "MLPerfLog", "ComplianceResult", "check_compliance"]
+__all__ = ["constants", "MLPerfLog", "read_log", "ComplianceResult", "check_compliance"]
+
+PREFIX = ":::MLLOG"
 
 
 class MLPerfLog:
@@ -58,6 +61,32 @@ class MLPerfLog:
             logging.getLogger(self._logger.logger.name).removeHandler(self._handler)
             self._handler = None
             self._logger = None
+
+
+def read_log(path: str | Path, errors: str = "strict") -> list[dict]:
+    """The events of an MLPerf log, in order: each ``:::MLLOG`` line's JSON (key, value, time_ms, metadata, ...).
+    A line that is not JSON is skipped, as mlperf-logging's own reader skips it."""
+    events = []
+    for line in Path(path).read_text(errors=errors).splitlines():
+        if PREFIX in line:
+            try:
+                events.append(json.loads(line.split(PREFIX, 1)[1]))
+            except json.JSONDecodeError:
+                continue
+    return events
+
+
+def run_window(events: list[dict]) -> tuple[int, int] | None:
+    """(run_start, run_stop) times in ms, as mlperf-logging's result summarizer reads them (the first of each);
+    None if either is missing."""
+    start = next((e["time_ms"] for e in events if e["key"] == constants.RUN_START), None)
+    stop = next((e["time_ms"] for e in events if e["key"] == constants.RUN_STOP), None)
+    return None if start is None or stop is None else (start, stop)
+
+
+def submission_benchmark(events: list[dict]) -> str | None:
+    """The log's ``submission_benchmark`` value (the MLPerf benchmark name), if it has one."""
+    return next((e["value"] for e in events if e["key"] == constants.SUBMISSION_BENCHMARK), None)
 
 
 @dataclass(frozen=True)

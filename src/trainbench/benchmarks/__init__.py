@@ -14,3 +14,8 @@ def get_benchmark(name: str) -> Benchmark:
     if name not in BENCHMARKS:
         raise ConfigError(f"unknown benchmark '{name}'; available: {', '.join(BENCHMARKS)} (see `trainbench list`)")
     return BENCHMARKS[name]
+
+
+def by_mlperf_name(mlperf_name: str) -> Benchmark | None:
+    """The benchmark whose logs carry ``submission_benchmark`` ``mlperf_name``, if trainbench has it."""
+    return next((b for b in BENCHMARKS.values() if b.mlperf_name == mlperf_name), None)

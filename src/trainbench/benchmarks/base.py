@@ -1,11 +1,14 @@
-"""What a benchmark supplies to the one training loop.
+"""What a benchmark supplies to the one training loop: the interface every benchmark implements.
 
-A benchmark differs from another by its model, data, optimizer and MLPerf rules — never by its loop.
-The loop (``trainbench.train.loop``) asks the benchmark for each of these through this interface.
+A benchmark differs from another by its model and where it is placed, its data, its optimizer and its MLPerf rules,
+never by its loop. The loop (``trainbench.train``) asks the benchmark for each of these through :class:`Benchmark`
+and never asks which benchmark it runs. This module imports only the layers below it (config, data, distributed).
+docs/extending.md says how to add a benchmark.
 """
 
 from __future__ import annotations
 
+import argparse
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -13,16 +16,19 @@ from typing import Any
 
 import torch
 
-from trainbench.config import RunConfig
-from trainbench.errors import ConfigError
+from trainbench.config import RunConfig, leaves
+from trainbench.data.steps import Step
+from trainbench.distributed import DistInfo, Placed
+from trainbench.errors import ConfigError, UserError
 
 
 @dataclass
 class BenchmarkData:
-    """A rank's view of the data: an endless iterator of steps (each a list of micro-batches), this
-    rank's eval batches, and the sizes MLPerf logs as ``train_samples`` / ``eval_samples``."""
+    """A rank's view of the data: an endless iterator of optimizer steps (:class:`~trainbench.data.steps.Step`:
+    this rank's micro-batches and the global batch's sample count), this rank's eval batches, and the sizes MLPerf
+    logs as ``train_samples`` / ``eval_samples``."""
 
-    train: Iterable[list[dict[str, Any]]]
+    train: Iterable[Step]
     eval: list[dict[str, Any]]
     train_samples: int
     eval_samples: int
@@ -39,7 +45,13 @@ class Benchmark(ABC):
     metric_name: str
     """Name of the quality metric in metrics.jsonl and on screen."""
     higher_is_better: bool
+    optimizer_name: str
+    """The only ``optimizer.name`` the benchmark trains with."""
     presets: dict[str, Callable[[], RunConfig]]
+    synthetic_sizes: dict[str, dict[str, int]] = {}
+    """Per preset, the size of the data set ``prepare NAME --synthetic --preset P`` writes."""
+    unused_keys: dict[str, str] = {}
+    """Config keys this benchmark does not read, each with why: setting one away from the preset's value is refused."""
 
     # -- config ---------------------------------------------------------------------------------
     def config(self, preset: str) -> RunConfig:
@@ -48,7 +60,10 @@ class Benchmark(ABC):
         return self.presets[preset]()
 
     def validate(self, cfg: RunConfig) -> None:
-        """Raise ConfigError for combinations the loop cannot run."""
+        """Raise ConfigError for keys this benchmark ignores and for combinations the loop cannot run."""
+        self._refuse_unused(cfg)
+        if cfg.optimizer.name != self.optimizer_name:
+            raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with {self.optimizer_name}")
         # Data-parallel replicas: tensor-parallel ranks share their replica's batch.
         d, world = cfg.data, cfg.distributed.nproc // max(1, cfg.distributed.tp)
         if d.global_batch_size % world:
@@ -71,6 +86,15 @@ class Benchmark(ABC):
                 f"set data.micro_batch_size={per_rank}"
             )
 
+    def _refuse_unused(self, cfg: RunConfig) -> None:
+        if not self.unused_keys:
+            return
+        ours, preset = leaves(cfg), leaves(self.config(cfg.preset))
+        for key, why in self.unused_keys.items():
+            value = getattr(ours[key].owner, ours[key].field.name)
+            if value != getattr(preset[key].owner, preset[key].field.name):
+                raise ConfigError(f"{key}={value} has no effect on {self.name}: {why}")
+
     def accumulation_steps(self, cfg: RunConfig) -> int:
         replicas = cfg.distributed.nproc // max(1, cfg.distributed.tp)
         return cfg.data.global_batch_size // (replicas * cfg.data.micro_batch_size)
@@ -88,14 +112,15 @@ class Benchmark(ABC):
         """Validate the data on disk (cheap: metadata only); raise DataError with what to do."""
 
     @abstractmethod
-    def build_model(self, cfg: RunConfig) -> torch.nn.Module: ...
+    def build_model(self, cfg: RunConfig) -> torch.nn.Module:
+        """The model, on the CPU or the meta device; :meth:`place` puts it on the rank's devices."""
 
-    def place(self, model: torch.nn.Module, cfg: RunConfig, info, bf16: bool) -> torch.nn.Module | None:
-        """Put ``model`` on the rank's device with the benchmark's own parallelism (sharding, tensor
-        parallelism) and return it; None (the default) lets the loop move it and wrap it in DDP."""
-        return None
+    @abstractmethod
+    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
+        """Put ``model`` on the rank's device with the benchmark's own parallelism and compilation (DDP, FSDP2,
+        tensor parallelism), applied from outside the model by the helper kept beside it in ``models/``."""
 
-    def data_rank(self, cfg: RunConfig, info) -> tuple[int, int]:
+    def data_rank(self, cfg: RunConfig, info: DistInfo) -> tuple[int, int]:
         """(rank, ranks) among the data-parallel replicas: which share of each global batch this rank reads."""
         return info.rank, info.world_size
 
@@ -146,4 +171,21 @@ class Benchmark(ABC):
         return frozenset()
 
     def eval_metadata(self, samples: int) -> dict[str, Any]:
+        """Metadata of the eval events: the samples trained so far."""
         return {"epoch_num": samples, "samples_count": samples}
+
+    # -- the command line -----------------------------------------------------------------------
+    @staticmethod
+    @abstractmethod
+    def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
+        """Add the options of ``trainbench prepare NAME`` that this benchmark's data needs (benchmarks of one family
+        share one function, so each option is added once)."""
+
+    @abstractmethod
+    def prepare(self, args: argparse.Namespace) -> int:
+        """``trainbench prepare NAME``: write the data set; returns the exit code."""
+
+    def convert(self, args: argparse.Namespace) -> int:
+        """``trainbench convert NAME``: turn a reference checkpoint into one ``model.init_checkpoint`` reads."""
+        raise UserError(f"`trainbench convert {self.name}` is not available: {self.name} has no reference checkpoint "
+                        "to convert")  # fmt: skip

@@ -17,9 +17,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from trainbench.benchmarks import bert_prepare
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data.bert_hdf5 import TrainBatches, eval_batches, find_shards
+from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
 from trainbench.models.bert import (
@@ -29,7 +31,9 @@ from trainbench.models.bert import (
     from_hf_state_dict,
     packed_kernel_unavailable,
 )
-from trainbench.train.lamb import Lamb, param_groups, poly_warmup_lr
+from trainbench.models.bert_parallel import parallelize_bert
+from trainbench.optim.lamb import Lamb, param_groups
+from trainbench.optim.schedules import poly_warmup_lr
 
 MLPERF_TARGET = 0.720
 
@@ -112,7 +116,13 @@ class BertBenchmark(Benchmark):
     description = "BERT-large pretraining (LAMB, seq 512, 76 predictions), target masked-LM accuracy 0.720"
     metric_name = "masked_lm_accuracy"
     higher_is_better = True
+    optimizer_name = "lamb"
     presets = {"tiny": tiny, "base": base, "large": large}
+    synthetic_sizes = SYNTHETIC_SIZES
+    unused_keys = {
+        "schedule.end_lr": "its schedule decays polynomially to 0 (schedule.poly_power shapes the decay)",
+        "perf.activation_checkpointing": "BERT keeps its activations (the large preset fits on one GPU at 48 rows)",
+    }
 
     def validate(self, cfg: RunConfig) -> None:
         super().validate(cfg)
@@ -223,6 +233,10 @@ class BertBenchmark(Benchmark):
             load_checkpoint(model, cfg.model.init_checkpoint)
         return model
 
+    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
+        bucket_clip = cfg.optimizer.max_grad_norm if cfg.optimizer.clip == "bucket" else None
+        return parallelize_bert(model, info, cfg.distributed, cfg.perf, bucket_clip)
+
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
         o = cfg.optimizer
         return Lamb(
@@ -310,6 +324,24 @@ class BertBenchmark(Benchmark):
             constants.OPT_LAMB_LR_DECAY_POLY_POWER: s.poly_power,
             "max_sequence_length": cfg.data.seq_length,
         }
+
+    # -- the command line -----------------------------------------------------------------------
+    add_prepare_arguments = staticmethod(bert_prepare.add_arguments)
+
+    def prepare(self, args) -> int:
+        return bert_prepare.prepare(args, self)
+
+    def convert(self, args) -> int:
+        from trainbench.console import console
+        from trainbench.convert import convert_bert
+
+        state = convert_bert(args.tf_checkpoint, args.out)
+        params = sum(t.numel() for t in state.values())
+        console.print(
+            f"wrote {args.out}: {len(state)} tensors, {params / 1e6:.2f}M parameters; "
+            f"use it with model.init_checkpoint={args.out}"
+        )
+        return 0
 
 
 def load_checkpoint(model: BertForPreTraining, path: str | Path) -> None:

@@ -8,8 +8,7 @@ samples), one loop. Rules followed:
   sequences every 12,288 sequences, target log perplexity <= 3.3.
 - `gpt3` (MLPerf Training 4.1): GPT-3 175B on C4, seq 2048, Adam beta 0.9/0.95, eps 1e-8, weight decay 0.1,
   clip 1.0, eval every 24,576 sequences, target log perplexity <= 2.69 (MLPerf starts from its step-4000
-  checkpoint; ``model`` weights load through ``model_init`` of HF Llama names only, so a GPT-3 run here
-  starts from scratch).
+  checkpoint; trainbench loads no GPT-3 checkpoint, so a GPT-3 run here starts from scratch and is not compliant).
 
 The eval metric is the mean next-token cross entropy (nats) over every token of the eval sequences.
 """
@@ -17,28 +16,26 @@ The eval metric is the mean next-token cross entropy (nats) over every token of 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
+from abc import abstractmethod
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from trainbench.benchmarks import llm_prepare
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
-from trainbench.data.bert_hdf5 import Step
 from trainbench.data.indexed import IndexedDataset, PackedSamples, find_prefixes
+from trainbench.data.steps import Step, batched, eval_share, rank_share
+from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
 from trainbench.models.decoder import DecoderConfig, DecoderLM
-from trainbench.train.distributed import DistInfo
-
-# Models smaller than this are initialised whole on every rank and then sharded, so a run on N ranks
-# starts from exactly the weights of a one-rank run; larger ones are initialised shard by shard.
-FULL_INIT_MAX_PARAMS = 2_000_000_000
+from trainbench.models.decoder_parallel import place_decoder
+from trainbench.optim.adamw import AdamClipped
+from trainbench.optim.groups import weight_decay_split
+from trainbench.optim.schedules import cosine_warmup_lr
 
 
 def _run(name: str, preset: str, model: DecoderConfig, data: DataConfig, optimizer: OptimizerConfig,
@@ -54,20 +51,12 @@ TINY_MODEL = DecoderConfig(
 TINY_DATA = DataConfig(seq_length=128, global_batch_size=32, micro_batch_size=32, eval_batch_size=64, eval_samples=256)
 
 
-def tiny(name: str) -> RunConfig:
+def tiny(name: str, arch: str, optimizer: str, epsilon: float) -> RunConfig:
     """2 blocks, width 128, on the synthetic Markov language of `prepare <bench> --synthetic --preset tiny`:
     reaches log perplexity 1.6 (the language's floor is about 1.27) in about a minute on 2 CPU cores."""
-    model = TINY_MODEL if name == "llama31_8b" else dataclasses.replace(TINY_MODEL, arch="gpt3", num_kv_heads=None)
-    llama = name == "llama31_8b"
-    opt = OptimizerConfig(
-        name="adamw" if llama else "adam",
-        lr=3e-3,
-        beta1=0.9,
-        beta2=0.95,
-        epsilon=1e-5 if llama else 1e-8,
-        weight_decay=0.1,
-        max_grad_norm=1.0,
-    )
+    model = TINY_MODEL if arch == TINY_MODEL.arch else dataclasses.replace(TINY_MODEL, arch=arch, num_kv_heads=None)
+    opt = OptimizerConfig(name=optimizer, lr=3e-3, beta1=0.9, beta2=0.95, epsilon=epsilon, weight_decay=0.1,
+                          max_grad_norm=1.0)  # fmt: skip
     sched = ScheduleConfig(warmup_steps=20, total_steps=1000)
     return _run(name, "tiny", model, dataclasses.replace(TINY_DATA), opt, sched, target=1.6, every=3200)
 
@@ -112,48 +101,23 @@ def gpt3(preset: str) -> RunConfig:
     )  # fmt: skip
 
 
-class AdamClipped(torch.optim.AdamW):
-    """AdamW (Adam with decoupled weight decay; ``weight_decay=0`` groups for biases and norms) after clipping
-    the global gradient norm. The norm is taken over sharded (DTensor) gradients too: squares are summed
-    locally and all-reduced over the mesh dimensions each gradient is sharded on."""
-
-    def __init__(self, params, max_grad_norm: float, **kw):
-        super().__init__(params, **kw)
-        self.max_grad_norm = max_grad_norm
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if self.max_grad_norm > 0:
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            norm = global_grad_norm(grads)
-            scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                (g.to_local() if isinstance(g, DTensor) else g).mul_(scale)
-        return super().step(closure)
-
-
-def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        if isinstance(g, DTensor):
-            mesh = g.device_mesh
-            key = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements) if pl.is_shard())
-            groups.setdefault(key, []).append(g.to_local())
-        else:
-            groups.setdefault((), []).append(g)
-    total = None
-    for key, tensors in groups.items():
-        sq = torch.stack(torch._foreach_norm([t.float() for t in tensors])).pow(2).sum()
-        for group in key:
-            dist.all_reduce(sq, group=group)
-        total = sq if total is None else total + sq.to(total.device)
-    return total.sqrt()
-
-
 class LLMBenchmark(Benchmark):
     metric_name = "log_perplexity"
     higher_is_better = False
     eval_every: int
+    unused_keys = {
+        "data.max_predictions": "it predicts every next token, not masked ones",
+        "data.layout": "its samples are fixed-length token windows, never packed rows",
+        "data.length_bins": "its samples are fixed-length token windows: every one has seq_length tokens",
+        "optimizer.bias_correction": "Adam(W) always corrects both moments",
+        "optimizer.clip": "it clips the global gradient norm (FSDP shards the gradients; no DDP buckets)",
+        "schedule.start_warmup_step": "its warmup starts at step 0",
+        "schedule.poly_power": "its schedule is a cosine decay to schedule.end_lr",
+        "distributed.bucket_cap_mb": "FSDP2 reduce-scatters per block, not in DDP buckets",
+        "distributed.grad_reduce_dtype": "FSDP2 reduces gradients in fp32",
+        "distributed.overlap_compiled": "it compiles each block, and FSDP2 overlaps its collectives itself",
+        "perf.cuda_graphs": "its blocks are compiled without CUDA graphs",
+    }
 
     def validate(self, cfg: RunConfig) -> None:
         super().validate(cfg)
@@ -163,12 +127,6 @@ class LLMBenchmark(Benchmark):
                               "must divide evenly")  # fmt: skip
         if m.arch == "gpt3" and d.seq_length > m.max_seq_length:
             raise ConfigError(f"data.seq_length={d.seq_length} exceeds model.max_seq_length={m.max_seq_length}")
-        if cfg.optimizer.name not in ("adam", "adamw"):
-            raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with adam or adamw")
-        if d.layout != "fixed" or d.length_bins:
-            raise ConfigError(f"{self.name} samples are fixed-length token windows: no data.layout/length_bins")
-        if cfg.optimizer.clip != "global":
-            raise ConfigError(f"{self.name} clips the global gradient norm (optimizer.clip=global)")
         if cfg.distributed.nproc % cfg.distributed.tp:
             raise ConfigError(f"distributed.tp={cfg.distributed.tp} does not divide --nproc {cfg.distributed.nproc}")
 
@@ -203,9 +161,8 @@ class LLMBenchmark(Benchmark):
         train = PackedSamples(self._split(cfg, "train"), d.seq_length, cfg.seed)
         evals = PackedSamples(self._split(cfg, "eval"), d.seq_length, 0)
         n_eval = min(d.eval_samples or evals.samples_per_epoch, evals.samples_per_epoch)
-        lo, hi = n_eval * rank // world_size, n_eval * (rank + 1) // world_size
-        eval_batches = [{"tokens": evals.batch(range(i, min(i + d.eval_batch_size, hi)))}
-                        for i in range(lo, hi, d.eval_batch_size)]  # fmt: skip
+        eval_batches = [{"tokens": evals.batch(b)} for b in batched(eval_share(n_eval, rank, world_size),
+                                                                    d.eval_batch_size)]  # fmt: skip
         return BenchmarkData(
             train=TokenSteps(train, d.global_batch_size, d.micro_batch_size, rank, world_size, start_sample),
             eval=eval_batches,
@@ -218,34 +175,24 @@ class LLMBenchmark(Benchmark):
         with torch.device("meta"):
             return DecoderLM(cfg.model)
 
-    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> torch.nn.Module:
-        from trainbench.train.parallel import parallelize
-
-        full = None
-        if cfg.model.num_params() <= FULL_INIT_MAX_PARAMS:
-            whole = DecoderLM(cfg.model)
-            whole.init_weights(cfg.seed)
-            full = whole.state_dict()
-        return parallelize(model, info.device, info.world_size, cfg.distributed.tp, bf16 and info.device.type == "cuda",
-                           cfg.perf.activation_checkpointing, cfg.perf.compile, full, cfg.seed)  # fmt: skip
+    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
+        return place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
+                             cfg.perf.compile, cfg.seed)  # fmt: skip
 
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
         o = cfg.optimizer
-        decay, plain = [], []
-        for name, p in model.named_parameters():
-            (plain if p.ndim <= 1 or name.endswith(".bias") else decay).append(p)
+        decay, plain = weight_decay_split(model)
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": plain, "weight_decay": 0.0}]
         cuda = next(model.parameters()).device.type == "cuda"
         return AdamClipped(groups, o.max_grad_norm, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.epsilon,
                            foreach=not cuda, fused=cuda)  # fmt: skip
 
+    def end_lr(self, cfg: RunConfig) -> float:
+        return cfg.schedule.end_lr if cfg.schedule.end_lr is not None else 0.1 * cfg.optimizer.lr
+
     def lr_at(self, cfg: RunConfig, step: int) -> float:
-        s, base = cfg.schedule, cfg.optimizer.lr
-        end = s.end_lr if s.end_lr is not None else 0.1 * base
-        if step < s.warmup_steps:
-            return base * (step + 1) / s.warmup_steps
-        progress = min(1.0, (step - s.warmup_steps) / max(1, s.total_steps - s.warmup_steps))
-        return end + 0.5 * (base - end) * (1 + math.cos(math.pi * progress))
+        s = cfg.schedule
+        return cosine_warmup_lr(step, cfg.optimizer.lr, self.end_lr(cfg), s.warmup_steps, s.total_steps)
 
     # -- step -----------------------------------------------------------------------------------
     def loss_weights(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -266,13 +213,10 @@ class LLMBenchmark(Benchmark):
     def eval_metric(self, sums: torch.Tensor) -> float:
         return float(sums[0] / sums[1].clamp(min=1))
 
-    def eval_metadata(self, samples: int) -> dict[str, Any]:
-        return {"epoch_num": samples, "samples_count": samples}
-
     # -- MLPerf ---------------------------------------------------------------------------------
+    @abstractmethod
     def optimizer_keys(self, cfg: RunConfig) -> dict[str, Any]:
         """The benchmark's own optimizer keys (opt_adamw_* or opt_adam_*)."""
-        raise NotImplementedError
 
     def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
         o, s = cfg.optimizer, cfg.schedule
@@ -280,12 +224,18 @@ class LLMBenchmark(Benchmark):
             "max_sequence_length": cfg.data.seq_length,
             constants.OPT_NAME: o.name,
             constants.OPT_BASE_LR: o.lr,
-            constants.OPT_END_LR: s.end_lr if s.end_lr is not None else 0.1 * o.lr,
+            constants.OPT_END_LR: self.end_lr(cfg),
             constants.OPT_LR_WARMUP_STEPS: s.warmup_steps,
             constants.OPT_LR_DECAY_STEPS: s.total_steps - s.warmup_steps,
             constants.OPT_LR_DECAY_SCHEDULE: "cosine with linear warmup",
             constants.OPT_GRADIENT_CLIP_NORM: o.max_grad_norm,
         } | self.optimizer_keys(cfg)
+
+    # -- the command line -----------------------------------------------------------------------
+    add_prepare_arguments = staticmethod(llm_prepare.add_arguments)
+
+    def prepare(self, args) -> int:
+        return llm_prepare.prepare(args, self)
 
 
 class TokenSteps:
@@ -294,17 +244,14 @@ class TokenSteps:
 
     def __init__(self, samples: PackedSamples, gbs: int, micro: int, rank: int, world: int, start_sample: int):
         self.samples, self.gbs, self.micro = samples, gbs, micro
-        self.per_rank = gbs // world
-        self.rank, self.start = rank, start_sample
+        self.rank, self.world, self.start = rank, world, start_sample
 
     def __iter__(self):
         k = self.start
         while True:
-            lo = k + self.rank * self.per_rank
-            tokens = self.samples.batch(range(lo, lo + self.per_rank))
-            step = Step({"tokens": tokens[i : i + self.micro]} for i in range(0, self.per_rank, self.micro))
-            step.samples = self.gbs
-            yield step
+            share = rank_share(self.gbs, self.rank, self.world)
+            tokens = self.samples.batch(range(k + share.start, k + share.stop))
+            yield Step.split({"tokens": tokens}, self.micro, self.gbs)
             k += self.gbs
 
 
@@ -313,9 +260,10 @@ class Llama31Benchmark(LLMBenchmark):
     mlperf_name = constants.LLAMA31_8B
     ruleset = "5.1.0"
     description = "Llama 3.1 8B pretraining on C4 (AdamW, seq 8192), target log perplexity 3.3"
+    optimizer_name = "adamw"
     eval_every = 12_288
     presets = {
-        "tiny": lambda: tiny("llama31_8b"),
+        "tiny": lambda: tiny("llama31_8b", arch="llama", optimizer="adamw", epsilon=1e-5),
         "llama-1b": lambda: llama("llama-1b", LLAMA_1B, gbs=32, micro=1, lr=1e-3),
         "llama31-8b": lambda: llama("llama31-8b", LLAMA31_8B, gbs=32, micro=1, lr=1e-3),
     }
@@ -346,8 +294,13 @@ class Gpt3Benchmark(LLMBenchmark):
     mlperf_name = constants.GPT3
     ruleset = "4.1.0"
     description = "GPT-3 175B pretraining on C4 (Adam, seq 2048), target log perplexity 2.69"
+    optimizer_name = "adam"
     eval_every = 24_576
-    presets = {"tiny": lambda: tiny("gpt3")} | {name: (lambda n=name: gpt3(n)) for name in GPT3_SHAPES}
+    presets = {"tiny": lambda: tiny("gpt3", arch="gpt3", optimizer="adam", epsilon=1e-8)} | {
+        name: (lambda n=name: gpt3(n)) for name in GPT3_SHAPES
+    }
+    # GPT-3's learned positions take the place of RoPE.
+    unused_keys = LLMBenchmark.unused_keys | {"model.rope_theta": "the gpt3 architecture has learned positions"}
 
     def waived_checks(self, cfg: RunConfig) -> frozenset[str]:
         # Only the shape: the target window (2.6-2.69) and init_checkpoint_step (MLPerf's step-4000 checkpoint)
@@ -366,8 +319,3 @@ class Gpt3Benchmark(LLMBenchmark):
             constants.OPT_ADAM_BETA_2: o.beta2,
             constants.OPT_ADAM_EPSILON: o.epsilon,
         }
-
-
-def manifest(data_dir: str | Path) -> dict:
-    path = Path(data_dir) / "manifest.json"
-    return json.loads(path.read_text()) if path.exists() else {}

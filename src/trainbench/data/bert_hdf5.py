@@ -19,6 +19,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from trainbench.data.steps import Step, batched, eval_share, rank_share
 from trainbench.errors import DataError
 
 PACKED_KEYS = (
@@ -250,12 +251,6 @@ class GlobalSampleOrder:
             offset = 0
 
 
-class Step(list):
-    """One optimizer step's micro-batches, with the number of samples in the whole global batch."""
-
-    samples: int
-
-
 class TrainBatches:
     """Iterator over optimizer steps: each item is this rank's micro-batches for one global batch."""
 
@@ -271,8 +266,9 @@ class TrainBatches:
         layout="fixed",
         length_bins=0,
     ):
-        per_rank, remainder = divmod(global_batch_size, world_size)
-        assert remainder == 0 and per_rank % micro_batch_size == 0, "batch sizes were validated by the config"
+        self.share = rank_share(global_batch_size, rank, world_size)
+        per_rank = len(self.share)
+        assert per_rank % micro_batch_size == 0, "batch sizes were validated by the config"
         self.shards = shards
         self.order = GlobalSampleOrder(shards, seed)
         self.global_batch_size = global_batch_size
@@ -292,24 +288,18 @@ class TrainBatches:
 
     def __iter__(self):
         stream = self.order.stream(self.start_sample)
-        lo, hi = self.rank * self.per_rank, (self.rank + 1) * self.per_rank
         while True:
-            # Rank-major split of the global batch: rank r owns samples [r*per_rank, (r+1)*per_rank).
             picks = [next(stream) for _ in range(self.global_batch_size)]
-            if self.length_bins:
-                step = self._binned_step(picks)
-            else:
-                batch = self._gather(picks[lo:hi])
-                step = Step(
-                    {k: v[i : i + self.micro_batch_size] for k, v in batch.items()}
-                    for i in range(0, self.per_rank, self.micro_batch_size)
-                )
             # Samples are sequences: a packed row holds several. Every rank counts the whole global batch
             # from the shards it caches, so all ranks agree without communicating.
-            step.samples = self._count_sequences(picks) if self.packed else self.global_batch_size
-            yield step
+            samples = self._count_sequences(picks) if self.packed else self.global_batch_size
+            if self.length_bins:
+                yield self._binned_step(picks, samples)
+            else:
+                mine = picks[self.share.start : self.share.stop]
+                yield Step.split(self._gather(mine), self.micro_batch_size, samples)
 
-    def _binned_step(self, picks: list[tuple[int, int]]) -> Step:
+    def _binned_step(self, picks: list[tuple[int, int]], samples: int) -> Step:
         """The length-balanced split of one global batch (the same samples as the plain split).
 
         The global batch is sorted by length, longest first; micro-step k takes the next
@@ -323,7 +313,7 @@ class TrainBatches:
         seq_length = self.cache.get(self.shards[picks[0][0]].path)["input_ids"].shape[1]
         width = -(-seq_length // self.length_bins)
         span = self.world_size * self.micro_batch_size
-        step = Step()
+        step = Step(samples=samples)
         for k in range(0, self.global_batch_size, span):
             mine = order[k : k + span][self.rank :: self.world_size]
             batch = self._gather([picks[i] for i in mine])
@@ -357,7 +347,5 @@ def eval_batches(shards, eval_samples, eval_batch_size, rank, world_size) -> lis
         if eval_samples > total:
             raise DataError(f"data.eval_samples={eval_samples} but the eval files hold only {total} samples")
         total = eval_samples
-    lo, hi = total * rank // world_size, total * (rank + 1) // world_size
-    mine = {k: v[lo:hi] for k, v in merged.items()}
-    n = len(mine["input_ids"])
-    return [{k: v[i : i + eval_batch_size] for k, v in mine.items()} for i in range(0, n, eval_batch_size)]
+    return [{k: v[b.start : b.stop] for k, v in merged.items()} for b in batched(eval_share(total, rank, world_size),
+                                                                                   eval_batch_size)]  # fmt: skip

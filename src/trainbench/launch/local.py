@@ -15,9 +15,10 @@ from trainbench.benchmarks import get_benchmark
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, apply_overrides, read_yaml_overrides, save_config
 from trainbench.console import RunConsole
+from trainbench.distributed import available_slots, init_distributed, resolve_device
 from trainbench.errors import ConfigError, UserError
 from trainbench.mlperf import ComplianceResult, check_compliance
-from trainbench.train.distributed import available_slots, init_distributed, resolve_device
+from trainbench.runfiles import CONFIG, CONSOLE, SUMMARY, RunFiles
 
 
 def build_config(
@@ -86,7 +87,7 @@ def resume_run_dir(bench: Benchmark, cfg: RunConfig) -> Path:
     if cfg.output.run_dir:
         return Path(cfg.output.run_dir)
     root = Path(cfg.output.results_dir)
-    candidates = sorted(root.glob(f"*-{bench.name}-{cfg.preset}*/config.yaml")) if root.is_dir() else []
+    candidates = sorted(root.glob(f"*-{bench.name}-{cfg.preset}*/{CONFIG}")) if root.is_dir() else []
     if not candidates:
         raise UserError(
             f"resume=true but {root} holds no {bench.name}/{cfg.preset} run folder; "
@@ -95,17 +96,13 @@ def resume_run_dir(bench: Benchmark, cfg: RunConfig) -> Path:
     return candidates[-1].parent
 
 
-def finished(run_dir: Path, index: int) -> bool:
-    return (run_dir / f"run_{index}.json").exists() and (run_dir / f"result_{index}.txt").exists()
-
-
 def run_experiments(bench: Benchmark, cfg: RunConfig, nexp: int = 1) -> tuple[Path, list[RunRecord]]:
     if nexp < 1:
         raise ConfigError(f"--nexp must be at least 1, got {nexp}")
     if cfg.resume:
         run_dir = resume_run_dir(bench, cfg)
-        if (run_dir / "config.yaml").exists():  # continue with the settings the run started with
-            _, saved = load_run_config(run_dir / "config.yaml")
+        if (run_dir / CONFIG).exists():  # continue with the settings the run started with
+            _, saved = load_run_config(run_dir / CONFIG)
             cfg = dataclasses.replace(
                 saved, resume=True, output=dataclasses.replace(saved.output, run_dir=str(run_dir))
             )
@@ -115,12 +112,12 @@ def run_experiments(bench: Benchmark, cfg: RunConfig, nexp: int = 1) -> tuple[Pa
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
         run_dir = new_run_dir(cfg.output.results_dir, bench.name, cfg.preset)
-    save_config(cfg, run_dir / "config.yaml")
-    out = RunConsole(run_dir / "console.log")
+    save_config(cfg, run_dir / CONFIG)
+    out = RunConsole(run_dir / CONSOLE)
     out.say(f"results folder: {run_dir}")
     records = []
     for index in range(nexp):
-        if cfg.resume and finished(run_dir, index):
+        if cfg.resume and RunFiles(run_dir, index).finished:
             out.say(f"run {index}: finished already")
         elif cfg.distributed.nproc == 1:
             _run_in_process(bench, experiment_config(cfg, index), run_dir, index, device)
@@ -165,11 +162,10 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
 
 
 def _collect(bench: Benchmark, run_dir: Path, index: int, cfg: RunConfig | None = None) -> RunRecord:
-    outcome_path = run_dir / f"run_{index}.json"
-    log = run_dir / f"result_{index}.txt"
-    outcome = json.loads(outcome_path.read_text()) if outcome_path.exists() else None
+    files = RunFiles(run_dir, index)
+    outcome = json.loads(files.outcome.read_text()) if files.outcome.exists() else None
     waived = bench.waived_checks(cfg) if cfg is not None else frozenset()
-    compliance = check_compliance(log, bench.ruleset, waived=waived) if log.exists() else None
+    compliance = check_compliance(files.log, bench.ruleset, waived=waived) if files.log.exists() else None
     return RunRecord(index, outcome, compliance)
 
 
@@ -201,7 +197,7 @@ def write_summary(bench: Benchmark, cfg: RunConfig, run_dir: Path, records: list
         "runs": [
             {
                 "index": r.index,
-                "result": f"result_{r.index}.txt",
+                "result": RunFiles(run_dir, r.index).log.name,
                 "finished": r.outcome is not None,
                 **(r.outcome or {}),
                 "compliance": None
@@ -211,8 +207,8 @@ def write_summary(bench: Benchmark, cfg: RunConfig, run_dir: Path, records: list
             for r in records
         ],
     }
-    path = run_dir / "summary.json"
-    tmp = path.with_name(f"summary.json.{os.getpid()}.tmp")  # several Slurm array tasks may write it
+    path = run_dir / SUMMARY
+    tmp = path.with_name(f"{SUMMARY}.{os.getpid()}.tmp")  # several Slurm array tasks may write it
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     tmp.replace(path)
     return path

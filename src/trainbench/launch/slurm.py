@@ -31,6 +31,7 @@ from trainbench.config import RunConfig, save_config
 from trainbench.errors import UserError
 from trainbench.launch.local import new_run_dir
 from trainbench.launch.systems import System
+from trainbench.runfiles import CONFIG
 
 q = shlex.quote
 
@@ -230,7 +231,7 @@ def submit(
         distributed=dataclasses.replace(cfg.distributed, nproc=system.ranks_per_node),
         output=dataclasses.replace(cfg.output, run_dir=str(run_dir), progress=False),
     )
-    save_config(cfg, run_dir / "config.yaml")
+    save_config(cfg, run_dir / CONFIG)
     python = "python3" if system.container_image else sys.executable
     script = render_script(system, cfg, run_dir, nexp, command, python)
     path = run_dir / "submit.sbatch"
@@ -247,7 +248,7 @@ def finish(run_dir: Path, index: int, rc: int) -> None:
     """After a run's srun: its compliance check, the folder's summary, and the job state."""
     from trainbench.launch.local import _collect, load_run_config, write_summary
 
-    bench, cfg = load_run_config(run_dir / "config.yaml")
+    bench, cfg = load_run_config(run_dir / CONFIG)
     nexp = json.loads((run_dir / "job.json").read_text()).get("nexp", 1) if (run_dir / "job.json").exists() else 1
     records = [_collect(bench, run_dir, i, cfg) for i in range(nexp)]
     write_summary(bench, cfg, run_dir, records)

@@ -10,11 +10,13 @@ from pathlib import Path
 from rich.markup import escape
 
 from trainbench.console import console
+from trainbench.distributed import init_distributed, resolve_device, shutdown
 from trainbench.errors import Preempted, UserError
 from trainbench.launch.local import experiment_config, load_run_config
 from trainbench.launch.systems import format_cpus, parse_cpus
-from trainbench.train.distributed import init_distributed, resolve_device, shutdown
-from trainbench.train.loop import StopSignal, train
+from trainbench.runfiles import CONFIG
+from trainbench.train.duties import StopSignal
+from trainbench.train.loop import train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     StopSignal.install_early()
     argv = sys.argv[1:] if argv is None else argv
     run_dir, index, resume = Path(argv[0]), int(argv[1]), "--resume" in argv[2:]
-    bench, cfg = load_run_config(run_dir / "config.yaml")
+    bench, cfg = load_run_config(run_dir / CONFIG)
     cfg = experiment_config(cfg, index)
     info = init_distributed(resolve_device(cfg.device), cfg.distributed.backend)
     try:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 from trainbench.errors import UserError
+from trainbench.report.scoring import folder_benchmark
+from trainbench.runfiles import CONFIG, RunFiles, finished_logs
 
 
 def _cpu_model() -> str:
@@ -114,21 +116,20 @@ def make_package(run_dir: Path, out: Path, org: str, system_name: str) -> Path:
     for name, value in (("--org", org), ("--system", system_name)):
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
             raise UserError(f"{name} {value!r}: use letters, digits, '.', '_' and '-' only (it becomes a folder name)")
-    logs = sorted(run_dir.glob("result_*.txt"))
+    logs = finished_logs(run_dir)
     if not logs:
         raise UserError(f"{run_dir} holds no finished MLPerf log (result_*.txt)")
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    benchmark = summary.get("mlperf_benchmark", "bert")
+    benchmark, _ = folder_benchmark(run_dir, logs)
     from trainbench.launch.local import load_run_config
 
-    cfg = load_run_config(run_dir / "config.yaml")[1] if (run_dir / "config.yaml").exists() else None
+    cfg = load_run_config(run_dir / CONFIG)[1] if (run_dir / CONFIG).exists() else None
     division = cfg.output.division if cfg else "closed"
     status = cfg.output.status if cfg else "onprem"
     root = out / org
     results = root / "results" / system_name / benchmark
     results.mkdir(parents=True, exist_ok=True)
     for i, log in enumerate(logs):
-        shutil.copyfile(log, results / f"result_{i}.txt")
+        shutil.copyfile(log, results / RunFiles(results, i).log.name)
     systems = root / "systems"
     systems.mkdir(parents=True, exist_ok=True)
     desc = system_description(org, system_name, run_dir, division, status)

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from trainbench.report.scoring import Score, score_folder
+from trainbench.runfiles import CONFIG, SUMMARY
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -155,9 +156,9 @@ def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
 
         raise UserError(f"results folder {run_dir} does not exist")
     score = score_folder(run_dir)
-    config = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").exists() else "(no config.yaml)"
+    config = (run_dir / CONFIG).read_text() if (run_dir / CONFIG).exists() else f"(no {CONFIG})"
     job = json.loads((run_dir / "job.json").read_text()) if (run_dir / "job.json").exists() else {}
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    summary = json.loads((run_dir / SUMMARY).read_text()) if (run_dir / SUMMARY).exists() else {}
     target = _target(config)
     metric = next((r.get("metric_name") for r in summary.get("runs", []) if r.get("metric_name")), "eval metric")
     plots = make_plots(run_dir, target, metric)

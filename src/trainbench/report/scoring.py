@@ -12,7 +12,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainbench.mlperf import check_compliance
+from trainbench.benchmarks import by_mlperf_name
+from trainbench.errors import UserError
+from trainbench.mlperf import check_compliance, read_log, run_window, submission_benchmark
+from trainbench.runfiles import SUMMARY, RunFiles, run_indices
 from trainbench.telemetry import run_energy
 
 MAX_DROPPED = 1  # MLPerf: one non-converged run may be dropped (unet3d allows 4; none here)
@@ -46,25 +49,6 @@ class Score:
     counted: list[int] = field(default_factory=list)  # run indices averaged
 
 
-def log_events(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        if ":::MLLOG" in line:
-            try:
-                out.append(json.loads(line.split(":::MLLOG", 1)[1]))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
-def run_window(events: list[dict]) -> tuple[int, int] | None:
-    """(run_start, run_stop) times in ms, as the summarizer reads them (the first of each); None if either
-    is missing."""
-    start = next((e["time_ms"] for e in events if e["key"] == "run_start"), None)
-    stop = next((e["time_ms"] for e in events if e["key"] == "run_stop"), None)
-    return None if start is None or stop is None else (start, stop)
-
-
 def score_runs(times: list[float | None], max_dropped: int = MAX_DROPPED) -> tuple[float | None, bool, str, list[int]]:
     """Olympic score of run times in minutes (None: the run does not count). Returns (score, valid, reason,
     indices averaged)."""
@@ -88,23 +72,20 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
     from mlperf_logging.benchmark_meta import get_result_file_counts
 
     run_dir = Path(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    ruleset = ruleset or summary.get("ruleset") or "5.0.0"
-    indices = sorted(
-        {int(p.name.split("_")[1].split(".")[0]) for p in run_dir.glob("result_*.txt*")}
-        | {int(p.stem.split("_")[1]) for p in run_dir.glob("run_*.json")}
-    )
-    runs = []
-    for i in indices:
-        log = run_dir / f"result_{i}.txt"
-        outcome_path = run_dir / f"run_{i}.json"
-        outcome = json.loads(outcome_path.read_text()) if outcome_path.exists() else {}
-        if not log.exists():
-            runs.append(RunScore(i, f"result_{i}.txt.partial", "unfinished", False, "no run_stop (the run did not "
+    summary = json.loads((run_dir / SUMMARY).read_text()) if (run_dir / SUMMARY).exists() else {}
+    runs, benchmark = [], summary.get("mlperf_benchmark")
+    for i in run_indices(run_dir):
+        files = RunFiles(run_dir, i)
+        outcome = json.loads(files.outcome.read_text()) if files.outcome.exists() else {}
+        if not files.log.exists():
+            runs.append(RunScore(i, files.partial_log.name, "unfinished", False, "no run_stop (the run did not "
                                  "finish)", None, None, None, None, None))  # fmt: skip
             continue
-        events = log_events(log)
-        check = check_compliance(log, ruleset, waived=frozenset(summary.get("waived_checks", [])))
+        events = read_log(files.log)
+        benchmark = benchmark or submission_benchmark(events)
+        if ruleset is None:
+            ruleset = summary.get("ruleset") or _ruleset_of(benchmark, files.log)
+        check = check_compliance(files.log, ruleset, waived=frozenset(summary.get("waived_checks", [])))
         window = run_window(events)
         ttt = None if window is None else (window[1] - window[0]) / 60_000
         energy = outcome.get("energy")
@@ -113,7 +94,7 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
         runs.append(
             RunScore(
                 index=i,
-                log=log.name,
+                log=files.log.name,
                 status=outcome.get("status", "unknown"),
                 compliant=check.ok,
                 compliance_reason=check.reason(),
@@ -124,9 +105,24 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
                 energy=energy,
             )
         )
-    benchmark = summary.get("mlperf_benchmark", "bert")
-    required = get_result_file_counts("training").get(benchmark)
+    required = get_result_file_counts("training").get(benchmark) if benchmark else None
     score, valid, reason, counted = score_runs([r.time_to_train_min if r.counts else None for r in runs])
     if valid and required and len(runs) < required:
         reason += f"; MLPerf asks for {required} runs of {benchmark}, this folder has {len(runs)}"
     return Score(runs, score, valid, reason, required, counted)
+
+
+def _ruleset_of(mlperf_benchmark: str | None, log: Path) -> str:
+    bench = by_mlperf_name(mlperf_benchmark) if mlperf_benchmark else None
+    if bench is None:
+        raise UserError(f"{log}: no known submission_benchmark in the log and no summary.json beside it; "
+                        "cannot tell which compliance ruleset applies")  # fmt: skip
+    return bench.ruleset
+
+
+def folder_benchmark(run_dir: Path, logs: list[Path]) -> tuple[str, str]:
+    """(MLPerf benchmark name, compliance ruleset) of a results folder: from its summary.json, else from its first
+    log's ``submission_benchmark`` through the benchmark registry."""
+    summary = json.loads((run_dir / SUMMARY).read_text()) if (run_dir / SUMMARY).exists() else {}
+    name = summary.get("mlperf_benchmark") or submission_benchmark(read_log(logs[0]))
+    return name, summary.get("ruleset") or _ruleset_of(name, logs[0])

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainbench.train.distributed import DistInfo
+from trainbench.distributed import DistInfo
+from trainbench.runfiles import RunFiles
 
 
 @dataclass
@@ -36,7 +37,7 @@ class LoopState:
 
 
 def checkpoint_dir(run_dir: Path, index: int) -> Path:
-    return run_dir / f"checkpoint_{index}"
+    return RunFiles(run_dir, index).checkpoint
 
 
 def find_checkpoint(run_dir: Path, index: int) -> Path | None:

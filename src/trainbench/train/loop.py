@@ -1,79 +1,35 @@
 """The one training loop: every benchmark, every scale (1 CPU rank to many GPUs).
 
-The benchmark supplies model, data, optimizer, loss and metric (``Benchmark``); this loop owns the
-order of things MLPerf measures: init, run_start, train blocks between evals, eval, run_stop.
+The benchmark supplies model and placement, data, optimizer, loss and metric (``Benchmark``); this loop owns the
+order of things MLPerf measures: init, run_start, train blocks between evals, eval, run_stop. Its parts: building
+the run (train/setup.py), the MLPerf record (train/record.py), the step (train/step.py), eval (train/evaluate.py)
+and the side duties (train/duties.py: signals, GC, metrics, telemetry, profiler; checkpoints in train/checkpoint.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
-import os
-import random
-import signal
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig
 from trainbench.console import RunConsole, TrainProgress
 from trainbench.data.prefetch import pinned, prefetch
-from trainbench.errors import ConfigError, Preempted, TrainingDiverged
-from trainbench.mlperf import MLPerfLog, constants
-from trainbench.telemetry import Sampler, run_energy
+from trainbench.distributed import DistInfo, all_reduce_sum
+from trainbench.errors import Preempted, TrainingDiverged
+from trainbench.mlperf import constants
+from trainbench.runfiles import CONSOLE, METRICS, RunFiles
+from trainbench.telemetry import run_energy
 from trainbench.train import checkpoint
-from trainbench.train.distributed import DistInfo, ReduceSettings, all_reduce_sum, split_compiled_graph, wrap_ddp
-from trainbench.train.profiling import StepProfiler
-
-# Logged (a point in time) when a run continues from a checkpoint; value: how many times it was resumed.
-RESUMED_KEY = "trainbench_resumed"
-
-
-class StopSignal:
-    """SIGUSR1 (Slurm's warning before the time limit) or SIGTERM: finish the step, checkpoint, stop."""
-
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-    early = False  # set by install_early(): a signal that came before training started
-
-    @classmethod
-    def install_early(cls) -> None:
-        """Catch the stop signals from process start (a worker's imports and rendezvous take seconds), so a
-        signal sent then is not fatal: the run stops at its first log step instead."""
-
-        def handle(signum, frame):
-            cls.early = True
-
-        for sig in cls.SIGNALS:
-            signal.signal(sig, handle)
-
-    def __init__(self):
-        self.caught = StopSignal.early
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.caught = True
-
-    def any(self, info: DistInfo) -> bool:
-        """Whether any rank caught a signal (all ranks must agree to checkpoint together)."""
-        if info.world_size == 1:
-            return self.caught
-        flag = torch.tensor([float(self.caught)], device=info.device)
-        return bool(all_reduce_sum(flag, info).item() > 0)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
+from trainbench.train.duties import GcPolicy, Metrics, StopSignal, finish_profiler, start_profiler, start_telemetry
+from trainbench.train.evaluate import evaluate
+from trainbench.train.record import MLPerfRecord, platform_name
+from trainbench.train.setup import RunSetup, build_run
+from trainbench.train.step import StepTotals, train_step
 
 
 @dataclass
@@ -102,23 +58,6 @@ class RunOutcome:
         return asdict(self) | {"time_to_train_min": self.time_to_train_min}
 
 
-def result_paths(run_dir: Path, index: int) -> tuple[Path, Path]:
-    """(in-progress, finished) names of run ``index``'s MLPerf log."""
-    return run_dir / f"result_{index}.txt.partial", run_dir / f"result_{index}.txt"
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def platform_name(device: torch.device, world_size: int) -> str:
-    if device.type == "cuda":
-        return f"{world_size}x{torch.cuda.get_device_name(device).replace(' ', '_')}"
-    return f"{world_size}xCPU_{os.cpu_count()}cores"
-
-
 def train(
     cfg: RunConfig, bench: Benchmark, run_dir: Path, index: int, info: DistInfo, resume: bool = False
 ) -> RunOutcome:
@@ -128,282 +67,183 @@ def train(
     same optimizer state, same RNG, appending to the run's MLPerf log. SIGUSR1 or SIGTERM saves a
     checkpoint and raises :class:`Preempted`, leaving the log unfinished (``.partial``).
     """
-    is_main = info.is_main
-    partial, final = result_paths(run_dir, index)
-    out = RunConsole(run_dir / "console.log", enabled=is_main)
+    files = RunFiles(run_dir, index)
+    out = RunConsole(run_dir / CONSOLE, enabled=info.is_main)
     ckpt = checkpoint.find_checkpoint(run_dir, index) if resume else None
-    if ckpt is None and is_main:
-        partial.unlink(missing_ok=True)  # a fresh start: nothing of an earlier attempt stays in the log
-        (run_dir / "metrics.jsonl").touch()
-    mll = MLPerfLog(partial if is_main else None)  # appends when resuming
-    device = info.device
-    use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-
-    o = cfg.output
-    # The log's header (init, submission and hyperparameter keys) is written once: not again on resume.
-    header = mll if ckpt is None else MLPerfLog(None)
-    header.event(constants.CACHE_CLEAR, True)
-    header.start(constants.INIT_START)
-    header.event(constants.SUBMISSION_BENCHMARK, bench.mlperf_name)
-    header.event(constants.SUBMISSION_ORG, o.submission_org)
-    header.event(constants.SUBMISSION_DIVISION, o.division)
-    header.event(constants.SUBMISSION_STATUS, o.status)
-    header.event(constants.SUBMISSION_PLATFORM, o.submission_platform or platform_name(device, info.world_size))
-
-    seed_everything(cfg.seed)
-    # raw_model: the parameters and the checkpoint; ddp: the gradient all-reduce; model: what is called.
-    raw_model = bench.build_model(cfg)
-    placed = bench.place(raw_model, cfg, info, use_bf16)
-    ddp = None
-    if cfg.optimizer.clip == "bucket" and info.world_size == 1:
-        raise ConfigError("optimizer.clip=bucket clips before the all-reduce: it needs more than one rank")
-    if placed is not None:  # the benchmark shards and compiles its model itself
-        raw_model = placed
-    else:
-        raw_model = raw_model.to(device)
-    if placed is None and info.world_size > 1:
-        reduce = ReduceSettings(
-            clip_norm=cfg.optimizer.max_grad_norm if cfg.optimizer.clip == "bucket" else None,
-            bf16=cfg.distributed.grad_reduce_dtype == "bf16",
-        )
-        ddp = wrap_ddp(raw_model, info, cfg.distributed.bucket_cap_mb, reduce)
-    model = ddp or raw_model
-    graph_note = None
-    if cfg.perf.compile and placed is None:
-        # Under DDP, dynamo splits the graph at bucket boundaries (so each bucket's all-reduce overlaps backward)
-        # unless told not to. Static shapes: one graph per shape (packed rows: one; length bins: one per bin).
-        split = split_compiled_graph(cfg.distributed.overlap_compiled, info)
-        torch._dynamo.config.optimize_ddp = split
-        if ddp is not None:
-            graph_note = (
-                "the compiled graph split at the DDP buckets, each all-reduce overlapping backward"
-                if split
-                else "one compiled graph, the DDP buckets all-reduced after backward"
-            )
-        model = torch.compile(model, mode="reduce-overhead" if cfg.perf.cuda_graphs else None, dynamic=False)
-    optimizer = bench.build_optimizer(cfg, raw_model)
-    accumulation = bench.accumulation_steps(cfg)
-    gbs = cfg.data.global_batch_size
-    eval_every = cfg.eval.every_samples or bench.eval_every_samples(cfg)
-    max_samples = cfg.schedule.max_samples or cfg.schedule.total_steps * gbs
-    state = checkpoint.LoopState(next_eval=eval_every)
-    if ckpt is not None:
-        state = checkpoint.load(ckpt, raw_model, optimizer, info)
-        state.resumed += 1
-    # The data stream is in rows: step x GBS of them were consumed (a packed row holds several samples).
-    data_rank, data_ranks = bench.data_rank(cfg, info)
-    data = bench.build_data(cfg, data_rank, data_ranks, start_sample=state.step * gbs)
-
-    header.event(constants.SEED, cfg.seed)
-    header.event(constants.GLOBAL_BATCH_SIZE, gbs)
-    header.event(constants.GRADIENT_ACCUMULATION_STEPS, accumulation)
-    header.event(constants.TRAIN_SAMPLES, data.train_samples)
-    header.event(constants.EVAL_SAMPLES, data.eval_samples)
-    for key, value in bench.hyperparameters(cfg).items():
-        header.event(key, value)
-    sampler = None
-    if o.telemetry_hz > 0 and info.local_rank == 0:
-        sampler = Sampler(run_dir, o.telemetry_hz).start()
-        out.say(f"run {index}: {sampler.note}")
-    n_params = sum(p.numel() for p in raw_model.parameters())
-    out.say(
-        f"run {index}: {bench.name}/{cfg.preset}, seed {cfg.seed}, {n_params / 1e6:.2f}M parameters, "
-        f"{info.world_size} x {device.type}, {'bf16' if use_bf16 else 'fp32'}, global batch {gbs} "
-        f"({cfg.data.micro_batch_size} x {accumulation} accumulation x {info.world_size} ranks), "
-        f"eval every {eval_every:,} samples, target {bench.metric_name} "
-        f"{'>=' if bench.higher_is_better else '<='} {cfg.eval.target}"
-    )
-    if graph_note:
-        out.say(f"run {index}: {graph_note} (distributed.overlap_compiled={cfg.distributed.overlap_compiled})")
-    for note in bench.model_notes(cfg, device, use_bf16):
-        out.say(f"run {index}: {note}")
-
+    if ckpt is None and info.is_main:
+        files.partial_log.unlink(missing_ok=True)  # a fresh start: nothing of an earlier attempt stays in the log
+        (run_dir / METRICS).touch()
+    record = MLPerfRecord(files.partial_log if info.is_main else None, fresh=ckpt is None)
+    record.header(bench.mlperf_name, cfg.output, platform_name(info.device, info.world_size))
+    run = build_run(cfg, bench, info, ckpt)
+    record.hyperparameters(cfg, run.accumulation, run.data.train_samples, run.data.eval_samples,
+                           bench.hyperparameters(cfg))  # fmt: skip
+    sampler = start_telemetry(cfg.output, run_dir, index, info, out)
+    announce(out, cfg, bench, run, index, info)
     if ckpt is None:
-        mll.end(constants.INIT_STOP)
-        state.run_start_ms = int(time.time() * 1000)
-        mll.start(constants.RUN_START, time_ms=state.run_start_ms)
+        run.state.run_start_ms = record.run_start()
     else:
         # MLPerf semantics: the log says the run was resumed, and from where; time to train keeps
         # counting from the original run_start, so the time lost to the interruption is included.
-        mll.event(RESUMED_KEY, state.resumed, metadata={"step": state.step, "samples": state.samples})
-        out.say(f"run {index}: resumed from {ckpt} at step {state.step:,} ({state.samples:,} samples)")
-    run_start_ms = state.run_start_ms
+        record.resumed(run.state.resumed, run.state.step, run.state.samples)
+        out.say(f"run {index}: resumed from {ckpt} at step {run.state.step:,} ({run.state.samples:,} samples)")
+    return TrainLoop(cfg, bench, run, files, info, record, out, sampler).run()
 
-    metrics = open(run_dir / "metrics.jsonl", "a") if is_main else None
-    progress = TrainProgress(max_samples, bench.metric_name, enabled=is_main and o.progress)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    step, samples, next_eval = state.step, state.samples, state.next_eval
-    status, reason, metric = constants.ABORTED, f"max_samples={max_samples:,} reached before the target", None
-    evals: list[tuple[int, float]] = [tuple(e) for e in state.evals]
-    metric = evals[-1][1] if evals else None
-    stop = StopSignal()
-    preempted = False
-    # Loss and finiteness stay on device between log points: reading them is a host sync.
-    loss_sum = torch.zeros((), device=device)
-    nonfinite = torch.zeros((), dtype=torch.bool, device=device)
-    last_log_time, last_log_samples, last_log_step = time.perf_counter(), samples, step
-    timed_seconds, timed_samples = 0.0, 0
 
-    def record(row: dict) -> None:
-        if metrics is not None:
-            stamp = {"run": index, "step": step, "samples": samples, "time_ms": int(time.time() * 1000)}
-            metrics.write(json.dumps(stamp | row) + "\n")
-            metrics.flush()
+def announce(out: RunConsole, cfg: RunConfig, bench: Benchmark, run: RunSetup, index: int, info: DistInfo) -> None:
+    """The run's first console lines: what trains, where, at which batch, to which target."""
+    n_params = sum(p.numel() for p in run.placed.module.parameters())
+    gbs = cfg.data.global_batch_size
+    out.say(
+        f"run {index}: {bench.name}/{cfg.preset}, seed {cfg.seed}, {n_params / 1e6:.2f}M parameters, "
+        f"{info.world_size} x {info.device.type}, {'bf16' if run.bf16 else 'fp32'}, global batch {gbs} "
+        f"({cfg.data.micro_batch_size} x {run.accumulation} accumulation x {info.world_size} ranks), "
+        f"eval every {run.eval_every:,} samples, target {bench.metric_name} "
+        f"{'>=' if bench.higher_is_better else '<='} {cfg.eval.target}"
+    )
+    for note in run.placed.notes + bench.model_notes(cfg, info.device, run.bf16):
+        out.say(f"run {index}: {note}")
 
-    def check_finite() -> None:
-        if bool(nonfinite):
+
+class TrainLoop:
+    """Steps, log points, evals and checkpoints from where ``run.state`` stands to the target or max_samples."""
+
+    def __init__(self, cfg: RunConfig, bench: Benchmark, run: RunSetup, files: RunFiles, info: DistInfo,
+                 record: MLPerfRecord, out: RunConsole, sampler) -> None:  # fmt: skip
+        self.cfg, self.bench, self.run_, self.files, self.info = cfg, bench, run, files, info
+        self.record, self.out, self.sampler = record, out, sampler
+        self.state = run.state
+        self.state.evals = [tuple(e) for e in self.state.evals]
+        self.metric = self.state.evals[-1][1] if self.state.evals else None
+        self.status = constants.ABORTED
+        self.reason = f"max_samples={run.max_samples:,} reached before the target"
+        self.preempted = False
+        self.metrics = Metrics(files.run_dir, files.index, info.is_main, self.state.step, self.state.samples)
+        self.progress = TrainProgress(run.max_samples, bench.metric_name, enabled=info.is_main and cfg.output.progress)
+        self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=run.bf16)
+        self.stop = StopSignal()
+        self.totals = StepTotals(info.device)
+
+    def run(self) -> RunOutcome:
+        if self.record.fresh:
+            self.record.block_start(0, self.run_.eval_every)
+        self.run_.placed.model.train()
+        profiler = start_profiler(self.cfg.output, self.files.run_dir, self.files.index, self.info)
+        gc_policy = GcPolicy(self.cfg.perf.gc_every_steps)
+        try:
+            self._steps(profiler, gc_policy)
+        except TrainingDiverged as exc:
+            self.reason = str(exc)
+            raise
+        finally:
+            gc_policy.restore()
+            outcome = self._finish(profiler)
+        return outcome
+
+    def _steps(self, profiler, gc_policy: GcPolicy) -> None:
+        s, run, info = self.state, self.run_, self.info
+        steps = pinned(run.data.train, info.device) if info.device.type == "cuda" else run.data.train
+        for step_batches in prefetch(steps, self.cfg.data.prefetch):
+            if profiler is not None:
+                profiler.before_step(s.step)
+            lr = self.bench.lr_at(self.cfg, s.step)
+            train_step(self.bench, run.placed, run.optimizer, step_batches, lr, info, self.autocast, self.totals)
+            s.step += 1
+            if profiler is not None:
+                profiler.after_step(s.step)
+            s.samples += step_batches.samples
+            if s.step % self.cfg.output.log_every_steps == 0 or s.samples >= s.next_eval:
+                self._log_point(lr)
+            if s.samples >= s.next_eval or s.samples >= run.max_samples:
+                if self._eval_point(gc_policy):
+                    break
+            if self.cfg.output.checkpoint_every_steps and s.step % self.cfg.output.checkpoint_every_steps == 0:
+                self._save_checkpoint()
+            gc_policy.after_step(s.step)
+
+    def _log_point(self, lr: float) -> None:
+        """Loss and rate since the last log point into metrics.jsonl; a stop signal on any rank checkpoints here."""
+        s = self.state
+        if bool(self.totals.nonfinite):
             raise TrainingDiverged(
-                f"the loss became NaN or infinite by step {step} ({samples:,} samples); lower optimizer.lr, "
+                f"the loss became NaN or infinite by step {s.step} ({s.samples:,} samples); lower optimizer.lr, "
                 "raise schedule.warmup_steps or check the data"
             )
+        steps, rate = self.metrics.interval(s.step, s.samples)
+        mean_loss = float(all_reduce_sum(self.totals.loss_sum.clone(), self.info)) / steps
+        self.metrics.record(s.step, s.samples, {"loss": mean_loss, "lr": lr, "samples_per_s": rate})
+        self.progress.update(s.samples, loss=mean_loss, rate=rate)
+        self.totals.loss_sum.zero_()
+        if self.stop.any(self.info):
+            self._save_checkpoint()
+            self.preempted = True
+            raise Preempted(f"run {self.files.index}: stopped by a signal at step {s.step:,}; checkpoint saved in "
+                            f"{self.files.run_dir}")  # fmt: skip
 
-    if ckpt is None:
-        mll.start(constants.BLOCK_START, metadata={"first_epoch_num": 0, "epoch_count": eval_every})
-    model.train()
+    def _eval_point(self, gc_policy: GcPolicy) -> bool:
+        """Close the block, evaluate, and open the next block; True when the run is over."""
+        s, run, bench = self.state, self.run_, self.bench
+        self.record.block_stop(s.next_eval - run.eval_every)
+        self.metric = evaluate(bench, run.placed.model, run.data.eval, self.info, self.autocast, self.record,
+                               s.samples)  # fmt: skip
+        s.evals.append((s.samples, self.metric))
+        self.metrics.record(s.step, s.samples, {bench.metric_name: self.metric})
+        gc_policy.after_eval()
+        self.progress.update(s.samples, metric=self.metric)
+        self.out.say(f"  eval at {s.samples:,} samples: {bench.metric_name} {self.metric:.4f}")
+        run.placed.model.train()
+        if bench.reached(self.metric, self.cfg.eval.target):
+            self.status, self.reason = constants.SUCCESS, f"reached {bench.metric_name} {self.metric:.4f}"
+            return True
+        if s.samples >= run.max_samples:
+            return True
+        while s.next_eval <= s.samples:
+            s.next_eval += run.eval_every
+        self.record.block_start(s.samples, run.eval_every)
+        self.metrics.pause_ended()
+        return False
 
-    profiler = None
-    if o.profile:
-        profiler = StepProfiler(run_dir, index, o.profile_start_step, o.profile_steps, device, info.rank)
+    def _save_checkpoint(self) -> None:
+        checkpoint.save(self.files.run_dir, self.files.index, self.run_.placed.module, self.run_.optimizer,
+                        self.state, self.info)  # fmt: skip
 
-    collect_every = cfg.perf.gc_every_steps
-    if collect_every > 0:
-        gc.collect()
-        gc.freeze()  # what set-up made (model, compiled graphs, data index) is never scanned again
-        gc.disable()
-
-    def save_checkpoint() -> None:
-        loop_state = checkpoint.LoopState(step, samples, next_eval, run_start_ms, evals, state.resumed)
-        checkpoint.save(run_dir, index, raw_model, optimizer, loop_state, info)
-
-    try:
-        steps = pinned(data.train, device) if device.type == "cuda" else data.train
-        for micro_batches in prefetch(steps, cfg.data.prefetch):
-            if profiler is not None:
-                profiler.before_step(step)
-            lr = bench.lr_at(cfg, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batches = [bench.to_device(mb, device) for mb in micro_batches]
-            # Normalise by counts over the whole global batch (all micro-batches, all ranks), so the
-            # gradient is that of the global-batch loss whatever the split; DDP then averages over
-            # ranks, which the factor world_size undoes.
-            weights = all_reduce_sum(sum(bench.loss_weights(b) for b in batches), info)
-            for i, batch in enumerate(batches):
-                sync = i == len(batches) - 1 or ddp is None
-                if cfg.perf.cuda_graphs:
-                    # A new step: the previous replay's outputs are used up.
-                    torch.compiler.cudagraph_mark_step_begin()
-                with contextlib.nullcontext() if sync else ddp.no_sync(), autocast:
-                    loss = bench.loss(model, batch, weights) * info.world_size
-                loss.backward()
-                loss_sum += loss.detach() / info.world_size
-                nonfinite |= ~torch.isfinite(loss.detach())
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            if profiler is not None:
-                profiler.after_step(step)
-            # A packed step carries its count of sequences; otherwise a step is one global batch.
-            samples += getattr(micro_batches, "samples", gbs)
-
-            if step % o.log_every_steps == 0 or samples >= next_eval:
-                check_finite()
-                mean_loss = float(all_reduce_sum(loss_sum.clone(), info)) / (step - last_log_step)
-                now = time.perf_counter()
-                rate = (samples - last_log_samples) / (now - last_log_time)
-                timed_seconds += now - last_log_time
-                timed_samples += samples - last_log_samples
-                record({"loss": mean_loss, "lr": lr, "samples_per_s": rate})
-                progress.update(samples, loss=mean_loss, rate=rate)
-                loss_sum.zero_()
-                last_log_time, last_log_samples, last_log_step = now, samples, step
-                if stop.any(info):
-                    save_checkpoint()
-                    preempted = True
-                    raise Preempted(f"run {index}: stopped by a signal at step {step:,}; checkpoint saved in {run_dir}")
-
-            if samples >= next_eval or samples >= max_samples:
-                mll.end(constants.BLOCK_STOP, metadata={"first_epoch_num": next_eval - eval_every})
-                metric = evaluate(bench, model, data.eval, info, autocast, mll, samples)
-                evals.append((samples, metric))
-                record({bench.metric_name: metric})
-                if collect_every > 0:
-                    gc.collect()  # what training made and kept long enough to reach the oldest generation
-                progress.update(samples, metric=metric)
-                out.say(f"  eval at {samples:,} samples: {bench.metric_name} {metric:.4f}")
-                model.train()
-                if bench.reached(metric, cfg.eval.target):
-                    status, reason = constants.SUCCESS, f"reached {bench.metric_name} {metric:.4f}"
-                    break
-                if samples >= max_samples:
-                    break
-                while next_eval <= samples:
-                    next_eval += eval_every
-                mll.start(constants.BLOCK_START, metadata={"first_epoch_num": samples, "epoch_count": eval_every})
-                # The eval's time is not training time.
-                last_log_time = time.perf_counter()
-            if o.checkpoint_every_steps and step % o.checkpoint_every_steps == 0:
-                save_checkpoint()
-            if collect_every > 0 and step % collect_every == 0:
-                gc.collect(1)
-    except TrainingDiverged as exc:
-        reason = str(exc)
-        raise
-    finally:
-        if collect_every > 0:
-            gc.unfreeze()
-            gc.enable()
-        progress.close()
-        stop.restore()
+    def _finish(self, profiler) -> RunOutcome:
+        """run_stop and the outcome file, unless the run was preempted (then its log stays ``.partial``)."""
+        self.progress.close()
+        self.stop.restore()
         run_stop_ms = int(time.time() * 1000)
-        if sampler is not None:
-            sampler.stop()
-        if profiler is not None:
-            profiler.finish()  # a run that ended inside the window still gets its files
-            if profiler.outputs:
-                others = f" (ranks 1-{info.world_size - 1}: profile_{index}_rank<r>_*)" if info.world_size > 1 else ""
-                out.say(f"run {index}: profile of steps {o.profile_start_step}-{profiler.stop_step - 1}: "
-                        f"{', '.join(p.name for p in profiler.outputs)}{others}")  # fmt: skip
-        if not preempted:  # a preempted run is not over: no run_stop, the log stays .partial
-            mll.end(constants.RUN_STOP, metadata={"status": status}, time_ms=run_stop_ms)
-        mll.close()
-        if metrics is not None:
-            metrics.close()
-        outcome = RunOutcome(
-            index=index,
-            seed=cfg.seed,
-            status=status,
-            reason=reason,
-            metric_name=bench.metric_name,
-            target=cfg.eval.target,
-            final_metric=metric,
-            samples=samples,
-            steps=step,
-            run_start_ms=run_start_ms,
-            run_stop_ms=run_stop_ms,
-            evals=evals,
-            train_samples_per_s=timed_samples / timed_seconds if timed_seconds else None,
-            peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-            energy=run_energy(run_dir, run_start_ms, run_stop_ms) if is_main and not preempted else None,
-        )
-        if is_main and not preempted:
+        if self.sampler is not None:
+            self.sampler.stop()
+        finish_profiler(profiler, self.cfg.output, self.files.index, self.info, self.out)
+        if not self.preempted:
+            self.record.run_stop(self.status, run_stop_ms)
+        self.record.close()
+        self.metrics.close()
+        outcome = self._outcome(run_stop_ms)
+        if self.info.is_main and not self.preempted:
             # Only a run that reached run_stop gets its final name (even if aborted); a crash leaves .partial.
-            partial.replace(final)
-            (run_dir / f"run_{index}.json").write_text(json.dumps(outcome.to_json(), indent=2) + "\n")
-    return outcome
+            self.files.partial_log.replace(self.files.log)
+            self.files.outcome.write_text(json.dumps(outcome.to_json(), indent=2) + "\n")
+        return outcome
 
-
-@torch.no_grad()
-def evaluate(bench: Benchmark, model, batches, info: DistInfo, autocast, mll: MLPerfLog, samples: int) -> float:
-    model.eval()
-    meta = bench.eval_metadata(samples)
-    mll.start(constants.EVAL_START, metadata=meta)
-    sums = None
-    for batch in batches:
-        with autocast:
-            part = bench.eval_sums(model, bench.to_device(batch, info.device))
-        sums = part if sums is None else sums + part
-    metric = bench.eval_metric(all_reduce_sum(sums, info))
-    mll.event(constants.EVAL_ACCURACY, metric, metadata=meta)
-    mll.end(constants.EVAL_STOP, metadata=meta)
-    return metric
+    def _outcome(self, run_stop_ms: int) -> RunOutcome:
+        s, device = self.state, self.info.device
+        return RunOutcome(
+            index=self.files.index,
+            seed=self.cfg.seed,
+            status=self.status,
+            reason=self.reason,
+            metric_name=self.bench.metric_name,
+            target=self.cfg.eval.target,
+            final_metric=self.metric,
+            samples=s.samples,
+            steps=s.step,
+            run_start_ms=s.run_start_ms,
+            run_stop_ms=run_stop_ms,
+            evals=s.evals,
+            train_samples_per_s=self.metrics.samples_per_s,
+            peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            energy=run_energy(self.files.run_dir, s.run_start_ms, run_stop_ms)
+            if self.info.is_main and not self.preempted
+            else None,
+        )

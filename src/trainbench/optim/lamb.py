@@ -18,17 +18,13 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
-
-def no_decay(name: str, param: torch.Tensor) -> bool:
-    """Biases, norms and other 1-d parameters are excluded from weight decay and layer adaptation."""
-    return param.ndim <= 1 or name.endswith(".bias") or "norm" in name.lower()
+from trainbench.optim.groups import weight_decay_split
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    decay, plain = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (plain if no_decay(name, p) else decay).append(p)
+    """LAMB's two groups under the one rule of :func:`~trainbench.optim.groups.weight_decay_split`: decayed and
+    layer-adapted weights, and biases and norms with neither (frozen parameters in neither group)."""
+    decay, plain = weight_decay_split(model)
     return [
         {"params": decay, "weight_decay": weight_decay, "layer_adaptation": True},
         {"params": plain, "weight_decay": 0.0, "layer_adaptation": False},
@@ -154,21 +150,3 @@ def _lamb_update(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, settings, max
             torch._foreach_mul_(update, ratios)
         torch._foreach_mul_(update, -lrs[i])
         torch._foreach_add_(p, update)
-
-
-def poly_warmup_lr(
-    step: int, base_lr: float, warmup_steps: int, total_steps: int, power: float, start_warmup_step: int = 0
-) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then polynomial decay to 0.
-
-    Warmup counts from ``start_warmup_step`` (MLPerf's knob; negative values start warmup before step 0).
-    During warmup the rate is ``base_lr * (s + 1) / warmup_steps`` with ``s = step - start_warmup_step``;
-    afterwards ``base_lr * (1 - progress) ** power`` with progress running from 0 at the end of warmup to
-    1 at ``total_steps``, then held at 0.
-    """
-    s = step - start_warmup_step
-    if s < warmup_steps:
-        return base_lr * max(0, s + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps - start_warmup_step)
-    progress = min(1.0, max(0.0, (s - warmup_steps) / decay_steps))
-    return base_lr * (1.0 - progress) ** power

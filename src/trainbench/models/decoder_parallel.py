@@ -14,8 +14,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError
-from trainbench.models.decoder import DecoderLM, lm_loss
+from trainbench.models.decoder import DecoderConfig, DecoderLM, lm_loss
+
+# Models smaller than this are initialised whole on every rank and then sharded, so a run on N ranks
+# starts from exactly the weights of a one-rank run; larger ones are initialised shard by shard.
+FULL_INIT_MAX_PARAMS = 2_000_000_000
 
 
 def make_mesh(device_type: str, world: int, tp: int) -> DeviceMesh:
@@ -99,3 +104,16 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
         else:
             model.load_state_dict(full_state)
     return model
+
+
+def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int, bf16: bool, checkpointing: bool,
+                  compile_blocks: bool, seed: int) -> Placed:  # fmt: skip
+    """``model`` (built on the meta device) sharded over the ranks, materialised and initialised from ``seed``."""
+    full = None
+    if cfg.num_params() <= FULL_INIT_MAX_PARAMS:
+        whole = DecoderLM(cfg)
+        whole.init_weights(seed)
+        full = whole.state_dict()
+    placed = parallelize(model, info.device, info.world_size, tp, bf16 and info.device.type == "cuda", checkpointing,
+                         compile_blocks, full, seed)  # fmt: skip
+    return Placed(module=placed, model=placed)

@@ -1,0 +1,109 @@
+"""Process groups, and what a benchmark's placement of its model hands the training loop.
+
+One rank is the same code path as many: every helper is a no-op at world size 1."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from trainbench.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    local_world_size: int = 1  # ranks on this node
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def one_node(self) -> bool:
+        return self.local_world_size >= self.world_size
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda was asked for but no CUDA device is visible; use device=cpu")
+    return requested
+
+
+def available_slots(device: str) -> int:
+    """How many ranks this node can hold: GPUs on CUDA, usable cores on CPU."""
+    if device == "cuda":
+        return torch.cuda.device_count()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def ranks_on_this_node(env: Mapping[str, str], world: int) -> int:
+    """Ranks of a job of ``world`` that share this node: torchrun's LOCAL_WORLD_SIZE, or under srun the job's tasks
+    over its nodes."""
+    nodes = int(env.get("SLURM_NNODES", "1"))
+    return min(world, int(env.get("LOCAL_WORLD_SIZE", str(max(1, world // nodes)))))
+
+
+def init_distributed(device_kind: str, backend: str) -> DistInfo:
+    """Read torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE), or Slurm's (SLURM_PROCID, SLURM_LOCALID,
+    SLURM_NTASKS) for a task started by srun, and join the process group (MASTER_ADDR/MASTER_PORT)."""
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
+    rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
+    local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0")))
+    local_world = ranks_on_this_node(env, world)
+    if world > 1:
+        # torch reads these from the environment; under srun they come from SLURM_* instead.
+        env.setdefault("RANK", str(rank))
+        env.setdefault("WORLD_SIZE", str(world))
+        env.setdefault("LOCAL_RANK", str(local_rank))
+    if device_kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        # Ranks on one node share its cores; without this each would start a thread per core.
+        torch.set_num_threads(max(1, available_slots("cpu") // local_world))
+    if world > 1 and not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if device_kind == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, device_id=device if device_kind == "cuda" else None)
+    return DistInfo(rank, local_rank, world, device, local_world)
+
+
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.world_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@dataclass
+class Placed:
+    """A model on its rank's devices, as a benchmark's placement returns it to the training loop.
+
+    ``module`` owns the parameters (the optimizer and checkpoints see it); ``model`` is what the step calls (the
+    module itself, or a DDP or compiled wrapper of it). ``no_sync()`` is entered around every micro-batch but a
+    step's last, so gradients are reduced once per step. ``mark_cuda_graph_steps``: the compiled step replays CUDA
+    graphs, and each micro-batch must tell it that the previous replay's outputs are used up. ``notes``: lines for
+    the run's console on what placement chose."""
+
+    module: torch.nn.Module
+    model: Callable
+    no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    mark_cuda_graph_steps: bool = False
+    notes: list[str] = field(default_factory=list)

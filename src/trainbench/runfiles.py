@@ -1,0 +1,64 @@
+"""The names of the files in a results folder: the one place that builds them.
+
+A results folder holds the runs of one invocation; run ``i`` has its MLPerf log (``result_<i>.txt``, named
+``result_<i>.txt.partial`` until ``run_stop``), its outcome (``run_<i>.json``) and its checkpoint
+(``checkpoint_<i>/``); the folder's ``config.yaml``, ``metrics.jsonl``, ``console.log`` and ``summary.json`` are
+shared by its runs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+CONSOLE = "console.log"
+SUMMARY = "summary.json"
+
+_INDEXED = re.compile(r"^(?:result_(\d+)\.txt(?:\.partial)?|run_(\d+)\.json)$")
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The files of run ``index`` in ``run_dir``."""
+
+    run_dir: Path
+    index: int
+
+    @property
+    def log(self) -> Path:
+        """The finished MLPerf log."""
+        return self.run_dir / f"result_{self.index}.txt"
+
+    @property
+    def partial_log(self) -> Path:
+        """The MLPerf log while the run goes on (and after it died)."""
+        return self.run_dir / f"result_{self.index}.txt.partial"
+
+    @property
+    def outcome(self) -> Path:
+        return self.run_dir / f"run_{self.index}.json"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.run_dir / f"checkpoint_{self.index}"
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome.exists() and self.log.exists()
+
+
+def run_indices(run_dir: Path) -> list[int]:
+    """Indices of every run of ``run_dir`` that left a log (finished or not) or an outcome file."""
+    found = {_INDEXED.match(p.name) for p in Path(run_dir).iterdir()} if Path(run_dir).is_dir() else set()
+    return sorted({int(m.group(1) or m.group(2)) for m in found if m})
+
+
+def finished_logs(run_dir: Path) -> list[Path]:
+    return sorted(Path(run_dir).glob("result_*.txt"))
+
+
+def partial_logs(run_dir: Path) -> list[Path]:
+    return sorted(Path(run_dir).glob("result_*.txt.partial"))
