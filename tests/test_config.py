@@ -2,6 +2,8 @@ import dataclasses
 
 import pytest
 
+from trainbench.benchmarks import BENCHMARKS
+from trainbench.cli import main as cli_main
 from trainbench.config import apply_overrides, parse_key_values, read_yaml_overrides, save_config
 from trainbench.errors import ConfigError
 from trainbench.launch.local import build_config, load_run_config
@@ -120,3 +122,61 @@ def test_packed_attention_kernel_must_run_where_the_run_trains():
         build_config("bert", "tiny", overrides=packed | {"model.packed_attention": "flex"})
     _, cfg = build_config("bert", "tiny", overrides=packed)  # auto picks what runs here
     assert cfg.model.packed_attention == "auto"
+
+
+# -- keys a benchmark does not use ------------------------------------------------------------------------------
+
+
+def _other_value(leaf, value):
+    """A value of ``leaf``'s type different from ``value``."""
+    import typing
+
+    if leaf.choices:
+        return next(c for c in leaf.choices if c != value)
+    base = next((a for a in typing.get_args(leaf.type) if a is not type(None)), leaf.type)
+    if base is bool:
+        return not value
+    if base is int:
+        return (value or 0) + 1
+    if base is float:
+        return (value or 0.0) * 2 + 1.0
+    raise AssertionError(f"no other value for {leaf.key} of type {leaf.type}")
+
+
+UNUSED = [(b.name, key) for b in BENCHMARKS.values() for key in b.unused_keys]
+
+
+def test_every_benchmark_declares_keys_it_ignores_and_each_is_a_real_key():
+    from trainbench.config import leaves
+
+    assert {"perf.activation_checkpointing", "schedule.end_lr"} <= set(BENCHMARKS["bert"].unused_keys)
+    for name in ("gpt3", "llama31_8b"):
+        assert {"perf.cuda_graphs", "distributed.bucket_cap_mb", "distributed.grad_reduce_dtype",
+                "distributed.overlap_compiled", "optimizer.clip"} <= set(BENCHMARKS[name].unused_keys)  # fmt: skip
+    for bench in BENCHMARKS.values():
+        assert set(bench.unused_keys) <= set(leaves(bench.config("tiny"))), bench.name
+
+
+@pytest.mark.parametrize("benchmark,key", UNUSED, ids=[f"{b}-{k}" for b, k in UNUSED])
+def test_a_key_the_benchmark_does_not_use_is_refused_naming_key_and_benchmark(benchmark, key):
+    from trainbench.config import leaves
+
+    leaf = leaves(BENCHMARKS[benchmark].config("tiny"))[key]
+    value = _other_value(leaf, getattr(leaf.owner, leaf.field.name))
+    with pytest.raises(ConfigError) as err:
+        build_config(benchmark, "tiny", overrides={key: str(value)})
+    message = str(err.value)
+    assert message.startswith(f"{key}=") and f"no effect on {benchmark}" in message and "\n" not in message
+
+
+def test_the_preset_value_of_an_unused_key_is_accepted_and_a_wrong_optimizer_is_refused(capsys):
+    build_config("llama31_8b", "tiny", overrides={"perf.cuda_graphs": "false", "optimizer.clip": "global"})
+    build_config("bert", "tiny", overrides={"perf.activation_checkpointing": "false"})
+    with pytest.raises(ConfigError, match="optimizer.name=adamw: bert trains with lamb"):
+        build_config("bert", "tiny", overrides={"optimizer.name": "adamw"})
+    with pytest.raises(ConfigError, match="optimizer.name=adamw: gpt3 trains with adam"):
+        build_config("gpt3", "tiny", overrides={"optimizer.name": "adamw"})
+    # From the command line: one sentence and exit code 2, before anything runs.
+    assert cli_main(["run", "llama31_8b", "distributed.grad_reduce_dtype=bf16"]) == 2
+    out = capsys.readouterr().out
+    assert "distributed.grad_reduce_dtype=bf16 has no effect on llama31_8b" in out and "Traceback" not in out

@@ -40,6 +40,8 @@ from trainbench.optim.schedules import cosine_warmup_lr
 
 def _run(name: str, preset: str, model: DecoderConfig, data: DataConfig, optimizer: OptimizerConfig,
          schedule: ScheduleConfig, target: float, every: int | None = None) -> RunConfig:  # fmt: skip
+    # A copy: overrides change the run's config, never the module's shapes.
+    model = dataclasses.replace(model)
     return RunConfig(benchmark=name, preset=preset, model=model, data=data, optimizer=optimizer, schedule=schedule,
                      eval=EvalConfig(target=target, every_samples=every))  # fmt: skip
 
@@ -262,6 +264,8 @@ class Llama31Benchmark(LLMBenchmark):
     description = "Llama 3.1 8B pretraining on C4 (AdamW, seq 8192), target log perplexity 3.3"
     optimizer_name = "adamw"
     eval_every = 12_288
+    # Llama's rotary positions need no position table.
+    unused_keys = LLMBenchmark.unused_keys | {"model.max_seq_length": "the llama architecture has rotary positions"}
     presets = {
         "tiny": lambda: tiny("llama31_8b", arch="llama", optimizer="adamw", epsilon=1e-5),
         "llama-1b": lambda: llama("llama-1b", LLAMA_1B, gbs=32, micro=1, lr=1e-3),

@@ -1,0 +1,107 @@
+"""The layout of src/: data flows one way (prepare/data -> benchmark -> train loop -> MLPerf log/telemetry files ->
+report), no module imports from a layer above its own, the loop never names a benchmark, and every function of the
+training loop fits on one screen."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from trainbench.benchmarks import BENCHMARKS
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "trainbench"
+
+# Lowest first. A module may import from its own layer and the ones before it.
+LAYERS = [
+    {"errors", "config", "console"},  # what everything shares
+    {"distributed", "mlperf", "runfiles", "telemetry"},  # process groups, MLPerf log lines, run-file names, sampler
+    {"data", "models", "optim", "convert"},  # on-disk formats and their preparation, architectures, optimizers
+    {"benchmarks"},  # the benchmark interface and the definitions
+    {"train"},  # the one training loop
+    {"launch"},  # in-process, torchrun and Slurm launch
+    {"report"},  # scores, reports and packages read from results folders
+    {"cli", "__main__"},
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def modules():
+    for path in sorted(SRC.rglob("*.py")):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        yield path, parts[0]
+
+
+def imported_packages(path: Path) -> set[str]:
+    """The top-level trainbench packages or modules ``path`` imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainbench."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("trainbench.")}
+    return found
+
+
+def test_every_module_has_a_layer():
+    assert {top for _, top in modules()} <= set(LAYER), "a new top-level module needs a place in LAYERS"
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    upward = [
+        f"{path.relative_to(SRC)} ({top}, layer {LAYER[top]}) imports {dep} (layer {LAYER[dep]})"
+        for path, top in modules()
+        for dep in imported_packages(path)
+        if LAYER[dep] > LAYER[top]
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def literal_strings(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.lineno, node.value
+
+
+def test_no_benchmark_name_is_a_literal_outside_the_benchmark_definitions():
+    """The CLI, the loop, launch and report reach a benchmark through the registry. models/ is exempt: an
+    architecture may be named after its model family (the decoder's ``arch`` "gpt3")."""
+    names = {b.name for b in BENCHMARKS.values()} | {b.mlperf_name for b in BENCHMARKS.values()}
+    names |= {b.ruleset for b in BENCHMARKS.values()}
+    found = [
+        f"{path.relative_to(SRC)}:{line}: {value!r}"
+        for path, top in modules()
+        if top not in ("benchmarks", "models")
+        for line, value in literal_strings(path)
+        if value in names
+    ]
+    assert not found, "\n".join(found)
+
+
+SCREEN = 50  # lines
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "train").glob("*.py")), ids=lambda p: p.name)
+def test_every_function_of_the_training_loop_fits_on_one_screen(path):
+    long = [
+        f"{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > SCREEN
+    ]
+    assert not long, long
+
+
+def test_the_loop_never_asks_which_benchmark_it_runs():
+    """train/ imports only the Benchmark interface, and never compares a benchmark's name or tests its class: what
+    differs between benchmarks is asked of the interface."""
+    for path in (SRC / "train").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainbench.benchmarks"):
+                assert node.module == "trainbench.benchmarks.base", f"{path.name}:{node.lineno} imports {node.module}"
+            if isinstance(node, ast.Compare):
+                text = ast.unparse(node)
+                assert ".name" not in text and "mlperf_name" not in text, f"{path.name}:{node.lineno}: {text}"
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                assert "Benchmark" not in ast.unparse(node), f"{path.name}:{node.lineno}: {ast.unparse(node)}"
