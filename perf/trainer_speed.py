@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -28,6 +29,11 @@ from bert_scaling import prepare, run, train_command  # noqa: E402
 LLM_SEQ, LLM_GBS = 8192, 8
 
 
+def src_env(src: Path) -> dict[str, str]:
+    """PYTHONPATH with ``src`` first (what else was on it, e.g. carried packages, stays)."""
+    return {"PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+
+
 def steady_rate(results: Path, skip_steps: int) -> dict:
     (run_dir,) = [d for d in results.iterdir() if d.is_dir()]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -37,8 +43,8 @@ def steady_rate(results: Path, skip_steps: int) -> dict:
 
 def bert(src: Path, prepared: Path, results: Path, steps: int) -> dict:
     shutil.rmtree(results, ignore_errors=True)
-    run(train_command(1, prepared, results, steps, ["telemetry_hz=0"]), ok=(0, 1), env={"PYTHONPATH": str(src)})
-    return steady_rate(results, skip_steps=20)
+    run(train_command(1, prepared, results, steps, ["telemetry_hz=0"]), ok=(0, 1), env=src_env(src))
+    return steady_rate(results, skip_steps=30)
 
 
 def llm(src: Path, data: Path, results: Path, steps: int) -> dict:
@@ -47,7 +53,7 @@ def llm(src: Path, data: Path, results: Path, steps: int) -> dict:
            f"global_batch_size={LLM_GBS}", "micro_batch_size=1", "perf.compile=true", "eval_samples=8",
            "eval.every_samples=100000000", f"schedule.max_samples={LLM_GBS * steps}", "log_every_steps=5",
            "progress=false", "telemetry_hz=0", f"output.results_dir={results}"]  # fmt: skip
-    run(cmd, ok=(0, 1), env={"PYTHONPATH": str(src)})
+    run(cmd, ok=(0, 1), env=src_env(src))
     out = steady_rate(results, skip_steps=10)
     return out | {"tokens_per_s": out["samples_per_s"] * LLM_SEQ}
 
@@ -58,7 +64,7 @@ def main() -> None:
     p.add_argument("--tree", action="append", required=True, help="NAME=SRC_DIR (a trainbench src/ folder)")
     p.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
     p.add_argument("--work", type=Path, default=Path("/tmp/tb-speed"))
-    p.add_argument("--bert-steps", type=int, default=60)
+    p.add_argument("--bert-steps", type=int, default=80)
     p.add_argument("--llm-steps", type=int, default=30)
     p.add_argument("--budget-s", type=float, default=540, help="start no second round after this many seconds")
     args = p.parse_args()
@@ -68,8 +74,9 @@ def main() -> None:
     prepared = prepare(args.work, args.data)
     llm_data = args.work / "llm-1b"
     if not (llm_data / "manifest.json").exists():
+        tokens = (args.llm_steps + 2) * LLM_GBS * (LLM_SEQ + 1)
         run([sys.executable, "-m", "trainbench", "prepare", "llama31_8b", "--synthetic", "--preset", "llama-1b",
-             "--train-tokens", str((args.llm_steps + 2) * LLM_GBS * (LLM_SEQ + 1)), "--out", str(llm_data)])  # fmt: skip
+             "--train-tokens", str(tokens), "--out", str(llm_data)], env=src_env(REPO / "src"))  # fmt: skip
     results: dict[str, dict[str, list]] = {name: {"bert_large_packed": [], "llama_1b": []} for name in trees}
     order = list(trees)
     for round_ in range(2):
