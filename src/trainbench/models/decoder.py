@@ -9,7 +9,7 @@ HF Llama state dict or safetensors file loads as it is (:func:`load_hf_weights`)
 ``model.embed_positions`` and norm and projection biases under the same scheme.
 
 The model is meant to be built on the meta device (no memory), parallelised from outside
-(``trainbench.train.parallel``) and only then materialised with :meth:`DecoderLM.init_weights`.
+(``trainbench.models.decoder_parallel``) and only then materialised with :meth:`DecoderLM.init_weights`.
 Attention is causal SDPA (flash attention on CUDA).
 """
 
