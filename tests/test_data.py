@@ -115,3 +115,18 @@ def test_not_an_hdf5_file(tmp_path):
     bad.write_text("not hdf5")
     with pytest.raises(DataError, match="not a readable HDF5 file"):
         validate_shard(bad, 128, 20)
+
+
+def test_one_splitter_for_every_benchmark_covers_each_global_batch_and_eval_set_once():
+    import numpy as np
+
+    from trainbench.data.steps import Step, batched, eval_share, rank_share
+
+    shares = [rank_share(64, r, 4) for r in range(4)]
+    assert [list(s) for s in shares] == [list(range(16 * r, 16 * (r + 1))) for r in range(4)]
+    evals = [eval_share(10, r, 3) for r in range(3)]
+    assert sum((list(e) for e in evals), []) == list(range(10)) and [len(e) for e in evals] == [3, 3, 4]
+    assert [list(b) for b in batched(range(3, 10), 3)] == [[3, 4, 5], [6, 7, 8], [9]]
+    step = Step.split({"a": np.arange(8), "b": np.arange(8) * 2}, 4, samples=32)
+    assert step.samples == 32 and [m["a"].tolist() for m in step] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert step[1]["b"].tolist() == [8, 10, 12, 14]

@@ -128,3 +128,28 @@ def test_fused_lamb_compiles_once_as_the_schedule_moves():
     assert counters["stats"]["unique_graphs"] == compiled_frames, "the update was recompiled"
     for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_one_weight_decay_rule_for_every_optimizer_and_frozen_parameters_get_no_state():
+    """LAMB (BERT) and clipped AdamW (the decoders) group parameters by the same rule, and a frozen parameter is in
+    neither group: no moments are kept for it and it does not move."""
+    from trainbench.benchmarks import BENCHMARKS
+    from trainbench.optim.groups import weight_decay_split
+
+    for name in ("bert", "llama31_8b"):
+        bench = BENCHMARKS[name]
+        cfg = bench.config("tiny")
+        model = bench.build_model(cfg)
+        if name == "llama31_8b":
+            model = model.to_empty(device="cpu")
+            model.init_weights(0)
+        frozen = [p for n, p in model.named_parameters() if "embed" in n]
+        for p in frozen:
+            p.requires_grad_(False)
+        decay, plain = weight_decay_split(model)
+        opt = bench.build_optimizer(cfg, model)
+        grouped = [p for g in opt.param_groups for p in g["params"]]
+        assert [id(p) for p in grouped] == [id(p) for p in decay + plain]
+        assert not {id(p) for p in frozen} & {id(p) for p in grouped}
+        assert all(p.ndim >= 2 for p in decay) and all(p.ndim == 1 for p in plain), name
+        assert [g["weight_decay"] for g in opt.param_groups] == [cfg.optimizer.weight_decay, 0.0]
