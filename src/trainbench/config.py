@@ -21,11 +21,22 @@ import yaml
 from trainbench.errors import ConfigError
 
 
-def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A config field with its help text (shown by ``trainbench run --help-config``)."""
+def option(
+    default: Any,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    at_least: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+) -> Any:
+    """A config field with its help text (shown by ``trainbench run --help-config``) and, for numbers, the range a
+    value must lie in: ``at_least`` (inclusive), ``above`` and ``below`` (exclusive)."""
     meta = {"help": help}
     if choices is not None:
         meta["choices"] = choices
+    for name, bound in (("at_least", at_least), ("above", above), ("below", below)):
+        if bound is not None:
+            meta[name] = bound
     return field(default=default, metadata=meta)
 
 
@@ -36,8 +47,8 @@ def section(factory: Any, help: str) -> Any:
 @dataclass(kw_only=True)
 class DataConfig:
     dir: str | None = option(None, "Dataset folder written by `trainbench prepare` (holds train/ and eval/).")
-    seq_length: int = option(512, "Tokens per sample; must match the shards on disk.")
-    max_predictions: int = option(76, "Masked-LM predictions per sample (BERT); must match the shards.")
+    seq_length: int = option(512, "Tokens per sample; must match the shards on disk.", at_least=1)
+    max_predictions: int = option(76, "Masked-LM predictions per sample (BERT); must match the shards.", at_least=1)
     layout: str = option(
         "fixed",
         "Training data layout: fixed (train/, one sample per row) or packed (train_packed/, several per row; "
@@ -45,13 +56,15 @@ class DataConfig:
         "samples per step).",
         choices=("fixed", "packed"),
     )
-    global_batch_size: int = option(256, "Samples per optimizer step, summed over all ranks and accumulation steps.")
-    micro_batch_size: int = option(
-        32, "Samples per rank per forward/backward; accumulation = global / (micro * ranks)."
+    global_batch_size: int = option(
+        256, "Samples per optimizer step, summed over all ranks and accumulation steps.", at_least=1
     )
-    eval_batch_size: int = option(64, "Samples per rank per eval forward.")
-    eval_samples: int | None = option(10000, "Eval samples to use from the eval files (None: all of them).")
-    prefetch: int = option(2, "Batches prepared ahead of the training step by a background thread.")
+    micro_batch_size: int = option(
+        32, "Samples per rank per forward/backward; accumulation = global / (micro * ranks).", at_least=1
+    )
+    eval_batch_size: int = option(64, "Samples per rank per eval forward.", at_least=1)
+    eval_samples: int | None = option(10000, "Eval samples to use from the eval files (None: all of them).", at_least=1)
+    prefetch: int = option(2, "Batches prepared ahead of the training step by a background thread.", at_least=0)
     length_bins: int = option(
         0,
         "Fixed layout: sort each global batch by length and deal it out so every rank's k-th micro-batch has "
@@ -67,12 +80,14 @@ class OptimizerConfig:
         "Optimizer (the benchmark's: lamb for bert, adam/adamw for gpt3/llama31_8b).",
         choices=("lamb", "adam", "adamw"),
     )
-    lr: float = option(4e-4, "Base (peak) learning rate: MLPerf `opt_base_learning_rate`.")
-    beta1: float = option(0.9, "First-moment decay.")
-    beta2: float = option(0.999, "Second-moment decay.")
-    epsilon: float = option(1e-6, "Added to the second-moment root.")
-    weight_decay: float = option(0.01, "Decoupled weight decay; never applied to biases and LayerNorm.")
-    max_grad_norm: float = option(1.0, "Clip the global gradient norm to this before the update (0: no clipping).")
+    lr: float = option(4e-4, "Base (peak) learning rate: MLPerf `opt_base_learning_rate`.", above=0)
+    beta1: float = option(0.9, "First-moment decay.", at_least=0, below=1)
+    beta2: float = option(0.999, "Second-moment decay.", at_least=0, below=1)
+    epsilon: float = option(1e-6, "Added to the second-moment root.", above=0)
+    weight_decay: float = option(0.01, "Decoupled weight decay; never applied to biases and LayerNorm.", at_least=0)
+    max_grad_norm: float = option(
+        1.0, "Clip the global gradient norm to this before the update (0: no clipping).", at_least=0
+    )
     bias_correction: bool = option(True, "Adam-style bias correction of both moments.")
     clip: str = option(
         "global",
@@ -84,27 +99,35 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True)
 class ScheduleConfig:
-    warmup_steps: int = option(0, "Linear warmup steps: MLPerf `opt_learning_rate_warmup_steps`.")
+    warmup_steps: int = option(0, "Linear warmup steps: MLPerf `opt_learning_rate_warmup_steps`.", at_least=0)
     start_warmup_step: int = option(0, "Step at which warmup begins (negative starts it earlier).")
-    total_steps: int = option(10000, "Steps of the decay: MLPerf `opt_learning_rate_training_steps`.")
-    poly_power: float = option(1.0, "Power of the polynomial decay after warmup (1.0: linear).")
-    end_lr: float | None = option(None, "Learning rate at the end of a cosine decay (None: 0.1 x optimizer.lr).")
-    max_samples: int | None = option(None, "Stop, status aborted, after this many samples (None: total_steps x GBS).")
+    total_steps: int = option(10000, "Steps of the decay: MLPerf `opt_learning_rate_training_steps`.", at_least=1)
+    poly_power: float = option(1.0, "Power of the polynomial decay after warmup (1.0: linear).", at_least=0)
+    end_lr: float | None = option(
+        None, "Learning rate at the end of a cosine decay (None: 0.1 x optimizer.lr).", at_least=0
+    )
+    max_samples: int | None = option(
+        None, "Stop, status aborted, after this many samples (None: total_steps x GBS).", at_least=1
+    )
 
 
 @dataclass(kw_only=True)
 class EvalConfig:
     target: float = option(0.72, "Quality target; the run succeeds at the first eval that reaches it.")
-    every_samples: int | None = option(None, "Eval every N training samples (None: the benchmark's MLPerf rule).")
+    every_samples: int | None = option(
+        None, "Eval every N training samples (None: the benchmark's MLPerf rule).", at_least=1
+    )
 
 
 @dataclass(kw_only=True)
 class DistributedConfig:
-    nproc: int = option(1, "Processes (one per GPU, or CPU ranks) on this node; >1 launches torchrun.")
+    nproc: int = option(1, "Processes (one per GPU, or CPU ranks) on this node; >1 launches torchrun.", at_least=1)
     backend: str = option("auto", "torch.distributed backend.", choices=("auto", "gloo", "nccl"))
-    tp: int = option(1, "Tensor-parallel degree (LLM benchmarks): ranks per tensor-parallel group; the rest is FSDP.")
+    tp: int = option(
+        1, "Tensor-parallel degree (LLM benchmarks): ranks per tensor-parallel group; the rest is FSDP.", at_least=1
+    )
     bucket_cap_mb: float = option(
-        25.0, "DDP gradient bucket size (MB): each bucket's all-reduce starts while backward goes on."
+        25.0, "DDP gradient bucket size (MB): each bucket's all-reduce starts while backward goes on.", above=0
     )
     grad_reduce_dtype: str = option(
         "fp32",
@@ -138,25 +161,30 @@ class PerfConfig:
         "N > 0: objects made during set-up are frozen, automatic garbage collection is off, and every rank "
         "collects the young generations at the same step, every N steps, and everything after each eval "
         "(automatic collections stalled 4-GPU runs for ~1.4 s every ~30 steps). 0: Python's automatic collection.",
+        at_least=0,
     )
 
 
 @dataclass(kw_only=True)
 class OutputConfig:
     results_dir: str = option("results", "Where run folders are created.")
-    log_every_steps: int = option(10, "Steps between loss/throughput records (each is a host sync).")
+    log_every_steps: int = option(10, "Steps between loss/throughput records (each is a host sync).", at_least=1)
     profile: bool = option(
         False,
         "Record a torch.profiler window on every rank: profile_<i>_kernels.csv, a Chrome trace and, on a GPU, "
         "where each step's time went (profile_<i>_timeline.json; ranks > 0: profile_<i>_rank<r>_*).",
     )
-    profile_start_step: int = option(5, "First profiled step (after warm-up).")
-    profile_steps: int = option(3, "Steps in the profiled window.")
+    profile_start_step: int = option(5, "First profiled step (after warm-up).", at_least=0)
+    profile_steps: int = option(3, "Steps in the profiled window.", at_least=1)
     telemetry_hz: float = option(
-        1.0, "GPU (or CPU) telemetry samples per second into telemetry_<host>_*.csv (0: off; MLPerf Power: >= 1)."
+        1.0,
+        "GPU (or CPU) telemetry samples per second into telemetry_<host>_*.csv (0: off; MLPerf Power: >= 1).",
+        at_least=0,
     )
     checkpoint_every_steps: int = option(
-        0, "Save a checkpoint every N steps (0: only when SIGUSR1/SIGTERM asks to stop); resume=true continues."
+        0,
+        "Save a checkpoint every N steps (0: only when SIGUSR1/SIGTERM asks to stop); resume=true continues.",
+        at_least=0,
     )
     run_dir: str | None = option(
         None, "Write into this run folder instead of a new one under results_dir (resume=true: continue it)."
@@ -249,7 +277,28 @@ _FALSE = {"false", "no", "off", "0"}
 
 
 def coerce(leaf: Leaf, value: Any) -> Any:
-    """Convert a value from the command line (a string) or a YAML file to the field's type, or raise."""
+    """Convert a value from the command line (a string) or a YAML file to the field's type, or raise; a number
+    outside the field's range is refused with the key, the value and the range."""
+    converted = _convert(leaf, value)
+    if isinstance(converted, (int, float)) and not isinstance(converted, bool):
+        problem = _out_of_range(leaf.field.metadata, converted)
+        if problem:
+            raise ConfigError(f"config key '{leaf.key}' {problem}; got {value!r}")
+    return converted
+
+
+def _out_of_range(meta: Any, number: float) -> str | None:
+    if number != number or number in (float("inf"), float("-inf")):
+        return "must be a finite number"
+    lo, above, below = meta.get("at_least"), meta.get("above"), meta.get("below")
+    if lo is not None and number < lo or above is not None and number <= above or below is not None and number >= below:
+        parts = ([f"at least {lo:g}"] if lo is not None else []) + ([f"above {above:g}"] if above is not None else [])
+        parts += [f"below {below:g}"] if below is not None else []
+        return "must be " + " and ".join(parts)
+    return None
+
+
+def _convert(leaf: Leaf, value: Any) -> Any:
     tp = leaf.type
     args = typing.get_args(tp)
     optional = type(None) in args

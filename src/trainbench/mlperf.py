@@ -19,6 +19,13 @@ __all__ = ["constants", "MLPerfLog", "read_log", "ComplianceResult", "check_comp
 PREFIX = ":::MLLOG"
 
 
+class _RaisingFileHandler(logging.FileHandler):
+    """A file handler whose write errors (a full disk) reach the caller instead of being printed and dropped."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        raise  # noqa: PLE0704 - called by emit() inside its except block: re-raise what failed
+
+
 class MLPerfLog:
     """An MLPerf log written to one file through ``mllog_impl.MLLogger``.
 
@@ -37,7 +44,7 @@ class MLPerfLog:
             py_logger = logging.getLogger(f"trainbench.mllog.{MLPerfLog._count}")
             py_logger.propagate = False
             py_logger.setLevel(logging.INFO)
-            self._handler = logging.FileHandler(self.path)
+            self._handler = _RaisingFileHandler(self.path)
             self._handler.setFormatter(logging.Formatter("%(message)s"))
             py_logger.addHandler(self._handler)
             # stack offset 2: the call site recorded in the metadata is the caller of our wrapper.

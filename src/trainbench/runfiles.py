@@ -46,8 +46,14 @@ class RunFiles:
         return self.run_dir / f"checkpoint_{self.index}"
 
     @property
+    def preempted_marker(self) -> Path:
+        """Left by rank 0 when the run stopped on a signal with a checkpoint (the launcher then says so)."""
+        return self.run_dir / f"preempted_{self.index}"
+
+    @property
     def finished(self) -> bool:
-        return self.outcome.exists() and self.log.exists()
+        """The run ended: its log has run_stop (it is renamed to its final name only then)."""
+        return self.log.exists()
 
 
 def run_indices(run_dir: Path) -> list[int]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, apply_overrides, read_yaml_overrides, save_config
 from trainbench.console import RunConsole
 from trainbench.distributed import available_slots, init_distributed, resolve_device
-from trainbench.errors import ConfigError, UserError
+from trainbench.errors import ConfigError, Preempted, UserError
 from trainbench.mlperf import ComplianceResult, check_compliance
 from trainbench.runfiles import CONFIG, CONSOLE, SUMMARY, RunFiles
 
@@ -57,8 +59,9 @@ def new_run_dir(results_dir: str, benchmark: str, preset: str) -> Path:
 @dataclass
 class RunRecord:
     index: int
-    outcome: dict | None  # run_<i>.json, or None when the run died before run_stop
+    outcome: dict | None  # run_<i>.json of a run that ended (its log has run_stop), else None
     compliance: ComplianceResult | None
+    stopped: str | None = None  # why a run that did not end stopped, as its run_<i>.json says
 
 
 def experiment_config(cfg: RunConfig, index: int) -> RunConfig:
@@ -115,16 +118,24 @@ def run_experiments(bench: Benchmark, cfg: RunConfig, nexp: int = 1) -> tuple[Pa
     save_config(cfg, run_dir / CONFIG)
     out = RunConsole(run_dir / CONSOLE)
     out.say(f"results folder: {run_dir}")
-    records = []
-    for index in range(nexp):
-        if cfg.resume and RunFiles(run_dir, index).finished:
-            out.say(f"run {index}: finished already")
-        elif cfg.distributed.nproc == 1:
-            _run_in_process(bench, experiment_config(cfg, index), run_dir, index, device)
-        else:
-            _run_torchrun(cfg, run_dir, index)
-        records.append(_collect(bench, run_dir, index, cfg))
-        _report(out, records[-1])
+    records: list[RunRecord] = []
+    try:
+        for index in range(nexp):
+            if cfg.resume and RunFiles(run_dir, index).finished:
+                out.say(f"run {index}: finished already")
+            elif cfg.distributed.nproc == 1:
+                _run_in_process(bench, experiment_config(cfg, index), run_dir, index, device)
+            else:
+                _run_torchrun(cfg, run_dir, index)
+            records.append(_collect(bench, run_dir, index, cfg))
+            _report(out, records[-1])
+    except BaseException:
+        # The run that stopped is in the summary too, as not finished; a summary that cannot be written (a full
+        # disk) must not hide why the run stopped.
+        with contextlib.suppress(Exception):
+            records.append(_collect(bench, run_dir, len(records), cfg, check=False))
+            write_summary(bench, cfg, run_dir, records)
+        raise
     write_summary(bench, cfg, run_dir, records)
     return run_dir, records
 
@@ -153,26 +164,54 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
         str(index),
         *(["--resume"] if cfg.resume else []),
     ]
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:
+    files = RunFiles(run_dir, index)
+    files.preempted_marker.unlink(missing_ok=True)
+    proc = subprocess.Popen(cmd, env=env)
+    # Ctrl-C: torchrun passes it on to the ranks, which checkpoint at their next log point and stop; this process
+    # waits for them instead of killing torchrun (which would kill the ranks mid-checkpoint).
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: proc.send_signal(signal.SIGINT))
+    try:
+        code = proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if files.preempted_marker.exists():
+        files.preempted_marker.unlink()
+        raise Preempted(f"run {index}: stopped by a signal; checkpoint saved in {run_dir}")
+    if code != 0:
+        outcome = read_outcome(files.outcome)
+        why = f": {outcome['reason']}" if outcome and outcome.get("status") == "interrupted" else ""
         raise UserError(
-            f"run {index} failed under torchrun (exit code {proc.returncode}); "
-            f"see the messages above and {run_dir / 'console.log'}"
+            f"run {index} failed under torchrun (exit code {code}){why}; see the messages above and "
+            f"{run_dir / CONSOLE}; resume=true continues it from its last checkpoint"
         )
 
 
-def _collect(bench: Benchmark, run_dir: Path, index: int, cfg: RunConfig | None = None) -> RunRecord:
+def read_outcome(path: Path) -> dict | None:
+    """A run_<i>.json, or None where it is missing or not whole (a write cut short)."""
+    try:
+        outcome = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return outcome if isinstance(outcome, dict) else None
+
+
+def _collect(
+    bench: Benchmark, run_dir: Path, index: int, cfg: RunConfig | None = None, check: bool = True
+) -> RunRecord:
     files = RunFiles(run_dir, index)
-    outcome = json.loads(files.outcome.read_text()) if files.outcome.exists() else None
+    outcome = read_outcome(files.outcome)
+    if not files.log.exists():  # no run_stop: the run did not end, whatever run_<i>.json says
+        stopped = outcome.get("reason") if outcome else None
+        return RunRecord(index, None, None, stopped or "no run_stop in its log and no run_<i>.json saying why")
     waived = bench.waived_checks(cfg) if cfg is not None else frozenset()
-    compliance = check_compliance(files.log, bench.ruleset, waived=waived) if files.log.exists() else None
+    compliance = check_compliance(files.log, bench.ruleset, waived=waived) if check else None
     return RunRecord(index, outcome, compliance)
 
 
 def _report(out: RunConsole, record: RunRecord) -> None:
     o = record.outcome
     if o is None:
-        out.say(f"run {record.index}: did not finish", style="red")
+        out.say(f"run {record.index}: did not finish: {record.stopped}", style="red")
         return
     verdict = record.compliance.reason() if record.compliance else "no log"
     style = "green" if o["status"] == "success" else "yellow"
@@ -199,7 +238,7 @@ def write_summary(bench: Benchmark, cfg: RunConfig, run_dir: Path, records: list
                 "index": r.index,
                 "result": RunFiles(run_dir, r.index).log.name,
                 "finished": r.outcome is not None,
-                **(r.outcome or {}),
+                **(r.outcome or {"stopped": r.stopped}),
                 "compliance": None
                 if r.compliance is None
                 else {"passed": r.compliance.ok, "reason": r.compliance.reason()},

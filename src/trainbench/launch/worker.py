@@ -14,7 +14,7 @@ from trainbench.distributed import init_distributed, resolve_device, shutdown
 from trainbench.errors import Preempted, UserError
 from trainbench.launch.local import experiment_config, load_run_config
 from trainbench.launch.systems import format_cpus, parse_cpus
-from trainbench.runfiles import CONFIG
+from trainbench.runfiles import CONFIG, RunFiles
 from trainbench.train.duties import StopSignal
 from trainbench.train.loop import train
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(str(exc))
             # The job script requeues on this marker: srun's own exit code is not reliable here, since
             # --kill-on-bad-exit may stop the other ranks (after the checkpoint) before they exit with 3.
-            (run_dir / f"preempted_{index}").touch()
+            RunFiles(run_dir, index).preempted_marker.touch()
         return Preempted.exit_code
     except UserError as exc:
         if info.is_main:

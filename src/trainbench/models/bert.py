@@ -95,17 +95,19 @@ def choose_packed_kernel(choice: str, cuda: bool, half: bool, grad: bool, dropou
 
 @dataclass(kw_only=True)
 class BertConfig:
-    vocab_size: int = option(30522, "Rows of the word-embedding table (and MLM output classes).")
-    hidden_size: int = option(1024, "Width of the encoder.")
-    num_layers: int = option(24, "Encoder layers.")
-    num_heads: int = option(16, "Attention heads per layer.")
-    intermediate_size: int = option(4096, "Width of the feed-forward layer.")
-    max_position_embeddings: int = option(512, "Rows of the position-embedding table.")
-    type_vocab_size: int = option(2, "Segment (token type) ids.")
-    hidden_dropout: float = option(0.1, "Dropout after embeddings, attention output and feed-forward output.")
-    attention_dropout: float = option(0.1, "Dropout on attention probabilities.")
-    layer_norm_eps: float = option(1e-12, "LayerNorm epsilon.")
-    init_std: float = option(0.02, "Std of the normal initialisation of weights.")
+    vocab_size: int = option(30522, "Rows of the word-embedding table (and MLM output classes).", at_least=1)
+    hidden_size: int = option(1024, "Width of the encoder.", at_least=1)
+    num_layers: int = option(24, "Encoder layers.", at_least=1)
+    num_heads: int = option(16, "Attention heads per layer.", at_least=1)
+    intermediate_size: int = option(4096, "Width of the feed-forward layer.", at_least=1)
+    max_position_embeddings: int = option(512, "Rows of the position-embedding table.", at_least=1)
+    type_vocab_size: int = option(2, "Segment (token type) ids.", at_least=1)
+    hidden_dropout: float = option(
+        0.1, "Dropout after embeddings, attention output and feed-forward output.", at_least=0, below=1
+    )
+    attention_dropout: float = option(0.1, "Dropout on attention probabilities.", at_least=0, below=1)
+    layer_norm_eps: float = option(1e-12, "LayerNorm epsilon.", above=0)
+    init_std: float = option(0.02, "Std of the normal initialisation of weights.", above=0)
     packed_attention: str = option(
         "auto",
         "Attention for packed rows: varlen (flash attention over variable-length sequences, with dropout; CUDA, "

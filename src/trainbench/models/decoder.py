@@ -29,19 +29,23 @@ from trainbench.config import option
 
 @dataclass(kw_only=True)
 class DecoderConfig:
-    vocab_size: int = option(128256, "Token ids (rows of the embedding and of the output layer).")
-    hidden_size: int = option(4096, "Model width.")
-    num_layers: int = option(32, "Transformer blocks.")
-    num_heads: int = option(32, "Query heads.")
-    num_kv_heads: int | None = option(8, "Key/value heads (grouped-query attention); None: as many as query heads.")
-    intermediate_size: int = option(14336, "MLP width.")
-    max_seq_length: int = option(8192, "Longest sequence (rows of the learned position table, if any).")
+    vocab_size: int = option(128256, "Token ids (rows of the embedding and of the output layer).", at_least=1)
+    hidden_size: int = option(4096, "Model width.", at_least=1)
+    num_layers: int = option(32, "Transformer blocks.", at_least=1)
+    num_heads: int = option(32, "Query heads.", at_least=1)
+    num_kv_heads: int | None = option(
+        8, "Key/value heads (grouped-query attention); None: as many as query heads.", at_least=1
+    )
+    intermediate_size: int = option(14336, "MLP width.", at_least=1)
+    max_seq_length: int = option(8192, "Longest sequence (rows of the learned position table, if any).", at_least=1)
     arch: str = option("llama", "llama: RoPE, RMSNorm, SwiGLU, no biases; gpt3: learned positions, LayerNorm, "
                        "GELU, biases.", choices=("llama", "gpt3"))  # fmt: skip
-    rope_theta: float = option(500000.0, "RoPE base (llama).")
-    norm_eps: float = option(1e-5, "Epsilon of RMSNorm / LayerNorm.")
+    rope_theta: float = option(500000.0, "RoPE base (llama).", above=0)
+    norm_eps: float = option(1e-5, "Epsilon of RMSNorm / LayerNorm.", above=0)
     tie_embeddings: bool = option(False, "Share the input embedding with the output layer.")
-    init_std: float = option(0.02, "Std of the normal initialisation; output projections get std / sqrt(2 x layers).")
+    init_std: float = option(
+        0.02, "Std of the normal initialisation; output projections get std / sqrt(2 x layers).", above=0
+    )
 
     @property
     def kv_heads(self) -> int:

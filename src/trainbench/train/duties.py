@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import signal
 import threading
 import time
@@ -21,9 +22,10 @@ from trainbench.train.profiling import StepProfiler
 
 
 class StopSignal:
-    """SIGUSR1 (Slurm's warning before the time limit) or SIGTERM: finish the step, checkpoint, stop."""
+    """SIGUSR1 (Slurm's warning before the time limit), SIGTERM or SIGINT (Ctrl-C): finish the step, checkpoint at
+    the next log point, stop. A second Ctrl-C stops at once (KeyboardInterrupt), without a checkpoint."""
 
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
     early = False  # set by install_early(): a signal that came before training started
 
@@ -47,6 +49,10 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         self.caught = True
+        if signum == signal.SIGINT:
+            # The next Ctrl-C is Python's own again. Written with os.write: a handler must not take locks.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.write(2, b"\nstopping at the next log point with a checkpoint; Ctrl-C again stops at once\n")
 
     def any(self, info: DistInfo) -> bool:
         """Whether any rank caught a signal (all ranks must agree to checkpoint together)."""

@@ -8,7 +8,9 @@ and the side duties (train/duties.py: signals, GC, metrics, telemetry, profiler;
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,7 +38,7 @@ from trainbench.train.step import StepTotals, train_step
 class RunOutcome:
     index: int
     seed: int
-    status: str  # "success" or "aborted"
+    status: str  # "success" or "aborted" (MLPerf's: the run ended), or "interrupted" (it did not end: no run_stop)
     reason: str
     metric_name: str
     target: float
@@ -117,7 +119,7 @@ class TrainLoop:
         self.metric = self.state.evals[-1][1] if self.state.evals else None
         self.status = constants.ABORTED
         self.reason = f"max_samples={run.max_samples:,} reached before the target"
-        self.preempted = False
+        self.ended = False  # reached the target, max_samples or a diverged loss: MLPerf's end of a run
         self.metrics = Metrics(files.run_dir, files.index, info.is_main, self.state.step, self.state.samples)
         self.progress = TrainProgress(run.max_samples, bench.metric_name, enabled=info.is_main and cfg.output.progress)
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=run.bf16)
@@ -132,8 +134,15 @@ class TrainLoop:
         gc_policy = GcPolicy(self.cfg.perf.gc_every_steps)
         try:
             self._steps(profiler, gc_policy)
-        except TrainingDiverged as exc:
-            self.reason = str(exc)
+            self.ended = True
+        except TrainingDiverged as exc:  # MLPerf's aborted: the run ended without reaching the target
+            self.ended, self.reason = True, str(exc)
+            raise
+        except Preempted as exc:
+            self.status, self.reason = INTERRUPTED, str(exc)
+            raise
+        except BaseException as exc:  # a crash, a lost rank, a full disk, a second Ctrl-C: the run did not end
+            self.status, self.reason = INTERRUPTED, interruption(exc)
             raise
         finally:
             gc_policy.restore()
@@ -176,7 +185,6 @@ class TrainLoop:
         self.totals.loss_sum.zero_()
         if self.stop.any(self.info):
             self._save_checkpoint()
-            self.preempted = True
             raise Preempted(f"run {self.files.index}: stopped by a signal at step {s.step:,}; checkpoint saved in "
                             f"{self.files.run_dir}")  # fmt: skip
 
@@ -208,22 +216,32 @@ class TrainLoop:
                         self.state, self.info)  # fmt: skip
 
     def _finish(self, profiler) -> RunOutcome:
-        """run_stop and the outcome file, unless the run was preempted (then its log stays ``.partial``)."""
+        """For a run that ended: the outcome file, then run_stop and the log's final name, atomically. For one that
+        did not: the log stays ``.partial`` (resume=true continues from the last checkpoint) and the outcome file
+        says why it stopped."""
         self.progress.close()
         self.stop.restore()
         run_stop_ms = int(time.time() * 1000)
         if self.sampler is not None:
             self.sampler.stop()
         finish_profiler(profiler, self.cfg.output, self.files.index, self.info, self.out)
-        if not self.preempted:
-            self.record.run_stop(self.status, run_stop_ms)
-        self.record.close()
         self.metrics.close()
         outcome = self._outcome(run_stop_ms)
-        if self.info.is_main and not self.preempted:
-            # Only a run that reached run_stop gets its final name (even if aborted); a crash leaves .partial.
-            self.files.partial_log.replace(self.files.log)
-            self.files.outcome.write_text(json.dumps(outcome.to_json(), indent=2) + "\n")
+        if not self.ended:
+            self.record.close()
+            if self.info.is_main:
+                with contextlib.suppress(OSError):  # best effort: the disk may be what failed
+                    write_json_atomic(self.files.outcome, outcome.to_json())
+            return outcome
+        if self.info.is_main:
+            write_json_atomic(self.files.outcome, outcome.to_json())
+        try:
+            self.record.finish(self.status, run_stop_ms, self.files.log)
+        except BaseException as exc:  # the log is still unfinished: so is the run
+            outcome.status, outcome.reason = INTERRUPTED, interruption(exc)
+            with contextlib.suppress(OSError):
+                write_json_atomic(self.files.outcome, outcome.to_json())
+            raise
         return outcome
 
     def _outcome(self, run_stop_ms: int) -> RunOutcome:
@@ -244,6 +262,24 @@ class TrainLoop:
             train_samples_per_s=self.metrics.samples_per_s,
             peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             energy=run_energy(self.files.run_dir, s.run_start_ms, run_stop_ms)
-            if self.info.is_main and not self.preempted
+            if self.info.is_main and self.ended
             else None,
         )
+
+
+INTERRUPTED = "interrupted"
+
+
+def interruption(exc: BaseException) -> str:
+    """What stopped a run that did not end, in one sentence for run_<i>.json."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted by Ctrl-C; resume=true continues from the last checkpoint, if one was saved"
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"stopped by {type(exc).__name__}: {first}; resume=true continues from the last checkpoint, if one was saved"
+
+
+def write_json_atomic(path: Path, value: dict) -> None:
+    """``path`` is the whole JSON or what it was before: written beside it, then renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)

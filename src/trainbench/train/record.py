@@ -8,6 +8,7 @@ but an event saying it was resumed and from where; time to train keeps counting 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ def platform_name(device: torch.device, world_size: int) -> str:
 
 class MLPerfRecord:
     def __init__(self, path: Path | None, fresh: bool):
+        self.path = path
         self.log = MLPerfLog(path)  # appends when resuming
         self.fresh = fresh
         # The log's header is written once: not again on resume.
@@ -80,8 +82,24 @@ class MLPerfRecord:
         self.log.event(constants.EVAL_ACCURACY, metric, metadata=meta)
         self.log.end(constants.EVAL_STOP, metadata=meta)
 
-    def run_stop(self, status: str, time_ms: int) -> None:
-        self.log.end(constants.RUN_STOP, metadata={"status": status}, time_ms=time_ms)
+    def finish(self, status: str, time_ms: int, final: Path) -> None:
+        """run_stop, atomically: the log with run_stop appended is written beside ``final``, synced, renamed to
+        ``final``, and only then is the unfinished log removed. A kill at any point leaves either the unfinished log
+        (no run_stop: resume continues it) or the whole finished one, never a finished log without its end or an
+        unfinished log with one."""
+        self.log.close()
+        if self.path is None:
+            return
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.copyfile(self.path, tmp)
+        end = MLPerfLog(tmp)
+        end.end(constants.RUN_STOP, metadata={"status": status}, time_ms=time_ms)
+        end.close()
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        self.path.unlink()
 
     def close(self) -> None:
+        """Leave the log unfinished (no run_stop): the run stopped before it ended."""
         self.log.close()

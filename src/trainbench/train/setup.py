@@ -58,6 +58,8 @@ def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | Non
         state=state,
         accumulation=bench.accumulation_steps(cfg),
         eval_every=eval_every,
-        max_samples=cfg.schedule.max_samples or cfg.schedule.total_steps * cfg.data.global_batch_size,
+        max_samples=cfg.schedule.total_steps * cfg.data.global_batch_size
+        if cfg.schedule.max_samples is None
+        else cfg.schedule.max_samples,
         bf16=bf16,
     )
