@@ -281,13 +281,17 @@ def cmd_package(args) -> int:
     code, output = check_package(root, ruleset)
     (root / "package_checker.log").write_text(output)
     errors = [ln.removeprefix("ERROR - ").strip() for ln in output.splitlines() if ln.startswith("ERROR")]
+    warnings = [ln.removeprefix("WARNING - ").strip() for ln in output.splitlines() if ln.startswith("WARNING")]
     passed = [ln.removeprefix("INFO - ").strip() for ln in output.splitlines() if "checker passed" in ln]
     console.print(f"package: {root}")
     for line in passed:
         console.print(f"  passed: {line}", style="green")
+    for line in warnings:
+        console.print(f"  warning: {line}", style="yellow", markup=False)
     for line in errors:
         console.print(f"  error: {line}", style="red", markup=False)
     verdict = "no errors" if not errors and code == 0 else f"{len(errors)} error(s)"
+    verdict += f", {len(warnings)} warning(s)" if warnings else ""
     console.print(f"mlperf-logging package checker (ruleset {ruleset}): {verdict}; log: {root / 'package_checker.log'}")
     return 0 if not errors and code == 0 else 1
 
@@ -379,7 +383,18 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
     except KeyboardInterrupt:
+        from trainbench.console import console
+
+        console.print("interrupted (Ctrl-C)")
         return 130
+    except OSError as exc:  # the machine refused: a full disk, a read-only or missing folder, a path that is a file
+        from rich.markup import escape
+
+        from trainbench.console import console
+
+        where = f": {exc.filename}" if exc.filename else ""
+        console.print(f"[red]error:[/red] {escape((exc.strerror or str(exc)) + where)}")
+        return 1
 
 
 if __name__ == "__main__":

@@ -104,6 +104,8 @@ class ComplianceResult:
     # Checks a scaled-down config cannot pass because the closed rules fix them to the full benchmark's values
     # (e.g. sequence length 8192): a log failing only these counts as compliant, and says so.
     waived: frozenset[str] = frozenset()
+    # What the checker does not look at but the log must hold to be a record of one run (see log_problems).
+    problems: tuple[str, ...] = ()
 
     def _messages(self) -> list[str]:
         """First line of each message of the checker (it separates messages with a line of dashes)."""
@@ -131,14 +133,18 @@ class ComplianceResult:
 
     @property
     def ok(self) -> bool:
-        """Passed, or failed only the waived checks."""
+        """Passed with no warning, or failed only the waived checks; and the log is consistent."""
+        if self.problems:
+            return False
         if self.passed:
             return True
         failed = self.failed_checks()
         return bool(failed) and failed <= self.waived and not self.other_errors()
 
     def reason(self) -> str:
-        """The checker's lines that explain a failure (or 'SUCCESS')."""
+        """The lines that explain a failure (or 'SUCCESS')."""
+        if self.problems:
+            return "; ".join(self.problems[:5])
         if self.passed:
             return "SUCCESS"
         if self.ok:
@@ -147,6 +153,28 @@ class ComplianceResult:
             )
         lines = [ln for ln in self.output.splitlines() if ln.startswith(("ERROR", "WARNING")) and "FAILED" not in ln]
         return "; ".join(lines[:5]) or self.output.strip()[-500:]
+
+
+def log_problems(events: list[dict]) -> list[str]:
+    """What makes a log no record of one run, beyond what mlperf-logging's checker looks at: times that go back,
+    events after run_stop, evals outside run_start..run_stop."""
+    problems = []
+    times = [e.get("time_ms") for e in events]
+    back = next((i for i in range(1, len(times)) if (times[i] or 0) < (times[i - 1] or 0)), None)
+    if back is not None:
+        problems.append(f"event {back + 1} ('{events[back]['key']}') is earlier than the one before it: the log is out "
+                        "of time order")  # fmt: skip
+    keys = [e.get("key") for e in events]
+    if constants.RUN_STOP in keys and keys.index(constants.RUN_STOP) < len(keys) - 1:
+        after = keys[keys.index(constants.RUN_STOP) + 1]
+        problems.append(f"'{after}' comes after run_stop: nothing may follow the end of the run")
+    if constants.RUN_START in keys:
+        early = [
+            k for k in keys[: keys.index(constants.RUN_START)] if k in (constants.EVAL_ACCURACY, constants.BLOCK_START)
+        ]
+        if early:
+            problems.append(f"'{early[0]}' comes before run_start")
+    return problems
 
 
 def check_compliance(
@@ -171,5 +199,7 @@ def check_compliance(
             text=True,
         )
     output = proc.stdout + proc.stderr
-    passed = proc.returncode == 0 and "SUCCESS" in output
-    return ComplianceResult(passed, ruleset, output, waived)
+    # Any warning fails: the checker still says SUCCESS with, for example, two run_stops.
+    warned = any(line.startswith(("WARNING", "ERROR")) for line in output.splitlines())
+    passed = proc.returncode == 0 and "SUCCESS" in output and not warned
+    return ComplianceResult(passed, ruleset, output, waived, tuple(log_problems(read_log(log_path, errors="replace"))))

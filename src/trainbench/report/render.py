@@ -9,12 +9,30 @@ import json
 from pathlib import Path
 
 from trainbench.report.scoring import Score, score_folder
-from trainbench.runfiles import CONFIG, SUMMARY
+from trainbench.runfiles import CONFIG, METRICS, SUMMARY
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """metrics.jsonl's rows; a resumed run logs the steps after its checkpoint again, and its later row wins. A
+    line cut short (a killed run) is skipped."""
+    path = run_dir / METRICS
+    rows: dict[tuple, dict] = {}
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows[(row.get("run"), row.get("step"), "loss" in row)] = row
+    return list(rows.values())
+
+
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _telemetry(run_dir: Path) -> dict[str, list[dict]]:
@@ -156,9 +174,9 @@ def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
 
         raise UserError(f"results folder {run_dir} does not exist")
     score = score_folder(run_dir)
-    config = (run_dir / CONFIG).read_text() if (run_dir / CONFIG).exists() else f"(no {CONFIG})"
-    job = json.loads((run_dir / "job.json").read_text()) if (run_dir / "job.json").exists() else {}
-    summary = json.loads((run_dir / SUMMARY).read_text()) if (run_dir / SUMMARY).exists() else {}
+    config = (run_dir / CONFIG).read_text(errors="replace") if (run_dir / CONFIG).exists() else f"(no {CONFIG})"
+    job = _json(run_dir / "job.json")
+    summary = _json(run_dir / SUMMARY)
     target = _target(config)
     metric = next((r.get("metric_name") for r in summary.get("runs", []) if r.get("metric_name")), "eval metric")
     plots = make_plots(run_dir, target, metric)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trainbench.benchmarks import by_mlperf_name
 from trainbench.errors import UserError
-from trainbench.mlperf import check_compliance, read_log, run_window, submission_benchmark
+from trainbench.mlperf import check_compliance, constants, read_log, run_window, submission_benchmark
 from trainbench.runfiles import SUMMARY, RunFiles, run_indices
 from trainbench.telemetry import run_energy
 
@@ -72,16 +72,20 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
     from mlperf_logging.benchmark_meta import get_result_file_counts
 
     run_dir = Path(run_dir)
-    summary = json.loads((run_dir / SUMMARY).read_text()) if (run_dir / SUMMARY).exists() else {}
+    summary = _read_json(run_dir / SUMMARY)
     runs, benchmark = [], summary.get("mlperf_benchmark")
-    for i in run_indices(run_dir):
+    indices = run_indices(run_dir)
+    if not indices:
+        raise UserError(f"{run_dir} holds no runs (no result_<i>.txt, result_<i>.txt.partial or run_<i>.json); "
+                        "give the folder `trainbench run` printed")  # fmt: skip
+    for i in indices:
         files = RunFiles(run_dir, i)
-        outcome = json.loads(files.outcome.read_text()) if files.outcome.exists() else {}
+        outcome = _read_json(files.outcome)
         if not files.log.exists():
             runs.append(RunScore(i, files.partial_log.name, "unfinished", False, "no run_stop (the run did not "
                                  "finish)", None, None, None, None, None))  # fmt: skip
             continue
-        events = read_log(files.log)
+        events = read_log(files.log, errors="replace")
         benchmark = benchmark or submission_benchmark(events)
         if ruleset is None:
             ruleset = summary.get("ruleset") or _ruleset_of(benchmark, files.log)
@@ -91,17 +95,22 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
         energy = outcome.get("energy")
         if energy is None and window is not None:
             energy = run_energy(run_dir, *window)
+        # The log is the record: status, time to train, the final metric and the samples come from it;
+        # run_<i>.json adds only what the log does not hold (throughput, energy).
+        stop = next((e for e in events if e["key"] == constants.RUN_STOP), {})
+        evals = [e for e in events if e["key"] == constants.EVAL_ACCURACY]
+        meta = (evals[-1].get("metadata") or {}) if evals else {}
         runs.append(
             RunScore(
                 index=i,
                 log=files.log.name,
-                status=outcome.get("status", "unknown"),
+                status=(stop.get("metadata") or {}).get("status", "unknown"),
                 compliant=check.ok,
                 compliance_reason=check.reason(),
                 time_to_train_min=ttt,
-                samples=outcome.get("samples"),
+                samples=meta.get("samples_count", meta.get("epoch_num", outcome.get("samples"))),
                 train_samples_per_s=outcome.get("train_samples_per_s"),
-                final_metric=outcome.get("final_metric"),
+                final_metric=evals[-1]["value"] if evals else None,
                 energy=energy,
             )
         )
@@ -123,6 +132,15 @@ def _ruleset_of(mlperf_benchmark: str | None, log: Path) -> str:
 def folder_benchmark(run_dir: Path, logs: list[Path]) -> tuple[str, str]:
     """(MLPerf benchmark name, compliance ruleset) of a results folder: from its summary.json, else from its first
     log's ``submission_benchmark`` through the benchmark registry."""
-    summary = json.loads((run_dir / SUMMARY).read_text()) if (run_dir / SUMMARY).exists() else {}
-    name = summary.get("mlperf_benchmark") or submission_benchmark(read_log(logs[0]))
+    summary = _read_json(run_dir / SUMMARY)
+    name = summary.get("mlperf_benchmark") or submission_benchmark(read_log(logs[0], errors="replace"))
     return name, summary.get("ruleset") or _ruleset_of(name, logs[0])
+
+
+def _read_json(path: Path) -> dict:
+    """A run's outcome file, or {} where it is missing or not whole."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
