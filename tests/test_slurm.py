@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from trainbench.benchmarks.bert import large
 from trainbench.errors import UserError
 from trainbench.launch import slurm
 from trainbench.launch.systems import load_system
@@ -285,3 +286,34 @@ def test_usr1_checkpoints_requeues_and_the_job_finishes_from_its_checkpoint(tiny
     assert log.count('"key": "trainbench_resumed"') == 1 and log.count('"key": "run_start"') == 1
     run = json.loads((run_dir / "summary.json").read_text())["runs"][0]
     assert run["status"] == "success" and run["compliance"]["passed"], run
+
+
+@pytest.mark.parametrize("where", ["override", "system file", "script"])
+def test_a_line_break_never_reaches_the_job_script(small_data, tmp_path, capsys, where):
+    """No quoting keeps a newline from ending a shell line: values holding one are refused, wherever they come from,
+    and nothing is written."""
+    evil = "res/a\n$(touch PWNED)"
+    system, overrides = "local_cpu_1x2", [f"output.results_dir={tmp_path / evil}"]
+    if where == "system file":
+        system = tmp_path / "evil.yaml"
+        system.write_text(f"nodes: 1\ntasks_per_node: 2\ndevice: cpu\naccount: {json.dumps('acct' + evil)}\n")
+        overrides = [f"output.results_dir={tmp_path / 'res'}"]
+    if where == "script":  # the last guard, should a value get past the config and the system file
+        from trainbench.launch.slurm import render_script
+        from trainbench.launch.systems import load_system
+
+        with pytest.raises(UserError, match="control character"):
+            render_script(load_system("local_cpu_1x2"), large(), tmp_path / evil, 1, ["trainbench"], "python3")
+        return
+    code = run_cli("submit", "bert", "--preset", "tiny", "--system", system, "--dry-run", f"data.dir={small_data}",
+                   *overrides)  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 2 and "control character" in out and "Traceback" not in out
+    assert not list(tmp_path.rglob("submit.sbatch")) and not list(tmp_path.rglob("PWNED"))
+
+
+def test_a_dry_run_does_not_need_the_data_on_this_machine(tmp_path, capsys):
+    code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_1x2", "--dry-run",
+                   "data.dir=/lustre/not/here", f"output.results_dir={tmp_path}")  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+    assert "not submitted" in capsys.readouterr().out

@@ -349,6 +349,8 @@ def _convert(leaf: Leaf, value: Any) -> Any:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise bad()
         value = str(value)
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ConfigError(f"config key '{leaf.key}' holds a control character ({value!r}); give it on one line")
         if leaf.choices and value not in leaf.choices:
             raise ConfigError(f"config key '{leaf.key}' must be one of {', '.join(leaf.choices)}; got '{value}'")
         return value

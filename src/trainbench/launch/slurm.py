@@ -30,7 +30,7 @@ from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, save_config
 from trainbench.errors import UserError
 from trainbench.launch.local import new_run_dir
-from trainbench.launch.systems import System
+from trainbench.launch.systems import System, control_character
 from trainbench.runfiles import CONFIG
 
 q = shlex.quote
@@ -75,7 +75,7 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
     env = dict(system.env)
     if system.numa:
         env["TRAINBENCH_CPU_MAP"] = ";".join(system.cpu_map())
-    recorded = " ".join(q(a) for a in command).replace("\n", " ")
+    recorded = "".join(c if ord(c) >= 32 else " " for c in " ".join(q(a) for a in command))  # a comment: one line
     lines = [
         "#!/bin/bash",
         *(f"#SBATCH {q(opt)}" for opt in sb),
@@ -118,7 +118,12 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         '"$PYTHON" -m trainbench.launch.slurm finish "$RUN_DIR" "$INDEX" "$rc"',
         'exit "$rc"',
     ]
-    return "\n".join(lines) + "\n"
+    script = "\n".join(lines) + "\n"
+    # The last guard: every value above is quoted, but no quoting keeps a line break from ending a line.
+    for value in (str(run_dir), python, *sb, *srun, *env.values(), *env):
+        if control_character(value):
+            raise UserError(f"{value!r} holds a control character; it cannot go into a job script")
+    return script
 
 
 # -- what the cluster can do ------------------------------------------------------------------------------
@@ -216,9 +221,9 @@ def submit(
         raise UserError(f"--nexp must be at least 1, got {nexp}")
     layout = system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)
     check_container(system)
-    if not dry_run:
+    if not dry_run:  # a dry run may be written anywhere: the cluster and its data need not be here
         check_cluster(system)
-    bench.check_data(cfg)
+        bench.check_data(cfg)
     run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-{system.name}").resolve()
     data = cfg.data
     if data.dir:  # the job may start in another directory

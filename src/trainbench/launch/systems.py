@@ -70,6 +70,10 @@ class System:
 
     def validate(self) -> None:
         where = f"system {self.name} ({self.path})"
+        for name, value in _strings(dataclasses.asdict(self)):
+            if control_character(value):
+                raise ConfigError(f"{where}: {name} holds a control character ({value!r}); it would reach the job "
+                                  "script, where a line break starts a command")  # fmt: skip
         if self.nodes < 1 or self.ranks_per_node < 1:
             raise ConfigError(f"{where}: nodes and GPUs/tasks per node must be at least 1")
         if not re.fullmatch(r"(\d+-)?\d{1,3}:\d\d:\d\d", self.time):
@@ -194,3 +198,21 @@ def load_system(name_or_path: str) -> System:
     system = System(**data)
     system.validate()
     return system
+
+
+def control_character(value: str) -> bool:
+    """Whether ``value`` holds a control character (a line break ends a shell line: no quoting makes it data)."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in value)
+
+
+def _strings(value, name: str = ""):
+    """Every string inside a system's fields, with where it is (env.KEY, container_mounts[1], ...)."""
+    if isinstance(value, str):
+        yield name, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k, f"{name}.{k}".lstrip("."))
+            yield from _strings(v, f"{name}.{k}".lstrip("."))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _strings(v, f"{name}[{i}]")
