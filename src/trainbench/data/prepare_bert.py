@@ -422,7 +422,11 @@ def prepare(
     t0 = time.perf_counter()
     out = Path(out)
     files = textmod.list_inputs(input_paths)
-    kind = textmod.detect_format(files) if input_format == "auto" else input_format
+    if input_format == "auto":
+        kind = textmod.detect_format(files)
+        files = textmod.inputs_of_format(files, kind)
+    else:
+        kind = input_format
     if kind not in textmod.FORMATS:
         raise UserError(f"--input-format {kind}: choose from auto, {', '.join(textmod.FORMATS)}")
     for f in files:

@@ -62,15 +62,28 @@ def list_inputs(paths: list[str | Path]) -> list[Path]:
 
 
 def detect_format(files: list[Path]) -> str:
-    """wiki-xml for .xml/.bz2 dumps, wikitext when the first lines carry ` = Title = ` headings, else results4."""
-    first = files[0]
-    if first.suffix in (".bz2", ".xml") or ".xml" in first.name:
+    """wiki-xml for .xml/.bz2 dumps, wikitext when any file's first lines carry ` = Title = ` headings (a folder
+    may hold a README beside the text), else results4."""
+    if any(f.suffix in (".bz2", ".xml") or ".xml" in f.name for f in files):
         return "wiki-xml"
-    with open(first, encoding="utf-8", errors="replace") as f:
-        head = [f.readline() for _ in range(50)]
-    if any(_WIKITEXT_TITLE.fullmatch(line.strip()) for line in head):
+    if any(_has_wikitext_titles(f) for f in files):
         return "wikitext"
     return "results4"
+
+
+def _has_wikitext_titles(path: Path) -> bool:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = [f.readline() for _ in range(50)]
+    return any(_WIKITEXT_TITLE.fullmatch(line.strip()) for line in head)
+
+
+def inputs_of_format(files: list[Path], kind: str) -> list[Path]:
+    """The files a detected format applies to: a WikiText folder's README (no headings) is not part of it."""
+    if kind == "wikitext":
+        return [f for f in files if _has_wikitext_titles(f)]
+    if kind == "wiki-xml":
+        return [f for f in files if f.suffix in (".bz2", ".xml") or ".xml" in f.name]
+    return files
 
 
 @contextmanager

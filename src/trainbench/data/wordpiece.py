@@ -34,7 +34,10 @@ def read_vocab(path: str | Path) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"vocabulary {path} does not exist")
-    words = path.read_text(encoding="utf-8").split("\n")
+    try:
+        words = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise DataError(f"vocabulary {path} is not UTF-8 text (one token a line, like BERT's vocab.txt)") from None
     while words and words[-1] == "":
         words.pop()
     if not words:
