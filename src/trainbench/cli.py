@@ -175,7 +175,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from trainbench.config import describe, parse_key_values
+    from trainbench.config import apply_overrides, describe, parse_key_values
     from trainbench.console import console
     from trainbench.launch.local import build_config, run_experiments
 
@@ -187,7 +187,8 @@ def cmd_run(args) -> int:
         console.print(f"config keys of {args.benchmark} --preset {args.preset}:\n{describe(cfg)}")
         return 0
     bench, cfg = build_config(args.benchmark, args.preset, args.config, overrides)
-    run_dir, records = run_experiments(bench, cfg, args.nexp)
+    given = apply_overrides(bench.config(args.preset), overrides)  # the dotted keys the command line sets
+    run_dir, records = run_experiments(bench, cfg, args.nexp, given)
     ok = all(r.outcome and r.outcome["status"] == "success" and r.compliance and r.compliance.ok for r in records)
     finished = [r.outcome for r in records if r.outcome]
     if finished:

@@ -357,13 +357,16 @@ def _convert(leaf: Leaf, value: Any) -> Any:
     raise bad()
 
 
-def apply_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
-    """Set each key (dotted or unambiguous leaf name) to its value, checking types. Mutates and returns cfg."""
+def apply_overrides(cfg: Any, overrides: dict[str, Any]) -> list[str]:
+    """Set each key (dotted or unambiguous leaf name) to its value, checking types, in ``cfg`` (mutated). Returns
+    the dotted keys set."""
     table = leaves(cfg)
+    done = []
     for key, value in overrides.items():
         leaf = _resolve_key(key, table)
         setattr(leaf.owner, leaf.field.name, coerce(leaf, value))
-    return cfg
+        done.append(leaf.key)
+    return done
 
 
 def parse_key_values(args: list[str]) -> dict[str, str]:

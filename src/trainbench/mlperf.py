@@ -202,4 +202,5 @@ def check_compliance(
     # Any warning fails: the checker still says SUCCESS with, for example, two run_stops.
     warned = any(line.startswith(("WARNING", "ERROR")) for line in output.splitlines())
     passed = proc.returncode == 0 and "SUCCESS" in output and not warned
-    return ComplianceResult(passed, ruleset, output, waived, tuple(log_problems(read_log(log_path, errors="replace"))))
+    events = read_log(log_path, errors="replace") if Path(log_path).is_file() else []
+    return ComplianceResult(passed, ruleset, output, waived, tuple(log_problems(events)))

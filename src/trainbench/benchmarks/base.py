@@ -69,6 +69,12 @@ class Benchmark(ABC):
         if d.global_batch_size % world:
             raise ConfigError(f"data.global_batch_size={d.global_batch_size} is not divisible by {world} processes")
         per_rank = d.global_batch_size // world
+        if per_rank < d.micro_batch_size:
+            raise ConfigError(
+                f"data.micro_batch_size={d.micro_batch_size} is more than each process's share of the global batch "
+                f"({d.global_batch_size} / {world} = {per_rank}); set data.micro_batch_size={per_rank} or a divisor "
+                "of it"
+            )
         if per_rank % d.micro_batch_size:
             raise ConfigError(
                 f"data.global_batch_size / processes = {per_rank} is not a multiple of "

@@ -182,6 +182,8 @@ class BertBenchmark(Benchmark):
         return train_dir, find_shards(train_dir, "training data", d.seq_length, d.max_predictions, d.layout)
 
     def check_data(self, cfg: RunConfig) -> None:
+        if cfg.model.init_checkpoint:  # before any folder is made: a run that cannot start leaves nothing behind
+            checkpoint_file(cfg.model.init_checkpoint)
         _, eval_dir = self._folders(cfg)
         d = cfg.data
         train_dir, shards = self._train_shards(cfg)
@@ -346,9 +348,7 @@ class BertBenchmark(Benchmark):
 
 def load_checkpoint(model: BertForPreTraining, path: str | Path) -> None:
     """Load HF-named, MLPerf-converted or our own weights into ``model``; a mismatch is a DataError."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"model.init_checkpoint {path} does not exist")
+    path = checkpoint_file(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -374,3 +374,14 @@ def load_checkpoint(model: BertForPreTraining, path: str | Path) -> None:
         model.load_state_dict(state)
     except RuntimeError as exc:
         raise DataError(f"model.init_checkpoint {path} does not fit the model config: {str(exc)[:300]}") from None
+
+
+def checkpoint_file(path: str | Path) -> Path:
+    """``model.init_checkpoint`` as a file that exists, or a DataError saying what it is instead."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"model.init_checkpoint {path} is a folder; give the checkpoint file (.pt, .bin or "
+                        ".safetensors) inside it")  # fmt: skip
+    if not path.is_file():
+        raise DataError(f"model.init_checkpoint {path} does not exist")
+    return path

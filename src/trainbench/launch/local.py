@@ -15,10 +15,10 @@ from pathlib import Path
 
 from trainbench.benchmarks import get_benchmark
 from trainbench.benchmarks.base import Benchmark
-from trainbench.config import RunConfig, apply_overrides, read_yaml_overrides, save_config
+from trainbench.config import RunConfig, apply_overrides, leaves, read_yaml_overrides, save_config
 from trainbench.console import RunConsole
 from trainbench.distributed import available_slots, init_distributed, resolve_device
-from trainbench.errors import ConfigError, Preempted, UserError
+from trainbench.errors import ConfigError, DataError, Preempted, UserError
 from trainbench.mlperf import ComplianceResult, check_compliance
 from trainbench.runfiles import CONFIG, CONSOLE, SUMMARY, RunFiles
 
@@ -26,17 +26,29 @@ from trainbench.runfiles import CONFIG, CONSOLE, SUMMARY, RunFiles
 def build_config(
     benchmark: str, preset: str, yaml_files: list[str] | None = None, overrides: dict | None = None
 ) -> tuple[Benchmark, RunConfig]:
-    """Preset, then YAML files in order, then key=value overrides; validated."""
+    """Preset, then YAML files in order, then key=value overrides; validated. Where neither sets the micro-batch,
+    the preset's is cut to fit each process's share of the global batch (as `submit` fits it to a system)."""
     bench = get_benchmark(benchmark)
     cfg = bench.config(preset)
+    explicit: set[str] = set()
     for path in yaml_files or []:
         values = read_yaml_overrides(path)
         values.pop("benchmark", None)
         values.pop("preset", None)
-        apply_overrides(cfg, values)
-    apply_overrides(cfg, overrides or {})
+        explicit |= set(apply_overrides(cfg, values))
+    explicit |= set(apply_overrides(cfg, overrides or {}))
+    if "data.micro_batch_size" not in explicit:
+        _fit_micro_batch(cfg)
     bench.validate(cfg)
     return bench, cfg
+
+
+def _fit_micro_batch(cfg: RunConfig) -> None:
+    """The largest micro-batch, at most the preset's, that divides each data-parallel process's share."""
+    d, replicas = cfg.data, max(1, cfg.distributed.nproc // max(1, cfg.distributed.tp))
+    per_rank, rest = divmod(d.global_batch_size, replicas)
+    if not rest and per_rank:
+        d.micro_batch_size = max(m for m in range(1, min(per_rank, d.micro_batch_size) + 1) if per_rank % m == 0)
 
 
 def load_run_config(path: Path) -> tuple[Benchmark, RunConfig]:
@@ -99,17 +111,33 @@ def resume_run_dir(bench: Benchmark, cfg: RunConfig) -> Path:
     return candidates[-1].parent
 
 
-def run_experiments(bench: Benchmark, cfg: RunConfig, nexp: int = 1) -> tuple[Path, list[RunRecord]]:
+# What resume=true takes from the command line; every other key is the run's own, from its config.yaml.
+RESUME_KEYS = ("resume", "output.run_dir", "output.results_dir", "output.progress")
+
+
+def run_experiments(
+    bench: Benchmark, cfg: RunConfig, nexp: int = 1, given: list[str] | None = None
+) -> tuple[Path, list[RunRecord]]:
+    """Run ``nexp`` experiments into one results folder. ``given``: the keys set on the command line (resume=true
+    refuses any that would change the run's saved settings)."""
     if nexp < 1:
         raise ConfigError(f"--nexp must be at least 1, got {nexp}")
     if cfg.resume:
         run_dir = resume_run_dir(bench, cfg)
         if (run_dir / CONFIG).exists():  # continue with the settings the run started with
             _, saved = load_run_config(run_dir / CONFIG)
+            _refuse_changes_on_resume(saved, cfg, given or [], run_dir)
             cfg = dataclasses.replace(
                 saved, resume=True, output=dataclasses.replace(saved.output, run_dir=str(run_dir))
             )
-    device = preflight(bench, cfg)
+    else:
+        cfg = _absolute_paths(cfg)  # the run may be resumed, or its job started, from another directory
+    try:
+        device = preflight(bench, cfg)
+    except DataError as exc:
+        if cfg.resume:
+            raise DataError(f"resuming {cfg.output.run_dir} with the settings in its {CONFIG}: {exc}") from None
+        raise
     if cfg.output.run_dir:
         run_dir = Path(cfg.output.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -138,6 +166,29 @@ def run_experiments(bench: Benchmark, cfg: RunConfig, nexp: int = 1) -> tuple[Pa
         raise
     write_summary(bench, cfg, run_dir, records)
     return run_dir, records
+
+
+def _refuse_changes_on_resume(saved: RunConfig, given_cfg: RunConfig, given: list[str], run_dir: Path) -> None:
+    table, ours = leaves(saved), leaves(given_cfg)
+    for key in given:
+        if key in RESUME_KEYS:
+            continue
+        value = getattr(ours[key].owner, ours[key].field.name)
+        if value != getattr(table[key].owner, table[key].field.name):
+            raise ConfigError(
+                f"resume=true continues {run_dir} with the settings in its {CONFIG}, so {key}={value} cannot apply; "
+                f"drop it (resume takes only {', '.join(RESUME_KEYS)}), or start a new run"
+            )
+
+
+def _absolute_paths(cfg: RunConfig) -> RunConfig:
+    data = cfg.data
+    if data.dir:
+        data = dataclasses.replace(data, dir=str(Path(data.dir).expanduser().absolute()))
+    model = cfg.model
+    if getattr(model, "init_checkpoint", None):
+        model = dataclasses.replace(model, init_checkpoint=str(Path(model.init_checkpoint).expanduser().absolute()))
+    return dataclasses.replace(cfg, data=data, model=model)
 
 
 def _run_in_process(bench: Benchmark, cfg: RunConfig, run_dir: Path, index: int, device: str) -> None:

@@ -34,6 +34,7 @@ class LoopState:
     run_start_ms: int = 0
     evals: list = field(default_factory=list)
     resumed: int = 0  # how many times this run was resumed
+    log_bytes: int = 0  # length of the MLPerf log when the checkpoint was saved: what a resume keeps (0: all)
 
 
 def checkpoint_dir(run_dir: Path, index: int) -> Path:

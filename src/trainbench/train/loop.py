@@ -85,8 +85,11 @@ def train(
     if ckpt is None:
         run.state.run_start_ms = record.run_start()
     else:
-        # MLPerf semantics: the log says the run was resumed, and from where; time to train keeps
-        # counting from the original run_start, so the time lost to the interruption is included.
+        # What the log holds past the checkpoint (an eval cut short, blocks of the steps to redo) goes: the resumed
+        # run logs them again. MLPerf semantics: the log says the run was resumed, and from where; time to train
+        # keeps counting from the original run_start, so the time lost to the interruption is included.
+        if info.is_main and run.state.log_bytes and files.partial_log.stat().st_size > run.state.log_bytes:
+            os.truncate(files.partial_log, run.state.log_bytes)
         record.resumed(run.state.resumed, run.state.step, run.state.samples)
         out.say(f"run {index}: resumed from {ckpt} at step {run.state.step:,} ({run.state.samples:,} samples)")
     return TrainLoop(cfg, bench, run, files, info, record, out, sampler).run()
@@ -212,6 +215,8 @@ class TrainLoop:
         return False
 
     def _save_checkpoint(self) -> None:
+        log = self.files.partial_log
+        self.state.log_bytes = log.stat().st_size if self.info.is_main and log.exists() else 0
         checkpoint.save(self.files.run_dir, self.files.index, self.run_.placed.module, self.run_.optimizer,
                         self.state, self.info)  # fmt: skip
 
