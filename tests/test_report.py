@@ -177,3 +177,57 @@ def test_package_layout_and_system_description(converged, tmp_path, capsys):
     assert "passed: System description checker passed for cpu_box" in out
     assert "expected 10" in out  # one run, where MLPerf asks for 10 BERT runs
     assert run_cli("package", converged, "--org", "a b", "--system", "x", "--out", tmp_path) == 2
+
+
+def test_check_fails_on_any_checker_warning_and_on_a_log_that_is_no_record_of_one_run(converged, tmp_path, capsys):
+    from trainbench.mlperf import read_log
+
+    log = (converged / "result_0.txt").read_text()
+    lines = log.splitlines()
+    stop = next(ln for ln in lines if '"run_stop"' in ln)
+    rest = [ln for ln in lines if ln != stop]
+    cases = {
+        # A kill between run_stop and the rename used to leave two run_stops: the checker only warns.
+        "two_run_stops": log + stop + "\n",
+        # run_stop moved before the evals: 0.04 min to train where the run took longer.
+        "stop_moved": "\n".join(rest[:12] + [stop] + rest[12:]) + "\n",
+    }
+    for name, text in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(converged, folder)
+        (folder / "result_0.txt").write_text(text)
+        assert run_cli("check", folder) == 1, name
+        out = capsys.readouterr().out
+        assert ("EXACTLY_ONE" in out) if name == "two_run_stops" else ("time order" in out), (name, out)
+        score = score_folder(folder)
+        assert not score.runs[0].compliant, name
+    # The report takes the final metric and the samples from the log, not from run_0.json.
+    folder = tmp_path / "outcome_disagrees"
+    shutil.copytree(converged, folder)
+    outcome = json.loads((folder / "run_0.json").read_text())
+    (folder / "run_0.json").write_text(json.dumps(outcome | {"final_metric": 0.99, "samples": 1}))
+    run = score_folder(folder).runs[0]
+    last = [e for e in read_log(folder / "result_0.txt") if e["key"] == "eval_accuracy"][-1]
+    assert run.final_metric == last["value"] and run.samples == last["metadata"]["epoch_num"]
+
+
+def test_package_shows_every_checker_warning(converged, tmp_path, capsys):
+    folder = make_folder(converged, tmp_path / "one_failed", [0.5, None, 2.0, 1.0, 4.0])
+    capsys.readouterr()
+    run_cli("package", folder, "--org", "tb", "--system", "cpu", "--out", tmp_path / "pkg")
+    out = capsys.readouterr().out
+    assert "warning:" in out and "does not comply" in out, out
+
+
+def test_report_on_a_folder_without_runs_or_with_broken_files_is_one_sentence(converged, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli("report", empty) == 2 and "holds no runs" in capsys.readouterr().out
+    broken = tmp_path / "broken"
+    shutil.copytree(converged, broken)
+    (broken / "result_0.txt").write_bytes(bytes(range(256)) * 8)
+    (broken / "run_0.json").write_text("")
+    (broken / "metrics.jsonl").write_text((converged / "metrics.jsonl").read_text() + '{"run": 0, "st')
+    code = run_cli("report", broken)
+    out = capsys.readouterr().out
+    assert code == 0 and "Traceback" not in out and "no valid score" in out

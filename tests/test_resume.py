@@ -81,7 +81,9 @@ def test_sigkilled_run_resumes_with_the_losses_of_an_uninterrupted_run(small_dat
     assert len(complaints) == 1 and "eval_accuracy" in complaints[0], result.output[-2000:]
 
 
-def test_sigusr1_checkpoints_and_stops_then_resume_finishes(small_data, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT], ids=["SIGUSR1", "SIGINT"])
+def test_a_stop_signal_checkpoints_and_stops_then_resume_finishes(small_data, tmp_path, sig):
+    """Slurm's SIGUSR1 and a Ctrl-C (SIGINT) alike: checkpoint, stop with the run unfinished and saying why."""
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "trainbench", "run", "bert", f"data.dir={small_data}", *RUN[:1], *RUN[2:]]
     proc = subprocess.Popen(
@@ -92,12 +94,15 @@ def test_sigusr1_checkpoints_and_stops_then_resume_finishes(small_data, tmp_path
     )
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 3, "three logged steps")
-    proc.send_signal(signal.SIGUSR1)
+    proc.send_signal(sig)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 3, output  # preempted: checkpoint saved, run not over
-    assert "checkpoint saved" in output and "resume=true" in output
+    assert "checkpoint saved" in output and "resume=true" in output and "Traceback" not in output
     assert (run_dir / "checkpoint_0" / "meta.json").exists()
     assert (run_dir / "result_0.txt.partial").exists() and not (run_dir / "result_0.txt").exists()
+    assert "run_stop" not in (run_dir / "result_0.txt.partial").read_text()
+    outcome = json.loads((run_dir / "run_0.json").read_text())
+    assert outcome["status"] == "interrupted" and "stopped by a signal" in outcome["reason"]
     assert run_cli("run", "bert", f"data.dir={small_data}", f"output.run_dir={run_dir}", "resume=true") == 1
     assert json.loads((run_dir / "run_0.json").read_text())["samples"] == 3200
 
@@ -106,3 +111,101 @@ def test_resume_with_nothing_to_resume_is_a_clear_error(small_data, tmp_path, ca
     code = run_cli("run", "bert", f"data.dir={small_data}", f"output.results_dir={tmp_path / 'none'}", "resume=true")
     assert code == 2
     assert "no bert/tiny run folder" in capsys.readouterr().out
+
+
+def _unfinished(run_dir: Path, cause: str) -> None:
+    """The run is left as not finished: its log without run_stop under its unfinished name, the cause named."""
+    assert (run_dir / "result_0.txt.partial").exists() and not (run_dir / "result_0.txt").exists()
+    assert "run_stop" not in (run_dir / "result_0.txt.partial").read_text()
+    outcome = json.loads((run_dir / "run_0.json").read_text())
+    assert outcome["status"] == "interrupted" and cause in outcome["reason"], outcome["reason"]
+
+
+def _resumed_once(small_data, run_dir: Path) -> None:
+    assert run_cli("run", "bert", f"data.dir={small_data}", f"output.run_dir={run_dir}", "resume=true") == 1
+    keys = [e["key"] for e in events(run_dir / "result_0.txt")]
+    assert keys.count("run_start") == 1 and keys.count("run_stop") == 1 and keys.count("trainbench_resumed") == 1
+    assert keys.count("eval_start") == keys.count("eval_stop")
+    assert not (run_dir / "result_0.txt.partial").exists()
+    assert json.loads((run_dir / "run_0.json").read_text())["samples"] == 1280
+
+
+SHORT = ["progress=false", "log_every_steps=1", "checkpoint_every_steps=4", "schedule.max_samples=1280",
+         "eval.every_samples=640", "eval_samples=256", "telemetry_hz=0"]  # fmt: skip
+
+
+def test_an_error_mid_run_leaves_it_unfinished_naming_the_cause_and_resume_continues(
+    small_data, tmp_path, monkeypatch, capsys
+):
+    """A full disk at step 10: one sentence, the log left unfinished, run_0.json naming the cause; resume goes on."""
+    import errno
+
+    from trainbench.train import duties
+
+    record, calls = duties.Metrics.record, []
+
+    def full_disk(self, step, samples, row):
+        calls.append(step)
+        if step == 10:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.file.name))
+        record(self, step, samples, row)
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(duties.Metrics, "record", full_disk)
+    assert run_cli("run", "bert", f"data.dir={small_data}", f"output.run_dir={run_dir}", *SHORT) == 1
+    out = capsys.readouterr().out
+    assert "error: No space left on device" in out and "Traceback" not in out
+    _unfinished(run_dir, "No space left on device")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["runs"][0]["finished"] is False and "No space left" in summary["runs"][0]["stopped"]
+    monkeypatch.setattr(duties.Metrics, "record", record)
+    _resumed_once(small_data, run_dir)
+
+
+def test_a_kill_between_run_stop_and_the_final_name_leaves_the_run_unfinished(small_data, tmp_path, monkeypatch):
+    """The finish is atomic: killed as the finished log is renamed, the run stays unfinished (no run_stop in the
+    log it keeps), and resume ends it with exactly one run_stop."""
+    from trainbench.train import record
+
+    replace = os.replace
+
+    def killed(src, dst):
+        if str(dst).endswith("result_0.txt"):
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(record.os, "replace", killed)
+    assert run_cli("run", "bert", f"data.dir={small_data}", f"output.run_dir={run_dir}", *SHORT) == 130
+    _unfinished(run_dir, "Ctrl-C")
+    monkeypatch.setattr(record.os, "replace", replace)
+    _resumed_once(small_data, run_dir)
+
+
+def test_a_rank_killed_mid_run_ends_the_job_unfinished_and_resume_continues(small_data, tmp_path):
+    """kill -9 of rank 1 of 2: rank 0 stops within seconds (its collective fails), the run is left unfinished with
+    the cause, and resuming on 2 ranks ends it."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "trainbench", "run", "bert", "--nproc", "2", f"data.dir={small_data}",
+               f"output.run_dir={run_dir}", "micro_batch_size=32", *SHORT]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    meta = run_dir / "checkpoint_0" / "meta.json"
+    try:
+        wait_for(lambda: meta.exists() and json.loads(meta.read_text())["step"] >= 4, "a checkpoint at step 4")
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "trainbench.launch.worker" in " ".join(p.cmdline())]  # fmt: skip
+        (rank1,) = [p for p in workers if p.environ().get("RANK") == "1"]
+        rank1.kill()
+        started = time.time()
+        output, _ = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert time.time() - started < 60 and proc.returncode not in (0, None), output
+    assert "failed under torchrun" in output and "resume=true" in output
+    _unfinished(run_dir, "stopped by")
+    assert run_cli("run", "bert", "--nproc", "2", f"data.dir={small_data}", f"output.run_dir={run_dir}",
+                   "resume=true") == 1  # fmt: skip
+    keys = [e["key"] for e in events(run_dir / "result_0.txt")]
+    assert keys.count("run_start") == 1 and keys.count("run_stop") == 1

@@ -142,17 +142,16 @@ class ComplianceResult:
         return bool(failed) and failed <= self.waived and not self.other_errors()
 
     def reason(self) -> str:
-        """The lines that explain a failure (or 'SUCCESS')."""
-        if self.problems:
-            return "; ".join(self.problems[:5])
-        if self.passed:
-            return "SUCCESS"
+        """The lines that explain a failure: the checker's, then the log's own problems (or 'SUCCESS')."""
         if self.ok:
+            if self.passed:
+                return "SUCCESS"
             return (
                 f"SUCCESS except the full-size checks of a scaled-down run ({', '.join(sorted(self.failed_checks()))})"
             )
         lines = [ln for ln in self.output.splitlines() if ln.startswith(("ERROR", "WARNING")) and "FAILED" not in ln]
-        return "; ".join(lines[:5]) or self.output.strip()[-500:]
+        lines += self.problems
+        return "; ".join(lines[:6]) or self.output.strip()[-500:]
 
 
 def log_problems(events: list[dict]) -> list[str]:
