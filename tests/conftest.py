@@ -54,3 +54,13 @@ def only_run_dir(results: Path) -> Path:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def converged(tiny_data, tmp_path_factory) -> Path:
+    """One tiny run to its target, with telemetry at 4 Hz: a finished, compliant results folder."""
+    out = tmp_path_factory.mktemp("converged")
+    code = run_cli("run", "bert", f"data.dir={tiny_data}", f"output.results_dir={out}", "progress=false",
+                   "telemetry_hz=4")  # fmt: skip
+    assert code == 0
+    return only_run_dir(out)

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import only_run_dir, run_cli
+from conftest import run_cli
 
 from trainbench.mlperf import check_compliance
 from trainbench.report.scoring import score_folder, score_runs
@@ -41,16 +41,6 @@ def test_too_few_runs_have_no_score():
 
 
 # -- folders made from a real run ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def converged(tiny_data, tmp_path_factory) -> Path:
-    """One tiny run to its target, with telemetry at 4 Hz."""
-    out = tmp_path_factory.mktemp("converged")
-    code = run_cli("run", "bert", f"data.dir={tiny_data}", f"output.results_dir={out}", "progress=false",
-                   "telemetry_hz=4")  # fmt: skip
-    assert code == 0
-    return only_run_dir(out)
 
 
 def _shifted(log: str, extra_ms: int) -> str:

@@ -1,0 +1,107 @@
+"""Every `trainbench` command in the README, docs/ and the `--help` examples, as written, with placeholders given
+tiny stand-ins (DIR, results folders, a YAML file).
+
+Commands that need only this machine run whole: list, --help-config, prepare from synthetic data and from
+WikiText-2, check and report on a finished run, submit --dry-run on the local system. Commands that need what CI
+has not got (the training itself, 8 GPUs, a Slurm cluster, the Wikipedia dump, C4) run through argument parsing,
+the config, its validation and the system file, up to the launch, which a stand-in records; prepare from a
+dataset CI has not got parses its arguments only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+
+from trainbench import cli
+
+SHARED = REPO.parent / "shared" / "data"
+
+
+def documented() -> list[tuple[str, str]]:
+    """(where, command line) of every documented command."""
+    sources = {p.relative_to(REPO).as_posix(): p.read_text() for p in [REPO / "README.md", *REPO.glob("docs/*.md")]}
+    sources |= {f"trainbench {n} --help": getattr(cli, f"EXAMPLES_{n.upper()}") for n in ("run", "submit", "prepare")}
+    found = []
+    for where, text in sources.items():
+        lines = iter(text.replace("\\\\\n", "\\\n").splitlines())
+        for line in lines:
+            line = line.strip()
+            if not line.startswith("trainbench ") or line.startswith("trainbench COMMAND"):
+                continue
+            while line.endswith("\\"):
+                line = line[:-1] + " " + next(lines).strip()
+            line = re.split(r"\s+#\s|\s{2,}\(", line)[0].strip()  # a trailing comment or "(every key ...)"
+            found.append((where, line))
+    return found
+
+
+COMMANDS = documented()
+PLACEHOLDERS = {"DIR": "data/bert-tiny", "<the new run folder>": "finished"}
+NEEDS_DATA_CI_HAS_NOT = ("enwiki-", "results4/", "--source", " ... ")
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory, tiny_data, converged):
+    """A working directory holding what the documented commands name, as tiny stand-ins."""
+    root = tmp_path_factory.mktemp("docs")
+    (root / "data").mkdir()
+    os.symlink(tiny_data, root / "data" / "bert-tiny")
+    for name in ("finished", "20261121T224453Z-bert-tiny"):
+        shutil.copytree(converged, root / "results" / name)
+    for name in ("system.yaml", "my_system.yaml"):
+        (root / name).write_text("output:\n  submission_platform: 8xH200\n")
+    if (SHARED / "text" / "wikitext-2").is_dir():
+        shutil.copytree(SHARED / "text" / "wikitext-2", root / "wikitext-2")
+    return root
+
+
+def test_the_docs_hold_the_commands_users_copy():
+    text = " ".join(c for _, c in COMMANDS)
+    assert len(COMMANDS) >= 30 and "--nproc 2" in text and "submit" in text and "--input wikitext-2/" in text
+
+
+@pytest.mark.parametrize(("where", "command"), COMMANDS, ids=[f"{w}: {c}"[:90] for w, c in COMMANDS])
+def test_a_documented_command_runs_as_written(where, command, sandbox, monkeypatch, capsys):
+    for placeholder, value in PLACEHOLDERS.items():
+        command = command.replace(placeholder, value)
+    args = shlex.split(command)[1:]
+    monkeypatch.chdir(sandbox)
+    launched = []
+
+    def launch(bench, cfg, nexp=1, given=None):  # the training: recorded, not run
+        launched.append((bench.name, cfg))
+        from trainbench.distributed import available_slots
+        from trainbench.launch.local import preflight
+
+        here = cfg.data.dir and Path(cfg.data.dir).is_dir() and cfg.distributed.nproc <= available_slots("cpu")
+        if here and not cfg.resume:
+            preflight(bench, cfg)  # the data it names is here, and the processes fit: check them as a run would
+        return sandbox / "results" / "finished", []
+
+    def submit(bench, cfg, system, nexp, dry_run, command_line):  # a cluster: recorded, not asked
+        launched.append((bench.name, cfg))
+        return sandbox / "results" / "finished", "#!/bin/bash\n", None
+
+    monkeypatch.setattr("trainbench.launch.local.run_experiments", launch)
+    if "--dry-run" not in args or "local_cpu_1x2" not in args:
+        monkeypatch.setattr("trainbench.launch.slurm.submit", submit)
+    if any(marker in command for marker in NEEDS_DATA_CI_HAS_NOT):  # the options parse, as written
+        args = shlex.split(command.replace(" ... ", " --input corpus --out data/out "))[1:]
+        parsed, extra = cli._parser().parse_known_args(args)
+        assert parsed.command == "prepare" and not extra, extra
+        return
+    if "wikitext-2" in command and not (sandbox / "wikitext-2").exists():
+        pytest.skip("WikiText-2 is read from ../shared/data, absent here")
+    code = run_cli(*args)
+    out = capsys.readouterr().out
+    assert "error:" not in out and "Traceback" not in out, out
+    assert code == 0 or (code == 1 and args[0] == "run" and launched), (code, out)
+    if args[0] in ("run", "submit") and "--help-config" not in args:
+        assert launched, f"{command} did not reach the launch"
