@@ -221,3 +221,17 @@ def test_report_on_a_folder_without_runs_or_with_broken_files_is_one_sentence(co
     code = run_cli("report", broken)
     out = capsys.readouterr().out
     assert code == 0 and "Traceback" not in out and "no valid score" in out
+
+
+def test_report_marks_dropped_runs_names_the_system_and_says_what_is_missing(converged, tmp_path, capsys):
+    folder = make_folder(converged, tmp_path / "five", [0.5, None, 2.0, 1.0, 4.0])
+    assert run_cli("report", folder) == 0
+    md = (folder / "report.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ") and "run" not in line}
+    assert rows["0"].rstrip(" |").endswith("dropped: fastest") and rows["1"].rstrip(" |").endswith("does not count")
+    assert all(rows[i].rstrip(" |").endswith("averaged") for i in ("2", "3", "4"))
+    assert "MLPerf asks for 10 runs of bert; this folder has 5" in md
+    assert "Energy is empty: it needs GPU telemetry" in md
+    system = next(line for line in md.splitlines() if line.startswith("System:"))
+    assert "torch " in system and "cpu " in system and "python " in system
+    assert "max-width:980px" not in (folder / "report.html").read_text()

@@ -11,6 +11,8 @@ telemetry is absent. A failing sensor is recorded as empty, and nothing here eve
 from __future__ import annotations
 
 import csv
+import os
+import platform
 import socket
 import threading
 import time
@@ -254,3 +256,72 @@ def run_energy(run_dir: Path, start_ms: float, stop_ms: float) -> dict | None:
         return None
     total = sum(e["joules"] for e in per_gpu.values())
     return {"total_joules": round(total, 3), "total_kwh": total / 3.6e6, "per_gpu": per_gpu}
+
+
+# -- what the machine is -----------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def memory_gb() -> str:
+    try:
+        kb = int(
+            next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")).split()[1]
+        )
+        return f"{kb / 2**20:.0f} GB"
+    except (OSError, StopIteration, ValueError):
+        return "unknown"
+
+
+def gpus() -> tuple[int, str, str]:
+    """(count, model, memory) of this machine's NVIDIA GPUs; (0, "", "") without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        if n == 0:
+            return 0, "", ""
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(h)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30
+        pynvml.nvmlShutdown()
+        return n, name if isinstance(name, str) else name.decode(), f"{memory:.0f} GB"
+    except Exception:
+        return 0, "", ""
+
+
+def driver_version() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        pynvml.nvmlShutdown()
+        return version if isinstance(version, str) else version.decode()
+    except Exception:
+        return ""
+
+
+def machine() -> dict[str, str]:
+    """What a run ran on, for its outcome file and the report: CPU, memory, GPUs and driver, torch, Python."""
+    import torch
+
+    count, gpu, gpu_memory = gpus()
+    return {
+        "host": socket.gethostname(),
+        "cpu": f"{cpu_model()} ({os.cpu_count()} logical cores)",
+        "memory": memory_gb(),
+        "gpus": f"{count} x {gpu} ({gpu_memory})" if count else "none",
+        "driver": driver_version() or "-",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }

@@ -15,43 +15,7 @@ from pathlib import Path
 from trainbench.errors import UserError
 from trainbench.report.scoring import folder_benchmark
 from trainbench.runfiles import CONFIG, RunFiles, finished_logs
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _memory_gb() -> str:
-    try:
-        kb = int(
-            next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal")).split()[1]
-        )
-        return f"{kb / 2**20:.0f} GB"
-    except (OSError, StopIteration, ValueError):
-        return "unknown"
-
-
-def _gpus() -> tuple[int, str, str]:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        n = pynvml.nvmlDeviceGetCount()
-        if n == 0:
-            return 0, "", ""
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
-        name = pynvml.nvmlDeviceGetName(h)
-        memory = pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30
-        pynvml.nvmlShutdown()
-        return n, name if isinstance(name, str) else name.decode(), f"{memory:.0f} GB"
-    except Exception:
-        return 0, "", ""
+from trainbench.telemetry import cpu_model, gpus, memory_gb
 
 
 def system_description(org: str, system_name: str, run_dir: Path, division: str, status: str) -> dict:
@@ -66,7 +30,7 @@ def system_description(org: str, system_name: str, run_dir: Path, division: str,
             nodes, per_node = system.nodes, system.gpus_per_node
         except UserError:
             pass
-    gpus, gpu_name, gpu_memory = _gpus()
+    gpu_count, gpu_name, gpu_memory = gpus()
     import torch
 
     return {
@@ -81,19 +45,19 @@ def system_description(org: str, system_name: str, run_dir: Path, division: str,
         "system_name": system_name,
         "number_of_nodes": str(nodes),
         "host_processors_per_node": "1",
-        "host_processor_model_name": _cpu_model(),
+        "host_processor_model_name": cpu_model(),
         "host_processor_core_count": str(os.cpu_count()),
         "host_processor_vcpu_count": str(os.cpu_count()),
         "host_processor_frequency": "",
         "host_processor_caches": "",
         "host_processor_interconnect": "",
-        "host_memory_capacity": _memory_gb(),
+        "host_memory_capacity": memory_gb(),
         "host_storage_type": "",
         "host_storage_capacity": "",
         "host_networking": "",
         "host_networking_topology": "",
         "host_memory_configuration": "",
-        "accelerators_per_node": str(per_node if per_node is not None else gpus),
+        "accelerators_per_node": str(per_node if per_node is not None else gpu_count),
         "accelerator_model_name": gpu_name or "none (CPU)",
         "accelerator_host_interconnect": "",
         "accelerator_frequency": "",

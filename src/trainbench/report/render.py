@@ -154,6 +154,7 @@ def score_table(score: Score) -> tuple[list[str], list[list[str]]]:
         "samples/s",
         "final metric",
         "energy (kWh)",
+        "in the score",
     ]
     body = []
     for r in score.runs:
@@ -161,9 +162,41 @@ def score_table(score: Score) -> tuple[list[str], list[list[str]]]:
         body.append([
             str(r.index), r.status, "pass" if r.compliant else f"fail: {r.compliance_reason[:80]}",
             _fmt(r.time_to_train_min), _fmt(r.samples), _fmt(r.train_samples_per_s, 1), _fmt(r.final_metric, 4),
-            _fmt(energy, 6),
+            _fmt(energy, 6), _in_score(score, r),
         ])  # fmt: skip
     return head, body
+
+
+def _in_score(score: Score, run) -> str:
+    """Whether the olympic mean averages this run, or why it drops it."""
+    if not score.valid:
+        return "-"
+    if run.index in score.counted:
+        return "averaged"
+    if not run.counts:
+        return "dropped: does not count"
+    fastest = min(r.time_to_train_min for r in score.runs if r.index in score.counted)
+    return "dropped: fastest" if run.time_to_train_min <= fastest else "dropped: slowest"
+
+
+def notes(score: Score, benchmark: str | None) -> list[str]:
+    """What a reader comparing machines needs beside the table."""
+    out = []
+    if score.runs and all(r.energy is None for r in score.runs):
+        out.append("Energy is empty: it needs GPU telemetry during the run (NVIDIA GPUs with NVML, "
+                   "output.telemetry_hz > 0); a CPU run records power only where the CPU reports it.")  # fmt: skip
+    if score.required_runs and len(score.runs) < score.required_runs:
+        out.append(f"MLPerf asks for {score.required_runs} runs of {benchmark or 'this benchmark'}; this folder has "
+                   f"{len(score.runs)} (trainbench run --nexp {score.required_runs}).")  # fmt: skip
+    return out
+
+
+def system_line(run_dir: Path, job: dict) -> str:
+    """The machine the runs ran on, from the first outcome file that records it, and the system file if any."""
+    found = next((o["system"] for o in (_json(p) for p in sorted(run_dir.glob("run_*.json"))) if o.get("system")), {})
+    parts = [job["system"]] if job.get("system") else []
+    parts += [f"{k} {v}" for k, v in found.items() if k != "host"]
+    return "; ".join(parts) or "not recorded (runs made before trainbench recorded the machine)"
 
 
 def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
@@ -185,13 +218,15 @@ def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
         f"**Score: {score.score_min:.3f} minutes** ({score.reason})" if score.score_min is not None
         else f"**No valid score**: {score.reason}"
     )  # fmt: skip
-    system = job.get("system", "this machine (trainbench run)")
+    system = system_line(run_dir, job)
     title = f"{summary.get('benchmark', 'benchmark')}/{summary.get('preset', '')} — {run_dir.name}"
 
     layout = f", layout {job['layout']}" if "layout" in job else ""
+    extra = notes(score, summary.get("mlperf_benchmark"))
     md = [f"# {title}", "", score_line, "", f"System: {system}{layout}", ""]
     md += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     md += ["| " + " | ".join(row) + " |" for row in body]
+    md += ["", *extra]
     md += [
         "",
         *(f"![{t}](plots/{p.name})" for t, p in plots),
@@ -213,7 +248,7 @@ def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
     rows_html = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in body)
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
-<style>body{{font-family:sans-serif;max-width:980px;margin:2em auto;color:#222}}
+<style>body{{font-family:sans-serif;margin:2em 3%;color:#222}}
 table{{border-collapse:collapse}}td,th{{border:1px solid #bbb;padding:3px 8px;font-size:13px}}
 th{{background:#eee}}img{{max-width:100%;display:block;margin:1em 0}}
 pre{{background:#f6f6f6;padding:1em;font-size:12px}}
@@ -222,6 +257,7 @@ pre{{background:#f6f6f6;padding:1em;font-size:12px}}
 <p class="score">{esc(score_line.replace("**", ""))}</p>
 <p>System: {esc(system + layout)}</p>
 <table><tr>{"".join(f"<th>{esc(h)}</th>" for h in head)}</tr>{rows_html}</table>
+{"".join(f"<p>{esc(n)}</p>" for n in extra)}
 {"".join(f'<h2>{esc(t)}</h2><img alt="{esc(t)}" src="{img(p)}">' for t, p in plots)}
 <h2>Config</h2><pre>{esc(config)}</pre>
 </body></html>

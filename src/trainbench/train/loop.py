@@ -25,7 +25,7 @@ from trainbench.distributed import DistInfo, all_reduce_sum
 from trainbench.errors import Preempted, TrainingDiverged
 from trainbench.mlperf import constants
 from trainbench.runfiles import CONSOLE, METRICS, RunFiles
-from trainbench.telemetry import run_energy
+from trainbench.telemetry import machine, run_energy
 from trainbench.train import checkpoint
 from trainbench.train.duties import GcPolicy, Metrics, StopSignal, finish_profiler, start_profiler, start_telemetry
 from trainbench.train.evaluate import evaluate
@@ -51,6 +51,7 @@ class RunOutcome:
     train_samples_per_s: float | None = None  # over the timed training steps, evals excluded
     peak_memory_gib: float | None = None  # CUDA only
     energy: dict | None = None  # energy to train from the telemetry (J, kWh, per GPU); None without GPU telemetry
+    system: dict | None = None  # what it ran on (rank 0's machine): CPU, memory, GPUs, driver, torch, Python
 
     @property
     def time_to_train_min(self) -> float:
@@ -128,6 +129,7 @@ class TrainLoop:
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=run.bf16)
         self.stop = StopSignal()
         self.totals = StepTotals(info.device)
+        self.system = machine() if info.is_main else None
 
     def run(self) -> RunOutcome:
         if self.record.fresh:
@@ -266,6 +268,7 @@ class TrainLoop:
             evals=s.evals,
             train_samples_per_s=self.metrics.samples_per_s,
             peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            system=self.system,
             energy=run_energy(self.files.run_dir, s.run_start_ms, run_stop_ms)
             if self.info.is_main and self.ended
             else None,
