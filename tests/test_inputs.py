@@ -64,10 +64,15 @@ def test_broken_inputs_are_one_sentence(small_data, tmp_path, capsys):
     one_sentence(out)
 
 
-def test_resume_refuses_keys_that_would_change_the_run(small_data, tmp_path, capsys):
+def test_resume_refuses_keys_that_would_change_the_run_and_finds_its_data_from_anywhere(
+    small_data, tmp_path, capsys, monkeypatch
+):
     run_dir = tmp_path / "run"
     quick = ["progress=false", "telemetry_hz=0", "eval_samples=256", "eval.every_samples=320", "max_samples=320"]
-    assert run_cli("run", "bert", f"data.dir={small_data}", f"output.run_dir={run_dir}", *quick) == 1
+    monkeypatch.chdir(small_data.parent)  # a relative data.dir, saved absolute
+    assert run_cli("run", "bert", f"data.dir={small_data.name}", f"output.run_dir={run_dir}", *quick) == 1
+    assert f"dir: {small_data}" in (run_dir / "config.yaml").read_text()
+    monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     code = run_cli("run", "bert", f"data.dir={small_data}", f"output.run_dir={run_dir}", "resume=true", "lr=5e-3")
     out = capsys.readouterr().out
