@@ -8,6 +8,7 @@ shared by its runs.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,3 +69,13 @@ def finished_logs(run_dir: Path) -> list[Path]:
 
 def partial_logs(run_dir: Path) -> list[Path]:
     return sorted(Path(run_dir).glob("result_*.txt.partial"))
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a results folder (run_<i>.json, summary.json, job.json), or {} where it is missing or not
+    whole (a write cut short)."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -20,7 +20,7 @@ from trainbench.console import RunConsole
 from trainbench.distributed import available_slots, init_distributed, resolve_device
 from trainbench.errors import ConfigError, DataError, Preempted, UserError
 from trainbench.mlperf import ComplianceResult, check_compliance
-from trainbench.runfiles import CONFIG, CONSOLE, SUMMARY, RunFiles
+from trainbench.runfiles import CONFIG, CONSOLE, SUMMARY, RunFiles, read_json
 
 
 def build_config(
@@ -229,7 +229,7 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
         files.preempted_marker.unlink()
         raise Preempted(f"run {index}: stopped by a signal; checkpoint saved in {run_dir}")
     if code != 0:
-        outcome = read_outcome(files.outcome)
+        outcome = read_json(files.outcome) or None
         why = f": {outcome['reason']}" if outcome and outcome.get("status") == "interrupted" else ""
         raise UserError(
             f"run {index} failed under torchrun (exit code {code}){why}; see the messages above and "
@@ -237,20 +237,11 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
         )
 
 
-def read_outcome(path: Path) -> dict | None:
-    """A run_<i>.json, or None where it is missing or not whole (a write cut short)."""
-    try:
-        outcome = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return outcome if isinstance(outcome, dict) else None
-
-
 def _collect(
     bench: Benchmark, run_dir: Path, index: int, cfg: RunConfig | None = None, check: bool = True
 ) -> RunRecord:
     files = RunFiles(run_dir, index)
-    outcome = read_outcome(files.outcome)
+    outcome = read_json(files.outcome) or None
     if not files.log.exists():  # no run_stop: the run did not end, whatever run_<i>.json says
         stopped = outcome.get("reason") if outcome else None
         return RunRecord(index, None, None, stopped or "no run_stop in its log and no run_<i>.json saying why")

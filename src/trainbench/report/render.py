@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from trainbench.report.scoring import Score, score_folder
-from trainbench.runfiles import CONFIG, METRICS, SUMMARY
+from trainbench.runfiles import CONFIG, METRICS, SUMMARY, read_json
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -25,14 +25,6 @@ def _metrics(run_dir: Path) -> list[dict]:
         if isinstance(row, dict):
             rows[(row.get("run"), row.get("step"), "loss" in row)] = row
     return list(rows.values())
-
-
-def _json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _telemetry(run_dir: Path) -> dict[str, list[dict]]:
@@ -193,7 +185,8 @@ def notes(score: Score, benchmark: str | None) -> list[str]:
 
 def system_line(run_dir: Path, job: dict) -> str:
     """The machine the runs ran on, from the first outcome file that records it, and the system file if any."""
-    found = next((o["system"] for o in (_json(p) for p in sorted(run_dir.glob("run_*.json"))) if o.get("system")), {})
+    outcomes = (read_json(p) for p in sorted(run_dir.glob("run_*.json")))
+    found = next((o["system"] for o in outcomes if o.get("system")), {})
     parts = [job["system"]] if job.get("system") else []
     parts += [f"{k} {v}" for k, v in found.items() if k != "host"]
     return "; ".join(parts) or "not recorded (runs made before trainbench recorded the machine)"
@@ -208,8 +201,8 @@ def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
         raise UserError(f"results folder {run_dir} does not exist")
     score = score_folder(run_dir)
     config = (run_dir / CONFIG).read_text(errors="replace") if (run_dir / CONFIG).exists() else f"(no {CONFIG})"
-    job = _json(run_dir / "job.json")
-    summary = _json(run_dir / SUMMARY)
+    job = read_json(run_dir / "job.json")
+    summary = read_json(run_dir / SUMMARY)
     target = _target(config)
     metric = next((r.get("metric_name") for r in summary.get("runs", []) if r.get("metric_name")), "eval metric")
     plots = make_plots(run_dir, target, metric)

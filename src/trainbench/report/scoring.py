@@ -8,14 +8,13 @@ fail; two or more make the result invalid. A test checks our number against the 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainbench.benchmarks import by_mlperf_name
 from trainbench.errors import UserError
 from trainbench.mlperf import check_compliance, constants, read_log, run_window, submission_benchmark
-from trainbench.runfiles import SUMMARY, RunFiles, run_indices
+from trainbench.runfiles import SUMMARY, RunFiles, read_json, run_indices
 from trainbench.telemetry import run_energy
 
 MAX_DROPPED = 1  # MLPerf: one non-converged run may be dropped (unet3d allows 4; none here)
@@ -72,7 +71,7 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
     from mlperf_logging.benchmark_meta import get_result_file_counts
 
     run_dir = Path(run_dir)
-    summary = _read_json(run_dir / SUMMARY)
+    summary = read_json(run_dir / SUMMARY)
     runs, benchmark = [], summary.get("mlperf_benchmark")
     indices = run_indices(run_dir)
     if not indices:
@@ -80,7 +79,7 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
                         "give the folder `trainbench run` printed")  # fmt: skip
     for i in indices:
         files = RunFiles(run_dir, i)
-        outcome = _read_json(files.outcome)
+        outcome = read_json(files.outcome)
         if not files.log.exists():
             runs.append(RunScore(i, files.partial_log.name, "unfinished", False, "no run_stop (the run did not "
                                  "finish)", None, None, None, None, None))  # fmt: skip
@@ -132,15 +131,6 @@ def _ruleset_of(mlperf_benchmark: str | None, log: Path) -> str:
 def folder_benchmark(run_dir: Path, logs: list[Path]) -> tuple[str, str]:
     """(MLPerf benchmark name, compliance ruleset) of a results folder: from its summary.json, else from its first
     log's ``submission_benchmark`` through the benchmark registry."""
-    summary = _read_json(run_dir / SUMMARY)
+    summary = read_json(run_dir / SUMMARY)
     name = summary.get("mlperf_benchmark") or submission_benchmark(read_log(logs[0], errors="replace"))
     return name, summary.get("ruleset") or _ruleset_of(name, logs[0])
-
-
-def _read_json(path: Path) -> dict:
-    """A run's outcome file, or {} where it is missing or not whole."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
