@@ -287,6 +287,11 @@ def coerce(leaf: Leaf, value: Any) -> Any:
     return converted
 
 
+def has_control_character(value: str) -> bool:
+    """Whether ``value`` holds a control character (a line break ends a shell line: no quoting makes it data)."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in value)
+
+
 def _out_of_range(meta: Any, number: float) -> str | None:
     if number != number or number in (float("inf"), float("-inf")):
         return "must be a finite number"
@@ -349,7 +354,7 @@ def _convert(leaf: Leaf, value: Any) -> Any:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise bad()
         value = str(value)
-        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        if has_control_character(value):
             raise ConfigError(f"config key '{leaf.key}' holds a control character ({value!r}); give it on one line")
         if leaf.choices and value not in leaf.choices:
             raise ConfigError(f"config key '{leaf.key}' must be one of {', '.join(leaf.choices)}; got '{value}'")

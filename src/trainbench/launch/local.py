@@ -19,6 +19,7 @@ from trainbench.config import RunConfig, apply_overrides, leaves, read_yaml_over
 from trainbench.console import RunConsole
 from trainbench.distributed import available_slots, init_distributed, resolve_device
 from trainbench.errors import ConfigError, DataError, Preempted, UserError
+from trainbench.launch.systems import largest_micro_batch
 from trainbench.mlperf import ComplianceResult, check_compliance
 from trainbench.runfiles import CONFIG, CONSOLE, SUMMARY, RunFiles, read_json
 
@@ -38,17 +39,11 @@ def build_config(
         explicit |= set(apply_overrides(cfg, values))
     explicit |= set(apply_overrides(cfg, overrides or {}))
     if "data.micro_batch_size" not in explicit:
-        _fit_micro_batch(cfg)
+        replicas = max(1, cfg.distributed.nproc // max(1, cfg.distributed.tp))
+        micro = largest_micro_batch(cfg.data.global_batch_size, replicas, cfg.data.micro_batch_size)
+        cfg.data.micro_batch_size = micro or cfg.data.micro_batch_size  # None: validate says what does not split
     bench.validate(cfg)
     return bench, cfg
-
-
-def _fit_micro_batch(cfg: RunConfig) -> None:
-    """The largest micro-batch, at most the preset's, that divides each data-parallel process's share."""
-    d, replicas = cfg.data, max(1, cfg.distributed.nproc // max(1, cfg.distributed.tp))
-    per_rank, rest = divmod(d.global_batch_size, replicas)
-    if not rest and per_rank:
-        d.micro_batch_size = max(m for m in range(1, min(per_rank, d.micro_batch_size) + 1) if per_rank % m == 0)
 
 
 def load_run_config(path: Path) -> tuple[Benchmark, RunConfig]:

@@ -27,10 +27,10 @@ import sys
 from pathlib import Path
 
 from trainbench.benchmarks.base import Benchmark
-from trainbench.config import RunConfig, save_config
+from trainbench.config import RunConfig, has_control_character, save_config
 from trainbench.errors import UserError
 from trainbench.launch.local import new_run_dir
-from trainbench.launch.systems import System, control_character
+from trainbench.launch.systems import System
 from trainbench.runfiles import CONFIG
 
 q = shlex.quote
@@ -75,7 +75,7 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
     env = dict(system.env)
     if system.numa:
         env["TRAINBENCH_CPU_MAP"] = ";".join(system.cpu_map())
-    recorded = "".join(c if ord(c) >= 32 else " " for c in " ".join(q(a) for a in command))  # a comment: one line
+    recorded = "".join(" " if has_control_character(c) else c for c in " ".join(q(a) for a in command))  # one line
     lines = [
         "#!/bin/bash",
         *(f"#SBATCH {q(opt)}" for opt in sb),
@@ -121,7 +121,7 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
     script = "\n".join(lines) + "\n"
     # The last guard: every value above is quoted, but no quoting keeps a line break from ending a line.
     for value in (str(run_dir), python, *sb, *srun, *env.values(), *env):
-        if control_character(value):
+        if has_control_character(value):
             raise UserError(f"{value!r} holds a control character; it cannot go into a job script")
     return script
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from trainbench.config import has_control_character
 from trainbench.errors import ConfigError, UserError
 
 
@@ -71,7 +72,7 @@ class System:
     def validate(self) -> None:
         where = f"system {self.name} ({self.path})"
         for name, value in _strings(dataclasses.asdict(self)):
-            if control_character(value):
+            if has_control_character(value):
                 raise ConfigError(f"{where}: {name} holds a control character ({value!r}); it would reach the job "
                                   "script, where a line break starts a command")  # fmt: skip
         if self.nodes < 1 or self.ranks_per_node < 1:
@@ -146,14 +147,22 @@ def fit_micro_batch(cfg, system: System):
     """The config with the largest micro-batch (at most the preset's) that splits the global batch over
     the system's ranks; the rest is gradient accumulation."""
     world = system.nodes * system.ranks_per_node
-    per_rank, rest = divmod(cfg.data.global_batch_size, world)
-    if rest or per_rank == 0:
+    micro = largest_micro_batch(cfg.data.global_batch_size, world, cfg.data.micro_batch_size)
+    if micro is None:
         raise ConfigError(
             f"global batch {cfg.data.global_batch_size} does not split over {world} ranks "
             f"({system.nodes} nodes x {system.ranks_per_node}); change data.global_batch_size or --nodes"
         )
-    micro = max(d for d in range(1, min(per_rank, cfg.data.micro_batch_size) + 1) if per_rank % d == 0)
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, micro_batch_size=micro))
+
+
+def largest_micro_batch(global_batch: int, ranks: int, limit: int) -> int | None:
+    """The largest micro-batch, at most ``limit``, that divides each of ``ranks`` data-parallel ranks' share of the
+    global batch; None where the ranks do not split it."""
+    per_rank, rest = divmod(global_batch, ranks)
+    if rest or per_rank == 0:
+        return None
+    return max(d for d in range(1, min(per_rank, limit) + 1) if per_rank % d == 0)
 
 
 def _builtin_dir():
@@ -198,11 +207,6 @@ def load_system(name_or_path: str) -> System:
     system = System(**data)
     system.validate()
     return system
-
-
-def control_character(value: str) -> bool:
-    """Whether ``value`` holds a control character (a line break ends a shell line: no quoting makes it data)."""
-    return any(ord(c) < 32 or ord(c) == 127 for c in value)
 
 
 def _strings(value, name: str = ""):

@@ -67,8 +67,9 @@ def train(
     """Train run ``index`` of ``run_dir`` to the target (or to max_samples) and write its MLPerf log.
 
     With ``resume`` and a checkpoint of run ``index`` in ``run_dir``, continue from it: same samples,
-    same optimizer state, same RNG, appending to the run's MLPerf log. SIGUSR1 or SIGTERM saves a
-    checkpoint and raises :class:`Preempted`, leaving the log unfinished (``.partial``).
+    same optimizer state, same RNG, appending to the run's MLPerf log. SIGUSR1, SIGTERM or SIGINT saves a
+    checkpoint and raises :class:`Preempted`, leaving the log unfinished (``.partial``); so does any other stop
+    before the run ends, without the checkpoint, and run_<i>.json says why.
     """
     files = RunFiles(run_dir, index)
     out = RunConsole(run_dir / CONSOLE, enabled=info.is_main)
