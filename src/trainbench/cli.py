@@ -339,13 +339,10 @@ def cmd_check(args) -> int:
 
 
 def _ruleset_from_log(log: Path) -> str:
-    from trainbench.benchmarks import by_mlperf_name
+    from trainbench.benchmarks import ruleset_of
     from trainbench.mlperf import read_log, submission_benchmark
 
-    bench = by_mlperf_name(submission_benchmark(read_log(log, errors="replace")) or "")
-    if bench is None:
-        raise UserError(f"{log}: no known submission_benchmark in the log; pass --ruleset")
-    return bench.ruleset
+    return ruleset_of(submission_benchmark(read_log(log, errors="replace")), log, "pass --ruleset")
 
 
 COMMANDS = {

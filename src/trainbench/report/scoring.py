@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainbench.benchmarks import by_mlperf_name
+from trainbench.benchmarks import ruleset_of
 from trainbench.errors import UserError
 from trainbench.mlperf import check_compliance, constants, read_log, run_window, submission_benchmark
 from trainbench.runfiles import SUMMARY, RunFiles, read_json, run_indices
 from trainbench.telemetry import run_energy
 
+# Where a folder's summary.json is gone, the ruleset comes from its logs' submission_benchmark.
+NO_SUMMARY = "no summary.json beside it says which compliance ruleset applies"
 MAX_DROPPED = 1  # MLPerf: one non-converged run may be dropped (unet3d allows 4; none here)
 
 
@@ -87,7 +89,7 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
         events = read_log(files.log, errors="replace")
         benchmark = benchmark or submission_benchmark(events)
         if ruleset is None:
-            ruleset = summary.get("ruleset") or _ruleset_of(benchmark, files.log)
+            ruleset = summary.get("ruleset") or ruleset_of(benchmark, files.log, NO_SUMMARY)
         check = check_compliance(files.log, ruleset, waived=frozenset(summary.get("waived_checks", [])))
         window = run_window(events)
         ttt = None if window is None else (window[1] - window[0]) / 60_000
@@ -120,17 +122,9 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
     return Score(runs, score, valid, reason, required, counted)
 
 
-def _ruleset_of(mlperf_benchmark: str | None, log: Path) -> str:
-    bench = by_mlperf_name(mlperf_benchmark) if mlperf_benchmark else None
-    if bench is None:
-        raise UserError(f"{log}: no known submission_benchmark in the log and no summary.json beside it; "
-                        "cannot tell which compliance ruleset applies")  # fmt: skip
-    return bench.ruleset
-
-
 def folder_benchmark(run_dir: Path, logs: list[Path]) -> tuple[str, str]:
     """(MLPerf benchmark name, compliance ruleset) of a results folder: from its summary.json, else from its first
     log's ``submission_benchmark`` through the benchmark registry."""
     summary = read_json(run_dir / SUMMARY)
     name = summary.get("mlperf_benchmark") or submission_benchmark(read_log(logs[0], errors="replace"))
-    return name, summary.get("ruleset") or _ruleset_of(name, logs[0])
+    return name, summary.get("ruleset") or ruleset_of(name, logs[0], NO_SUMMARY)
