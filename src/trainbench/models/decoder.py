@@ -46,6 +46,11 @@ class DecoderConfig:
     init_std: float = option(
         0.02, "Std of the normal initialisation; output projections get std / sqrt(2 x layers).", above=0
     )
+    fused_qkv: bool = option(
+        False,
+        "One qkv_proj for queries, keys and values (rows q, then k, then v) instead of q/k/v_proj: the layout "
+        "of MLPerf's Llama-2-70B checkpoint.",
+    )
 
     @property
     def kv_heads(self) -> int:
@@ -95,6 +100,23 @@ def rope_tables(cfg: DecoderConfig, seq: int, device: torch.device) -> tuple[tor
     return emb.cos(), emb.sin()
 
 
+def rope_at(cfg: DecoderConfig, positions: torch.Tensor | None, seq: int, device: torch.device):
+    """cos and sin for ``positions`` [batch, seq] (each packed sequence counting from 0) as [batch, 1, seq,
+    head_dim]; for positions 0..seq-1 of every row (``positions`` None), the [seq, head_dim] tables."""
+    if positions is None:
+        return rope_tables(cfg, seq, device)
+    cos, sin = rope_tables(cfg, seq, device)
+    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+
+def document_mask(segments: torch.Tensor) -> torch.Tensor:
+    """Attention mask [batch, 1, seq, seq] for packed rows: a token sees the tokens before it of its own sequence
+    (``segments`` [batch, seq] numbers the sequences of a row)."""
+    seq = segments.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
+    return (segments[:, :, None] == segments[:, None, :]).logical_and(causal).unsqueeze(1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [batch, heads, seq, head_dim]."""
     half = x.shape[-1] // 2
@@ -107,21 +129,35 @@ class Attention(nn.Module):
         super().__init__()
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.arch == "gpt3"
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, d
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, cfg.kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=bias)
+        self.fused = cfg.fused_qkv
+        if self.fused:
+            self.qkv_proj = nn.Linear(h, (cfg.num_heads + 2 * cfg.kv_heads) * d, bias=bias)
+        else:
+            self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=bias)
+            self.k_proj = nn.Linear(h, cfg.kv_heads * d, bias=bias)
+            self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         batch, seq, _ = x.shape
+        if self.fused:
+            d = self.head_dim
+            q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # -1 heads: under tensor parallelism each rank holds a share of the heads.
-        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = q.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -151,15 +187,15 @@ class Block(nn.Module):
 
     checkpointing = False  # recompute this block's activations in backward (activation checkpointing)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, mask: torch.Tensor | None = None) -> torch.Tensor:
         # Inside the block's own forward, so a sharding wrapper's hooks (gather, cast) stay outside the
         # recomputed region and run again for the recomputation.
         if self.checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, rope, use_reentrant=False)
-        return self._forward(x, rope)
+            return checkpoint(self._forward, x, rope, mask, use_reentrant=False)
+        return self._forward(x, rope, mask)
 
-    def _forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
+    def _forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -173,16 +209,20 @@ class Body(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = norm(cfg)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """``positions`` and ``segments`` [batch, seq] for packed rows: each sequence's positions from 0, and which
+        sequence of its row a token belongs to (attention stays inside it). None: one sequence per row."""
         seq = input_ids.shape[1]
         x = self.embed_tokens(input_ids)
         rope = None
         if self.cfg.arch == "gpt3":
-            x = x + self.embed_positions(torch.arange(seq, device=input_ids.device))
+            x = x + self.embed_positions(torch.arange(seq, device=input_ids.device) if positions is None else positions)
         else:
-            rope = rope_tables(self.cfg, seq, input_ids.device)
+            rope = rope_at(self.cfg, positions, seq, input_ids.device)
+        mask = None if segments is None else document_mask(segments)
         for layer in self.layers:
-            x = layer(x, rope)
+            x = layer(x, rope) if mask is None else layer(x, rope, mask)
         return self.norm(x)
 
 
@@ -204,10 +244,17 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.loss_fn = lm_loss  # replaced by its compiled form where blocks are compiled
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [batch, seq, vocab]; with ``targets`` [batch, seq], the summed cross entropy instead (the logits
-        then never leave the loss function)."""
-        hidden = self.model(input_ids)
+        then never leave the loss function; a target of -100 counts nothing). ``positions`` and ``segments``: see
+        :meth:`Body.forward`."""
+        hidden = self.model(input_ids, positions, segments)
         if targets is None:
             return self.lm_head(hidden)
         return self.loss_fn(hidden, self.lm_head.weight, targets)

@@ -10,6 +10,8 @@ materialisation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -34,6 +36,8 @@ def apply_tp(model: DecoderLM, mesh: DeviceMesh) -> None:
 
     cfg = model.cfg
     tp = mesh.size()
+    if cfg.fused_qkv:
+        raise ConfigError("model.fused_qkv=true has no tensor-parallel plan: set distributed.tp=1")
     for name, heads in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads)):
         if heads % tp:
             raise ConfigError(f"model.{name}={heads} is not divisible by distributed.tp={tp}")
@@ -76,11 +80,13 @@ def wrap_blocks(model: DecoderLM, checkpointing: bool, compile_blocks: bool) -> 
 
 
 def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf16: bool, checkpointing: bool,
-                compile_blocks: bool, full_state: dict[str, torch.Tensor] | None, seed: int) -> nn.Module:  # fmt: skip
+                compile_blocks: bool, full_state: dict[str, torch.Tensor] | None, seed: int,
+                fill: Callable[[DecoderLM], None] | None = None) -> nn.Module:  # fmt: skip
     """Shard ``model`` (built on the meta device) over ``world`` ranks and materialise it on ``device``.
 
     With ``full_state`` (an unsharded state dict on CPU, the same on every rank) the shards are cut from it,
-    so the model equals the one-rank model exactly; otherwise each shard is initialised in place.
+    so the model equals the one-rank model exactly; with ``fill``, that function fills the materialised shards
+    (e.g. from a checkpoint on disk); otherwise each shard is initialised in place.
     """
     if world > 1 and model.cfg.tie_embeddings:
         raise ConfigError("model.tie_embeddings=true runs on one rank only (sharding would untie the weights)")
@@ -94,7 +100,9 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
     model.to_empty(device=device)
     if model.cfg.tie_embeddings:  # to_empty gives every module its own tensor: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
-    if full_state is None:
+    if fill is not None:
+        fill(model)
+    elif full_state is None:
         model.init_weights(seed)
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

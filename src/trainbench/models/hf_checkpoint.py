@@ -1,0 +1,200 @@
+"""Reading a Hugging Face safetensors checkpoint straight into each rank's shards, and writing one.
+
+A checkpoint folder holds ``model.safetensors`` or ``model.safetensors.index.json`` and the shards its
+``weight_map`` names (``LlamaForCausalLM.save_pretrained``). Each parameter of the model — whole, or the
+rank's part of a sharded one (an FSDP2 or tensor-parallel DTensor) — is filled from the rows and columns of the
+file that it holds, read with safetensors' ``get_slice``: a rank never reads the whole model, and its host memory
+grows by at most one parameter's share at a time.
+
+Two layouts of the attention projections are read into either model layout (``DecoderConfig.fused_qkv``): HF's
+``q_proj``, ``k_proj``, ``v_proj``, and the fused ``qkv_proj`` of MLPerf's Llama-2-70B checkpoint (rows q, then k,
+then v). A fused parameter is cut from the three files' tensors and the other way round.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainbench.errors import DataError
+from trainbench.models.decoder import DecoderConfig
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+class HFCheckpoint:
+    """The tensors of a safetensors checkpoint folder, by name, opened lazily (nothing is read until asked)."""
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise DataError(f"{self.folder}: no such checkpoint folder; give the folder holding {INDEX} and its shards")
+        index = self.folder / INDEX
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise DataError(f"{index}: not a safetensors index (no weight_map): {e}") from None
+            files = sorted(set(weight_map.values()))
+        elif (self.folder / SINGLE).exists():
+            files, weight_map = [SINGLE], None
+        else:
+            raise DataError(f"{self.folder}: neither {INDEX} nor {SINGLE}; save the model with "
+                            "save_pretrained(safe_serialization=True) or download its safetensors files")  # fmt: skip
+        for name in files:
+            if not (self.folder / name).exists():
+                raise DataError(f"{self.folder / name}: named in {INDEX} but missing; download the checkpoint's "
+                                "shards again")  # fmt: skip
+        self._stack = ExitStack()
+        self._open = {}
+        self.where: dict[str, str] = {}
+        for name in files:
+            try:
+                handle = self._stack.enter_context(safe_open(str(self.folder / name), framework="pt"))
+            except Exception as e:  # safetensors raises its own error types for damaged headers
+                raise DataError(
+                    f"{self.folder / name}: not a readable safetensors file ({e}); download it again"
+                ) from None
+            self._open[name] = handle
+            for key in handle.keys():
+                if weight_map is None or weight_map.get(key) == name:
+                    self.where[key] = name
+        if weight_map is not None:
+            missing = sorted(k for k, f in weight_map.items() if k not in self.where)
+            if missing:
+                raise DataError(f"{self.folder / weight_map[missing[0]]}: holds no tensor {missing[0]} that {INDEX} "
+                                "places there; download the checkpoint again")  # fmt: skip
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def file_of(self, name: str) -> Path:
+        return self.folder / self.where[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open[self.where[name]].get_slice(name).get_shape())
+
+    def read(self, name: str, rows: slice, cols: slice | None) -> torch.Tensor:
+        part = self._open[self.where[name]].get_slice(name)
+        return part[rows] if cols is None else part[rows, cols]
+
+
+def _sources(name: str, ckpt: HFCheckpoint, cfg: DecoderConfig) -> list[tuple[str, int, int]]:
+    """Where the rows of the model's parameter ``name`` are in the checkpoint: (tensor, first row, rows) pieces,
+    stacked in order."""
+    d = cfg.head_dim
+    sizes = {"q_proj": cfg.num_heads * d, "k_proj": cfg.kv_heads * d, "v_proj": cfg.kv_heads * d}
+    prefix, _, leaf = name.rpartition(".")
+    module_prefix, _, module = prefix.rpartition(".")
+    if module == "qkv_proj" and not ckpt.has(name):
+        return [(f"{module_prefix}.{m}.{leaf}", 0, sizes[m]) for m in QKV]
+    if module in QKV and not ckpt.has(name):
+        fused = f"{module_prefix}.qkv_proj.{leaf}"
+        first = sum(sizes[m] for m in QKV[: QKV.index(module)])
+        return [(fused, first, sizes[module])]
+    return [(name, 0, -1)]
+
+
+def _local_part(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The tensor this rank holds of ``param`` and where it starts in the whole parameter."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return param.to_local(), tuple(offset)
+    return param, (0,) * param.dim()
+
+
+def _check_shape(name: str, want: tuple[int, ...], ckpt: HFCheckpoint, sources) -> None:
+    for tensor, _, _ in sources:
+        if not ckpt.has(tensor):
+            raise DataError(f"{ckpt.folder}: no tensor {tensor} (for the model's {name}); is this checkpoint of "
+                            "the model the config describes?")  # fmt: skip
+    shapes = [ckpt.shape(t) for t, _, _ in sources]
+    got_rows = sum(s[0] if r < 0 else r for s, (_, _, r) in zip(shapes, sources, strict=True))
+    trailing = {s[1:] for s in shapes}
+    if len(trailing) != 1 or (got_rows, *trailing.pop()) != want:
+        t = sources[0][0]
+        raise DataError(f"{ckpt.file_of(t)}: tensor {t} has shape {list(ckpt.shape(t))}, but the model's {name} "
+                        f"needs {list(want)}; set the model config of this checkpoint (model.* keys)")  # fmt: skip
+
+
+@torch.no_grad()
+def load_into(model: nn.Module, folder: str | Path, cfg: DecoderConfig, skip: tuple[str, ...] = ()) -> int:
+    """Fill every parameter of ``model`` (whole or sharded, already materialised) whose name contains none of
+    ``skip`` from the checkpoint in ``folder``; returns the bytes read. Raises DataError naming the file for a
+    missing shard or tensor and for a shape that does not match ``cfg``."""
+    read = 0
+    with HFCheckpoint(folder) as ckpt:
+        named = [(n, p) for n, p in model.named_parameters() if not any(s in n for s in skip)]
+        for name, param in named:  # every shape first: nothing is half-loaded by a bad file
+            _check_shape(name, tuple(param.shape), ckpt, _sources(name, ckpt, cfg))
+        for name, param in named:
+            local, offset = _local_part(param)
+            if local.numel() == 0:
+                continue
+            first, count = offset[0], local.shape[0]
+            cols = slice(offset[1], offset[1] + local.shape[1]) if local.dim() > 1 else None
+            row = 0  # the row of the whole parameter where the current source begins
+            for tensor, start, rows in _sources(name, ckpt, cfg):
+                rows = ckpt.shape(tensor)[0] if rows < 0 else rows
+                lo, hi = max(first, row), min(first + count, row + rows)
+                if lo < hi:
+                    part = ckpt.read(tensor, slice(start + lo - row, start + hi - row), cols)
+                    local[lo - first : hi - first].copy_(part)
+                    read += part.numel() * part.element_size()
+                row += rows
+    return read
+
+
+def iter_shards(state: dict[str, torch.Tensor], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > max_bytes:
+            yield shard
+            shard, size = {}, 0
+        shard[name] = tensor
+        size += nbytes
+    if shard:
+        yield shard
+
+
+def save_sharded(state: dict[str, torch.Tensor], folder: str | Path, max_bytes: int) -> list[Path]:
+    """Write ``state`` as HF does: shards of at most ``max_bytes`` (one tensor may exceed it) and the index."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = list(iter_shards({k: v.contiguous() for k, v in state.items()}, max_bytes))
+    weight_map, paths = {}, []
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, name)
+        paths.append(folder / name)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX).write_text(json.dumps(index, indent=2))
+    return paths
