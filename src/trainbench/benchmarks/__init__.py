@@ -7,9 +7,12 @@ from pathlib import Path
 from trainbench.benchmarks.base import Benchmark
 from trainbench.benchmarks.bert import BertBenchmark
 from trainbench.benchmarks.llm import Gpt3Benchmark, Llama31Benchmark
+from trainbench.benchmarks.lora import LoraBenchmark
 from trainbench.errors import ConfigError, UserError
 
-BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (BertBenchmark(), Llama31Benchmark(), Gpt3Benchmark())}
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b for b in (BertBenchmark(), Llama31Benchmark(), Gpt3Benchmark(), LoraBenchmark())
+}
 
 
 def get_benchmark(name: str) -> Benchmark:

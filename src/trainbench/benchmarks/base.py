@@ -109,6 +109,11 @@ class Benchmark(ABC):
     def eval_every_samples(self, cfg: RunConfig) -> int:
         """The MLPerf eval cadence for this config (used when eval.every_samples is not set)."""
 
+    def first_eval_samples(self, cfg: RunConfig, every: int) -> int:
+        """Samples trained at the first eval (MLPerf rules may skip the first evals); the first cadence point by
+        default."""
+        return every
+
     def reached(self, metric: float, target: float) -> bool:
         return metric >= target if self.higher_is_better else metric <= target
 

@@ -11,10 +11,13 @@ from trainbench.errors import UserError
 
 
 def add_arguments(prep: argparse.ArgumentParser) -> None:
-    """The options of `prepare gpt3` and `prepare llama31_8b`."""
-    llm = prep.add_argument_group("LLM benchmarks (gpt3, llama31_8b)")
-    llm.add_argument("--source", metavar="C4_DIR", help="folder of C4 json(.gz) files (c4-train.*, c4-validation.*)")
-    llm.add_argument("--tokenizer", metavar="tokenizer.json", help="HF tokenizer file used to tokenise --source")
+    """The options of `prepare gpt3`, `prepare llama31_8b` and `prepare llama2_70b_lora`."""
+    llm = prep.add_argument_group("LLM benchmarks (gpt3, llama31_8b, llama2_70b_lora)")
+    llm.add_argument("--source", metavar="DIR", help="gpt3, llama31_8b: folder of C4 json(.gz) files (c4-train.*, "
+                     "c4-validation.*); llama2_70b_lora: GovReport as SCROLLS parquet (input, output), MLPerf's "
+                     "tokenised parquet (input_ids, labels) or NVIDIA's train.npy/validation.npy")  # fmt: skip
+    llm.add_argument("--tokenizer", metavar="FILE", help="tokenizer for text in --source: HF tokenizer.json (or, "
+                     "llama2_70b_lora, SentencePiece tokenizer.model)")  # fmt: skip
     llm.add_argument("--eod-token", help="end-of-document token appended to each document (default: the tokenizer's)")
     llm.add_argument("--train-tokens", type=int, help="synthetic: training tokens (default 2,000,000)")
 

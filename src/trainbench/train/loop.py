@@ -134,7 +134,7 @@ class TrainLoop:
 
     def run(self) -> RunOutcome:
         if self.record.fresh:
-            self.record.block_start(0, self.run_.eval_every)
+            self.record.block_start(0, self.run_.first_eval)
         self.run_.placed.model.train()
         profiler = start_profiler(self.cfg.output, self.files.run_dir, self.files.index, self.info)
         gc_policy = GcPolicy(self.cfg.perf.gc_every_steps)
@@ -197,7 +197,7 @@ class TrainLoop:
     def _eval_point(self, gc_policy: GcPolicy) -> bool:
         """Close the block, evaluate, and open the next block; True when the run is over."""
         s, run, bench = self.state, self.run_, self.bench
-        self.record.block_stop(s.next_eval - run.eval_every)
+        self.record.block_stop(s.next_eval - run.eval_every if s.next_eval > run.first_eval else 0)
         self.metric = evaluate(bench, run.placed.model, run.data.eval, self.info, self.autocast, self.record,
                                s.samples)  # fmt: skip
         s.evals.append((s.samples, self.metric))

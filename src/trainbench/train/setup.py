@@ -23,6 +23,7 @@ class RunSetup:
     state: checkpoint.LoopState
     accumulation: int
     eval_every: int
+    first_eval: int  # samples at the first eval (a benchmark may skip the first ones)
     max_samples: int
     bf16: bool
 
@@ -44,7 +45,8 @@ def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | Non
     placed = bench.place(bench.build_model(cfg), cfg, info, bf16)
     optimizer = bench.build_optimizer(cfg, placed.module)
     eval_every = cfg.eval.every_samples or bench.eval_every_samples(cfg)
-    state = checkpoint.LoopState(next_eval=eval_every)
+    first_eval = bench.first_eval_samples(cfg, eval_every)
+    state = checkpoint.LoopState(next_eval=first_eval)
     if ckpt is not None:
         state = checkpoint.load(ckpt, placed.module, optimizer, info)
         state.resumed += 1
@@ -58,6 +60,7 @@ def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | Non
         state=state,
         accumulation=bench.accumulation_steps(cfg),
         eval_every=eval_every,
+        first_eval=first_eval,
         max_samples=cfg.schedule.total_steps * cfg.data.global_batch_size
         if cfg.schedule.max_samples is None
         else cfg.schedule.max_samples,

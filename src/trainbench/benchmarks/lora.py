@@ -1,0 +1,230 @@
+"""MLPerf `llama2_70b_lora`: LoRA fine-tuning of a frozen Llama-2-70B on GovReport to an eval loss of 0.925.
+
+Rules followed (mlcommons/training `llama2_70b_lora`, MLPerf Training 5.1, mlperf-logging 5.1.0):
+
+- Model: Llama-2-70B (80 layers, width 8192, 64 query and 8 KV heads, MLP 28672, vocab 32000), frozen, read from
+  HF safetensors (``model.base_weights``; MLPerf's checkpoint fuses q, k and v in ``qkv_proj``).
+- LoRA: rank 16, alpha 32, dropout 0.1, no bias, on ``qkv_proj`` and ``o_proj``; adapters and their AdamW
+  state in fp32.
+- Data: GovReport, prompt masked from the loss, packed into 8192-token rows (:mod:`trainbench.data.sft`); a
+  global batch counts rows.
+- AdamW (beta 0.9/0.999, eps 1e-8), lr 4e-4, weight decay 1e-4, no warm-up, cosine to 0 over 1024 steps, global
+  gradient-norm clip 0.3, GBS 8.
+- Eval every 384 samples rounded up to a multiple of GBS; the first FLOOR(0.125 x GBS + 2) evals are skipped; on
+  every validation sequence; the metric is the mean over sequences of each sequence's mean answer-token loss (the
+  reference evaluates one sequence per batch and averages the batches); target <= 0.925.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainbench.benchmarks import lora_prepare
+from trainbench.benchmarks.base import BenchmarkData
+from trainbench.benchmarks.llm import LLMBenchmark
+from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
+from trainbench.data import sft
+from trainbench.data.steps import batched, eval_share
+from trainbench.distributed import DistInfo, Placed
+from trainbench.errors import ConfigError, DataError
+from trainbench.mlperf import constants
+from trainbench.models.decoder import DecoderLM
+from trainbench.models.lora import LoraModelConfig
+from trainbench.models.lora_parallel import place_lora
+
+LLAMA2_70B = LoraModelConfig(
+    vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, intermediate_size=28672,
+    max_seq_length=8192, rope_theta=10000.0, fused_qkv=True,
+)  # fmt: skip
+# 2 blocks of width 128 on `prepare llama2_70b_lora --synthetic --preset tiny` (48 topics): a random base with
+# std 0.1 weights, so that rank-16 adapters move its outputs within a minute on 2 CPU cores.
+TINY = LoraModelConfig(
+    vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384,
+    max_seq_length=256, rope_theta=10000.0, fused_qkv=True, init_std=0.1,
+)  # fmt: skip
+TINY_TOPICS = 48
+
+
+def _run(preset: str, model: LoraModelConfig, seq: int, lr: float, target: float = 0.925) -> RunConfig:
+    return RunConfig(
+        benchmark="llama2_70b_lora", preset=preset, model=dataclasses.replace(model),
+        data=DataConfig(seq_length=seq, global_batch_size=8, micro_batch_size=1, eval_batch_size=1,
+                        eval_samples=None),
+        optimizer=OptimizerConfig(name="adamw", lr=lr, beta1=0.9, beta2=0.999, epsilon=1e-8, weight_decay=1e-4,
+                                  max_grad_norm=0.3),
+        schedule=ScheduleConfig(warmup_steps=0, total_steps=1024, end_lr=0.0),
+        eval=EvalConfig(target=target),
+    )  # fmt: skip
+
+
+def tiny() -> RunConfig:
+    cfg = _run("tiny", TINY, seq=256, lr=1e-2)
+    cfg.data.micro_batch_size = 8
+    cfg.data.eval_batch_size = 16
+    cfg.schedule.max_samples = 8 * 400
+    return cfg
+
+
+class LoraBenchmark(LLMBenchmark):
+    name = "llama2_70b_lora"
+    mlperf_name = constants.LLAMA2_70B_LORA
+    ruleset = "5.1.0"
+    description = "Llama-2-70B LoRA fine-tuning on GovReport (AdamW, seq 8192), target eval loss 0.925"
+    metric_name = "eval_loss"
+    optimizer_name = "adamw"
+    presets = {
+        "tiny": tiny,
+        "llama2-70b": lambda: _run("llama2-70b", LLAMA2_70B, seq=8192, lr=4e-4),
+    }
+    synthetic_sizes = {"tiny": {"train": 6000, "eval": 173}}
+    unused_keys = LLMBenchmark.unused_keys | {
+        "model.max_seq_length": "the llama architecture has rotary positions",
+        "data.eval_samples": "it evaluates every validation sequence, as MLPerf's rules ask",
+        "distributed.tp": "its adapters are sharded by FSDP2 only",
+        "model.init_std": "its base is read from model.base_weights, and adapters start as peft's",
+        "data.layout": "its rows are always packed (data.global_batch_size counts rows)",
+    }
+
+    def validate(self, cfg: RunConfig) -> None:
+        super().validate(cfg)
+        m = cfg.model
+        if cfg.data.seq_length > 8192 and m.rope_theta == 10000.0 and m.num_layers == 80:
+            raise ConfigError(f"data.seq_length={cfg.data.seq_length}: Llama-2-70B was trained on 4096 tokens and "
+                              "MLPerf fine-tunes it on 8192")  # fmt: skip
+        if not m.targets:
+            raise ConfigError("model.lora_targets names no layer; MLPerf's are qkv_proj,o_proj")
+
+    def eval_every_samples(self, cfg: RunConfig) -> int:
+        gbs = cfg.data.global_batch_size
+        return math.ceil(384 / gbs) * gbs
+
+    def first_eval_samples(self, cfg: RunConfig, every: int) -> int:
+        # MLPerf skips the first FLOOR(0.125 x GBS + 2) evals.
+        return (math.floor(0.125 * cfg.data.global_batch_size + 2) + 1) * every
+
+    # -- data -----------------------------------------------------------------------------------
+    def _root(self, cfg: RunConfig) -> Path:
+        if not cfg.data.dir:
+            raise DataError(f"no dataset given: set data.dir=DIR to a folder made by `trainbench prepare {self.name} "
+                            f"--synthetic --preset {cfg.preset} --out DIR` or `--source GOVREPORT_DIR`")  # fmt: skip
+        return Path(cfg.data.dir)
+
+    def base_weights(self, cfg: RunConfig) -> str:
+        """The base model's folder: model.base_weights, else the one the data set was prepared with."""
+        if cfg.model.base_weights:
+            return cfg.model.base_weights
+        root = self._root(cfg)
+        base = sft.read_manifest(root, self.name).get("base_weights")
+        if not base:
+            raise DataError(f"no base model: set model.base_weights=FOLDER (Llama-2-70B's safetensors, e.g. MLPerf's "
+                            f"fused-qkv checkpoint); {root} names none")  # fmt: skip
+        return str(root / base)
+
+    def check_data(self, cfg: RunConfig) -> None:
+        root = self._root(cfg)
+        manifest = sft.read_manifest(root, self.name)
+        if manifest["seq_length"] != cfg.data.seq_length:
+            raise DataError(f"{root}: rows of {manifest['seq_length']} tokens, but data.seq_length="
+                            f"{cfg.data.seq_length}; prepare the data for this length or set it")  # fmt: skip
+        if manifest["vocab_size"] != cfg.model.vocab_size:
+            raise DataError(f"{root}: tokenised for a vocabulary of {manifest['vocab_size']}, but model.vocab_size="
+                            f"{cfg.model.vocab_size}; prepare it with this model's tokenizer")  # fmt: skip
+        base = Path(self.base_weights(cfg))
+        config = base / "config.json"
+        if config.exists():  # an HF folder says its shape: check it before anything is built
+            hf = json.loads(config.read_text())
+            for ours, theirs in (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"),
+                                 ("vocab_size", "vocab_size"), ("intermediate_size", "intermediate_size")):  # fmt: skip
+                if theirs in hf and hf[theirs] != getattr(cfg.model, ours):
+                    raise DataError(f"{config}: {theirs} {hf[theirs]}, but model.{ours}={getattr(cfg.model, ours)}; "
+                                    "set the model config of this checkpoint")  # fmt: skip
+        for split in ("train", "eval"):
+            sft.Split(root / split, cfg.data.seq_length)
+
+    def build_data(self, cfg: RunConfig, rank: int, world_size: int, start_sample: int = 0) -> BenchmarkData:
+        d, root = cfg.data, self._root(cfg)
+        train, evals = sft.Split(root / "train", d.seq_length), sft.Split(root / "eval", d.seq_length)
+        mine = batched(eval_share(evals.rows, rank, world_size), d.eval_batch_size)
+        return BenchmarkData(
+            train=sft.RowSteps(train, cfg.seed, d.global_batch_size, d.micro_batch_size, rank, world_size,
+                               start_sample),
+            eval=[evals.row_arrays(rows) for rows in mine],
+            train_samples=train.rows,
+            eval_samples=evals.sequences,
+        )  # fmt: skip
+
+    # -- model ----------------------------------------------------------------------------------
+    def build_model(self, cfg: RunConfig) -> torch.nn.Module:
+        with torch.device("meta"):
+            return DecoderLM(cfg.model)
+
+    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
+        m = dataclasses.replace(cfg.model, base_weights=self.base_weights(cfg))
+        return place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
+                          cfg.perf.compile, cfg.seed)  # fmt: skip
+
+    def end_lr(self, cfg: RunConfig) -> float:
+        return cfg.schedule.end_lr if cfg.schedule.end_lr is not None else 0.0
+
+    # -- step -----------------------------------------------------------------------------------
+    def loss_weights(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (batch["targets"] != sft.IGNORE).sum().float().reshape(1)
+
+    def loss(self, model, batch, weights):
+        total = model(batch["tokens"], targets=batch["targets"], positions=batch["positions"],
+                      segments=batch["segments"])  # fmt: skip
+        return total / weights[0]
+
+    def eval_sums(self, model, batch) -> torch.Tensor:
+        logits = model(batch["tokens"], positions=batch["positions"], segments=batch["segments"])
+        targets = batch["targets"]
+        losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                                   reduction="none", ignore_index=sft.IGNORE)  # fmt: skip
+        counted = targets.flatten() != sft.IGNORE
+        seqs, which = torch.unique(batch["segments"].flatten()[counted], return_inverse=True)
+        sums = torch.zeros(len(seqs), dtype=torch.float64, device=logits.device)
+        counts = torch.zeros_like(sums)
+        sums.index_add_(0, which, losses[counted].double())
+        counts.index_add_(0, which, torch.ones_like(sums[which]))
+        return torch.stack([(sums / counts).sum(), torch.tensor(float(len(seqs)), device=logits.device).double()])
+
+    # -- MLPerf ---------------------------------------------------------------------------------
+    def optimizer_keys(self, cfg: RunConfig) -> dict[str, Any]:
+        return {}
+
+    def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:
+        o, s, m = cfg.optimizer, cfg.schedule, cfg.model
+        return {
+            constants.OPT_BASE_LR: o.lr,
+            constants.OPT_LR_TRAINING_STEPS: s.total_steps,
+            constants.OPT_LR_WARMUP_STEPS: s.warmup_steps,
+            constants.OPT_GRADIENT_CLIP_NORM: o.max_grad_norm,
+            constants.OPT_ADAMW_WEIGHT_DECAY: o.weight_decay,
+            constants.LORA_ALPHA: m.lora_alpha,
+            "lora_rank": m.lora_rank,
+            "max_sequence_length": cfg.data.seq_length,
+        }
+
+    # -- the command line -----------------------------------------------------------------------
+    def prepare(self, args) -> int:
+        return lora_prepare.prepare(args, self)
+
+
+def rcp_mean_samples(gbs: int) -> float | None:
+    """Samples to target at global batch ``gbs`` by mlperf-logging's reference convergence points (the olympic mean
+    of the reference runs), or None where it has none for that batch."""
+    from importlib import resources
+
+    path = resources.files("mlperf_logging") / "rcp_checker" / "training_5.1.0" / "rcps_llama2_70b_lora.json"
+    for entry in json.loads(path.read_text()).values():
+        if entry.get("BS") == gbs:
+            runs = sorted(entry["samples to converge"])
+            trimmed = runs[1:-1] if len(runs) > 2 else runs
+            return sum(trimmed) / len(trimmed)
+    return None

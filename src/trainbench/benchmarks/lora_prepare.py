@@ -1,0 +1,99 @@
+"""`trainbench prepare llama2_70b_lora`: GovReport (three source forms) or the synthetic task, packed into rows."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from trainbench.errors import UserError
+
+# The tiny base is written in shards this small, so tiny runs read several shards as 70B runs do.
+TINY_SHARD_BYTES = 100_000
+
+
+def _claim(out: Path, spec: dict, force: bool) -> bool:
+    """True when ``out`` already holds this data set; refuses another one unless ``force``."""
+    manifest = out / "manifest.json"
+    if manifest.exists():
+        try:
+            same = json.loads(manifest.read_text()).get("spec") == spec
+        except ValueError:
+            same = False
+        if same:
+            return True
+        if not force:
+            raise UserError(f"{out} already holds a different data set; choose another --out or add --force")
+    if out.exists() and force:
+        for name in ("train", "eval", "base", "manifest.json"):
+            path = out / name
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return False
+
+
+def prepare(args, bench) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    from trainbench.console import console
+    from trainbench.data import prepare_sft as p
+    from trainbench.data import sft
+
+    if args.synthetic == bool(args.source):
+        raise UserError("give --source GOVREPORT_DIR (with --tokenizer for text) or --synthetic, one of the two")
+    cfg = bench.config(args.preset)
+    row, vocab = cfg.data.seq_length, cfg.model.vocab_size
+    out = Path(args.out)
+    if args.synthetic:
+        sizes = bench.synthetic_sizes.get(args.preset)
+        if sizes is None:
+            raise UserError(f"--synthetic writes data for the presets {', '.join(bench.synthetic_sizes)} only")
+        spec = {"synthetic": True, "preset": args.preset, "seed": args.seed,
+                "train": args.train_samples or sizes["train"], "eval": args.eval_samples or sizes["eval"]}  # fmt: skip
+        if _claim(out, spec, args.force):
+            console.print(f"{out} already holds this data set (manifest.json matches); nothing to do")
+            return 0
+        from trainbench.benchmarks.lora import TINY_TOPICS
+
+        splits = {"train": p.synthetic_split(vocab, TINY_TOPICS, spec["train"], args.seed, 1),
+                  "eval": p.synthetic_split(vocab, TINY_TOPICS, spec["eval"], args.seed, 2)}  # fmt: skip
+        kind, dropped = "synthetic", {"train": 0, "eval": 0}
+        _write_base(cfg, out / "base", args.seed)
+    else:
+        src = Path(args.source)
+        spec = {"source": str(src.resolve()), "tokenizer": args.tokenizer, "preset": args.preset}
+        if _claim(out, spec, args.force):
+            console.print(f"{out} already holds this data set (manifest.json matches); nothing to do")
+            return 0
+        columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} files")]
+        with Progress(*columns, console=console, transient=True, disable=args.no_progress) as progress:
+            task = progress.add_task("reading GovReport", total=None)
+            kind, splits, dropped = p.read_source(src, Path(args.tokenizer) if args.tokenizer else None, row, vocab,
+                                                  lambda done, total: progress.update(task, completed=done,
+                                                                                      total=total))  # fmt: skip
+    sizes = {split: sft.write_split(out / split, seqs, row) for split, seqs in splits.items()}
+    manifest = {"format": sft.FORMAT, "benchmark": bench.name, "source": kind, "spec": spec, "seq_length": row,
+                "vocab_size": vocab, "splits": sizes, "dropped_longer_than_row": dropped}  # fmt: skip
+    if args.synthetic:
+        manifest["base_weights"] = "base"
+    sft.write_manifest(out, manifest)
+    t, e = sizes["train"], sizes["eval"]
+    console.print(f"{t['sequences']:,} training sequences in {t['rows']:,} rows of {row} tokens, {e['sequences']:,} "
+                  f"eval sequences in {e['rows']:,} rows, into {out} ({kind}; dropped as longer than a row: "
+                  f"{dropped['train']:,} training, {dropped['eval']:,} eval)")  # fmt: skip
+    if args.synthetic:
+        console.print(f"base model (random, {cfg.model.num_layers} layers) as sharded safetensors in {out / 'base'}")
+    return 0
+
+
+def _write_base(cfg, folder: Path, seed: int) -> None:
+    """The tiny preset's frozen base: random weights from ``seed`` in several safetensors shards."""
+    import torch
+
+    from trainbench.models.decoder import DecoderLM
+    from trainbench.models.hf_checkpoint import save_sharded
+
+    torch.manual_seed(seed)
+    model = DecoderLM(cfg.model)
+    model.init_weights(seed)
+    save_sharded(model.state_dict(), folder, TINY_SHARD_BYTES)

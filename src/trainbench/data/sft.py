@@ -1,0 +1,160 @@
+"""Fine-tuning data: tokenised (prompt, answer) sequences with a loss mask, packed into fixed-length rows.
+
+On disk (one folder per split, ``train/`` and ``eval/``, and ``manifest.json`` beside them):
+
+- ``tokens.npy`` (int32): every sequence's tokens, concatenated in row order;
+- ``labels.npy`` (uint8): 1 where a token is an answer token, i.e. where its prediction counts in the loss;
+- ``seq_offsets.npy`` (int64, sequences + 1): where each sequence starts in ``tokens``;
+- ``row_offsets.npy`` (int64, rows + 1): which sequences each row holds (row r: sequences
+  ``row_offsets[r]`` to ``row_offsets[r+1]``), packed first-fit by decreasing length.
+
+A row as the model sees it (:func:`row_arrays`): ``tokens`` padded to the row length, ``targets`` (the next token
+where it is an answer token of the same sequence, else -100), ``positions`` (from 0 in every sequence) and
+``segments`` (which sequence of the row; padding is a segment of its own), so attention stays inside each sequence
+and a packed row trains exactly what its sequences would one by one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from trainbench.data.steps import Step, rank_share
+from trainbench.errors import DataError
+
+FORMAT = "trainbench-sft-1"
+FILES = ("tokens.npy", "labels.npy", "seq_offsets.npy", "row_offsets.npy")
+IGNORE = -100
+
+
+def pack(lengths: Sequence[int], row_length: int) -> list[list[int]]:
+    """First-fit decreasing: sequence indices grouped into rows of at most ``row_length`` tokens (deterministic:
+    ties keep the input order)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        if n > row_length:
+            raise ValueError(f"sequence {i} has {n} tokens, more than a row's {row_length}")
+        for r, free in enumerate(room):
+            if n <= free:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(row_length - n)
+    return rows
+
+
+def write_split(folder: Path, sequences: list[tuple[np.ndarray, np.ndarray]], row_length: int) -> dict[str, int]:
+    """Pack ``sequences`` ((tokens, answer mask) pairs) into rows and write them; returns the split's sizes."""
+    rows = pack([len(t) for t, _ in sequences], row_length)
+    order = [i for row in rows for i in row]
+    folder.mkdir(parents=True, exist_ok=True)
+    lengths = np.array([len(sequences[i][0]) for i in order], dtype=np.int64)
+    arrays = {
+        "tokens.npy": np.concatenate([sequences[i][0] for i in order]).astype(np.int32),
+        "labels.npy": np.concatenate([sequences[i][1] for i in order]).astype(np.uint8),
+        "seq_offsets.npy": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        "row_offsets.npy": np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64),
+    }
+    for name, array in arrays.items():
+        np.save(folder / name, array)
+    return {"sequences": len(sequences), "rows": len(rows), "tokens": int(lengths.sum()),
+            "answer_tokens": int(arrays["labels.npy"].sum())}  # fmt: skip
+
+
+def write_manifest(out: Path, manifest: dict) -> None:
+    """Written last, through a rename: a folder with a manifest holds a whole data set."""
+    tmp = out / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, out / "manifest.json")
+
+
+def read_manifest(root: Path, name: str) -> dict:
+    path = root / "manifest.json"
+    if not path.exists():
+        raise DataError(f"{root}: no manifest.json; write the data set with `trainbench prepare {name}`")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:
+        raise DataError(f"{path}: not JSON ({e}); prepare the data set again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DataError(f"{path}: not a {FORMAT} data set; write one with `trainbench prepare {name}`")
+    return manifest
+
+
+@dataclass
+class Split:
+    """One split on disk, memory-mapped."""
+
+    folder: Path
+    row_length: int
+
+    def __post_init__(self):
+        missing = [f for f in FILES if not (self.folder / f).exists()]
+        if missing:
+            raise DataError(f"{self.folder}: {missing[0]} is missing; prepare the data set again")
+        self.tokens, self.labels, self.seq_offsets, self.row_offsets = (
+            np.load(self.folder / f, mmap_mode="r") for f in FILES
+        )
+
+    @property
+    def rows(self) -> int:
+        return len(self.row_offsets) - 1
+
+    @property
+    def sequences(self) -> int:
+        return len(self.seq_offsets) - 1
+
+    def row_arrays(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
+        """Model inputs of ``rows`` ([len(rows), row_length] each)."""
+        n, length = len(rows), self.row_length
+        tokens = np.zeros((n, length), np.int64)
+        targets = np.full((n, length), IGNORE, np.int64)
+        positions = np.zeros((n, length), np.int64)
+        segments = np.full((n, length), -1, np.int64)  # padding: a segment of its own
+        for b, r in enumerate(rows):
+            at = 0
+            for s in range(int(self.row_offsets[r]), int(self.row_offsets[r + 1])):
+                lo, hi = int(self.seq_offsets[s]), int(self.seq_offsets[s + 1])
+                tok, lab = self.tokens[lo:hi], self.labels[lo:hi]
+                end = at + hi - lo
+                tokens[b, at:end] = tok
+                targets[b, at : end - 1] = np.where(lab[1:] > 0, tok[1:], IGNORE)
+                positions[b, at:end] = np.arange(hi - lo)
+                segments[b, at:end] = s
+                at = end
+        return {"tokens": tokens, "targets": targets, "positions": positions, "segments": segments}
+
+
+class RowSteps:
+    """Optimizer steps of packed rows: the rows in a seeded order, reshuffled every epoch; global batch k is rows
+    [k*B, (k+1)*B) of that endless stream, and data-parallel rank r takes its contiguous share."""
+
+    def __init__(self, split: Split, seed: int, gbs: int, micro: int, rank: int, world: int, start_row: int):
+        self.split, self.seed, self.gbs, self.micro = split, seed, gbs, micro
+        self.rank, self.world, self.start = rank, world, start_row
+
+    def order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.split.rows)
+
+    def __iter__(self) -> Iterator[Step]:
+        k, cached = self.start, (-1, None)
+        share = rank_share(self.gbs, self.rank, self.world)
+        while True:
+            rows = []
+            for j in range(k + share.start, k + share.stop):
+                epoch, i = divmod(j, self.split.rows)
+                if cached[0] != epoch:
+                    cached = (epoch, self.order(epoch))
+                rows.append(int(cached[1][i]))
+            yield Step.split(self.split.row_arrays(rows), self.micro, self.gbs)
+            k += self.gbs
