@@ -256,3 +256,33 @@ def test_merged_and_exported_adapters_give_the_same_logits_in_peft(checkpoints, 
         lora.merge(ours)
         assert not lora.adapted(ours) and not any("lora" in n for n, _ in ours.named_parameters())
         assert rel_err(ours(ids), adapted) <= 1e-5
+
+
+# -- the FP8 frozen base ---------------------------------------------------------------------------------------
+
+
+def test_fp8_base_keeps_outputs_and_input_gradients_close_and_adapters_train():
+    from trainbench.models import fp8
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(64, 48, bias=False)
+    ref.weight.requires_grad_(False)
+    q = torch.nn.Linear(64, 48, bias=False)
+    q.load_state_dict(ref.state_dict())
+    q.weight.requires_grad_(False)
+    parent = torch.nn.Sequential(q)
+    assert lora.attach(parent, ("0",), 4, 8.0, 0.0) == 1
+    lora.load_adapters(parent, {k: torch.randn(v.shape) * 0.1 for k, v in lora.full_init(parent, 0).items()})
+    assert fp8.quantize_frozen(parent) == 1 and isinstance(q, fp8.Fp8Linear) and q.weight_fp8.dtype == fp8.E4M3
+    # e4m3 keeps 3 mantissa bits: each weight within 1/16 of itself (relative), per-channel scale exact at the max
+    assert torch.allclose(fp8.dequantized(q), ref.weight, rtol=1 / 16, atol=q.weight_scale.max().item())
+    x = torch.randn(5, 64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y = parent(x)
+    delta = q.lora_B(q.lora_A(x_ref)) * q.lora_scale
+    y_ref = ref(x_ref) + delta
+    assert rel_err(y, y_ref) < 0.08  # two 3-bit-mantissa operands
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    assert rel_err(x.grad, x_ref.grad) < 0.1
+    assert q.lora_A.weight.grad is not None and not any(b.requires_grad for b in q.buffers())

@@ -2,6 +2,8 @@
 
 Model and optimizer go through torch distributed checkpoint (each rank writes its part; loading
 re-shards), the loop's counters go into ``meta.json``, and every rank's RNG state into its own file.
+Only trained parameters are saved: a frozen base (LoRA's) is read again from its own checkpoint, so a
+fine-tuning run's checkpoint holds its adapters and their optimizer state.
 A checkpoint is written into ``checkpoint_<i>.tmp/`` and renamed to ``checkpoint_<i>/`` once every
 rank has finished, so a crash mid-save leaves the previous checkpoint intact.
 """
@@ -18,10 +20,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainbench.distributed import DistInfo
 from trainbench.runfiles import RunFiles
+
+
+# Frozen parameters are not part of a run's state: they are what the run started from.
+TRAINED = StateDictOptions(ignore_frozen_params=True)
 
 
 @dataclass
@@ -76,7 +82,7 @@ def save(run_dir: Path, index: int, model, optimizer, loop: LoopState, info: Dis
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(info)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), no_dist=info.world_size == 1)
     torch.save(_rng_state(), tmp / f"rng_rank{info.rank}.pt")
     _barrier(info)
@@ -95,10 +101,10 @@ def save(run_dir: Path, index: int, model, optimizer, loop: LoopState, info: Dis
 def load(path: Path, model, optimizer, info: DistInfo) -> LoopState:
     meta = json.loads((path / "meta.json").read_text())
     saved_world = meta.pop("world_size")
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path), no_dist=info.world_size == 1)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=TRAINED)
     rng = path / f"rng_rank{info.rank}.pt"
     if saved_world == info.world_size and rng.exists():  # on another world size the RNG streams differ anyway
         _set_rng_state(torch.load(rng, weights_only=False))

@@ -1,0 +1,438 @@
+"""Llama-2-70B LoRA training throughput at MLPerf's shape (seq 8192, one row per micro-batch), random weights.
+
+Modes (``--mode``), each printing one JSON line per configuration and writing them to ``--out``:
+
+- ``single`` (one GPU): the bf16 and FP8 rowwise matmul peaks, then ``--layers`` blocks (default 8) of the 70B
+  width: HF ``LlamaForCausalLM`` + ``peft`` LoRA (q/k/v/o, eager, gradient checkpointing, as users run it) against
+  ours (fused qkv, compiled blocks) with a bf16 and an FP8 frozen base, checkpointing every block or none, and with
+  a packed row of two sequences (the masked attention path). Seconds per layer scale to 80 layers.
+- ``fp8-one`` (one GPU): all 80 layers with the FP8 base on one H200, initialised block by block (the bf16 model
+  never exists whole), ``--checkpointed`` blocks recomputed (the rest keep their activations).
+- ``fsdp`` (torchrun, N GPUs): 80 layers, bf16 base, FSDP2 over the GPUs, ``--checkpointed`` blocks recomputed.
+- ``fp8-dp`` (torchrun, N GPUs): the FP8 base whole on every GPU (70 GB), each GPU its own row, the adapters'
+  gradients all-reduced (44.6 M parameters).
+- ``load`` (torchrun, N GPUs): rank 0 writes a random ``--layers``-block checkpoint of the 70B width as sharded
+  safetensors (fused qkv, bf16); every rank then reads its FSDP2 shards from it. Reported: bytes read per rank,
+  seconds, and host memory: peak anonymous memory (sampled every 5 ms) and peak resident set, which also counts
+  the checkpoint's memory-mapped pages a rank touched.
+
+MFU by NVIDIA's count for this benchmark: 2,598 TFLOP per 8192-token row (forward and backward of the frozen base
+and adapters, recompute excluded), against the H200's dense bf16 peak of 989 TFLOP/s.
+
+    python perf/lora_throughput.py --mode single --out OUT/single.json
+    python perf/lora_throughput.py --mode fp8-one --checkpointed 80 --out OUT/fp8_one.json
+    torchrun --nproc-per-node 2 perf/lora_throughput.py --mode fsdp --checkpointed 80 --out OUT/fsdp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "perf"))
+
+from llm_throughput import timed_steps  # noqa: E402
+
+from trainbench.benchmarks.lora import LLAMA2_70B, rcp_mean_samples  # noqa: E402
+from trainbench.distributed import DistInfo  # noqa: E402
+from trainbench.models import fp8, lora  # noqa: E402
+from trainbench.models.decoder import DecoderLM, lm_loss  # noqa: E402
+from trainbench.models.lora_parallel import place_lora  # noqa: E402
+from trainbench.optim.adamw import AdamClipped  # noqa: E402
+from trainbench.train.profiling import bf16_matmul_peak_tflops  # noqa: E402
+
+SEQ = 8192
+TFLOP_PER_ROW = 2598.0  # NVIDIA's count for one 8192-token row of Llama-2-70B LoRA
+DENSE_BF16_PEAK = 989.0  # H200 (and H100 SXM) dense bf16 TFLOP/s, the MFU denominator NVIDIA uses
+ANSWER_FRACTION = 0.1  # GovReport: about a tenth of a row's tokens are summary tokens
+
+
+def fp8_matmul_peak_tflops(n: int = 8192, reps: int = 30) -> float:
+    a, sa = fp8.quantize_rows(torch.randn(n, n, device="cuda"))
+    b, sb = fp8.quantize_rows(torch.randn(n, n, device="cuda"))
+    run = lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        run()
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
+
+
+def batch(packed: bool = False) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 32000, (1, SEQ), generator=g)
+    targets = tokens.roll(-1, 1)
+    targets[:, : int(SEQ * (1 - ANSWER_FRACTION))] = -100
+    out = {"tokens": tokens, "targets": targets}
+    if packed:  # two sequences of half a row each
+        half = SEQ // 2
+        out["positions"] = torch.arange(SEQ).remainder(half).unsqueeze(0)
+        out["segments"] = (torch.arange(SEQ) >= half).long().unsqueeze(0)
+    return {k: v.cuda() for k, v in out.items()}
+
+
+def optimizer(model: torch.nn.Module) -> AdamClipped:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return AdamClipped([{"params": params, "weight_decay": 1e-4}], 0.3, lr=4e-4, betas=(0.9, 0.999), eps=1e-8,
+                       fused=True)  # fmt: skip
+
+
+def forward_fn(model, b):
+    return lambda: model(b["tokens"], positions=b.get("positions"), segments=b.get("segments"))
+
+
+def step_fn(model, opt, b, reduce=None):
+    count = (b["targets"] != -100).sum()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(b["tokens"], targets=b["targets"], positions=b.get("positions"),
+                         segments=b.get("segments")) / count  # fmt: skip
+        loss.backward()
+        if reduce is not None:
+            reduce()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def set_checkpointed(model: DecoderLM, count: int) -> None:
+    """Recompute the activations of the last ``count`` blocks; the first ones keep theirs (they are freed last,
+    and nothing is gained by which ones)."""
+    layers = model.model.layers
+    for i, block in enumerate(layers):
+        block.checkpointing = i >= len(layers) - count
+
+
+def streamed_fp8_model(layers: int, seed: int = 0) -> DecoderLM:
+    """The 70B shape with ``layers`` blocks on the GPU, LoRA attached, frozen linears in FP8, built block by block:
+    at most one block is ever in bf16."""
+    cfg = dataclasses.replace(LLAMA2_70B, num_layers=layers)
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    lora.attach(model, cfg.targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for part in [*model.model.layers, model.model.embed_tokens, model.model.norm, model.lm_head]:
+            part.to_empty(device="cuda")
+            for name, p in part.named_parameters():
+                if "lora_" in name:
+                    continue
+                p.data = p.data.to(torch.bfloat16)
+                p.fill_(1.0) if "norm" in name or p.dim() == 1 else p.normal_(0, 0.02)
+            if part in model.model.layers:
+                fp8.quantize_frozen(part)
+    lora.load_adapters(model, lora.full_init(model, seed))
+    return model
+
+
+def compile_blocks(model: DecoderLM) -> None:
+    """Each block's computation compiled, its activation checkpointing left eager around it: a recomputed block
+    then keeps nothing of what the compiled graph would save for its backward (compiling the checkpoint itself
+    kept every FP8 block's activations: 137 GiB at 80 layers)."""
+    for block in model.model.layers:
+        block._forward = torch.compile(block._forward, dynamic=False)
+    model.loss_fn = torch.compile(lm_loss, dynamic=False)
+
+
+def forward_seconds(model, forward, reps: int = 2) -> float:
+    """One eval forward of a row (no gradients), as the eval runs it."""
+    model.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        sec = timed_steps(forward, reps, 1)
+    model.train()
+    return sec
+
+
+def measure(name: str, layers: int, model, step, steps: int, warmup: int, gpus: int = 1, extra=None,
+            forward=None) -> dict:  # fmt: skip
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        sec = timed_steps(step, steps, warmup)
+        fwd = forward_seconds(model, forward) if forward is not None else None
+    except torch.OutOfMemoryError as e:
+        return {"config": name, "error": f"out of memory: {str(e).splitlines()[0]}"}
+    tok = SEQ / sec
+    out = {
+        "config": name, "layers": layers, "gpus": gpus, "step_s": sec, "tokens_per_s_per_gpu": tok,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "ms_per_layer": sec / layers * 1e3,
+        "tokens_per_s_per_gpu_at_80_layers": SEQ / (sec * 80 / layers),
+    }  # fmt: skip
+    if layers == 80:
+        out["mfu"] = TFLOP_PER_ROW / sec / DENSE_BF16_PEAK
+    if fwd is not None:
+        out["eval_forward_s_per_row_at_80_layers"] = fwd * 80 / layers
+    return out | (extra or {})
+
+
+def hf_peft(layers: int, steps: int, warmup: int) -> dict:
+    import peft
+    import transformers
+
+    c = LLAMA2_70B
+    hf = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=layers,
+                                  num_attention_heads=c.num_heads, num_key_value_heads=c.kv_heads,
+                                  intermediate_size=c.intermediate_size, rope_theta=c.rope_theta,
+                                  max_position_embeddings=SEQ, attn_implementation="sdpa")  # fmt: skip
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(hf).to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.1, bias="none",
+                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))  # fmt: skip
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=4e-4, weight_decay=1e-4,
+                            fused=True)  # fmt: skip
+    b = batch()
+    labels = b["tokens"].clone()
+    labels[:, : int(SEQ * (1 - ANSWER_FRACTION))] = -100
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=b["tokens"], labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 0.3)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out = measure("hf_peft_eager_gradckpt", layers, model, step, steps, warmup,
+                  forward=lambda: model(input_ids=b["tokens"]).logits)  # fmt: skip
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
+
+
+def ours_single(layers: int, fp8_base: bool, checkpointed: int, packed: bool, steps: int, warmup: int) -> dict:
+    name = f"ours_{'fp8' if fp8_base else 'bf16'}_ckpt{checkpointed}{'_packed2' if packed else ''}"
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
+    if fp8_base:
+        model = streamed_fp8_model(layers)
+        compile_blocks(model)
+    else:
+        cfg = dataclasses.replace(LLAMA2_70B, num_layers=layers)
+        with torch.device("meta"):
+            model = DecoderLM(cfg)
+        model = place_lora(model, cfg, info, 1, True, True, True, 0).module
+    set_checkpointed(model, checkpointed)
+    opt = optimizer(model)
+    b = batch(packed)
+    out = measure(name, layers, model, step_fn(model, opt, b), steps, warmup, forward=forward_fn(model, b))
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
+
+
+def mode_single(args) -> list[dict]:
+    results = [{"bf16_matmul_peak_tflops": bf16_matmul_peak_tflops(), "fp8_rowwise_matmul_peak_tflops":
+                fp8_matmul_peak_tflops(), "gpu": torch.cuda.get_device_name()}]  # fmt: skip
+    print(json.dumps(results[0]), flush=True)
+    runs = [lambda: hf_peft(args.layers, args.steps, args.warmup)]
+    for fp8_base, ckpt, packed in ((False, args.layers, False), (False, 0, False), (True, args.layers, False),
+                                   (True, 0, False), (False, 0, True)):  # fmt: skip
+        runs.append(lambda f=fp8_base, c=ckpt, p=packed: ours_single(args.layers, f, c, p, args.steps, args.warmup))
+    for run in runs:
+        results.append(run())
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def mode_fp8_one(args) -> list[dict]:
+    model = streamed_fp8_model(80)
+    print(json.dumps({"fp8_model_gib": torch.cuda.memory_allocated() / 2**30}), flush=True)
+    if not args.eager:
+        compile_blocks(model)
+    results = []
+    for ckpt in args.checkpointed_list:
+        set_checkpointed(model, ckpt)
+        opt = optimizer(model)
+        b = batch()
+        results.append(measure(f"ours_fp8_one_gpu_ckpt{ckpt}{'_eager' if args.eager else ''}", 80, model, step_fn(model, opt, b), args.steps,
+                               args.warmup, forward=forward_fn(model, b)))  # fmt: skip
+        print(json.dumps(results[-1]), flush=True)
+        del opt
+        torch.cuda.empty_cache()
+    return results
+
+
+def init_dist() -> DistInfo:
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local,
+                    device=torch.device("cuda", local))  # fmt: skip
+
+
+def mode_fsdp(args, info: DistInfo) -> list[dict]:
+    cfg = dataclasses.replace(LLAMA2_70B, num_layers=80)
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    model = place_lora(model, cfg, info, 1, True, True, True, 0).module
+    results = []
+    for ckpt in args.checkpointed_list:
+        set_checkpointed(model, ckpt)
+        opt = optimizer(model)
+        b = batch()
+        results.append(measure(f"ours_bf16_fsdp{info.world_size}_ckpt{ckpt}", 80, model, step_fn(model, opt, b),
+                               args.steps, args.warmup, info.world_size, forward=forward_fn(model, b)))  # fmt: skip
+        del opt
+        torch.cuda.empty_cache()
+    return results
+
+
+def mode_fp8_dp(args, info: DistInfo) -> list[dict]:
+    import torch.distributed as dist
+
+    model = streamed_fp8_model(80)  # the same seed on every rank: the same base and adapters
+    compile_blocks(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def reduce():
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        flat /= info.world_size
+        parts = flat.split([g.numel() for g in grads])
+        torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(parts, grads, strict=True)])
+
+    results = []
+    for ckpt in args.checkpointed_list:
+        set_checkpointed(model, ckpt)
+        opt = optimizer(model)
+        results.append(measure(f"ours_fp8_replicated_dp{info.world_size}_ckpt{ckpt}", 80, model,
+                               step_fn(model, opt, batch(), reduce), args.steps, args.warmup, info.world_size,
+                               {"adapter_parameters": sum(p.numel() for p in params)}))  # fmt: skip
+        del opt
+        torch.cuda.empty_cache()
+    return results
+
+
+def _anon_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    return 0
+
+
+def mode_load(args, info: DistInfo) -> list[dict]:
+    import resource
+
+    import torch.distributed as dist
+
+    from trainbench.models.hf_checkpoint import save_sharded
+
+    cfg = dataclasses.replace(LLAMA2_70B, num_layers=args.layers)
+    folder = Path(args.ckpt_dir)
+    if info.rank == 0 and not (folder / "model.safetensors.index.json").exists():
+        model = DecoderLM(dataclasses.replace(cfg, num_layers=1))  # one block at a time on the CPU
+        state = {}
+        g = torch.Generator().manual_seed(0)
+        for name, t in model.state_dict().items():
+            shape = t.shape
+            names = [name.replace("layers.0.", f"layers.{i}.") for i in range(args.layers)] if ".layers.0." in name \
+                else [name]  # fmt: skip
+            for n in names:
+                state[n] = torch.randn(shape, generator=g, dtype=torch.float32).to(torch.bfloat16) * 0.02
+        save_sharded(state, folder, 5 * 2**30)
+        del state, model
+    dist.barrier()
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    base_anon = _anon_kib()
+    peak = [base_anon]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _anon_kib())
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t = time.perf_counter()
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    model = place_lora(model, dataclasses.replace(cfg, base_weights=str(folder)), info, 1, True, False, False, 0)
+    torch.cuda.synchronize()
+    sec = time.perf_counter() - t
+    done.set()
+    sampler.join()
+    return [{"config": f"load_{args.layers}_layers_fsdp{info.world_size}", "rank": info.rank,
+             "checkpoint_gib": size / 2**30, "seconds": sec, "gib_per_s": size / info.world_size / 2**30 / sec,
+             "peak_anon_growth_gib": (peak[0] - base_anon) / 2**20,
+             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}]  # fmt: skip
+
+
+def projections(rows: list[dict]) -> list[dict]:
+    """Projected time to train at GBS 8 for each measured rate, on 1, 2 and 8 GPUs of that rate per GPU: the
+    reference mean samples to target (mlperf-logging's RCPs) as 8192-token rows, plus every eval on the way (the
+    first at 1,536 samples, then every 384) as 173 rows' forwards split over the GPUs (an upper bound: GovReport's
+    validation sequences are shorter than a row)."""
+    samples = rcp_mean_samples(8)
+    evals = 1 + math.ceil(max(0.0, samples - 1536) / 384)
+    out = []
+    for r in rows:
+        rate = r.get("tokens_per_s_per_gpu_at_80_layers")
+        if not rate:
+            continue
+        eval_s = 173 * r.get("eval_forward_s_per_row_at_80_layers", 0.0)
+        for gpus in (1, 2, 8):
+            minutes = (samples * SEQ / (rate * gpus) + evals * eval_s / gpus) / 60
+            out.append({"projection": r["config"], "gpus": gpus, "rcp_mean_samples": samples, "evals": evals,
+                        "minutes_to_train": minutes})  # fmt: skip
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", required=True, choices=("single", "fp8-one", "fsdp", "fp8-dp", "load"))
+    p.add_argument("--layers", type=int, default=8, help="single: blocks of the 70B width; load: blocks written")
+    p.add_argument("--checkpointed", default="80", help="blocks recomputed in backward, comma-separated variants")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--eager", action="store_true", help="fp8-one: blocks not compiled")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ckpt-dir", default="/tmp/lora70b_ckpt", help="load: where the random checkpoint is written")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    args.checkpointed_list = [int(x) for x in args.checkpointed.split(",")]
+    distributed = args.mode in ("fsdp", "fp8-dp", "load")
+    info = init_dist() if distributed else None
+    if args.mode == "single":
+        results = mode_single(args)
+    elif args.mode == "fp8-one":
+        results = mode_fp8_one(args)
+    else:
+        results = {"fsdp": mode_fsdp, "fp8-dp": mode_fp8_dp, "load": mode_load}[args.mode](args, info)
+    if distributed:
+        import torch.distributed as dist
+
+        gathered = [None] * info.world_size
+        dist.all_gather_object(gathered, results)
+        results = [r for rank in gathered for r in rank] if args.mode == "load" else gathered[0]
+        dist.destroy_process_group()
+        if info.rank != 0:
+            return
+    results += projections(results)
+    for r in results:
+        print(json.dumps(r), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

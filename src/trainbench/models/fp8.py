@@ -1,0 +1,104 @@
+"""A frozen base in FP8: each frozen ``nn.Linear`` weight quantised once to e4m3 with one scale per output channel.
+
+The forward quantises its input per row (one scale per token) and multiplies on the FP8 tensor cores
+(``torch._scaled_mm``, rowwise scales, bf16 out). The backward needs the gradient of the input only (the weight is
+frozen): ``dx = dy @ W = (dy * s) @ Wq`` with ``s`` the weight's per-output-channel scales, so the scaled gradient
+is quantised per row and multiplied by the same FP8 weight, transposed on the fly (a copy of one layer at a time,
+not a second copy of the model). LoRA adapters (a forward hook on the same layer) stay in bf16/fp32.
+
+Off CUDA (tests) the product is taken with the dequantised weight, in the input's precision: the same numbers
+stored, another kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, cols] as e4m3 with one fp32 scale per row ([rows, 1]): x ~ q * scale."""
+    amax = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / E4M3_MAX
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def _mm(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, dtype) -> torch.Tensor:
+    """(a * a_scale) @ (b_t * b_scale).T for e4m3 ``a`` [m, k] and ``b_t`` [n, k], scales [m, 1] and [n, 1]."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b_t.t(), scale_a=a_scale, scale_b=b_scale.t(), out_dtype=dtype)
+    return ((a.float() * a_scale) @ (b_t.float() * b_scale).t()).to(dtype)
+
+
+@torch.library.custom_op("trainbench::fp8_grad_input", mutates_args=())
+def fp8_grad_input(
+    grad_q: torch.Tensor, grad_scale: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``grad_q * grad_scale`` [m, out] times the e4m3 weight [out, in]. One opaque op, so that a compiler cannot
+    hoist the weight's transposed copy into the forward and keep one per layer alive until the backward."""
+    ones = torch.ones(weight.shape[1], 1, device=weight.device)
+    return _mm(grad_q, grad_scale, weight.t().contiguous(), ones, dtype)
+
+
+@fp8_grad_input.register_fake
+def _(grad_q, grad_scale, weight, dtype):
+    return grad_q.new_empty(grad_q.shape[0], weight.shape[1], dtype=dtype)
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, scale):
+        shape = x.shape
+        out_dtype = x.dtype if x.dtype != torch.float32 or not x.is_cuda else torch.bfloat16
+        xq, xs = quantize_rows(x.reshape(-1, shape[-1]))
+        y = _mm(xq, xs, weight, scale, out_dtype)
+        ctx.save_for_backward(weight, scale)
+        ctx.in_dtype = x.dtype
+        return y.reshape(*shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, scale = ctx.saved_tensors
+        shape = grad.shape
+        gq, gs = quantize_rows(grad.reshape(-1, shape[-1]).float() * scale.t())
+        # dx = gq @ Wq: Wq's transpose [in, out] as the second operand; a transient copy of this layer only.
+        dx = fp8_grad_input(gq, gs, weight, ctx.in_dtype)
+        return dx.reshape(*shape[:-1], weight.shape[1]), None, None
+
+
+class Fp8Linear(nn.Linear):
+    """An ``nn.Linear`` whose frozen weight is held as ``weight_fp8`` (e4m3) and ``weight_scale`` buffers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        y = _Fp8Matmul.apply(x.to(dtype), self.weight_fp8, self.weight_scale)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+@torch.no_grad()
+def quantize_linear(module: nn.Linear) -> None:
+    """Turn a frozen ``nn.Linear`` into an :class:`Fp8Linear` in place (its forward hooks, e.g. LoRA, stay)."""
+    if module.weight.requires_grad:
+        raise ValueError("only frozen weights are quantised: a trained weight needs its high-precision copy")
+    q, s = quantize_rows(module.weight.detach())
+    del module.weight
+    module.register_buffer("weight_fp8", q)
+    module.register_buffer("weight_scale", s)
+    module.__class__ = Fp8Linear
+
+
+def quantize_frozen(model: nn.Module, skip: tuple[str, ...] = ("lm_head", "lora_A", "lora_B")) -> int:
+    """Quantise every frozen linear layer of ``model`` whose name ends with none of ``skip``; returns how many."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and not name.endswith(skip) and not module.weight.requires_grad:
+            quantize_linear(module)
+            count += 1
+    return count
+
+
+def dequantized(module: Fp8Linear) -> torch.Tensor:
+    return module.weight_fp8.float() * module.weight_scale
