@@ -210,11 +210,8 @@ def hf_peft(layers: int, steps: int, warmup: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    out = measure("hf_peft_eager_gradckpt", layers, model, step, steps, warmup,
-                  forward=lambda: model(input_ids=b["tokens"]).logits)  # fmt: skip
-    del model, opt
-    torch.cuda.empty_cache()
-    return out
+    return measure("hf_peft_eager_gradckpt", layers, model, step, steps, warmup,
+                   forward=lambda: model(input_ids=b["tokens"]).logits)  # fmt: skip
 
 
 def ours_single(layers: int, fp8_base: bool, checkpointed: int, packed: bool, steps: int, warmup: int) -> dict:
@@ -247,6 +244,7 @@ def mode_single(args) -> list[dict]:
         runs.append(lambda f=fp8_base, c=ckpt, p=packed: ours_single(args.layers, f, c, p, args.steps, args.warmup))
     for run in runs:
         results.append(run())
+        torch.cuda.empty_cache()  # the run's model is gone
         print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -261,8 +259,9 @@ def mode_fp8_one(args) -> list[dict]:
         set_checkpointed(model, ckpt)
         opt = optimizer(model)
         b = batch()
-        results.append(measure(f"ours_fp8_one_gpu_ckpt{ckpt}{'_eager' if args.eager else ''}", 80, model, step_fn(model, opt, b), args.steps,
-                               args.warmup, forward=forward_fn(model, b)))  # fmt: skip
+        name = f"ours_fp8_one_gpu_ckpt{ckpt}{'_eager' if args.eager else ''}"
+        results.append(measure(name, 80, model, step_fn(model, opt, b), args.steps, args.warmup,
+                               forward=forward_fn(model, b)))  # fmt: skip
         print(json.dumps(results[-1]), flush=True)
         del opt
         torch.cuda.empty_cache()

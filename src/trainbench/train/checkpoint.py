@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from trainbench.distributed import DistInfo
 from trainbench.runfiles import RunFiles
 
-
 # Frozen parameters are not part of a run's state: they are what the run started from.
 TRAINED = StateDictOptions(ignore_frozen_params=True)
 
