@@ -103,7 +103,9 @@ def load(path: Path, model, optimizer, info: DistInfo) -> LoopState:
     model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path), no_dist=info.world_size == 1)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=TRAINED)
+    # Not strict: the frozen parameters are absent on purpose (dcp.load has failed for any trained one missing).
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))  # fmt: skip
     rng = path / f"rng_rank{info.rank}.pt"
     if saved_world == info.world_size and rng.exists():  # on another world size the RNG streams differ anyway
         _set_rng_state(torch.load(rng, weights_only=False))

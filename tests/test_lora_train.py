@@ -1,0 +1,331 @@
+"""llama2_70b_lora end to end on the CPU: its data in three source forms, packed rows, the tiny preset to its target
+with a log mlperf-logging's 5.1.0 checker passes, the MLPerf eval rules, 1 rank against 2, and resume after kill -9."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import only_run_dir, read_metrics, run_cli
+from test_resume import events, losses, wait_for
+
+from trainbench.benchmarks import get_benchmark
+from trainbench.data import sft
+from trainbench.data.prepare_sft import PROMPT, TextTokenizer
+from trainbench.mlperf import check_compliance
+
+BENCH = get_benchmark("llama2_70b_lora")
+
+
+@pytest.fixture(scope="module")
+def lora_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("lora-tiny")
+    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", out) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_converged(lora_data, tmp_path_factory) -> Path:
+    """The tiny preset to its target: one run serves every assertion on a finished run."""
+    out = tmp_path_factory.mktemp("lora-run")
+    assert run_cli("run", "llama2_70b_lora", f"data.dir={lora_data}", f"output.results_dir={out}",
+                   "progress=false", "telemetry_hz=0") == 0  # fmt: skip
+    return only_run_dir(out)
+
+
+# -- the tiny preset, the log and the MLPerf rules -------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tiny_lora_reaches_the_mlperf_target_and_passes_the_checker(lora_converged):
+    log = lora_converged / "result_0.txt"
+    result = check_compliance(log, "5.1.0")
+    assert result.passed, result.output[-3000:]  # no waiver: the closed rules, eval loss <= 0.925 included
+    found = {e["key"]: e for e in events(log)}
+    cfg = BENCH.config("tiny")
+    expected = {"global_batch_size": 8, "gradient_accumulation_steps": 1, "lora_rank": 16, "lora_alpha": 32.0,
+                "opt_base_learning_rate": cfg.optimizer.lr, "opt_learning_rate_training_steps": 1024,
+                "opt_gradient_clip_norm": 0.3, "opt_adamw_weight_decay": 1e-4, "eval_samples": 173,
+                "submission_benchmark": "llama2_70b_lora"}  # fmt: skip
+    assert {k: found[k]["value"] for k in expected} == expected
+    evals = [e for e in events(log) if e["key"] == "eval_accuracy"]
+    # Every 384 samples, the first FLOOR(0.125 x 8 + 2) = 3 skipped: the first eval at 1,536 samples.
+    counts = [e["metadata"]["samples_count"] for e in evals]
+    assert counts[0] == 1536 and all(b - a == 384 for a, b in zip(counts, counts[1:], strict=False)), counts
+    assert evals[-1]["value"] <= 0.925 < evals[0]["value"] or len(evals) == 1
+    assert found["run_stop"]["metadata"]["status"] == "success"
+    rows = read_metrics(lora_converged)
+    assert [r["eval_loss"] for r in rows if "eval_loss" in r] == [e["value"] for e in evals]
+
+
+def test_eval_cadence_and_skips_follow_the_global_batch():
+    def first_and_every(gbs: int) -> tuple[int, int]:
+        cfg = BENCH.config("llama2-70b")
+        cfg.data.global_batch_size = gbs
+        every = BENCH.eval_every_samples(cfg)
+        return BENCH.first_eval_samples(cfg, every), every
+
+    assert first_and_every(8) == (1536, 384)
+    assert first_and_every(16) == (5 * 384, 384)  # FLOOR(2 + 2) = 4 skipped
+    assert first_and_every(100) == (15 * 400, 400)  # 384 rounded up to 400; FLOOR(12.5 + 2) = 14 skipped
+
+
+@pytest.mark.parametrize(
+    "key", ["optimizer.clip=bucket", "distributed.tp=2", "data.eval_samples=10", "model.init_std=1"]
+)
+def test_keys_that_do_not_apply_are_refused(lora_data, tmp_path, capsys, key):
+    assert run_cli("run", "llama2_70b_lora", f"data.dir={lora_data}", f"output.results_dir={tmp_path}", key) == 2
+    out = capsys.readouterr().out
+    assert "has no effect on llama2_70b_lora" in out and key.split("=")[0] in out
+    assert not any(tmp_path.iterdir())
+
+
+# -- 1 rank against 2, and resume after kill -9 ----------------------------------------------------------------
+
+SHORT = ["progress=false", "telemetry_hz=0", "log_every_steps=1", "eval.every_samples=32", "schedule.max_samples=128",
+         "model.lora_alpha=16", "optimizer.lr=5e-3"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def short_one_rank(lora_data, tmp_path_factory) -> Path:
+    """16 steps on one rank, the first eval (after 3 skipped) at 128 samples."""
+    out = tmp_path_factory.mktemp("lora-one")
+    assert run_cli("run", "llama2_70b_lora", f"data.dir={lora_data}", f"output.results_dir={out}", *SHORT) == 1
+    return only_run_dir(out)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_train_the_losses_of_one_and_log_the_config(lora_data, tmp_path):
+    # Without dropout: its masks are drawn per rank, so two ranks draw other masks than one (as in any data-parallel
+    # run); the arithmetic of the split is what must agree.
+    runs = {"one": ["--nproc", "1"], "two": ["--nproc", "2"]}
+    for name, extra in runs.items():
+        assert run_cli("run", "llama2_70b_lora", *extra, f"data.dir={lora_data}", f"output.results_dir={tmp_path / name}",
+                       *SHORT, "model.lora_dropout=0") == 1  # fmt: skip
+    one, two = (read_metrics(only_run_dir(tmp_path / n)) for n in runs)
+    a, b = (losses(only_run_dir(tmp_path / n)) for n in runs)
+    assert sorted(a) == list(range(1, 17)) and a[16] < a[1]
+    assert max(abs(a[s] - b[s]) for s in a) <= 1e-5, (a, b)
+    evals = [[r["eval_loss"] for r in rows if "eval_loss" in r] for rows in (one, two)]
+    assert len(evals[0]) == 1 and abs(evals[0][0] - evals[1][0]) <= 1e-5
+    found = {e["key"]: e["value"] for e in events(only_run_dir(tmp_path / "two") / "result_0.txt")}
+    assert found["lora_alpha"] == 16.0 and found["opt_base_learning_rate"] == 5e-3  # from the config
+    assert found["gradient_accumulation_steps"] == 1  # micro-batch fitted to each rank's 4 rows
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_gives_the_losses_of_an_uninterrupted_run(lora_data, short_one_rank, tmp_path):
+    run_dir = tmp_path / "killed"
+    command = [sys.executable, "-m", "trainbench", "run", "llama2_70b_lora", f"data.dir={lora_data}", *SHORT,
+               "checkpoint_every_steps=4", f"output.run_dir={run_dir}"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    meta = run_dir / "checkpoint_0" / "meta.json"
+    try:
+        wait_for(lambda: meta.exists() and json.loads(meta.read_text())["step"] >= 8, "a checkpoint at step 8")
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    stopped = json.loads(meta.read_text())["step"]
+    assert stopped < 16 and (run_dir / "result_0.txt.partial").exists()
+    # The checkpoint holds the adapters and their optimizer state, never the frozen base.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(run_dir / "checkpoint_0")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys[:5]
+    assert run_cli("run", "llama2_70b_lora", f"data.dir={lora_data}", f"output.run_dir={run_dir}", "resume=true") == 1
+    expected, resumed = losses(short_one_rank), losses(run_dir)
+    for step in range(stopped + 1, 17):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
+    keys = [e["key"] for e in events(run_dir / "result_0.txt")]
+    assert keys.count("run_start") == 1 and keys.count("run_stop") == 1
+
+
+# -- packed rows ------------------------------------------------------------------------------------------------
+
+
+def test_a_packed_row_trains_what_its_sequences_would_one_by_one(tmp_path):
+    from trainbench.benchmarks.lora import TINY
+    from trainbench.models import lora
+    from trainbench.models.decoder import DecoderLM
+
+    gen = np.random.default_rng(0)
+    seqs = []
+    for n, prompt in ((13, 5), (9, 4), (6, 2)):
+        tokens = gen.integers(3, 512, n)
+        seqs.append((tokens, (np.arange(n) >= prompt).astype(np.uint8)))
+    sizes = sft.write_split(tmp_path, seqs, 32)
+    assert sizes["rows"] == 1 and sizes["answer_tokens"] == 8 + 5 + 4
+    row = {k: torch.as_tensor(v) for k, v in sft.Split(tmp_path, 32).row_arrays([0]).items()}
+    torch.manual_seed(0)
+    model = DecoderLM(TINY)
+    model.init_weights(0)
+    lora.attach(model, TINY.targets, 16, 32.0, 0.0)
+    lora.load_adapters(model, {k: torch.randn(v.shape) * 0.05 for k, v in lora.full_init(model, 0).items()})
+    packed = model(row["tokens"], targets=row["targets"], positions=row["positions"], segments=row["segments"])
+    packed.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    alone = 0
+    for tokens, mask in seqs:
+        t = torch.as_tensor(tokens).unsqueeze(0)
+        targets = torch.where(torch.as_tensor(mask[1:]).bool(), t[0, 1:], -100)
+        targets = torch.cat([targets, torch.tensor([-100])]).unsqueeze(0)
+        alone = alone + model(t, targets=targets)
+    alone.backward()
+    assert float(packed) == pytest.approx(float(alone), rel=1e-5)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            g = grads[name]
+            assert float((p.grad - g).abs().max()) <= 1e-5 * float(g.abs().max()), name  # fp32 sums in another order
+
+
+# -- the three source forms ---------------------------------------------------------------------------------------
+
+
+def _word_tokenizer(path: Path, words: int) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i + 3 for i in range(words - 3)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def _texts(n: int, seed: int) -> tuple[list[str], list[str]]:
+    gen = np.random.default_rng(seed)
+    words = lambda k: " ".join(f"w{i}" for i in gen.integers(0, 509, k))
+    return [words(gen.integers(20, 60)) for _ in range(n)], [words(gen.integers(3, 10)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def govreport(tmp_path_factory):
+    """The same made-up GovReport in the three forms: text parquet + tokenizer.json, MLPerf's tokenised parquet,
+    NVIDIA's npy rows (two sequences a row)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("govreport")
+    tokenizer = _word_tokenizer(root / "tokenizer.json", 512)
+    tok = TextTokenizer(tokenizer)
+    for form in ("text", "tokens", "npy"):
+        (root / form).mkdir()
+    for split, prefix, n in (("train", "train", 40), ("eval", "validation", 12)):
+        inputs, outputs = _texts(n, seed=len(split))
+        pq.write_table(pa.table({"id": list(range(n)), "input": inputs, "output": outputs}),
+                       root / "text" / f"{prefix}-00000-of-00001.parquet")  # fmt: skip
+        seqs = tok.example(inputs, outputs)
+        labels = [np.where(m > 0, t, -100).tolist() for t, m in seqs]
+        pq.write_table(pa.table({"input_ids": [t.tolist() for t, _ in seqs], "labels": labels}),
+                       root / "tokens" / f"{prefix}.parquet")  # fmt: skip
+        rows = []
+        for i in range(0, n, 2):
+            pair = seqs[i : i + 2]
+            rows.append({"input_ids": np.concatenate([t for t, _ in pair]),
+                         "loss_mask": np.concatenate([m for _, m in pair]),
+                         "seq_start_id": [0, len(pair[0][0])][: len(pair)]})  # fmt: skip
+        np.save(root / "npy" / f"{prefix}.npy", np.array(rows, dtype=object), allow_pickle=True)
+    return root
+
+
+def _arrays(folder: Path) -> dict[str, np.ndarray]:
+    return {f"{split}/{f}": np.load(folder / split / f) for split in ("train", "eval") for f in sft.FILES}
+
+
+def test_three_source_forms_give_the_same_data_set(govreport, tmp_path):
+    made = {}
+    for form in ("text", "tokens", "npy"):
+        extra = ["--tokenizer", govreport / "tokenizer.json"] if form == "text" else []
+        assert run_cli("prepare", "llama2_70b_lora", "--source", govreport / form, *extra, "--out", tmp_path / form,
+                       "--no-progress") == 0  # fmt: skip
+        made[form] = _arrays(tmp_path / form)
+        manifest = json.loads((tmp_path / form / "manifest.json").read_text())
+        assert manifest["splits"]["train"]["sequences"] == 40 and manifest["splits"]["eval"]["sequences"] == 12
+    for form in ("tokens", "npy"):
+        for name, array in made["text"].items():
+            assert np.array_equal(array, made[form][name]), (form, name)
+    # The prompt is masked, the answer and EOS are not: the first answer token follows "### Summary:\n".
+    tokens, labels = made["text"]["train/tokens.npy"], made["text"]["train/labels.npy"]
+    assert tokens[0] == 1 and labels[0] == 0 and labels.sum() < len(labels) / 3
+    assert run_cli("run", "llama2_70b_lora", f"data.dir={tmp_path / 'text'}", "--help-config") == 0  # readable
+
+
+def test_a_sentencepiece_tokenizer_model_is_read_too(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import sentencepiece
+
+    gen = np.random.default_rng(1)
+    corpus = [" ".join("".join(chr(97 + c) for c in gen.integers(0, 26, 5)) for _ in range(12)) for _ in range(3000)]
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_prefix=str(tmp_path / "tokenizer"),
+                                             vocab_size=512, model_type="bpe", bos_id=1, eos_id=2, unk_id=0)  # fmt: skip
+    source = tmp_path / "src"
+    source.mkdir()
+    for prefix in ("train", "validation"):
+        pq.write_table(pa.table({"input": corpus[:20], "output": corpus[20:40]}), source / f"{prefix}.parquet")
+    assert run_cli("prepare", "llama2_70b_lora", "--source", source, "--tokenizer", tmp_path / "tokenizer.model",
+                   "--out", tmp_path / "out", "--no-progress") == 0  # fmt: skip
+    tokens = np.load(tmp_path / "out" / "train" / "tokens.npy")
+    offsets = np.load(tmp_path / "out" / "train" / "seq_offsets.npy")
+    assert len(offsets) == 21 and set(tokens[offsets[1:] - 1]) == {2}  # every sequence ends with EOS
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    # the corpus has no capitals or '#': those pieces are unknown to this model, the rest of the prompt reads back
+    assert PROMPT.split(":")[0].strip("# S") in sp.decode(tokens[: offsets[1]].tolist())
+
+
+def _bad(tmp_path, capsys, source: Path, *extra) -> str:
+    out = tmp_path / "out"
+    assert run_cli("prepare", "llama2_70b_lora", "--source", source, *extra, "--out", out, "--no-progress") == 2
+    assert not (out / "manifest.json").exists()  # nothing looks finished
+    message = capsys.readouterr().out.strip()
+    assert message.count("\n") <= 1, message
+    return message
+
+
+def test_bad_sources_are_one_sentence_each(govreport, tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    only_input = tmp_path / "only_input"
+    only_input.mkdir()
+    pq.write_table(pa.table({"input": ["a"]}), only_input / "train.parquet")
+    assert "no column 'output'" in _bad(tmp_path, capsys, only_input)
+
+    long = tmp_path / "long"
+    long.mkdir()
+    for prefix in ("train", "validation"):
+        pq.write_table(pa.table({"input_ids": [[5] * 300], "labels": [[-100] * 299 + [5]]}), long / f"{prefix}.parquet")
+    assert "row 0 has 300 tokens, more than a row's 256" in _bad(tmp_path, capsys, long)
+
+    short = tmp_path / "short"
+    short.mkdir()
+    pq.write_table(pa.table({"input_ids": [[5, 6, 7]], "labels": [[-100, 6]]}), short / "train.parquet")
+    assert "row 0 has 2 labels for 3 input_ids" in _bad(tmp_path, capsys, short)
+
+    small = _word_tokenizer(tmp_path / "small.json", 300)
+    message = _bad(tmp_path, capsys, govreport / "text", "--tokenizer", small)
+    assert "small.json: a vocabulary of 300 tokens, but the model has 512" in message
+
+    assert "give --tokenizer" in _bad(tmp_path, capsys, govreport / "text")
+
+
+def test_the_eval_loss_is_the_mean_over_sequences_of_each_ones_mean(lora_data):
+    """MLPerf's reference evaluates one sequence per batch and averages: a long answer counts as much as a short."""
+    cfg = BENCH.config("tiny")
+    cfg.data.dir = str(lora_data)
+    logits = torch.zeros(1, 6, 4)
+    logits[0, :, 0] = 5.0  # every position predicts token 0
+    batch = {"tokens": torch.zeros(1, 6, dtype=torch.long), "targets": torch.tensor([[0, 0, 0, 1, -100, -100]]),
+             "positions": torch.zeros(1, 6, dtype=torch.long), "segments": torch.tensor([[0, 0, 0, 1, 1, -1]])}  # fmt: skip
+    sums = BENCH.eval_sums(lambda *a, **k: logits, batch)
+    right, wrong = (-torch.log_softmax(logits[0, 0], -1)[[0, 1]]).tolist()
+    assert BENCH.eval_metric(sums) == pytest.approx((right + wrong) / 2) and math.isclose(float(sums[1]), 2)
