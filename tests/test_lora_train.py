@@ -108,8 +108,9 @@ def test_two_fsdp_ranks_train_the_losses_of_one_and_log_the_config(lora_data, tm
     # run); the arithmetic of the split is what must agree.
     runs = {"one": ["--nproc", "1"], "two": ["--nproc", "2"]}
     for name, extra in runs.items():
-        assert run_cli("run", "llama2_70b_lora", *extra, f"data.dir={lora_data}", f"output.results_dir={tmp_path / name}",
-                       *SHORT, "model.lora_dropout=0") == 1  # fmt: skip
+        results = f"output.results_dir={tmp_path / name}"
+        assert run_cli("run", "llama2_70b_lora", *extra, f"data.dir={lora_data}", results, *SHORT,
+                       "model.lora_dropout=0") == 1  # fmt: skip
     one, two = (read_metrics(only_run_dir(tmp_path / n)) for n in runs)
     a, b = (losses(only_run_dir(tmp_path / n)) for n in runs)
     assert sorted(a) == list(range(1, 17)) and a[16] < a[1]
@@ -266,8 +267,10 @@ def test_a_sentencepiece_tokenizer_model_is_read_too(tmp_path):
 
     gen = np.random.default_rng(1)
     corpus = [" ".join("".join(chr(97 + c) for c in gen.integers(0, 26, 5)) for _ in range(12)) for _ in range(3000)]
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_prefix=str(tmp_path / "tokenizer"),
-                                             vocab_size=512, model_type="bpe", bos_id=1, eos_id=2, unk_id=0)  # fmt: skip
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=512, model_type="bpe",
+        bos_id=1, eos_id=2, unk_id=0,
+    )  # fmt: skip
     source = tmp_path / "src"
     source.mkdir()
     for prefix in ("train", "validation"):
@@ -324,8 +327,12 @@ def test_the_eval_loss_is_the_mean_over_sequences_of_each_ones_mean(lora_data):
     cfg.data.dir = str(lora_data)
     logits = torch.zeros(1, 6, 4)
     logits[0, :, 0] = 5.0  # every position predicts token 0
-    batch = {"tokens": torch.zeros(1, 6, dtype=torch.long), "targets": torch.tensor([[0, 0, 0, 1, -100, -100]]),
-             "positions": torch.zeros(1, 6, dtype=torch.long), "segments": torch.tensor([[0, 0, 0, 1, 1, -1]])}  # fmt: skip
+    batch = {
+        "tokens": torch.zeros(1, 6, dtype=torch.long),
+        "targets": torch.tensor([[0, 0, 0, 1, -100, -100]]),
+        "positions": torch.zeros(1, 6, dtype=torch.long),
+        "segments": torch.tensor([[0, 0, 0, 1, 1, -1]]),
+    }
     sums = BENCH.eval_sums(lambda *a, **k: logits, batch)
     right, wrong = (-torch.log_softmax(logits[0, 0], -1)[[0, 1]]).tolist()
     assert BENCH.eval_metric(sums) == pytest.approx((right + wrong) / 2) and math.isclose(float(sums[1]), 2)
