@@ -336,3 +336,21 @@ def test_the_eval_loss_is_the_mean_over_sequences_of_each_ones_mean(lora_data):
     sums = BENCH.eval_sums(lambda *a, **k: logits, batch)
     right, wrong = (-torch.log_softmax(logits[0, 0], -1)[[0, 1]]).tolist()
     assert BENCH.eval_metric(sums) == pytest.approx((right + wrong) / 2) and math.isclose(float(sums[1]), 2)
+
+
+@pytest.mark.slow
+def test_fp8_base_on_one_and_two_ranks_tracks_the_full_precision_run(lora_data, tmp_path):
+    """The FP8 layout (whole base on every rank, DDP over the adapters) on the CPU, where the product is taken with
+    the dequantised weights: two ranks agree with one to FP8's rounding (a sum in another order can flip an e4m3
+    rounding of the gradient), and both track the full-precision run."""
+    common = [f"data.dir={lora_data}", *SHORT, "model.lora_dropout=0"]
+    runs = {"fp8_one": ["--nproc", "1", "model.base_precision=fp8"],
+            "fp8_two": ["--nproc", "2", "model.base_precision=fp8"], "full": ["--nproc", "1"]}  # fmt: skip
+    got = {}
+    for name, extra in runs.items():
+        assert run_cli("run", "llama2_70b_lora", *extra, *common, f"output.results_dir={tmp_path / name}") == 1
+        got[name] = losses(only_run_dir(tmp_path / name))
+    steps = range(1, 17)
+    assert max(abs(got["fp8_one"][s] - got["fp8_two"][s]) / got["fp8_one"][s] for s in steps) <= 5e-3, got
+    assert max(abs(got["fp8_one"][s] - got["full"][s]) / got["full"][s] for s in steps) <= 1e-2, got
+    assert got["fp8_one"][16] < got["fp8_one"][1] - 1.0  # it learns

@@ -266,18 +266,24 @@ class DecoderLM(nn.Module):
         zeros for biases, ones for norm weights. Works on sharded (DTensor) parameters too."""
         if seed is not None:
             torch.manual_seed(seed)
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_out = name.endswith(("o_proj", "down_proj"))
-                nn.init.normal_(module.weight, std=out_std if is_out else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                module.reset_parameters()
+        init_part(self, self.cfg)
+
+
+@torch.no_grad()
+def init_part(part: nn.Module, cfg: DecoderConfig) -> None:
+    """:meth:`DecoderLM.init_weights` for any part of the model (a block, the embedding), from the current RNG."""
+    std = cfg.init_std
+    out_std = std / math.sqrt(2 * cfg.num_layers)
+    for name, module in part.named_modules():
+        if isinstance(module, nn.Linear):
+            is_out = name.endswith(("o_proj", "down_proj"))
+            nn.init.normal_(module.weight, std=out_std if is_out else std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+            module.reset_parameters()
 
 
 def load_hf_weights(model: DecoderLM, path: str | Path) -> None:

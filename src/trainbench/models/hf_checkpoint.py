@@ -139,32 +139,47 @@ def _check_shape(name: str, want: tuple[int, ...], ckpt: HFCheckpoint, sources) 
                         f"needs {list(want)}; set the model config of this checkpoint (model.* keys)")  # fmt: skip
 
 
+def check_shapes(model: nn.Module, ckpt: HFCheckpoint, cfg: DecoderConfig, skip: tuple[str, ...] = ()) -> None:
+    """Every parameter of ``model`` (on any device, the meta device included) whose name contains none of ``skip``
+    is in ``ckpt`` with its shape; else DataError naming the file."""
+    for name, param in model.named_parameters():
+        if not any(s in name for s in skip):
+            _check_shape(name, tuple(param.shape), ckpt, _sources(name, ckpt, cfg))
+
+
 @torch.no_grad()
+def fill(part: nn.Module, ckpt: HFCheckpoint, cfg: DecoderConfig, skip: tuple[str, ...] = (), prefix: str = "") -> int:
+    """Copy into every parameter of ``part`` (whole or this rank's shard, materialised; named ``prefix`` + its name
+    in the checkpoint) whose name contains none of ``skip`` the slices of ``ckpt`` it holds; returns bytes read."""
+    read = 0
+    for local_name, param in part.named_parameters():
+        if any(s in local_name for s in skip):
+            continue
+        name = prefix + local_name
+        local, offset = _local_part(param)
+        if local.numel() == 0:
+            continue
+        first, count = offset[0], local.shape[0]
+        cols = slice(offset[1], offset[1] + local.shape[1]) if local.dim() > 1 else None
+        row = 0  # the row of the whole parameter where the current source begins
+        for tensor, start, rows in _sources(name, ckpt, cfg):
+            rows = ckpt.shape(tensor)[0] if rows < 0 else rows
+            lo, hi = max(first, row), min(first + count, row + rows)
+            if lo < hi:
+                piece = ckpt.read(tensor, slice(start + lo - row, start + hi - row), cols)
+                local[lo - first : hi - first].copy_(piece)
+                read += piece.numel() * piece.element_size()
+            row += rows
+    return read
+
+
 def load_into(model: nn.Module, folder: str | Path, cfg: DecoderConfig, skip: tuple[str, ...] = ()) -> int:
     """Fill every parameter of ``model`` (whole or sharded, already materialised) whose name contains none of
     ``skip`` from the checkpoint in ``folder``; returns the bytes read. Raises DataError naming the file for a
-    missing shard or tensor and for a shape that does not match ``cfg``."""
-    read = 0
+    missing shard or tensor and for a shape that does not match ``cfg``, before anything is copied."""
     with HFCheckpoint(folder) as ckpt:
-        named = [(n, p) for n, p in model.named_parameters() if not any(s in n for s in skip)]
-        for name, param in named:  # every shape first: nothing is half-loaded by a bad file
-            _check_shape(name, tuple(param.shape), ckpt, _sources(name, ckpt, cfg))
-        for name, param in named:
-            local, offset = _local_part(param)
-            if local.numel() == 0:
-                continue
-            first, count = offset[0], local.shape[0]
-            cols = slice(offset[1], offset[1] + local.shape[1]) if local.dim() > 1 else None
-            row = 0  # the row of the whole parameter where the current source begins
-            for tensor, start, rows in _sources(name, ckpt, cfg):
-                rows = ckpt.shape(tensor)[0] if rows < 0 else rows
-                lo, hi = max(first, row), min(first + count, row + rows)
-                if lo < hi:
-                    part = ckpt.read(tensor, slice(start + lo - row, start + hi - row), cols)
-                    local[lo - first : hi - first].copy_(part)
-                    read += part.numel() * part.element_size()
-                row += rows
-    return read
+        check_shapes(model, ckpt, cfg, skip)
+        return fill(model, ckpt, cfg, skip)
 
 
 def iter_shards(state: dict[str, torch.Tensor], max_bytes: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -45,6 +45,13 @@ class LoraModelConfig(DecoderConfig):
     lora_targets: str = option(
         "qkv_proj,o_proj", "Linear layers given adapters: last parts of their names, comma-separated."
     )
+    base_precision: str = option(
+        "auto",
+        "Frozen base weights: auto (the run's precision: bf16 on a GPU) or fp8 (e4m3 with a scale per output "
+        "channel, quantised once at load, multiplied on FP8 tensor cores; the whole base on every rank, adapters' "
+        "gradients all-reduced).",
+        choices=("auto", "fp8"),
+    )
 
     @property
     def targets(self) -> tuple[str, ...]:

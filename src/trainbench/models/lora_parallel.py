@@ -1,21 +1,31 @@
-"""Placing a LoRA decoder: adapters attached on the meta device, the frozen base in bf16 (on a GPU), FSDP2 over the
-ranks, and each rank's shards filled from the base checkpoint's slices (never the whole model on one rank)."""
+"""Placing a LoRA decoder: adapters attached on the meta device, then one of two layouts.
+
+- bf16 (``base_precision=auto``): the frozen base in bf16 on a GPU, FSDP2 over the ranks, each rank's shards filled
+  from the base checkpoint's slices (never the whole model on one rank).
+- FP8 (``base_precision=fp8``): the whole base on every rank, built block by block (read or initialised in the
+  run's precision, quantised, and only then the next block), so the high-precision model never exists whole;
+  DDP all-reduces the adapters' gradients, the only ones there are.
+
+Compilation is per block and inside activation checkpointing: a recomputed block keeps nothing of what its
+compiled graph would save for the backward.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError
-from trainbench.models import lora
-from trainbench.models.decoder import DecoderLM
+from trainbench.models import fp8, lora
+from trainbench.models.decoder import DecoderLM, init_part, lm_loss
 from trainbench.models.decoder_parallel import parallelize
-from trainbench.models.hf_checkpoint import load_into
+from trainbench.models.hf_checkpoint import HFCheckpoint, check_shapes, fill, load_into
 
 
 def place_lora(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, tp: int, bf16: bool,
                checkpointing: bool, compile_blocks: bool, seed: int) -> Placed:  # fmt: skip
-    """``model`` (built on the meta device) with adapters, sharded over the ranks and materialised: the base from
+    """``model`` (built on the meta device) with adapters, placed and materialised: the base from
     ``cfg.base_weights`` (or the seed, where none is given), the adapters from the seed."""
     if tp != 1:
         raise ConfigError("distributed.tp must be 1 for LoRA: its adapters are sharded by FSDP2 only")
@@ -25,16 +35,66 @@ def place_lora(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, tp: 
         for p in model.parameters():
             if not p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
+    if cfg.base_precision == "fp8":
+        placed = _place_fp8(model, cfg, info, checkpointing, seed)
+    else:
 
-    def fill(m: DecoderLM) -> None:
-        if cfg.base_weights:
-            load_into(m, cfg.base_weights, cfg, skip=lora.ADAPTER_KEYS)
-        else:
-            m.init_weights(seed)
-        lora.load_adapters(m, lora.full_init(m, seed))
+        def fill_model(m: DecoderLM) -> None:
+            if cfg.base_weights:
+                load_into(m, cfg.base_weights, cfg, skip=lora.ADAPTER_KEYS)
+            else:
+                m.init_weights(seed)
+            lora.load_adapters(m, lora.full_init(m, seed))
 
-    placed = parallelize(model, info.device, info.world_size, 1, bf16, checkpointing, compile_blocks, None, seed,
-                         fill=fill)  # fmt: skip
-    trainable = sum(p.numel() for p in placed.parameters() if p.requires_grad)
-    return Placed(module=placed, model=placed, notes=[f"LoRA: {trainable:,} trainable parameters "
-                                                      f"(rank {cfg.lora_rank}, on {cfg.lora_targets})"])  # fmt: skip
+        module = parallelize(model, info.device, info.world_size, 1, bf16, checkpointing, False, None, seed,
+                             fill=fill_model)  # fmt: skip
+        placed = Placed(module=module, model=module)
+    if compile_blocks:
+        compile_inside_checkpointing(placed.module)
+    trainable = sum(p.numel() for p in placed.module.parameters() if p.requires_grad)
+    layout = "FP8 base on every rank" if cfg.base_precision == "fp8" else "base sharded by FSDP2"
+    placed.notes.append(f"LoRA: {trainable:,} trainable parameters (rank {cfg.lora_rank}, on {cfg.lora_targets}); "
+                        f"{layout}")  # fmt: skip
+    return placed
+
+
+def compile_inside_checkpointing(model: DecoderLM) -> None:
+    """Compile each block's computation, leaving its activation checkpointing eager around it (compiling the
+    checkpoint as well kept every FP8 block's activations alive: out of memory at 80 layers), and the output
+    layer with its loss."""
+    for block in model.model.layers:
+        block._forward = torch.compile(block._forward, dynamic=False)
+    model.loss_fn = torch.compile(lm_loss, dynamic=False)
+
+
+def _place_fp8(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, checkpointing: bool, seed: int) -> Placed:
+    ckpt = HFCheckpoint(cfg.base_weights) if cfg.base_weights else None
+    try:
+        if ckpt is not None:
+            check_shapes(model, ckpt, cfg, skip=lora.ADAPTER_KEYS)  # before any block is read
+        torch.manual_seed(seed)
+        parts: list[tuple[str, nn.Module]] = [(f"model.layers.{i}.", b) for i, b in enumerate(model.model.layers)]
+        parts += [("model.embed_tokens.", model.model.embed_tokens), ("model.norm.", model.model.norm),
+                  ("lm_head.", model.lm_head)]  # fmt: skip
+        for prefix, part in parts:
+            part.to_empty(device=info.device)
+            if ckpt is not None:
+                fill(part, ckpt, cfg, skip=lora.ADAPTER_KEYS, prefix=prefix)
+            else:
+                init_part(part, cfg)
+            if prefix.startswith("model.layers."):
+                fp8.quantize_frozen(part)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    lora.load_adapters(model, lora.full_init(model, seed))
+    for block in model.model.layers:
+        block.checkpointing = checkpointing
+    if info.world_size == 1:
+        return Placed(module=model, model=model)
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [info.device.index] if info.device.type == "cuda" else None
+    # Every rank built the same base and adapters from the same files and seed: nothing to broadcast.
+    ddp = DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False, init_sync=False)
+    return Placed(module=model, model=ddp, no_sync=ddp.no_sync)
