@@ -232,6 +232,21 @@ def test_submit_tiny_bert_on_two_tasks_reaches_target_and_passes_compliance(tiny
 
 
 @needs_slurm
+def test_submit_tiny_lora_on_two_tasks_reaches_the_mlperf_target(tmp_path, capsys):
+    data = tmp_path / "data"
+    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", data) == 0
+    code = run_cli("submit", "llama2_70b_lora", "--preset", "tiny", "--system", "local_cpu_1x2", f"data.dir={data}",
+                   f"output.results_dir={tmp_path / 'results'}")  # fmt: skip
+    assert code == 0 and "submitted job" in capsys.readouterr().out
+    run_dir = next((tmp_path / "results").iterdir())
+    state = _wait_state(run_dir, {"COMPLETED", "FAILED"}, timeout=600)
+    assert state["state"] == "COMPLETED", (run_dir / f"slurm-{state['job_id']}.out").read_text()[-3000:]
+    run = json.loads((run_dir / "summary.json").read_text())["runs"][0]
+    assert run["status"] == "success" and run["compliance"]["passed"], run
+    assert run_cli("check", run_dir) == 0
+
+
+@needs_slurm
 def test_cancelled_job_is_recorded_in_the_results_folder(small_data, tmp_path):
     code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_1x2", f"data.dir={small_data}",
                    f"output.results_dir={tmp_path}", "schedule.max_samples=10000000", "eval_samples=256")  # fmt: skip
