@@ -6,11 +6,13 @@ Modes (``--mode``), each printing one JSON line per configuration and writing th
   width: HF ``LlamaForCausalLM`` + ``peft`` LoRA (q/k/v/o, eager, gradient checkpointing, as users run it) against
   ours (fused qkv, compiled blocks) with a bf16 and an FP8 frozen base, checkpointing every block or none, and with
   a packed row of two sequences (the masked attention path). Seconds per layer scale to 80 layers.
-- ``fp8-one`` (one GPU): all 80 layers with the FP8 base on one H200, initialised block by block (the bf16 model
-  never exists whole), ``--checkpointed`` blocks recomputed (the rest keep their activations).
+- ``fp8-one`` (one GPU): all 80 layers with the FP8 base on one H200, built block by block (the bf16 model never
+  exists whole), ``--checkpointed`` blocks recomputed (the rest keep their activations).
 - ``fsdp`` (torchrun, N GPUs): 80 layers, bf16 base, FSDP2 over the GPUs, ``--checkpointed`` blocks recomputed.
-- ``fp8-dp`` (torchrun, N GPUs): the FP8 base whole on every GPU (70 GB), each GPU its own row, the adapters'
-  gradients all-reduced (44.6 M parameters).
+- ``fp8-dp`` (torchrun, N GPUs): the FP8 base whole on every GPU (65 GiB), each GPU its own row, DDP over the
+  adapters (44.6 M parameters).
+
+Every model is placed by ``trainbench.models.lora_parallel.place_lora``, the function ``trainbench run`` uses.
 - ``load`` (torchrun, N GPUs): rank 0 writes a random ``--layers``-block checkpoint of the 70B width as sharded
   safetensors (fused qkv, bf16); every rank then reads its FSDP2 shards from it. Reported: bytes read per rank,
   seconds, and host memory: peak anonymous memory (sampled every 5 ms) and peak resident set, which also counts
@@ -46,8 +48,8 @@ from llm_throughput import timed_steps  # noqa: E402
 
 from trainbench.benchmarks.lora import LLAMA2_70B, rcp_mean_samples  # noqa: E402
 from trainbench.distributed import DistInfo  # noqa: E402
-from trainbench.models import fp8, lora  # noqa: E402
-from trainbench.models.decoder import DecoderLM, lm_loss  # noqa: E402
+from trainbench.models import fp8  # noqa: E402
+from trainbench.models.decoder import DecoderLM  # noqa: E402
 from trainbench.models.lora_parallel import place_lora  # noqa: E402
 from trainbench.optim.adamw import AdamClipped  # noqa: E402
 from trainbench.train.profiling import bf16_matmul_peak_tflops  # noqa: E402
@@ -56,6 +58,7 @@ SEQ = 8192
 TFLOP_PER_ROW = 2598.0  # NVIDIA's count for one 8192-token row of Llama-2-70B LoRA
 DENSE_BF16_PEAK = 989.0  # H200 (and H100 SXM) dense bf16 TFLOP/s, the MFU denominator NVIDIA uses
 ANSWER_FRACTION = 0.1  # GovReport: about a tenth of a row's tokens are summary tokens
+ONE_GPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
 
 
 def fp8_matmul_peak_tflops(n: int = 8192, reps: int = 30) -> float:
@@ -95,7 +98,7 @@ def forward_fn(model, b):
     return lambda: model(b["tokens"], positions=b.get("positions"), segments=b.get("segments"))
 
 
-def step_fn(model, opt, b, reduce=None):
+def step_fn(model, opt, b):
     count = (b["targets"] != -100).sum()
 
     def step():
@@ -103,8 +106,6 @@ def step_fn(model, opt, b, reduce=None):
             loss = model(b["tokens"], targets=b["targets"], positions=b.get("positions"),
                          segments=b.get("segments")) / count  # fmt: skip
         loss.backward()
-        if reduce is not None:
-            reduce()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -119,35 +120,15 @@ def set_checkpointed(model: DecoderLM, count: int) -> None:
         block.checkpointing = i >= len(layers) - count
 
 
-def streamed_fp8_model(layers: int, seed: int = 0) -> DecoderLM:
-    """The 70B shape with ``layers`` blocks on the GPU, LoRA attached, frozen linears in FP8, built block by block:
-    at most one block is ever in bf16."""
-    cfg = dataclasses.replace(LLAMA2_70B, num_layers=layers)
+def build_ours(layers: int, info: DistInfo, base_precision: str):
+    """The 70B shape with ``layers`` blocks and random weights, placed as ``trainbench run`` places it (FSDP2 for a
+    bf16 base; for FP8 the whole base on every rank, built block by block, DDP over the adapters), compiled, every
+    block checkpointed (``set_checkpointed`` changes that). Returns (the module, what the step calls)."""
+    cfg = dataclasses.replace(LLAMA2_70B, num_layers=layers, base_precision=base_precision)
     with torch.device("meta"):
         model = DecoderLM(cfg)
-    lora.attach(model, cfg.targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for part in [*model.model.layers, model.model.embed_tokens, model.model.norm, model.lm_head]:
-            part.to_empty(device="cuda")
-            for name, p in part.named_parameters():
-                if "lora_" in name:
-                    continue
-                p.data = p.data.to(torch.bfloat16)
-                p.fill_(1.0) if "norm" in name or p.dim() == 1 else p.normal_(0, 0.02)
-            if part in model.model.layers:
-                fp8.quantize_frozen(part)
-    lora.load_adapters(model, lora.full_init(model, seed))
-    return model
-
-
-def compile_blocks(model: DecoderLM) -> None:
-    """Each block's computation compiled, its activation checkpointing left eager around it: a recomputed block
-    then keeps nothing of what the compiled graph would save for its backward (compiling the checkpoint itself
-    kept every FP8 block's activations: 137 GiB at 80 layers)."""
-    for block in model.model.layers:
-        block._forward = torch.compile(block._forward, dynamic=False)
-    model.loss_fn = torch.compile(lm_loss, dynamic=False)
+    placed = place_lora(model, cfg, info, 1, True, True, True, 0)
+    return placed.module, placed.model
 
 
 def forward_seconds(model, forward, reps: int = 2) -> float:
@@ -216,15 +197,7 @@ def hf_peft(layers: int, steps: int, warmup: int) -> dict:
 
 def ours_single(layers: int, fp8_base: bool, checkpointed: int, packed: bool, steps: int, warmup: int) -> dict:
     name = f"ours_{'fp8' if fp8_base else 'bf16'}_ckpt{checkpointed}{'_packed2' if packed else ''}"
-    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"))
-    if fp8_base:
-        model = streamed_fp8_model(layers)
-        compile_blocks(model)
-    else:
-        cfg = dataclasses.replace(LLAMA2_70B, num_layers=layers)
-        with torch.device("meta"):
-            model = DecoderLM(cfg)
-        model = place_lora(model, cfg, info, 1, True, True, True, 0).module
+    model, _ = build_ours(layers, ONE_GPU, "fp8" if fp8_base else "auto")
     set_checkpointed(model, checkpointed)
     opt = optimizer(model)
     b = batch(packed)
@@ -250,16 +223,14 @@ def mode_single(args) -> list[dict]:
 
 
 def mode_fp8_one(args) -> list[dict]:
-    model = streamed_fp8_model(80)
+    model, _ = build_ours(80, ONE_GPU, "fp8")
     print(json.dumps({"fp8_model_gib": torch.cuda.memory_allocated() / 2**30}), flush=True)
-    if not args.eager:
-        compile_blocks(model)
     results = []
     for ckpt in args.checkpointed_list:
         set_checkpointed(model, ckpt)
         opt = optimizer(model)
         b = batch()
-        name = f"ours_fp8_one_gpu_ckpt{ckpt}{'_eager' if args.eager else ''}"
+        name = f"ours_fp8_one_gpu_ckpt{ckpt}"
         results.append(measure(name, 80, model, step_fn(model, opt, b), args.steps, args.warmup,
                                forward=forward_fn(model, b)))  # fmt: skip
         print(json.dumps(results[-1]), flush=True)
@@ -279,10 +250,7 @@ def init_dist() -> DistInfo:
 
 
 def mode_fsdp(args, info: DistInfo) -> list[dict]:
-    cfg = dataclasses.replace(LLAMA2_70B, num_layers=80)
-    with torch.device("meta"):
-        model = DecoderLM(cfg)
-    model = place_lora(model, cfg, info, 1, True, True, True, 0).module
+    model, _ = build_ours(80, info, "auto")
     results = []
     for ckpt in args.checkpointed_list:
         set_checkpointed(model, ckpt)
@@ -296,27 +264,16 @@ def mode_fsdp(args, info: DistInfo) -> list[dict]:
 
 
 def mode_fp8_dp(args, info: DistInfo) -> list[dict]:
-    import torch.distributed as dist
-
-    model = streamed_fp8_model(80)  # the same seed on every rank: the same base and adapters
-    compile_blocks(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def reduce():
-        grads = [p.grad for p in params]
-        flat = torch.cat([g.flatten() for g in grads])
-        dist.all_reduce(flat)
-        flat /= info.world_size
-        parts = flat.split([g.numel() for g in grads])
-        torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(parts, grads, strict=True)])
-
+    model, ddp = build_ours(80, info, "fp8")  # the same seed on every rank: the same base and adapters
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     results = []
     for ckpt in args.checkpointed_list:
         set_checkpointed(model, ckpt)
         opt = optimizer(model)
-        results.append(measure(f"ours_fp8_replicated_dp{info.world_size}_ckpt{ckpt}", 80, model,
-                               step_fn(model, opt, batch(), reduce), args.steps, args.warmup, info.world_size,
-                               {"adapter_parameters": sum(p.numel() for p in params)}))  # fmt: skip
+        b = batch()
+        results.append(measure(f"ours_fp8_replicated_ddp{info.world_size}_ckpt{ckpt}", 80, model,
+                               step_fn(ddp, opt, b), args.steps, args.warmup, info.world_size,
+                               {"adapter_parameters": adapters}, forward=forward_fn(model, b)))  # fmt: skip
         del opt
         torch.cuda.empty_cache()
     return results
@@ -403,7 +360,6 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8, help="single: blocks of the 70B width; load: blocks written")
     p.add_argument("--checkpointed", default="80", help="blocks recomputed in backward, comma-separated variants")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--eager", action="store_true", help="fp8-one: blocks not compiled")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ckpt-dir", default="/tmp/lora70b_ckpt", help="load: where the random checkpoint is written")
     p.add_argument("--out", required=True)

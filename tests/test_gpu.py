@@ -295,3 +295,35 @@ def test_pinned_steps_keep_their_sample_count_and_copy_without_waiting_on_cuda()
     assert out.samples == 7 and len(out) == 2 and all(mb["input_ids"].is_pinned() for mb in out)
     on_gpu = BertBenchmark().to_device(out[1], torch.device("cuda"))
     assert on_gpu["input_ids"].is_cuda and on_gpu["input_ids"].tolist() == [[10, 11, 12], [13, 14, 15]]
+
+
+def test_fp8_frozen_linear_matches_bf16_compiled_and_eager_on_cuda():
+    from trainbench.models import fp8
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(1024, 2048, bias=False, device="cuda").requires_grad_(False)
+    q = torch.nn.Linear(1024, 2048, bias=False, device="cuda").requires_grad_(False)
+    q.load_state_dict(ref.state_dict())
+    fp8.quantize_linear(q)
+    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y_ref = ref(x)
+        y = q(x)
+        y_compiled = torch.compile(q)(x)
+    err = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max())
+    assert y.dtype == torch.bfloat16 and err(y, y_ref) < 0.05 and err(y_compiled, y) < 1e-2
+    (g,) = torch.autograd.grad(y.float().square().sum(), x)
+    (g_ref,) = torch.autograd.grad(y_ref.float().square().sum(), x)
+    assert err(g, g_ref) < 0.1
+
+
+@pytest.mark.parametrize("base", ["auto", "fp8"])
+def test_tiny_lora_reaches_its_target_with_a_bf16_or_fp8_base_compiled_on_cuda(tmp_path, base):
+    data = tmp_path / "data"
+    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", data) == 0
+    code = run_cli("run", "llama2_70b_lora", f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}", "device=cuda",
+                   "perf.compile=true", "perf.activation_checkpointing=true", f"model.base_precision={base}",
+                   "progress=false")  # fmt: skip
+    assert code == 0
+    summary = json.loads((only_run_dir(tmp_path / "r") / "summary.json").read_text())
+    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
