@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def trainbench(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "trainbench", *args], check=False, cwd=REPO,
-                   env={**os.environ, "PYTHONPATH": str(REPO / "src")})  # fmt: skip
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])})  # fmt: skip
 
 
 def main() -> None:
