@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def trainbench(*args: str) -> None:
+    path = os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
     subprocess.run([sys.executable, "-m", "trainbench", *args], check=False, cwd=REPO,
-                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])})  # fmt: skip
+                   env={**os.environ, "PYTHONPATH": path})  # fmt: skip
 
 
 def main() -> None:
