@@ -311,7 +311,7 @@ def test_fp8_frozen_linear_matches_bf16_compiled_and_eager_on_cuda():
         y = q(x)
         y_compiled = torch.compile(q)(x)
     err = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max())
-    assert y.dtype == torch.bfloat16 and err(y, y_ref) < 0.05 and err(y_compiled, y) < 1e-2
+    assert y.dtype == torch.bfloat16 and err(y, y_ref) < 0.05 and err(y_compiled, y_ref) < 0.05
     (g,) = torch.autograd.grad(y.float().square().sum(), x)
     (g_ref,) = torch.autograd.grad(y_ref.float().square().sum(), x)
     assert err(g, g_ref) < 0.1
