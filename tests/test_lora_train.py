@@ -354,3 +354,19 @@ def test_fp8_base_on_one_and_two_ranks_tracks_the_full_precision_run(lora_data, 
     assert max(abs(got["fp8_one"][s] - got["fp8_two"][s]) / got["fp8_one"][s] for s in steps) <= 5e-3, got
     assert max(abs(got["fp8_one"][s] - got["full"][s]) / got["full"][s] for s in steps) <= 1e-2, got
     assert got["fp8_one"][16] < got["fp8_one"][1] - 1.0  # it learns
+
+
+def test_a_bad_base_checkpoint_stops_the_run_before_any_folder_is_made(lora_data, tmp_path, capsys):
+    import shutil
+
+    broken = tmp_path / "data"
+    shutil.copytree(lora_data, broken)
+    shard = sorted((broken / "base").glob("*.safetensors"))[2]
+    shard.unlink()
+    results = tmp_path / "results"
+    assert run_cli("run", "llama2_70b_lora", f"data.dir={broken}", f"output.results_dir={results}") == 2
+    assert f"{shard}: named in model.safetensors.index.json but missing" in capsys.readouterr().out
+    assert run_cli("run", "llama2_70b_lora", f"data.dir={lora_data}", f"output.results_dir={results}",
+                   "model.intermediate_size=256") == 2  # fmt: skip
+    assert "needs [256, 128]; set the model config of this checkpoint" in capsys.readouterr().out
+    assert not results.exists()

@@ -35,6 +35,7 @@ from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
 from trainbench.models.decoder import DecoderLM
+from trainbench.models.hf_checkpoint import HFCheckpoint, check_shapes
 from trainbench.models.lora import LoraModelConfig
 from trainbench.models.lora_parallel import place_lora
 
@@ -135,15 +136,9 @@ class LoraBenchmark(LLMBenchmark):
         if manifest["vocab_size"] != cfg.model.vocab_size:
             raise DataError(f"{root}: tokenised for a vocabulary of {manifest['vocab_size']}, but model.vocab_size="
                             f"{cfg.model.vocab_size}; prepare it with this model's tokenizer")  # fmt: skip
-        base = Path(self.base_weights(cfg))
-        config = base / "config.json"
-        if config.exists():  # an HF folder says its shape: check it before anything is built
-            hf = json.loads(config.read_text())
-            for ours, theirs in (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"),
-                                 ("vocab_size", "vocab_size"), ("intermediate_size", "intermediate_size")):  # fmt: skip
-                if theirs in hf and hf[theirs] != getattr(cfg.model, ours):
-                    raise DataError(f"{config}: {theirs} {hf[theirs]}, but model.{ours}={getattr(cfg.model, ours)}; "
-                                    "set the model config of this checkpoint")  # fmt: skip
+        # Every shard there, every tensor of the model's shape: read from the files' headers, before any folder is made.
+        with torch.device("meta"), HFCheckpoint(self.base_weights(cfg)) as ckpt:
+            check_shapes(DecoderLM(cfg.model), ckpt, cfg.model)
         for split in ("train", "eval"):
             sft.Split(root / split, cfg.data.seq_length)
 
