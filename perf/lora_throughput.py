@@ -65,14 +65,7 @@ def fp8_matmul_peak_tflops(n: int = 8192, reps: int = 30) -> float:
     a, sa = fp8.quantize_rows(torch.randn(n, n, device="cuda"))
     b, sb = fp8.quantize_rows(torch.randn(n, n, device="cuda"))
     run = lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
-    for _ in range(5):
-        run()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        run()
-    torch.cuda.synchronize()
-    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
+    return 2 * n**3 / timed_steps(run, reps, 5) / 1e12
 
 
 def batch(packed: bool = False) -> dict[str, torch.Tensor]:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import only_run_dir, read_metrics, run_cli
-from test_resume import events, losses, wait_for
+from test_resume import events, kill_after_checkpoint, losses
 
 from trainbench.benchmarks import get_benchmark
 from trainbench.data import sft
@@ -127,14 +124,7 @@ def test_kill_9_then_resume_gives_the_losses_of_an_uninterrupted_run(lora_data, 
     run_dir = tmp_path / "killed"
     command = [sys.executable, "-m", "trainbench", "run", "llama2_70b_lora", f"data.dir={lora_data}", *SHORT,
                "checkpoint_every_steps=4", f"output.run_dir={run_dir}"]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    meta = run_dir / "checkpoint_0" / "meta.json"
-    try:
-        wait_for(lambda: meta.exists() and json.loads(meta.read_text())["step"] >= 8, "a checkpoint at step 8")
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    stopped = json.loads(meta.read_text())["step"]
+    stopped = kill_after_checkpoint(command, run_dir, 8)
     assert stopped < 16 and (run_dir / "result_0.txt.partial").exists()
     # The checkpoint holds the adapters and their optimizer state, never the frozen base.
     from torch.distributed.checkpoint import FileSystemReader

@@ -43,6 +43,19 @@ def wait_for(predicate, what: str, timeout: float = 120) -> None:
     pytest.fail(f"{what} did not happen within {timeout} s")
 
 
+def kill_after_checkpoint(command: list[str], run_dir: Path, step: int) -> int:
+    """Start ``command`` (a run writing into ``run_dir``), SIGKILL it once a checkpoint at ``step`` or later exists;
+    returns the step of the checkpoint it left."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    meta = run_dir / "checkpoint_0" / "meta.json"
+    try:
+        wait_for(lambda: meta.exists() and json.loads(meta.read_text())["step"] >= step, f"a checkpoint at step {step}")
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return json.loads(meta.read_text())["step"]
+
+
 def test_sigkilled_run_resumes_with_the_losses_of_an_uninterrupted_run(small_data, tmp_path):
     reference = tmp_path / "reference"
     assert run_cli("run", "bert", f"data.dir={small_data}", f"output.results_dir={reference}", *RUN) == 1
@@ -51,16 +64,7 @@ def test_sigkilled_run_resumes_with_the_losses_of_an_uninterrupted_run(small_dat
 
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "trainbench", "run", "bert", f"data.dir={small_data}", *RUN]
-    proc = subprocess.Popen(
-        [*command, f"output.run_dir={killed}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    meta = killed / "checkpoint_0" / "meta.json"
-    try:
-        wait_for(lambda: meta.exists() and json.loads(meta.read_text())["step"] >= 20, "a checkpoint at step 20")
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    stopped_at = json.loads(meta.read_text())["step"]
+    stopped_at = kill_after_checkpoint([*command, f"output.run_dir={killed}"], killed, 20)
     assert stopped_at < 50 and (killed / "result_0.txt.partial").exists()
 
     assert run_cli("run", "bert", f"data.dir={small_data}", f"output.run_dir={killed}", "resume=true") == 1
