@@ -99,22 +99,27 @@ def short_one_rank(lora_data, tmp_path_factory) -> Path:
     return only_run_dir(out)
 
 
+@pytest.fixture(scope="module")
+def no_dropout_one_rank(lora_data, tmp_path_factory) -> Path:
+    """SHORT without dropout on one rank. Dropout's masks are drawn per rank, so two ranks draw other masks than one
+    (as in any data-parallel run); without it, the arithmetic of the split is what must agree."""
+    out = tmp_path_factory.mktemp("lora-one-no-dropout")
+    assert run_cli("run", "llama2_70b_lora", f"data.dir={lora_data}", f"output.results_dir={out}", *SHORT,
+                   "model.lora_dropout=0") == 1  # fmt: skip
+    return only_run_dir(out)
+
+
 @pytest.mark.slow
-def test_two_fsdp_ranks_train_the_losses_of_one_and_log_the_config(lora_data, tmp_path):
-    # Without dropout: its masks are drawn per rank, so two ranks draw other masks than one (as in any data-parallel
-    # run); the arithmetic of the split is what must agree.
-    runs = {"one": ["--nproc", "1"], "two": ["--nproc", "2"]}
-    for name, extra in runs.items():
-        results = f"output.results_dir={tmp_path / name}"
-        assert run_cli("run", "llama2_70b_lora", *extra, f"data.dir={lora_data}", results, *SHORT,
-                       "model.lora_dropout=0") == 1  # fmt: skip
-    one, two = (read_metrics(only_run_dir(tmp_path / n)) for n in runs)
-    a, b = (losses(only_run_dir(tmp_path / n)) for n in runs)
+def test_two_fsdp_ranks_train_the_losses_of_one_and_log_the_config(lora_data, no_dropout_one_rank, tmp_path):
+    assert run_cli("run", "llama2_70b_lora", "--nproc", "2", f"data.dir={lora_data}", f"output.results_dir={tmp_path}",
+                   *SHORT, "model.lora_dropout=0") == 1  # fmt: skip
+    one, two = read_metrics(no_dropout_one_rank), read_metrics(only_run_dir(tmp_path))
+    a, b = losses(no_dropout_one_rank), losses(only_run_dir(tmp_path))
     assert sorted(a) == list(range(1, 17)) and a[16] < a[1]
     assert max(abs(a[s] - b[s]) for s in a) <= 1e-5, (a, b)
     evals = [[r["eval_loss"] for r in rows if "eval_loss" in r] for rows in (one, two)]
     assert len(evals[0]) == 1 and abs(evals[0][0] - evals[1][0]) <= 1e-5
-    found = {e["key"]: e["value"] for e in events(only_run_dir(tmp_path / "two") / "result_0.txt")}
+    found = {e["key"]: e["value"] for e in events(only_run_dir(tmp_path) / "result_0.txt")}
     assert found["lora_alpha"] == 16.0 and found["opt_base_learning_rate"] == 5e-3  # from the config
     assert found["gradient_accumulation_steps"] == 1  # micro-batch fitted to each rank's 4 rows
 
@@ -329,16 +334,16 @@ def test_the_eval_loss_is_the_mean_over_sequences_of_each_ones_mean(lora_data):
 
 
 @pytest.mark.slow
-def test_fp8_base_on_one_and_two_ranks_tracks_the_full_precision_run(lora_data, tmp_path):
+def test_fp8_base_on_one_and_two_ranks_tracks_the_full_precision_run(lora_data, no_dropout_one_rank, tmp_path):
     """The FP8 layout (whole base on every rank, DDP over the adapters) on the CPU, where the product is taken with
     the dequantised weights: two ranks agree with one to FP8's rounding (a sum in another order can flip an e4m3
     rounding of the gradient), and both track the full-precision run."""
     common = [f"data.dir={lora_data}", *SHORT, "model.lora_dropout=0"]
-    runs = {"fp8_one": ["--nproc", "1", "model.base_precision=fp8"],
-            "fp8_two": ["--nproc", "2", "model.base_precision=fp8"], "full": ["--nproc", "1"]}  # fmt: skip
-    got = {}
+    runs = {"fp8_one": ["--nproc", "1"], "fp8_two": ["--nproc", "2"]}
+    got = {"full": losses(no_dropout_one_rank)}
     for name, extra in runs.items():
-        assert run_cli("run", "llama2_70b_lora", *extra, *common, f"output.results_dir={tmp_path / name}") == 1
+        assert run_cli("run", "llama2_70b_lora", *extra, *common, "model.base_precision=fp8",
+                       f"output.results_dir={tmp_path / name}") == 1  # fmt: skip
         got[name] = losses(only_run_dir(tmp_path / name))
     steps = range(1, 17)
     assert max(abs(got["fp8_one"][s] - got["fp8_two"][s]) / got["fp8_one"][s] for s in steps) <= 5e-3, got
