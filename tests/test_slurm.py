@@ -203,6 +203,39 @@ def _slurm_ready() -> str | None:
 needs_slurm = pytest.mark.skipif(_slurm_ready() is not None, reason=str(_slurm_ready()))
 
 
+def _two_nodes() -> str | None:
+    if _slurm_ready() is not None:
+        return _slurm_ready()
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True).stdout.split()
+    if len(set(nodes)) < 2:
+        return f"the cluster has {len(set(nodes))} node(s); CI starts two (SLURM_NODES=2 start-local-slurm.sh)"
+    return None
+
+
+needs_two_nodes = pytest.mark.skipif(_two_nodes() is not None, reason=str(_two_nodes()))
+
+
+def _start_now(job_id: str) -> None:
+    """Lift the hold Slurm puts on a requeued job (it waits until pending), so a test need not wait it out."""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", job_id, "-o"], capture_output=True, text=True).stdout
+        if "JobState=PENDING" in out:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+            return
+        time.sleep(0.5)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _log_values(run_dir: Path) -> dict:
+    lines = (run_dir / "result_0.txt").read_text().splitlines()
+    return {e["key"]: e["value"] for e in (json.loads(x.split(":::MLLOG ")[1]) for x in lines if ":::MLLOG" in x)}
+
+
 def _wait_state(run_dir: Path, want: set[str], timeout: float) -> dict:
     path = run_dir / "slurm_0.json"
     deadline = time.time() + timeout
@@ -216,9 +249,12 @@ def _wait_state(run_dir: Path, want: set[str], timeout: float) -> dict:
     pytest.fail(f"job did not reach {want} in {timeout} s; its output:\n{log[-3000:]}")
 
 
-@needs_slurm
-def test_submit_tiny_bert_on_two_tasks_reaches_target_and_passes_compliance(tiny_data, tmp_path, capsys):
-    code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_1x2", f"data.dir={tiny_data}",
+@needs_two_nodes
+def test_tiny_bert_on_two_nodes_trains_the_losses_of_one_process_and_logs_the_true_split(tiny_data, converged,
+                                                                                        tmp_path, capsys):  # fmt: skip
+    """2 nodes x 1 rank (tbn1, tbn2, each its own network namespace) against one process at the same global batch
+    (the `converged` run: 64 = 32 x 2 accumulation)."""
+    code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", f"data.dir={tiny_data}",
                    f"output.results_dir={tmp_path}")  # fmt: skip
     assert code == 0
     assert "submitted job" in capsys.readouterr().out
@@ -229,13 +265,38 @@ def test_submit_tiny_bert_on_two_tasks_reaches_target_and_passes_compliance(tiny
     run = summary["runs"][0]
     assert run["status"] == "success" and run["compliance"]["passed"], run
     assert run_cli("check", run_dir) == 0
+    logged = _log_values(run_dir)
+    assert (logged["global_batch_size"], logged["gradient_accumulation_steps"]) == (64, 1)
+    ours, reference = _losses(run_dir), _losses(converged)
+    assert sorted(ours) == sorted(reference) and max(abs(ours[s] - reference[s]) for s in ours) <= 1e-5
+    hosts = sorted(p.name.split("_")[1] for p in run_dir.glob("telemetry_*_cpu.csv"))
+    assert hosts == ["tbn1", "tbn2"], hosts  # each node samples its own
+    assert run_cli("report", run_dir) == 0 and (run_dir / "report.html").exists()
 
 
-@needs_slurm
-def test_submit_tiny_lora_on_two_tasks_reaches_the_mlperf_target(tmp_path, capsys):
+@needs_two_nodes
+def test_tiny_llama_on_two_nodes_trains_the_losses_of_one_process(tmp_path):
+    data = tmp_path / "data"
+    assert run_cli("prepare", "llama31_8b", "--synthetic", "--preset", "tiny", "--out", data) == 0
+    short = [f"data.dir={data}", "log_every_steps=1", "schedule.max_samples=320", "eval.every_samples=320",
+             "eval_samples=64", "telemetry_hz=0"]  # fmt: skip
+    assert run_cli("run", "llama31_8b", *short, f"output.results_dir={tmp_path / 'one'}", "progress=false") == 1
+    assert run_cli("submit", "llama31_8b", "--preset", "tiny", "--system", "local_cpu_2x1", *short,
+                   f"output.results_dir={tmp_path / 'two'}") == 0  # fmt: skip
+    run_dir = next((tmp_path / "two").iterdir())
+    state = _wait_state(run_dir, {"COMPLETED", "FAILED"}, timeout=600)
+    assert state["exit_code"] in (0, 1), (run_dir / f"slurm-{state['job_id']}.out").read_text()[-3000:]
+    logged = _log_values(run_dir)
+    assert (logged["global_batch_size"], logged["gradient_accumulation_steps"]) == (32, 1)
+    one, two = _losses(next((tmp_path / "one").iterdir())), _losses(run_dir)
+    assert sorted(two) == list(range(1, 11)) and max(abs(one[s] - two[s]) for s in one) <= 1e-5, (one, two)
+
+
+@needs_two_nodes
+def test_tiny_lora_on_two_nodes_reaches_the_mlperf_target(tmp_path, capsys):
     data = tmp_path / "data"
     assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", data) == 0
-    code = run_cli("submit", "llama2_70b_lora", "--preset", "tiny", "--system", "local_cpu_1x2", f"data.dir={data}",
+    code = run_cli("submit", "llama2_70b_lora", "--preset", "tiny", "--system", "local_cpu_2x1", f"data.dir={data}",
                    f"output.results_dir={tmp_path / 'results'}")  # fmt: skip
     assert code == 0 and "submitted job" in capsys.readouterr().out
     run_dir = next((tmp_path / "results").iterdir())
@@ -272,10 +333,11 @@ def test_python_running_the_jobs_is_this_one(small_data, tmp_path):
     assert f"PYTHON={sys.executable}" in script or f"PYTHON='{sys.executable}'" in script
 
 
-@needs_slurm
+@needs_two_nodes
 def test_usr1_checkpoints_requeues_and_the_job_finishes_from_its_checkpoint(tiny_data, tmp_path):
-    """What the time-limit warning (--signal=USR1@120) does: checkpoint, requeue, resume, finish."""
-    code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_1x2", f"data.dir={tiny_data}",
+    """What the time-limit warning (--signal=USR1@120) does, on two nodes: every rank checkpoints, the job requeues,
+    resumes and finishes."""
+    code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", f"data.dir={tiny_data}",
                    f"output.results_dir={tmp_path}", "log_every_steps=1")  # fmt: skip
     assert code == 0
     run_dir = next(tmp_path.iterdir())
@@ -294,7 +356,8 @@ def test_usr1_checkpoints_requeues_and_the_job_finishes_from_its_checkpoint(tiny
     # Requeued on rank 0's marker. srun's exit code is 3 (every rank exited with it) or 143: --kill-on-bad-exit
     # may end the other rank with SIGTERM once the first has exited with 3, after the checkpoint was written.
     assert _wait_state(run_dir, {"REQUEUED"}, timeout=120)["exit_code"] in (3, 143)
-    # Slurm holds a requeued job for a while (BeginTime) before it starts again.
+    # Slurm holds a requeued job for a while (BeginTime, about two minutes) before it starts again: let it start now.
+    _start_now(job_id)
     state = _wait_state(run_dir, {"COMPLETED", "FAILED"}, timeout=600)
     assert state["state"] == "COMPLETED"
     log = (run_dir / "result_0.txt").read_text()
@@ -332,3 +395,123 @@ def test_a_dry_run_does_not_need_the_data_on_this_machine(tmp_path, capsys):
                    "data.dir=/lustre/not/here", f"output.results_dir={tmp_path}")  # fmt: skip
     assert code == 0, capsys.readouterr().out
     assert "not submitted" in capsys.readouterr().out
+
+
+# -- several nodes: one world size, the network interface -------------------------------------------------------
+
+
+def test_a_two_node_job_computes_accumulation_from_every_rank_of_every_node(small_data, tmp_path, capsys):
+    """submit once set distributed.nproc to one node's ranks and computed the accumulation from it: 2 nodes x 1 rank
+    logged accumulation 2 where each rank trained one micro-batch of 32 (global batch 64)."""
+    from trainbench.launch.local import load_run_config
+
+    assert run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", "--dry-run",
+                   f"data.dir={small_data}", f"output.results_dir={tmp_path}") == 0  # fmt: skip
+    run_dir = next(tmp_path.iterdir())
+    bench, cfg = load_run_config(run_dir / "config.yaml")  # what every rank of the job loads
+    d = cfg.distributed
+    assert (d.nodes, d.nproc, d.world_size) == (2, 1, 2)
+    assert (cfg.data.global_batch_size, cfg.data.micro_batch_size, bench.accumulation_steps(cfg)) == (64, 32, 1)
+    script = (run_dir / "submit.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in script and "# layout 2x1x32x1" in script and "GLOO_SOCKET_IFNAME" not in script
+    # The same global batch on one node of 2 ranks: the same split.
+    assert run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_1x2", "--dry-run",
+                   f"data.dir={small_data}", f"output.results_dir={tmp_path / 'one'}") == 0  # fmt: skip
+    _, one = load_run_config(next((tmp_path / "one").iterdir()) / "config.yaml")
+    assert one.distributed.world_size == 2 and bench.accumulation_steps(one) == 1
+
+
+def test_a_job_whose_ranks_differ_from_its_config_stops_before_training(small_data):
+    import torch
+
+    from trainbench.benchmarks import get_benchmark
+    from trainbench.distributed import DistInfo
+    from trainbench.errors import ConfigError
+    from trainbench.launch.local import build_config
+    from trainbench.train.setup import build_run
+
+    bench, cfg = build_config("bert", "tiny", overrides={"data.dir": str(small_data), "distributed.nodes": "2"})
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"the config says 2 ranks \(2 nodes x distributed.nproc=1\) but this job"):
+        build_run(cfg, get_benchmark("bert"), info, None)
+    assert bench.accumulation_steps(cfg) == 1  # 64 = 32 x 1 x 2 ranks
+
+
+def test_a_named_interface_must_exist_and_an_unnamed_one_is_found(monkeypatch):
+    import psutil
+
+    from trainbench.distributed import choose_interface, interface_towards
+
+    names = sorted(psutil.net_if_addrs())
+    with pytest.raises(UserError, match=r"GLOO_SOCKET_IFNAME=nosuch0 names no network interface of .* \(it has "):
+        choose_interface({"GLOO_SOCKET_IFNAME": "nosuch0", "MASTER_ADDR": "127.0.0.1"})
+    with pytest.raises(UserError, match="NCCL_SOCKET_IFNAME=zz"):
+        choose_interface({"NCCL_SOCKET_IFNAME": "zz"})
+    choose_interface({"NCCL_SOCKET_IFNAME": f"^docker,{names[0][:1]}"})  # an exclusion and a prefix NCCL accepts
+    assert interface_towards("127.0.0.1") in names
+    env = {"MASTER_ADDR": "127.0.0.1"}
+    choose_interface(env)
+    assert "GLOO_SOCKET_IFNAME" not in env  # one node: left to torch
+    outward = [(n, a.address) for n, addrs in psutil.net_if_addrs().items() for a in addrs
+               if a.family.name == "AF_INET" and not a.address.startswith("127.")]  # fmt: skip
+    if outward:
+        name, address = outward[0]
+        env = {"MASTER_ADDR": address}
+        choose_interface(env)
+        assert env["GLOO_SOCKET_IFNAME"] == name == env["NCCL_SOCKET_IFNAME"]
+
+
+# -- reruns that share checkpoints: --chain K --------------------------------------------------------------------
+
+
+def test_a_chained_script_waits_for_its_namesake_continues_and_skips_an_ended_run(small_data, tmp_path, capsys):
+    assert run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", "--chain", "3", "--dry-run",
+                   f"data.dir={small_data}", f"output.results_dir={tmp_path}") == 0  # fmt: skip
+    run_dir = next(tmp_path.iterdir())
+    script = (run_dir / "submit.sbatch").read_text()
+    assert "#SBATCH --dependency=singleton" in script and "#SBATCH --requeue" in script  # node failures still requeue
+    assert "state CONTINUES" in script and "scontrol requeue" not in script
+    assert json.loads((run_dir / "job.json").read_text())["chain"] == 3
+    # A job of the chain that starts after the run has ended leaves at once: no srun, nothing rewritten.
+    (run_dir / "result_0.txt").write_text("ended\n")
+    log = tmp_path / "calls.log"
+    proc = subprocess.run(["bash", str(run_dir / "submit.sbatch")], env=_fake_tools(tmp_path / "bin", log),
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0 and "run 0 has ended: nothing left for job 77" in proc.stdout, proc.stderr
+    assert "srun" not in (log.read_text() if log.exists() else "") and not (run_dir / "slurm_0.json").exists()
+    # Without --chain the job requeues itself instead.
+    assert run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", "--dry-run",
+                   f"data.dir={small_data}", f"output.results_dir={tmp_path / 'plain'}") == 0  # fmt: skip
+    plain = (next((tmp_path / "plain").iterdir()) / "submit.sbatch").read_text()
+    assert "--dependency" not in plain and "scontrol requeue" in plain
+    capsys.readouterr()
+    assert run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", "--chain", "2", "--nexp", "2",
+                   "--dry-run", f"data.dir={small_data}", f"output.results_dir={tmp_path / 'x'}") == 2  # fmt: skip
+    assert "--chain continues one run across jobs: use it with --nexp 1" in capsys.readouterr().out
+
+
+@needs_two_nodes
+def test_a_chain_of_two_jobs_continues_one_run_to_the_losses_of_an_uninterrupted_one(tiny_data, converged, tmp_path):
+    """The time-limit warning (USR1) stops the first job after a checkpoint; the second job of the chain (same name,
+    --dependency=singleton) resumes it; the log is one compliant run with the losses of one uninterrupted process."""
+    code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", "--chain", "2",
+                   f"data.dir={tiny_data}", f"output.results_dir={tmp_path}")  # fmt: skip
+    assert code == 0
+    run_dir = next(tmp_path.iterdir())
+    first, second = json.loads((run_dir / "job.json").read_text())["job_ids"]
+    _wait_state(run_dir, {"RUNNING"}, timeout=120)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not metrics.exists() or metrics.read_text().count("\n") < 3:
+        if time.time() > deadline:
+            pytest.fail("the first job logged nothing in 300 s")
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", first], check=True)  # as at the first job's time limit
+    state = _wait_state(run_dir, {"COMPLETED", "FAILED"}, timeout=600)
+    assert state["state"] == "COMPLETED" and state["job_id"] == second, state
+    log = run_dir / "result_0.txt"
+    keys = [json.loads(x.split(":::MLLOG ")[1])["key"] for x in log.read_text().splitlines() if ":::MLLOG" in x]
+    assert keys.count("run_start") == 1 and keys.count("run_stop") == 1 and "trainbench_resumed" in keys
+    assert run_cli("check", run_dir) == 0
+    ours, reference = _losses(run_dir), _losses(converged)
+    assert sorted(ours) == sorted(reference) and max(abs(ours[s] - reference[s]) for s in ours) <= 1e-5

@@ -21,6 +21,7 @@ overrides are key=value; a key is its dotted path (optimizer.lr) or, where unamb
 EXAMPLES_SUBMIT = """examples:
   trainbench submit bert --system dgxh100_8x8 --nexp 10 data.dir=/lustre/bert
   trainbench submit bert --system dgxh100_1x8 --nodes 2 --time 00:45:00 --dry-run data.dir=/data/bert
+  trainbench submit llama2_70b_lora --system dgxh100_1x8 --time 00:30:00 --chain 4 data.dir=/data/govreport
   trainbench submit bert --preset tiny --system local_cpu_1x2 data.dir=data/bert-tiny
 
 systems: the YAML files in ./systems/ and the built-in ones (trainbench submit --system ? lists them).
@@ -113,6 +114,14 @@ def _parser() -> argparse.ArgumentParser:
     subm.add_argument("--nodes", type=int, help="nodes (default: the system's)")
     subm.add_argument("--time", help="time limit HH:MM:SS (default: the system's)")
     subm.add_argument("--nexp", type=int, default=1, help="experiments: a job array of K runs (default 1)")
+    subm.add_argument(
+        "--chain",
+        type=int,
+        default=1,
+        metavar="K",
+        help="submit K jobs of one name (--dependency=singleton), each continuing the run from the last one's "
+        "checkpoint until it ends: a run longer than the partition's time limit (default 1)",
+    )
     subm.add_argument("--dry-run", action="store_true", help="write and print the script; do not submit")
     subm.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
@@ -221,7 +230,7 @@ def cmd_submit(args) -> int:
     bench, cfg = build_config(args.benchmark, args.preset, args.config, overrides)
     cfg = fit_micro_batch(cfg, system)
     command = ["trainbench", *(sys.argv[1:] if sys.argv[1:2] == ["submit"] else ["submit", args.benchmark])]
-    run_dir, script, job_id = submit(bench, cfg, system, args.nexp, args.dry_run, command)
+    run_dir, script, job_id = submit(bench, cfg, system, args.nexp, args.dry_run, command, chain=args.chain)
     layout = system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)
     if args.dry_run:
         console.print(script, markup=False, highlight=False)

@@ -122,6 +122,10 @@ class EvalConfig:
 @dataclass(kw_only=True)
 class DistributedConfig:
     nproc: int = option(1, "Processes (one per GPU, or CPU ranks) on this node; >1 launches torchrun.", at_least=1)
+    nodes: int = option(
+        1, "Nodes the run spans, each with nproc processes (`trainbench submit` sets it from the system file).",
+        at_least=1,
+    )  # fmt: skip
     backend: str = option("auto", "torch.distributed backend.", choices=("auto", "gloo", "nccl"))
     tp: int = option(
         1, "Tensor-parallel degree (LLM benchmarks): ranks per tensor-parallel group; the rest is FSDP.", at_least=1
@@ -135,6 +139,12 @@ class DistributedConfig:
         "to bf16, summed, and cast back).",
         choices=("fp32", "bf16"),
     )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the whole run: nodes x processes per node."""
+        return self.nodes * self.nproc
+
     overlap_compiled: str = option(
         "auto",
         "With compile and DDP: split the compiled graph at the bucket boundaries, so each bucket's all-reduce "

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping
+import socket
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from trainbench.errors import ConfigError
+from trainbench.errors import ConfigError, UserError
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,50 @@ def ranks_on_this_node(env: Mapping[str, str], world: int) -> int:
     return min(world, int(env.get("LOCAL_WORLD_SIZE", str(max(1, world // nodes)))))
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def interface_towards(address: str) -> str | None:
+    """The name of this host's network interface the kernel would send to ``address`` through, or None."""
+    import psutil
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, 9))  # a UDP connect sends nothing: it only picks the route
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == local for a in addrs)),
+                None)  # fmt: skip
+
+
+def choose_interface(env: MutableMapping[str, str]) -> None:
+    """The network interface the ranks rendezvous and talk over. A name given (GLOO_SOCKET_IFNAME,
+    NCCL_SOCKET_IFNAME, e.g. from a system file's env) must exist on this node, else one sentence before anything
+    waits on it; none given, the interface that reaches MASTER_ADDR is used (a job on several nodes cannot use
+    ``lo``)."""
+    import psutil
+
+    names = sorted(psutil.net_if_addrs())
+    host = socket.gethostname()
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        for name in filter(None, env.get(var, "").split(",")):
+            bare = name.lstrip("^=")
+            # Gloo needs an exact name; NCCL also takes a prefix ("eth" for eth0) or an exclusion ("^docker").
+            if name.startswith("^") or (var == "NCCL_SOCKET_IFNAME" and any(n.startswith(bare) for n in names)):
+                continue
+            if bare not in names:
+                raise UserError(f"{var}={env[var]} names no network interface of {host} (it has {', '.join(names)}); "
+                                "set it in the system file's env to one of them, or remove it to use the one that "
+                                "reaches the first node")  # fmt: skip
+    master = env.get("MASTER_ADDR", "")
+    if master and master not in LOOPBACK and not env.get("GLOO_SOCKET_IFNAME"):
+        chosen = interface_towards(master)
+        if chosen:
+            env["GLOO_SOCKET_IFNAME"] = chosen
+            env.setdefault("NCCL_SOCKET_IFNAME", chosen)
+
+
 def init_distributed(device_kind: str, backend: str) -> DistInfo:
     """Read torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE), or Slurm's (SLURM_PROCID, SLURM_LOCALID,
     SLURM_NTASKS) for a task started by srun, and join the process group (MASTER_ADDR/MASTER_PORT)."""
@@ -75,6 +120,7 @@ def init_distributed(device_kind: str, backend: str) -> DistInfo:
         # Ranks on one node share its cores; without this each would start a thread per core.
         torch.set_num_threads(max(1, available_slots("cpu") // local_world))
     if world > 1 and not dist.is_initialized():
+        choose_interface(env)
         if backend == "auto":
             backend = "nccl" if device_kind == "cuda" else "gloo"
         dist.init_process_group(backend=backend, device_id=device if device_kind == "cuda" else None)
@@ -87,8 +133,14 @@ def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return tensor
 
 
-def shutdown() -> None:
+def shutdown(drain: bool = False) -> None:
+    """Leave the process group. ``drain`` (every rank got here normally): a barrier first, which waits for every
+    collective still in flight on this rank (an FSDP prefetch, say); a Gloo worker thread still holding one at exit
+    aborted the process ("terminate called without an active exception"). Never after an error: a barrier would wait
+    for ranks that will not come."""
     if dist.is_initialized():
+        if drain:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -65,9 +65,12 @@ class Benchmark(ABC):
         if cfg.optimizer.name != self.optimizer_name:
             raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with {self.optimizer_name}")
         # Data-parallel replicas: tensor-parallel ranks share their replica's batch.
-        d, world = cfg.data, cfg.distributed.nproc // max(1, cfg.distributed.tp)
+        d, world = cfg.data, cfg.distributed.world_size // max(1, cfg.distributed.tp)
         if d.global_batch_size % world:
-            raise ConfigError(f"data.global_batch_size={d.global_batch_size} is not divisible by {world} processes")
+            raise ConfigError(
+                f"data.global_batch_size={d.global_batch_size} is not divisible by {world} processes "
+                f"({cfg.distributed.nodes} nodes x {cfg.distributed.nproc})"
+            )
         per_rank = d.global_batch_size // world
         if per_rank < d.micro_batch_size:
             raise ConfigError(
@@ -102,7 +105,7 @@ class Benchmark(ABC):
                 raise ConfigError(f"{key}={value} has no effect on {self.name}: {why}")
 
     def accumulation_steps(self, cfg: RunConfig) -> int:
-        replicas = cfg.distributed.nproc // max(1, cfg.distributed.tp)
+        replicas = cfg.distributed.world_size // max(1, cfg.distributed.tp)
         return cfg.data.global_batch_size // (replicas * cfg.data.micro_batch_size)
 
     @abstractmethod

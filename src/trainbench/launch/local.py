@@ -39,7 +39,7 @@ def build_config(
         explicit |= set(apply_overrides(cfg, values))
     explicit |= set(apply_overrides(cfg, overrides or {}))
     if "data.micro_batch_size" not in explicit:
-        replicas = max(1, cfg.distributed.nproc // max(1, cfg.distributed.tp))
+        replicas = max(1, cfg.distributed.world_size // max(1, cfg.distributed.tp))
         micro = largest_micro_batch(cfg.data.global_batch_size, replicas, cfg.data.micro_batch_size)
         cfg.data.micro_batch_size = micro or cfg.data.micro_batch_size  # None: validate says what does not split
     bench.validate(cfg)

@@ -41,8 +41,11 @@ def _job_name(bench: str, preset: str, system: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", f"tb-{bench}-{preset}-{system}")[:64]
 
 
-def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, command: list[str], python: str) -> str:
-    """The sbatch script: #SBATCH lines, environment, srun of every rank, requeue and bookkeeping."""
+def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, command: list[str], python: str,
+                  chain: int = 1) -> str:  # fmt: skip
+    """The sbatch script: #SBATCH lines, environment, srun of every rank, requeue and bookkeeping. With ``chain``
+    > 1 the job is one of a chain of that name: it starts when the previous one has ended, continues the run from
+    its checkpoint, and on the time-limit warning leaves the rest to the next one instead of requeueing itself."""
     ranks = system.ranks_per_node
     sb = [
         f"--job-name={_job_name(cfg.benchmark, cfg.preset, system.name)}",
@@ -63,6 +66,8 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         sb.append("--exclusive")
     if nexp > 1:
         sb.append(f"--array=0-{nexp - 1}")
+    if chain > 1:
+        sb.append("--dependency=singleton")
     srun = ["srun", f"--mpi={system.mpi}", f"--ntasks-per-node={ranks}", "--kill-on-bad-exit=1"]
     if system.cpu_bind:
         srun.append(f"--cpu-bind={system.cpu_bind}")
@@ -103,6 +108,11 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         "}",
         "STOPPED=0",
         "trap on_term TERM",
+        # result_<i>.txt exists once run i has ended (runfiles.RunFiles.log)
+        'if [ -e "$RUN_DIR/result_$INDEX.txt" ]; then  # an earlier job (of a chain, or a requeue) ended the run',
+        '  echo "run $INDEX has ended: nothing left for job $SLURM_JOB_ID"',
+        "  exit 0",
+        "fi",
         'rm -f "$RUN_DIR/preempted_$INDEX"',
         "state RUNNING null",
         " ".join(q(arg) for arg in srun) + ' "$PYTHON" -m trainbench.launch.worker "$RUN_DIR" "$INDEX" --resume &',
@@ -111,8 +121,11 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         'if [ "$STOPPED" = 1 ]; then exit "$rc"; fi',
         'if [ -e "$RUN_DIR/preempted_$INDEX" ]; then  # the ranks checkpointed on USR1: go again',
         '  rm -f "$RUN_DIR/preempted_$INDEX"',
-        '  state REQUEUED "$rc"',
-        '  scontrol requeue "$SLURM_JOB_ID"',
+        *(
+            ['  state CONTINUES "$rc"  # the next job of the chain resumes from the checkpoint']
+            if chain > 1
+            else ['  state REQUEUED "$rc"', '  scontrol requeue "$SLURM_JOB_ID"']
+        ),  # fmt: skip
         "  exit 0",
         "fi",
         '"$PYTHON" -m trainbench.launch.slurm finish "$RUN_DIR" "$INDEX" "$rc"',
@@ -212,13 +225,18 @@ def check_container(system: System) -> None:
 
 
 def submit(
-    bench: Benchmark, cfg: RunConfig, system: System, nexp: int, dry_run: bool, command: list[str]
+    bench: Benchmark, cfg: RunConfig, system: System, nexp: int, dry_run: bool, command: list[str], chain: int = 1
 ) -> tuple[Path, str, str | None]:
-    """Write the results folder's config.yaml and submit.sbatch; submit it unless ``dry_run``.
+    """Write the results folder's config.yaml and submit.sbatch; submit it (``chain`` times, as a chain of jobs of
+    one name) unless ``dry_run``.
 
-    Returns (run folder, script text, job id or None)."""
+    Returns (run folder, script text, the first job's id or None)."""
     if nexp < 1:
         raise UserError(f"--nexp must be at least 1, got {nexp}")
+    if chain < 1:
+        raise UserError(f"--chain must be at least 1, got {chain}")
+    if chain > 1 and nexp > 1:
+        raise UserError("--chain continues one run across jobs: use it with --nexp 1 (submit each experiment apart)")
     layout = system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)
     check_container(system)
     if not dry_run:  # a dry run may be written anywhere: the cluster and its data need not be here
@@ -233,18 +251,19 @@ def submit(
         data=data,
         device=system.device,
         resume=True,
-        distributed=dataclasses.replace(cfg.distributed, nproc=system.ranks_per_node),
+        distributed=dataclasses.replace(cfg.distributed, nproc=system.ranks_per_node, nodes=system.nodes),
         output=dataclasses.replace(cfg.output, run_dir=str(run_dir), progress=False),
     )
+    bench.validate(cfg)  # again, at the job's world size (nodes x ranks per node)
     save_config(cfg, run_dir / CONFIG)
     python = "python3" if system.container_image else sys.executable
-    script = render_script(system, cfg, run_dir, nexp, command, python)
+    script = render_script(system, cfg, run_dir, nexp, command, python, chain)
     path = run_dir / "submit.sbatch"
     path.write_text(script)
-    job = {"system": system.name, "layout": layout, "nexp": nexp, "script": path.name, "job_id": None}
+    job = {"system": system.name, "layout": layout, "nexp": nexp, "chain": chain, "script": path.name, "job_id": None}
     if not dry_run:
-        out = _run(["sbatch", "--parsable", str(path)]).strip()
-        job["job_id"] = out.split(";")[0]
+        ids = [_run(["sbatch", "--parsable", str(path)]).strip().split(";")[0] for _ in range(chain)]
+        job["job_id"], job["job_ids"] = ids[0], ids
     (run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")
     return run_dir, script, job["job_id"]
 

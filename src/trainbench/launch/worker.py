@@ -27,9 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     bench, cfg = load_run_config(run_dir / CONFIG)
     cfg = experiment_config(cfg, index)
     info = init_distributed(resolve_device(cfg.device), cfg.distributed.backend)
+    ended = False
     try:
         bind_cpus(info)
         train(cfg, bench, run_dir, index, info, resume=resume)
+        ended = True
     except Preempted as exc:
         if info.is_main:
             console.print(str(exc))
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[red]error:[/red] {escape(str(exc))}")
         return 1
     finally:
-        shutdown()
+        shutdown(drain=ended)
     return 0
 
 

@@ -12,6 +12,7 @@ import torch
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.config import RunConfig
 from trainbench.distributed import DistInfo, Placed
+from trainbench.errors import ConfigError
 from trainbench.train import checkpoint
 
 
@@ -40,6 +41,12 @@ def uses_bf16(cfg: RunConfig, device: torch.device) -> bool:
 
 def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | None) -> RunSetup:
     """Everything a run trains with, from the config (and the checkpoint ``ckpt`` it continues, if any)."""
+    if info.world_size != cfg.distributed.world_size:
+        d = cfg.distributed
+        raise ConfigError(
+            f"the config says {d.world_size} ranks ({d.nodes} nodes x distributed.nproc={d.nproc}) but this job runs "
+            f"{info.world_size}; set distributed.nodes and nproc to its layout"
+        )
     bf16 = uses_bf16(cfg, info.device)
     seed_everything(cfg.seed)
     placed = bench.place(bench.build_model(cfg), cfg, info, bf16)
