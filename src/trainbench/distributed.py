@@ -117,8 +117,10 @@ def init_distributed(device_kind: str, backend: str) -> DistInfo:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        # Ranks on one node share its cores; without this each would start a thread per core.
-        torch.set_num_threads(max(1, available_slots("cpu") // local_world))
+        # Ranks on one node share its cores; without this each would start a thread per core. OMP_NUM_THREADS, where
+        # set (a system file's env), wins: nodes that share one machine's cores (a test cluster) say so there.
+        threads = int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit() else 0
+        torch.set_num_threads(threads or max(1, available_slots("cpu") // local_world))
     if world > 1 and not dist.is_initialized():
         choose_interface(env)
         if backend == "auto":
