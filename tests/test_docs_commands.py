@@ -85,7 +85,7 @@ def test_a_documented_command_runs_as_written(where, command, sandbox, monkeypat
             preflight(bench, cfg)  # the data it names is here, and the processes fit: check them as a run would
         return sandbox / "results" / "finished", []
 
-    def submit(bench, cfg, system, nexp, dry_run, command_line):  # a cluster: recorded, not asked
+    def submit(bench, cfg, system, nexp, dry_run, command_line, chain=1):  # a cluster: recorded, not asked
         launched.append((bench.name, cfg))
         return sandbox / "results" / "finished", "#!/bin/bash\n", None
 
