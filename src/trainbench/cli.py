@@ -21,7 +21,8 @@ overrides are key=value; a key is its dotted path (optimizer.lr) or, where unamb
 EXAMPLES_SUBMIT = """examples:
   trainbench submit bert --system dgxh100_8x8 --nexp 10 data.dir=/lustre/bert
   trainbench submit bert --system dgxh100_1x8 --nodes 2 --time 00:45:00 --dry-run data.dir=/data/bert
-  trainbench submit llama2_70b_lora --system dgxh100_1x8 --time 00:30:00 --chain 4 data.dir=/data/govreport
+  trainbench submit llama2_70b_lora --preset llama2-70b --system dgxh100_1x8 --time 00:30:00 --chain 4 \\
+      data.dir=/data/govreport
   trainbench submit bert --preset tiny --system local_cpu_1x2 data.dir=data/bert-tiny
 
 systems: the YAML files in ./systems/ and the built-in ones (trainbench submit --system ? lists them).
