@@ -515,3 +515,15 @@ def test_a_chain_of_two_jobs_continues_one_run_to_the_losses_of_an_uninterrupted
     assert run_cli("check", run_dir) == 0
     ours, reference = _losses(run_dir), _losses(converged)
     assert sorted(ours) == sorted(reference) and max(abs(ours[s] - reference[s]) for s in ours) <= 1e-5
+
+
+def test_submit_starts_from_each_benchmarks_mlperf_shape_unless_told(tmp_path):
+    from trainbench.benchmarks import BENCHMARKS
+    from trainbench.launch.local import load_run_config
+
+    for name, bench in BENCHMARKS.items():
+        assert bench.full_preset in bench.presets, name
+    assert run_cli("submit", "llama2_70b_lora", "--system", "local_cpu_1x2", "--dry-run",
+                   f"output.results_dir={tmp_path}") == 0  # fmt: skip
+    _, cfg = load_run_config(next(tmp_path.iterdir()) / "config.yaml")
+    assert cfg.preset == "llama2-70b" and cfg.model.num_layers == 80 and cfg.data.seq_length == 8192

@@ -110,7 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     subm.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
     subm.add_argument("--system", required=True, help="system name (systems/NAME.yaml or built in) or a YAML path")
-    subm.add_argument("--preset", default="large", help="starting config (default: large)")
+    subm.add_argument(
+        "--preset", help="starting config (default: the benchmark's MLPerf shape: large, llama31-8b, gpt3-175b, "
+        "llama2-70b)"
+    )  # fmt: skip
     subm.add_argument("--config", action="append", default=[], metavar="FILE.yaml", help="YAML overrides; may repeat")
     subm.add_argument("--nodes", type=int, help="nodes (default: the system's)")
     subm.add_argument("--time", help="time limit HH:MM:SS (default: the system's)")
@@ -228,7 +231,10 @@ def cmd_submit(args) -> int:
         system.validate()
     overrides = parse_key_values(args.overrides)
     overrides.setdefault("device", system.device)
-    bench, cfg = build_config(args.benchmark, args.preset, args.config, overrides)
+    from trainbench.benchmarks import get_benchmark
+
+    preset = args.preset or get_benchmark(args.benchmark).full_preset
+    bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
     cfg = fit_micro_batch(cfg, system)
     command = ["trainbench", *(sys.argv[1:] if sys.argv[1:2] == ["submit"] else ["submit", args.benchmark])]
     run_dir, script, job_id = submit(bench, cfg, system, args.nexp, args.dry_run, command, chain=args.chain)

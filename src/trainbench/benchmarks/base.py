@@ -48,6 +48,8 @@ class Benchmark(ABC):
     optimizer_name: str
     """The only ``optimizer.name`` the benchmark trains with."""
     presets: dict[str, Callable[[], RunConfig]]
+    full_preset: str
+    """The preset of MLPerf's own shape (what `trainbench submit` starts from unless told)."""
     synthetic_sizes: dict[str, dict[str, int]] = {}
     """Per preset, the size of the data set ``prepare NAME --synthetic --preset P`` writes."""
     unused_keys: dict[str, str] = {}

@@ -117,6 +117,7 @@ class BertBenchmark(Benchmark):
     metric_name = "masked_lm_accuracy"
     higher_is_better = True
     optimizer_name = "lamb"
+    full_preset = "large"
     presets = {"tiny": tiny, "base": base, "large": large}
     synthetic_sizes = SYNTHETIC_SIZES
     unused_keys = {

@@ -264,6 +264,7 @@ class Llama31Benchmark(LLMBenchmark):
     description = "Llama 3.1 8B pretraining on C4 (AdamW, seq 8192), target log perplexity 3.3"
     optimizer_name = "adamw"
     eval_every = 12_288
+    full_preset = "llama31-8b"
     # Llama's rotary positions need no position table.
     unused_keys = LLMBenchmark.unused_keys | {"model.max_seq_length": "the llama architecture has rotary positions"}
     presets = {
@@ -300,6 +301,7 @@ class Gpt3Benchmark(LLMBenchmark):
     description = "GPT-3 175B pretraining on C4 (Adam, seq 2048), target log perplexity 2.69"
     optimizer_name = "adam"
     eval_every = 24_576
+    full_preset = "gpt3-175b"
     presets = {"tiny": lambda: tiny("gpt3", arch="gpt3", optimizer="adam", epsilon=1e-8)} | {
         name: (lambda n=name: gpt3(n)) for name in GPT3_SHAPES
     }

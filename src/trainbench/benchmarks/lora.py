@@ -79,6 +79,7 @@ class LoraBenchmark(LLMBenchmark):
     description = "Llama-2-70B LoRA fine-tuning on GovReport (AdamW, seq 8192), target eval loss 0.925"
     metric_name = "eval_loss"
     optimizer_name = "adamw"
+    full_preset = "llama2-70b"
     presets = {
         "tiny": tiny,
         "llama2-70b": lambda: _run("llama2-70b", LLAMA2_70B, seq=8192, lr=4e-4),
