@@ -527,3 +527,19 @@ def test_submit_starts_from_each_benchmarks_mlperf_shape_unless_told(tmp_path):
                    f"output.results_dir={tmp_path}") == 0  # fmt: skip
     _, cfg = load_run_config(next(tmp_path.iterdir()) / "config.yaml")
     assert cfg.preset == "llama2-70b" and cfg.model.num_layers == 80 and cfg.data.seq_length == 8192
+
+
+def test_an_mpi_plugin_the_cluster_has_not_got_is_caught_before_submit(tmp_path, monkeypatch):
+    import dataclasses
+
+    folder = tmp_path / "srun-bin"
+    folder.mkdir()
+    tool = folder / "srun"
+    tool.write_text("#!/bin/bash\nprintf 'MPI plugin types are...\\n\\tnone\\n\\tpmi2\\n\\tcray_shasta\\n'\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    system = load_system("local_cpu_2x1")
+    slurm.check_mpi(system)  # pmi2: offered
+    with pytest.raises(UserError, match=r"asks for srun --mpi=pmix but this cluster's srun offers cray_shasta, none, "
+                                        r"pmi2 \(srun --mpi=list\); set mpi: in the system file"):  # fmt: skip
+        slurm.check_mpi(dataclasses.replace(system, mpi="pmix"))

@@ -212,6 +212,26 @@ def check_cluster(system: System) -> str:
     return name
 
 
+def check_mpi(system: System) -> None:
+    """The system's ``srun --mpi`` plugin is one this cluster's srun offers (``srun --mpi=list``): a job asking for
+    pmix where only pmi2 is built fails at its first srun, after waiting in the queue."""
+    if system.mpi in ("none", ""):
+        return
+    try:
+        proc = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return  # no srun here to ask: sinfo's check has already said what it could
+    listed = proc.stdout + proc.stderr
+    offered = sorted({w.strip() for w in re.findall(r"^\s+(\S+)\s*$", listed, re.MULTILINE)})
+    if proc.returncode != 0 or not offered:
+        return
+    if not any(name == system.mpi or name.startswith(f"{system.mpi}_") for name in offered):
+        raise UserError(
+            f"system {system.name} asks for srun --mpi={system.mpi} but this cluster's srun offers "
+            f"{', '.join(offered)} (srun --mpi=list); set mpi: in the system file to one of them"
+        )
+
+
 def check_container(system: System) -> None:
     image = system.container_image
     if image and (image.startswith(("/", "./", "~")) or image.endswith(".sqsh")):
@@ -241,6 +261,7 @@ def submit(
     check_container(system)
     if not dry_run:  # a dry run may be written anywhere: the cluster and its data need not be here
         check_cluster(system)
+        check_mpi(system)
         bench.check_data(cfg)
     run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-{system.name}").resolve()
     data = cfg.data
