@@ -307,15 +307,19 @@ def test_tiny_lora_on_two_nodes_reaches_the_mlperf_target(tmp_path, capsys):
     assert run_cli("check", run_dir) == 0
 
 
-@needs_slurm
+@needs_two_nodes
 def test_cancelled_job_is_recorded_in_the_results_folder(small_data, tmp_path):
-    code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_1x2", f"data.dir={small_data}",
+    """scancel of a run on two nodes: state CANCELLED, the log kept as partial, nothing looks finished."""
+    code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", f"data.dir={small_data}",
                    f"output.results_dir={tmp_path}", "schedule.max_samples=10000000", "eval_samples=256")  # fmt: skip
     assert code == 0
     run_dir = next(tmp_path.iterdir())
     job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
     _wait_state(run_dir, {"RUNNING"}, timeout=120)
-    time.sleep(2)
+    partial = run_dir / "result_0.txt.partial"
+    deadline = time.time() + 120
+    while not partial.exists() and time.time() < deadline:  # the run has started training
+        time.sleep(0.2)
     subprocess.run(["scancel", job_id], check=True)
     state = _wait_state(run_dir, {"CANCELLED"}, timeout=120)
     assert state["job_id"] == job_id
@@ -323,6 +327,7 @@ def test_cancelled_job_is_recorded_in_the_results_folder(small_data, tmp_path):
     while time.time() < deadline and subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True,
                                                     text=True).stdout.strip():  # fmt: skip
         time.sleep(0.5)
+    assert partial.exists() and "run_start" in partial.read_text()  # kept, as partial
     assert not (run_dir / "result_0.txt").exists()  # never looks finished
 
 
