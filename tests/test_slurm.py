@@ -216,12 +216,14 @@ needs_two_nodes = pytest.mark.skipif(_two_nodes() is not None, reason=str(_two_n
 
 
 def _start_now(job_id: str) -> None:
-    """Lift the hold Slurm puts on a requeued job (it waits until pending), so a test need not wait it out."""
+    """Shorten the hold Slurm puts on a requeued job (it waits until pending) to 20 s, so a test need not wait out
+    the whole of it. Not to nothing: started within a second of its requeue, the job was killed as "non-startable:
+    Job credential revoked" while its previous run was still being cleaned up on the nodes."""
     deadline = time.time() + 60
     while time.time() < deadline:
         out = subprocess.run(["scontrol", "show", "job", job_id, "-o"], capture_output=True, text=True).stdout
         if "JobState=PENDING" in out:
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+20"], capture_output=True)
             return
         time.sleep(0.5)
 
