@@ -171,6 +171,53 @@ def test_requests_the_cluster_cannot_meet_fail_before_submitting(tmp_path, monke
     assert slurm.check_cluster(load_system("dgxh100_1x8")) == "batch"
 
 
+def test_resubmit_sends_the_folders_script_again_for_the_runs_that_have_not_ended(small_data, tmp_path, monkeypatch,
+                                                                                  capsys):  # fmt: skip
+    """Stand-in sinfo/squeue/sbatch: which runs go again (a job array of those without result_<i>.txt), with which
+    time limit, what the folder says meanwhile, and each refusal as one sentence."""
+    import dataclasses
+
+    assert run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", "--nexp", "3", "--dry-run",
+                   f"data.dir={small_data}", f"output.results_dir={tmp_path / 'r'}",
+                   "eval_samples=256") == 0  # fmt: skip
+    run_dir = next((tmp_path / "r").iterdir())
+    saved = load_system(str(run_dir / "system.yaml"))
+    assert dataclasses.replace(saved, path="") == dataclasses.replace(load_system("local_cpu_2x1"), path="")
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch.log"
+    bin_dir.mkdir()
+    queue = tmp_path / "queue"
+    queue.write_text("")
+    tools = {
+        "sinfo": "echo 'debug*|up|infinite|2|2|(null)'",
+        "squeue": f"cat {queue}",
+        "sbatch": f'echo "$@" >> {calls}; echo 4242',
+        "srun": "echo 'MPI plugin types are...'; echo '        pmi2'",
+    }
+    for name, body in tools.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    (run_dir / "result_1.txt").write_text("ended\n")
+    assert run_cli("resubmit", run_dir, "--time", "00:20:00") == 0
+    assert calls.read_text().split() == ["--parsable", "--array=0,2", "--time=00:20:00", str(run_dir / "submit.sbatch")]
+    assert "job 4242: run(s) 0, 2 of" in capsys.readouterr().out
+    states = {i: json.loads((run_dir / f"slurm_{i}.json").read_text())["state"] for i in (0, 2)}
+    assert states == {0: "PENDING", 2: "PENDING"} and not (run_dir / "slurm_1.json").exists()
+    assert json.loads((run_dir / "job.json").read_text())["job_ids"] == ["4242"]
+    queue.write_text("4242|4242_0|RUNNING\n")
+    assert run_cli("resubmit", run_dir) == 2
+    message = _error(capsys)
+    assert "job 4242_0 of" in message and "is still RUNNING: wait for it or scancel it" in message
+    queue.write_text("")
+    for i in (0, 2):
+        (run_dir / f"result_{i}.txt").write_text("ended\n")
+    assert run_cli("resubmit", run_dir) == 2
+    assert "has ended (result_*.txt): nothing to resubmit" in _error(capsys)
+    assert run_cli("resubmit", tmp_path) == 2
+    assert "is not a results folder written by `trainbench submit`" in _error(capsys)
+    assert len(calls.read_text().splitlines()) == 1  # nothing else was submitted
+
+
 def test_missing_container_image_is_caught_before_submit(tmp_path, small_data, capsys):
     system = tmp_path / "sq.yaml"
     system.write_text(f"nodes: 1\ntasks_per_node: 2\ndevice: cpu\ncontainer_image: {tmp_path / 'nope.sqsh'}\n")
@@ -216,16 +263,18 @@ needs_two_nodes = pytest.mark.skipif(_two_nodes() is not None, reason=str(_two_n
 
 
 def _start_now(job_id: str) -> None:
-    """Shorten the hold Slurm puts on a requeued job (it waits until pending) to 20 s, so a test need not wait out
-    the whole of it. Not to nothing: started within a second of its requeue, the job was killed as "non-startable:
-    Job credential revoked" while its previous run was still being cleaned up on the nodes."""
+    """Shorten the hold Slurm puts on a requeued job (it waits until pending) to 5 s, once no step of its earlier
+    start is left on the nodes. A requeued job keeps its id: started while a step of the earlier start was still being
+    cleaned up (or within a second of its requeue), the new start was killed ("Job credential revoked")."""
     deadline = time.time() + 60
     while time.time() < deadline:
         out = subprocess.run(["scontrol", "show", "job", job_id, "-o"], capture_output=True, text=True).stdout
-        if "JobState=PENDING" in out:
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+20"], capture_output=True)
+        steps = subprocess.run(["pgrep", "-f", f"slurmstepd: \\[{job_id}\\."], capture_output=True).stdout
+        if "JobState=PENDING" in out and not steps:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+5"], capture_output=True)
             return
         time.sleep(0.5)
+    pytest.fail(f"job {job_id} was not pending with its earlier steps ended within 60 s")
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -274,24 +323,40 @@ def test_tiny_bert_on_two_nodes_trains_the_losses_of_one_process_and_logs_the_tr
     hosts = sorted(p.name.split("_")[1] for p in run_dir.glob("telemetry_*_cpu.csv"))
     assert hosts == ["tbn1", "tbn2"], hosts  # each node samples its own
     assert run_cli("report", run_dir) == 0 and (run_dir / "report.html").exists()
+    # 2 nodes x 2 ranks (4 ranks on this machine's cores), its first 40 steps: 16 x 1 accumulation x 4 ranks
+    assert run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x2", f"data.dir={tiny_data}",
+                   f"output.results_dir={tmp_path / 'x2'}", "schedule.max_samples=2560") == 0  # fmt: skip
+    run_dir = next((tmp_path / "x2").iterdir())
+    state = _wait_state(run_dir, {"COMPLETED", "FAILED"}, timeout=600)
+    assert state["exit_code"] in (0, 1), (run_dir / f"slurm-{state['job_id']}.out").read_text()[-3000:]
+    logged = _log_values(run_dir)
+    assert (logged["global_batch_size"], logged["gradient_accumulation_steps"]) == (64, 1)
+    assert "(16 x 1 accumulation x 4 ranks)" in (run_dir / "console.log").read_text()
+    ours = _losses(run_dir)
+    assert sorted(ours) == [10, 20, 30, 40] and max(abs(ours[s] - reference[s]) for s in ours) <= 1e-5
+    assert sorted(p.name.split("_")[1] for p in run_dir.glob("telemetry_*_cpu.csv")) == ["tbn1", "tbn2"]
 
 
 @needs_two_nodes
 def test_tiny_llama_on_two_nodes_trains_the_losses_of_one_process(tmp_path):
+    """2 nodes x 1 rank and 2 nodes x 2 ranks (FSDP over 2 and 4 ranks), each against one process at GBS 32."""
     data = tmp_path / "data"
     assert run_cli("prepare", "llama31_8b", "--synthetic", "--preset", "tiny", "--out", data) == 0
     short = [f"data.dir={data}", "log_every_steps=1", "schedule.max_samples=320", "eval.every_samples=320",
              "eval_samples=64", "telemetry_hz=0"]  # fmt: skip
     assert run_cli("run", "llama31_8b", *short, f"output.results_dir={tmp_path / 'one'}", "progress=false") == 1
-    assert run_cli("submit", "llama31_8b", "--preset", "tiny", "--system", "local_cpu_2x1", *short,
-                   f"output.results_dir={tmp_path / 'two'}") == 0  # fmt: skip
-    run_dir = next((tmp_path / "two").iterdir())
-    state = _wait_state(run_dir, {"COMPLETED", "FAILED"}, timeout=600)
-    assert state["exit_code"] in (0, 1), (run_dir / f"slurm-{state['job_id']}.out").read_text()[-3000:]
-    logged = _log_values(run_dir)
-    assert (logged["global_batch_size"], logged["gradient_accumulation_steps"]) == (32, 1)
-    one, two = _losses(next((tmp_path / "one").iterdir())), _losses(run_dir)
-    assert sorted(two) == list(range(1, 11)) and max(abs(one[s] - two[s]) for s in one) <= 1e-5, (one, two)
+    one = _losses(next((tmp_path / "one").iterdir()))
+    for system, micro in (("local_cpu_2x1", 16), ("local_cpu_2x2", 8)):
+        assert run_cli("submit", "llama31_8b", "--preset", "tiny", "--system", system, *short,
+                       f"output.results_dir={tmp_path / system}") == 0  # fmt: skip
+        run_dir = next((tmp_path / system).iterdir())
+        state = _wait_state(run_dir, {"COMPLETED", "FAILED"}, timeout=600)
+        assert state["exit_code"] in (0, 1), (run_dir / f"slurm-{state['job_id']}.out").read_text()[-3000:]
+        logged = _log_values(run_dir)
+        assert (logged["global_batch_size"], logged["gradient_accumulation_steps"]) == (32, 1)
+        assert f"({micro} x 1 accumulation x {32 // micro} ranks)" in (run_dir / "console.log").read_text()
+        two = _losses(run_dir)
+        assert sorted(two) == list(range(1, 11)) and max(abs(one[s] - two[s]) for s in one) <= 1e-5, (system, two)
 
 
 @needs_two_nodes
@@ -338,39 +403,6 @@ def test_python_running_the_jobs_is_this_one(small_data, tmp_path):
                    f"data.dir={small_data}", f"output.results_dir={tmp_path}", "eval_samples=256") == 0  # fmt: skip
     script = (next(tmp_path.iterdir()) / "submit.sbatch").read_text()
     assert f"PYTHON={sys.executable}" in script or f"PYTHON='{sys.executable}'" in script
-
-
-@needs_two_nodes
-def test_usr1_checkpoints_requeues_and_the_job_finishes_from_its_checkpoint(tiny_data, tmp_path):
-    """What the time-limit warning (--signal=USR1@120) does, on two nodes: every rank checkpoints, the job requeues,
-    resumes and finishes."""
-    code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", f"data.dir={tiny_data}",
-                   f"output.results_dir={tmp_path}", "log_every_steps=1")  # fmt: skip
-    assert code == 0
-    run_dir = next(tmp_path.iterdir())
-    job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
-    _wait_state(run_dir, {"RUNNING"}, timeout=120)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
-    while not metrics.exists() or metrics.read_text().count("\n") < 10:
-        if time.time() > deadline:
-            pytest.fail(
-                "the job logged fewer than 10 steps in 300 s: "
-                + "".join(p.read_text() for p in run_dir.glob("slurm-*.out"))[-2000:]
-            )
-        time.sleep(0.5)
-    subprocess.run(["scancel", "--signal=USR1", job_id], check=True)  # to every rank, as at the time limit
-    # Requeued on rank 0's marker. srun's exit code is 3 (every rank exited with it) or 143: --kill-on-bad-exit
-    # may end the other rank with SIGTERM once the first has exited with 3, after the checkpoint was written.
-    assert _wait_state(run_dir, {"REQUEUED"}, timeout=120)["exit_code"] in (3, 143)
-    # Slurm holds a requeued job for a while (BeginTime, about two minutes) before it starts again: let it start now.
-    _start_now(job_id)
-    state = _wait_state(run_dir, {"COMPLETED", "FAILED"}, timeout=600)
-    assert state["state"] == "COMPLETED"
-    log = (run_dir / "result_0.txt").read_text()
-    assert log.count('"key": "trainbench_resumed"') == 1 and log.count('"key": "run_start"') == 1
-    run = json.loads((run_dir / "summary.json").read_text())["runs"][0]
-    assert run["status"] == "success" and run["compliance"]["passed"], run
 
 
 @pytest.mark.parametrize("where", ["override", "system file", "script"])
@@ -519,6 +551,132 @@ def test_a_chain_of_two_jobs_continues_one_run_to_the_losses_of_an_uninterrupted
     log = run_dir / "result_0.txt"
     keys = [json.loads(x.split(":::MLLOG ")[1])["key"] for x in log.read_text().splitlines() if ":::MLLOG" in x]
     assert keys.count("run_start") == 1 and keys.count("run_stop") == 1 and "trainbench_resumed" in keys
+    assert run_cli("check", run_dir) == 0
+    ours, reference = _losses(run_dir), _losses(converged)
+    assert sorted(ours) == sorted(reference) and max(abs(ours[s] - reference[s]) for s in ours) <= 1e-5
+
+
+def _rank_pids(job_id: str, node: str) -> list[int]:
+    """The training processes (not srun, not slurmstepd) of this job on this node: every node of the test cluster
+    shares this machine's process table."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or not (proc / "comm").read_text().startswith("python"):
+                continue
+            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if env.get("SLURM_JOB_ID") == job_id and env.get("SLURMD_NODENAME") == node and "SLURM_PROCID" in env:
+            pids.append(int(proc.name))
+    return pids
+
+
+def _wait_for(what: str, ready, timeout: float, run_dir: Path) -> float:
+    """Seconds until ``ready()``; the test fails with the job's output after ``timeout``."""
+    start = time.time()
+    while not ready():
+        if time.time() - start > timeout:
+            log = "".join(p.read_text() for p in run_dir.glob("slurm-*.out"))
+            pytest.fail(f"{what} did not happen in {timeout} s; the job's output:\n{log[-3000:]}")
+        time.sleep(0.2)
+    return time.time() - start
+
+
+def _link(node: str, up: bool) -> None:
+    """The host end of the node's veth (the local cluster's script names it tbv<i> for tbn<i>)."""
+    subprocess.run(["ip", "link", "set", f"tbv{node.removeprefix('tbn')}", "up" if up else "down"], check=True)
+
+
+def _cannot_cut_links() -> str | None:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return "taking a node's network link down needs root and `ip`"
+    if subprocess.run(["ip", "link", "show", "tbv2"], capture_output=True).returncode != 0:
+        return "no link tbv2: the two-node cluster is not the local-slurm script's"
+    return None
+
+
+@needs_two_nodes
+@pytest.mark.skipif(_cannot_cut_links() is not None, reason=str(_cannot_cut_links()))
+def test_a_killed_rank_a_lost_node_and_the_time_limit_each_stop_the_job_and_the_run_resumes_to_the_same_losses(
+    tiny_data, converged, tmp_path
+):
+    """Three stops in one run on two nodes, each ending with nothing lost and nothing looking finished.
+
+    1. kill -9 of the rank on tbn2: the rank on tbn1 sees its peer's connection close, srun (--kill-on-bad-exit)
+       ends the step, and the job is FAILED within seconds; `trainbench resubmit` continues from the checkpoint.
+    2. tbn2 cut off the network: its rank's collective times out (distributed.timeout_s, 15 s here), and once tbn2
+       is marked DOWN the job is NODE_FAIL, requeued by Slurm, and resumes when the node is back. Slurm marks a
+       silent node DOWN after SlurmdTimeout (300 s by default); the test marks it itself, as a health check would.
+    3. the time-limit warning (USR1) to every rank: each checkpoints, the job requeues itself and finishes.
+
+    The final log is one compliant run (one run_start, one run_stop, three resumes) with the losses of one
+    uninterrupted process (`converged`)."""
+    code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", f"data.dir={tiny_data}",
+                   f"output.results_dir={tmp_path}", "checkpoint_every_steps=20",
+                   "distributed.timeout_s=15")  # fmt: skip
+    assert code == 0
+    run_dir = next(tmp_path.iterdir())
+    job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
+    checkpoint = run_dir / "checkpoint_0"
+    metrics = run_dir / "metrics.jsonl"
+
+    def last_step() -> int:
+        return max((json.loads(r)["step"] for r in metrics.read_text().splitlines()), default=0)
+
+    # 1. kill -9 of the rank on tbn2, once a checkpoint is saved and training has gone past it
+    _wait_for("a checkpoint and step 30", lambda: checkpoint.exists() and last_step() >= 30, 300, run_dir)
+    (victim,) = _rank_pids(job_id, "tbn2")
+    os.kill(victim, 9)
+    took = _wait_for("FAILED", lambda: json.loads((run_dir / "slurm_0.json").read_text())["state"] == "FAILED",
+                     60, run_dir)  # fmt: skip
+    assert took < 30, f"the job took {took:.1f} s to end after its rank on tbn2 was killed"
+    assert not (run_dir / "result_0.txt").exists() and (run_dir / "result_0.txt.partial").exists()
+    assert json.loads((run_dir / "run_0.json").read_text())["status"] == "interrupted"
+    assert json.loads((run_dir / "summary.json").read_text())["runs"][0]["finished"] is False
+    _wait_for("the failed job to leave the queue", lambda: not slurm._job_states([job_id]), 60, run_dir)
+    assert run_cli("resubmit", run_dir) == 0
+    second = json.loads((run_dir / "job.json").read_text())["job_id"]
+    assert second != job_id and json.loads((run_dir / "slurm_0.json").read_text())["state"] in ("PENDING", "RUNNING")
+    assert run_cli("resubmit", run_dir) == 2  # refused while its job is queued or running
+
+    # 2. tbn2 loses its network link, once the resumed run has logged 4 more rows (40 steps: past a checkpoint)
+    rows = len(metrics.read_text().splitlines())
+    _wait_for("the resumed run to train on", lambda: len(metrics.read_text().splitlines()) >= rows + 4, 300, run_dir)
+    (cut_off,) = _rank_pids(second, "tbn2")
+    _link("tbn2", up=False)
+    cut = time.time()
+    try:
+        subprocess.run(["scontrol", "update", "NodeName=tbn2", "State=DOWN", "Reason=link down"], check=True)
+        _wait_for("NODE_FAIL", lambda: json.loads((run_dir / "slurm_0.json").read_text())["state"] == "NODE_FAIL",
+                  60, run_dir)  # fmt: skip
+        _wait_for("Slurm's requeue", lambda: slurm._job_states([second]) == {second: "PENDING"}, 60, run_dir)
+        _wait_for("tbn2's rank to give up", lambda: not Path(f"/proc/{cut_off}").exists(), 60, run_dir)
+        hung = time.time() - cut
+        assert hung < 15 + 10, f"the cut-off rank waited {hung:.0f} s in a collective (timeout_s=15)"
+        assert not (run_dir / "result_0.txt").exists()
+    finally:
+        _link("tbn2", up=True)
+        subprocess.run(["scontrol", "update", "NodeName=tbn2", "State=RESUME"], check=True)
+    _start_now(second)
+
+    # 3. the time-limit warning (--signal=USR1@120), to every rank once the run trains again: each checkpoints, and
+    # the job requeues itself on rank 0's marker. srun's exit code is 3 (every rank exited with it) or 143:
+    # --kill-on-bad-exit may end the other ranks with SIGTERM once the first has exited with 3, after the checkpoint.
+    _wait_for("RUNNING again", lambda: json.loads((run_dir / "slurm_0.json").read_text())["state"] == "RUNNING",
+              120, run_dir)  # fmt: skip
+    rows = len(metrics.read_text().splitlines())
+    _wait_for("the run to train on", lambda: len(metrics.read_text().splitlines()) >= rows + 2, 300, run_dir)
+    subprocess.run(["scancel", "--signal=USR1", second], check=True)
+    assert _wait_state(run_dir, {"REQUEUED"}, timeout=120)["exit_code"] in (3, 143)
+    _start_now(second)
+    state = _wait_state(run_dir, {"COMPLETED", "FAILED"}, timeout=600)
+    assert state["state"] == "COMPLETED", (run_dir / f"slurm-{second}.out").read_text()[-3000:]
+    keys = [json.loads(x.split(":::MLLOG ")[1])["key"] for x in (run_dir / "result_0.txt").read_text().splitlines()
+            if ":::MLLOG" in x]  # fmt: skip
+    assert (keys.count("run_start"), keys.count("run_stop"), keys.count("trainbench_resumed")) == (1, 1, 3)
+    run = json.loads((run_dir / "summary.json").read_text())["runs"][0]
+    assert run["status"] == "success" and run["compliance"]["passed"], run
     assert run_cli("check", run_dir) == 0
     ours, reference = _losses(run_dir), _losses(converged)
     assert sorted(ours) == sorted(reference) and max(abs(ours[s] - reference[s]) for s in ours) <= 1e-5

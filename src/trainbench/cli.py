@@ -129,6 +129,19 @@ def _parser() -> argparse.ArgumentParser:
     subm.add_argument("--dry-run", action="store_true", help="write and print the script; do not submit")
     subm.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
+    resub = sub.add_parser(
+        "resubmit",
+        help="submit a results folder's Slurm job again: its unfinished runs continue from their checkpoints",
+        description="Submit the job script of a results folder written by `trainbench submit` again, for the runs "
+        "that have not ended (no result_<i>.txt): after a crash, a lost node or a cancel, each continues from its "
+        "last checkpoint (output.checkpoint_every_steps) to the losses of an uninterrupted run. Refused while a "
+        "job of the folder is still queued or running.",
+        epilog="example:\n  trainbench resubmit results/20261123T101500Z-bert-large-dgxh100_8x8 --time 00:30:00",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    resub.add_argument("folder", metavar="RESULTS_DIR")
+    resub.add_argument("--time", help="time limit HH:MM:SS (default: the one the script was written with)")
+
     rep = sub.add_parser(
         "report",
         help="score a results folder and write report.html/report.md (two folders: compare them)",
@@ -252,6 +265,18 @@ def cmd_submit(args) -> int:
     return 0
 
 
+def cmd_resubmit(args) -> int:
+    from trainbench.console import console
+    from trainbench.launch.slurm import resubmit
+
+    runs, job_id = resubmit(Path(args.folder), args.time)
+    console.print(
+        f"submitted job {job_id}: run(s) {', '.join(map(str, runs))} of {args.folder} continue from their last "
+        "checkpoints"
+    )
+    return 0
+
+
 def _print_table(title: str, head: list[str], rows: list[list[str]]) -> None:
     from rich.table import Table
 
@@ -366,6 +391,7 @@ COMMANDS = {
     "prepare": cmd_prepare,
     "run": cmd_run,
     "submit": cmd_submit,
+    "resubmit": cmd_resubmit,
     "report": cmd_report,
     "package": cmd_package,
     "convert": cmd_convert,

@@ -127,6 +127,12 @@ class DistributedConfig:
         at_least=1,
     )  # fmt: skip
     backend: str = option("auto", "torch.distributed backend.", choices=("auto", "gloo", "nccl"))
+    timeout_s: float = option(
+        600.0,
+        "Longest wait in one collective (s): a rank whose peer hangs without dying (a node cut off from the network) "
+        "fails after this instead of waiting forever. Longer than the slowest checkpoint save or eval.",
+        above=0,
+    )
     tp: int = option(
         1, "Tensor-parallel degree (LLM benchmarks): ranks per tensor-parallel group; the rest is FSDP.", at_least=1
     )

@@ -5,6 +5,7 @@ One rank is the same code path as many: every helper is a no-op at world size 1.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import socket
 from collections.abc import Callable, Mapping, MutableMapping
@@ -99,9 +100,10 @@ def choose_interface(env: MutableMapping[str, str]) -> None:
             env.setdefault("NCCL_SOCKET_IFNAME", chosen)
 
 
-def init_distributed(device_kind: str, backend: str) -> DistInfo:
+def init_distributed(device_kind: str, backend: str, timeout_s: float = 600.0) -> DistInfo:
     """Read torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE), or Slurm's (SLURM_PROCID, SLURM_LOCALID,
-    SLURM_NTASKS) for a task started by srun, and join the process group (MASTER_ADDR/MASTER_PORT)."""
+    SLURM_NTASKS) for a task started by srun, and join the process group (MASTER_ADDR/MASTER_PORT). A collective
+    that waits longer than ``timeout_s`` raises on its rank (a dead peer's closed connection raises at once)."""
     env = os.environ
     world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")))
     rank = int(env.get("RANK", env.get("SLURM_PROCID", "0")))
@@ -125,7 +127,11 @@ def init_distributed(device_kind: str, backend: str) -> DistInfo:
         choose_interface(env)
         if backend == "auto":
             backend = "nccl" if device_kind == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if device_kind == "cuda" else None)
+        dist.init_process_group(
+            backend=backend,
+            device_id=device if device_kind == "cuda" else None,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     return DistInfo(rank, local_rank, world, device, local_world)
 
 

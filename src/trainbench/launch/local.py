@@ -189,7 +189,7 @@ def _absolute_paths(cfg: RunConfig) -> RunConfig:
 def _run_in_process(bench: Benchmark, cfg: RunConfig, run_dir: Path, index: int, device: str) -> None:
     from trainbench.train.loop import train
 
-    info = init_distributed(device, cfg.distributed.backend)
+    info = init_distributed(device, cfg.distributed.backend, cfg.distributed.timeout_s)
     train(cfg, bench, run_dir, index, info, resume=cfg.resume)
 
 

@@ -30,10 +30,12 @@ from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, has_control_character, save_config
 from trainbench.errors import UserError
 from trainbench.launch.local import new_run_dir
-from trainbench.launch.systems import System
+from trainbench.launch.systems import System, load_system, save_system
 from trainbench.runfiles import CONFIG
 
 q = shlex.quote
+SCRIPT = "submit.sbatch"
+SYSTEM = "system.yaml"  # the system the folder's job was written for, as it was then
 
 
 def _job_name(bench: str, preset: str, system: str) -> str:
@@ -100,9 +102,10 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         "}",
         "on_term() {  # scancel or the time limit (the ranks checkpoint and stop too): record which",
         '  s=$(scontrol show job "$SLURM_JOB_ID" -o 2>/dev/null | grep -o "JobState=[A-Z_]*" | cut -d= -f2)',
-        '  case "$s" in CANCELLED|TIMEOUT|PREEMPTED|NODE_FAIL) ;; *)  # still RUNNING/COMPLETING: by the clock',
-        '    if [ "$(date +%s)" -ge "$(( ${SLURM_JOB_END_TIME:-9999999999} - 10 ))" ]; then s=TIMEOUT; '
-        "else s=CANCELLED; fi ;; esac",
+        '  case "$s" in CANCELLED|TIMEOUT|PREEMPTED|NODE_FAIL) ;; *)  # RUNNING/COMPLETING: ask the nodes, the clock',
+        '    if sinfo -h -N -n "$SLURM_JOB_NODELIST" -o %T 2>/dev/null | grep -qiE "down|fail"; then s=NODE_FAIL; '
+        '    elif [ "$(date +%s)" -ge "$(( ${SLURM_JOB_END_TIME:-9999999999} - 10 ))" ]; then s=TIMEOUT; '
+        "else s=CANCELLED; fi ;; esac  # NODE_FAIL: Slurm requeues the job (--requeue) and it resumes",
         '  state "$s" null',
         "  STOPPED=1",
         "}",
@@ -279,14 +282,72 @@ def submit(
     save_config(cfg, run_dir / CONFIG)
     python = "python3" if system.container_image else sys.executable
     script = render_script(system, cfg, run_dir, nexp, command, python, chain)
-    path = run_dir / "submit.sbatch"
+    path = run_dir / SCRIPT
     path.write_text(script)
+    save_system(system, run_dir / SYSTEM)
     job = {"system": system.name, "layout": layout, "nexp": nexp, "chain": chain, "script": path.name, "job_id": None}
     if not dry_run:
         ids = [_run(["sbatch", "--parsable", str(path)]).strip().split(";")[0] for _ in range(chain)]
         job["job_id"], job["job_ids"] = ids[0], ids
     (run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")
     return run_dir, script, job["job_id"]
+
+
+def _job_states(ids: list[str]) -> dict[str, str]:
+    """Slurm's state of each of these jobs (array tasks included) still in the queue; {} once all have left."""
+    # Not `squeue -j`: it fails on a job Slurm has already forgotten.
+    states = {}
+    for line in _run(["squeue", "-h", "-o", "%F|%i|%T"]).splitlines():
+        parts = line.split("|")
+        if len(parts) == 3 and parts[0] in ids:
+            states[parts[1]] = parts[2]
+    return states
+
+
+def resubmit(run_dir: Path, time_limit: str | None = None) -> tuple[list[int], str]:
+    """Submit a results folder's job script again, for its runs that have not ended (no ``result_<i>.txt``): each
+    continues from its last checkpoint (the script's ranks start with ``--resume``), or starts again where it never
+    saved one. Refused while a job of the folder is still queued or running, or when every run has ended.
+
+    Returns (the run indexes resubmitted, the new job's id)."""
+    run_dir = Path(run_dir).resolve()
+    path, job_file = run_dir / SCRIPT, run_dir / "job.json"
+    if not (path.is_file() and job_file.is_file()):
+        raise UserError(f"{run_dir} is not a results folder written by `trainbench submit` (no {SCRIPT} or job.json)")
+    job = json.loads(job_file.read_text())
+    nexp = int(job.get("nexp", 1))
+    left = [i for i in range(nexp) if not (run_dir / f"result_{i}.txt").exists()]
+    if not left:
+        raise UserError(f"every run in {run_dir} has ended (result_*.txt): nothing to resubmit")
+    ids = [str(i) for i in job.get("job_ids") or [job.get("job_id")] if i]
+    queued = _job_states(ids)
+    if queued:
+        job_id, state = next(iter(queued.items()))
+        raise UserError(f"job {job_id} of {run_dir} is still {state}: wait for it or scancel it before resubmitting")
+    system = load_system(str(run_dir / SYSTEM)) if (run_dir / SYSTEM).is_file() else load_system(job["system"])
+    if time_limit is not None:
+        system = dataclasses.replace(system, time=time_limit)
+        system.validate()
+    from trainbench.launch.local import load_run_config
+
+    bench, cfg = load_run_config(run_dir / CONFIG)
+    check_cluster(system)
+    check_mpi(system)
+    bench.check_data(cfg)
+    command = ["sbatch", "--parsable"]
+    if nexp > 1:
+        command.append("--array=" + ",".join(str(i) for i in left))  # only the runs that have not ended
+    if time_limit is not None:
+        command.append(f"--time={time_limit}")
+    job_id = _run([*command, str(path)]).strip().split(";")[0]
+    for i in left:  # until the job starts: no FAILED or CANCELLED of the last attempt left looking current
+        (run_dir / f"slurm_{i}.json").write_text(
+            json.dumps({"job_id": job_id, "index": i, "state": "PENDING", "exit_code": None}) + "\n"
+        )
+    job["job_ids"] = [*ids, job_id]
+    job["job_id"] = job_id
+    job_file.write_text(json.dumps(job, indent=2) + "\n")
+    return left, job_id
 
 
 def finish(run_dir: Path, index: int, rc: int) -> None:

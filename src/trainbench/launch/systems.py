@@ -209,6 +209,12 @@ def load_system(name_or_path: str) -> System:
     return system
 
 
+def save_system(system: System, path: Path) -> None:
+    """The system as a system file (``load_system`` reads it back the same)."""
+    data = {k: v for k, v in dataclasses.asdict(system).items() if k != "path"}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
 def _strings(value, name: str = ""):
     """Every string inside a system's fields, with where it is (env.KEY, container_mounts[1], ...)."""
     if isinstance(value, str):

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, index, resume = Path(argv[0]), int(argv[1]), "--resume" in argv[2:]
     bench, cfg = load_run_config(run_dir / CONFIG)
     cfg = experiment_config(cfg, index)
-    info = init_distributed(resolve_device(cfg.device), cfg.distributed.backend)
+    info = init_distributed(resolve_device(cfg.device), cfg.distributed.backend, cfg.distributed.timeout_s)
     ended = False
     try:
         bind_cpus(info)
