@@ -27,18 +27,23 @@ def hf_llama(cfg: DecoderConfig):
     return transformers.LlamaForCausalLM(hf_cfg).eval()
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_logits_match_transformers_llama_on_the_same_weights(tie, tmp_path):
+@pytest.mark.parametrize(("tie", "fmt"), [(False, "safetensors"), (True, "safetensors"), (False, "pt")])
+def test_logits_match_transformers_llama_on_the_same_weights(tie, fmt, tmp_path):
     torch.manual_seed(0)
     cfg = dataclasses.replace(SMALL, tie_embeddings=tie)
     hf = hf_llama(cfg)
     with torch.no_grad():  # HF zero-initialises nothing we could hide behind: make every weight random
         for p in hf.parameters():
             p.normal_(0, 0.2)
-    path = tmp_path / "model.safetensors"
-    from safetensors.torch import save_file
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if not (tie and k == "lm_head.weight")}
+    if fmt == "pt":
+        path = tmp_path / "pytorch_model.bin"
+        torch.save(state, path)
+    else:
+        from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items() if not (tie and k == "lm_head.weight")}, path)
+        path = tmp_path / "model.safetensors"
+        save_file(state, path)
     ours = DecoderLM(cfg).eval()
     load_hf_weights(ours, path)
     ids = torch.randint(0, cfg.vocab_size, (3, 48))

@@ -89,7 +89,12 @@ def test_a_documented_command_runs_as_written(where, command, sandbox, monkeypat
         launched.append((bench.name, cfg))
         return sandbox / "results" / "finished", "#!/bin/bash\n", None
 
+    def resubmit(run_dir, time_limit=None):  # a cluster and a submitted folder: recorded, not asked
+        launched.append(("resubmit", run_dir))
+        return [0], "1"
+
     monkeypatch.setattr("trainbench.launch.local.run_experiments", launch)
+    monkeypatch.setattr("trainbench.launch.slurm.resubmit", resubmit)
     if "--dry-run" not in args or "local_cpu_1x2" not in args:
         monkeypatch.setattr("trainbench.launch.slurm.submit", submit)
     if any(marker in command for marker in NEEDS_DATA_CI_HAS_NOT):  # the options parse, as written
@@ -103,5 +108,5 @@ def test_a_documented_command_runs_as_written(where, command, sandbox, monkeypat
     out = capsys.readouterr().out
     assert "error:" not in out and "Traceback" not in out, out
     assert code == 0 or (code == 1 and args[0] == "run" and launched), (code, out)
-    if args[0] in ("run", "submit") and "--help-config" not in args:
+    if args[0] in ("run", "submit", "resubmit") and "--help-config" not in args:
         assert launched, f"{command} did not reach the launch"

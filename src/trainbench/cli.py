@@ -108,8 +108,10 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES_SUBMIT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    subm.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
-    subm.add_argument("--system", required=True, help="system name (systems/NAME.yaml or built in) or a YAML path")
+    subm.add_argument("benchmark", nargs="?", help="benchmark name (see `trainbench list`)")
+    subm.add_argument(
+        "--system", required=True, help="system name (systems/NAME.yaml or built in) or a YAML path; ? lists them"
+    )
     subm.add_argument(
         "--preset", help="starting config (default: the benchmark's MLPerf shape: large, llama31-8b, gpt3-175b, "
         "llama2-70b)"
@@ -233,6 +235,10 @@ def cmd_submit(args) -> int:
     from trainbench.launch.slurm import submit
     from trainbench.launch.systems import fit_micro_batch, load_system
 
+    if args.system == "?":
+        return _list_systems()
+    if args.benchmark is None:
+        raise UserError("name the benchmark to submit: trainbench submit BENCH --system NAME (see `trainbench list`)")
     system = load_system(args.system)
     changes = {}
     if args.nodes is not None:
@@ -262,6 +268,34 @@ def cmd_submit(args) -> int:
             f"submitted job {job_id}: {bench.name}/{cfg.preset}, {layout} on {system.name}, "
             f"{args.nexp} run(s); results: {run_dir}"
         )
+    return 0
+
+
+def _list_systems() -> int:
+    """`submit --system ?`: the known system files, and whether this cluster (sinfo) can run each."""
+    import shutil
+
+    from trainbench.launch.slurm import check_cluster
+    from trainbench.launch.systems import known_systems, load_system
+
+    here = shutil.which("sinfo") is not None
+    rows = []
+    for name, path in known_systems().items():
+        try:
+            system = load_system(str(path))
+        except UserError as exc:
+            rows.append([name, "-", "-", f"unreadable: {exc}", *(["-"] if here else [])])
+            continue
+        layout = f"{system.nodes} x {system.gpus_per_node or system.ranks_per_node} {system.device}"
+        row = [name, layout, system.partition or "(default)", system.description or str(path)]
+        if here:
+            try:
+                row.append(f"yes ({check_cluster(system)})")
+            except UserError as exc:
+                row.append(f"no: {str(exc).removeprefix('the cluster cannot run this job: ')}")
+        rows.append(row)
+    head = ["system", "nodes x ranks", "partition", "description", *(["fits this cluster"] if here else [])]
+    _print_table("systems (./systems/*.yaml, then built in)", head, rows)
     return 0
 
 

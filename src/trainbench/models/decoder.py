@@ -287,17 +287,18 @@ def init_part(part: nn.Module, cfg: DecoderConfig) -> None:
 
 
 def load_hf_weights(model: DecoderLM, path: str | Path) -> None:
-    """Load an HF ``LlamaForCausalLM`` state dict (.safetensors, a folder of them, or .pt/.bin): same names."""
+    """Load HF ``LlamaForCausalLM`` weights (same names) into a materialised model: a safetensors checkpoint folder
+    or its ``model.safetensors`` through :func:`trainbench.models.hf_checkpoint.load_into` (names and shapes checked
+    before anything is copied), or a whole ``.pt``/``.bin`` state dict."""
     path = Path(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        if f.suffix == ".safetensors":
-            from safetensors.torch import load_file
+    if path.is_dir() or path.suffix == ".safetensors":
+        from trainbench.models.hf_checkpoint import SINGLE, load_into
 
-            state.update(load_file(str(f)))
-        else:
-            state.update(torch.load(f, map_location="cpu", weights_only=True))
+        if not path.is_dir() and path.name != SINGLE:
+            raise ValueError(f"{path}: a single safetensors file must be named {SINGLE}; or give its folder")
+        load_into(model, path if path.is_dir() else path.parent, model.cfg)
+        return
+    state = torch.load(path, map_location="cpu", weights_only=True)
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if model.cfg.tie_embeddings:
         state.pop("lm_head.weight", None)

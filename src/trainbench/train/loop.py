@@ -281,10 +281,12 @@ INTERRUPTED = "interrupted"
 
 def interruption(exc: BaseException) -> str:
     """What stopped a run that did not end, in one sentence for run_<i>.json."""
+    how = "`trainbench resubmit` of this results folder" if "SLURM_JOB_ID" in os.environ else "resume=true"
+    then = f"{how} continues from the last checkpoint, if one was saved"
     if isinstance(exc, KeyboardInterrupt):
-        return "interrupted by Ctrl-C; resume=true continues from the last checkpoint, if one was saved"
+        return f"interrupted by Ctrl-C; {then}"
     first = (str(exc).strip().splitlines() or [""])[0][:300]
-    return f"stopped by {type(exc).__name__}: {first}; resume=true continues from the last checkpoint, if one was saved"
+    return f"stopped by {type(exc).__name__}: {first}; {then}"
 
 
 def write_json_atomic(path: Path, value: dict) -> None:
