@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from trainbench.benchmarks.llm import LLAMA31_8B, LLAMA_1B  # noqa: E402
-from trainbench.optim.adamw import AdamClipped  # noqa: E402
 from trainbench.models.decoder import DecoderConfig, DecoderLM  # noqa: E402
 from trainbench.models.decoder_parallel import parallelize  # noqa: E402
+from trainbench.optim.adamw import AdamClipped  # noqa: E402
 from trainbench.train.profiling import bf16_matmul_peak_tflops  # noqa: E402
 
 

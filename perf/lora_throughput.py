@@ -49,7 +49,7 @@ from llm_throughput import timed_steps  # noqa: E402
 from trainbench.benchmarks.lora import LLAMA2_70B, rcp_mean_samples  # noqa: E402
 from trainbench.distributed import DistInfo  # noqa: E402
 from trainbench.models import fp8  # noqa: E402
-from trainbench.models.decoder import DecoderLM  # noqa: E402
+from trainbench.models.decoder import DecoderLM, recompute_last  # noqa: E402
 from trainbench.models.lora_parallel import place_lora  # noqa: E402
 from trainbench.optim.adamw import AdamClipped  # noqa: E402
 from trainbench.train.profiling import bf16_matmul_peak_tflops  # noqa: E402
@@ -105,18 +105,11 @@ def step_fn(model, opt, b):
     return step
 
 
-def set_checkpointed(model: DecoderLM, count: int) -> None:
-    """Recompute the activations of the last ``count`` blocks; the first ones keep theirs (they are freed last,
-    and nothing is gained by which ones)."""
-    layers = model.model.layers
-    for i, block in enumerate(layers):
-        block.checkpointing = i >= len(layers) - count
-
-
 def build_ours(layers: int, info: DistInfo, base_precision: str):
     """The 70B shape with ``layers`` blocks and random weights, placed as ``trainbench run`` places it (FSDP2 for a
     bf16 base; for FP8 the whole base on every rank, built block by block, DDP over the adapters), compiled, every
-    block checkpointed (``set_checkpointed`` changes that). Returns (the module, what the step calls)."""
+    block checkpointed (``recompute_last`` changes that, as perf.recompute_blocks does in a run). Returns (the
+    module, what the step calls)."""
     cfg = dataclasses.replace(LLAMA2_70B, num_layers=layers, base_precision=base_precision)
     with torch.device("meta"):
         model = DecoderLM(cfg)
@@ -191,7 +184,7 @@ def hf_peft(layers: int, steps: int, warmup: int) -> dict:
 def ours_single(layers: int, fp8_base: bool, checkpointed: int, packed: bool, steps: int, warmup: int) -> dict:
     name = f"ours_{'fp8' if fp8_base else 'bf16'}_ckpt{checkpointed}{'_packed2' if packed else ''}"
     model, _ = build_ours(layers, ONE_GPU, "fp8" if fp8_base else "auto")
-    set_checkpointed(model, checkpointed)
+    recompute_last(model, checkpointed)
     opt = optimizer(model)
     b = batch(packed)
     out = measure(name, layers, model, step_fn(model, opt, b), steps, warmup, forward=forward_fn(model, b))
@@ -220,7 +213,7 @@ def mode_fp8_one(args) -> list[dict]:
     print(json.dumps({"fp8_model_gib": torch.cuda.memory_allocated() / 2**30}), flush=True)
     results = []
     for ckpt in args.checkpointed_list:
-        set_checkpointed(model, ckpt)
+        recompute_last(model, ckpt)
         opt = optimizer(model)
         b = batch()
         name = f"ours_fp8_one_gpu_ckpt{ckpt}"
@@ -246,7 +239,7 @@ def mode_fsdp(args, info: DistInfo) -> list[dict]:
     model, _ = build_ours(80, info, "auto")
     results = []
     for ckpt in args.checkpointed_list:
-        set_checkpointed(model, ckpt)
+        recompute_last(model, ckpt)
         opt = optimizer(model)
         b = batch()
         results.append(measure(f"ours_bf16_fsdp{info.world_size}_ckpt{ckpt}", 80, model, step_fn(model, opt, b),
@@ -261,7 +254,7 @@ def mode_fp8_dp(args, info: DistInfo) -> list[dict]:
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     results = []
     for ckpt in args.checkpointed_list:
-        set_checkpointed(model, ckpt)
+        recompute_last(model, ckpt)
         opt = optimizer(model)
         b = batch()
         results.append(measure(f"ours_fp8_replicated_ddp{info.world_size}_ckpt{ckpt}", 80, model,

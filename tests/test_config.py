@@ -94,6 +94,17 @@ def test_batch_sizes_must_divide():
         build_config("bert", "tiny", overrides={"global_batch_size": "64", "distributed.nproc": "3"})
 
 
+def test_recompute_blocks_needs_checkpointing_and_at_most_the_models_blocks():
+    with pytest.raises(ConfigError, match="perf.recompute_blocks=1 needs perf.activation_checkpointing=true"):
+        build_config("llama2_70b_lora", "tiny", overrides={"perf.recompute_blocks": "1"})
+    with pytest.raises(ConfigError, match="perf.recompute_blocks=3 but the model has 2 blocks"):
+        build_config("llama31_8b", "tiny", overrides={"perf.recompute_blocks": "3",
+                                                      "perf.activation_checkpointing": "true"})  # fmt: skip
+    both = {"perf.recompute_blocks": "56", "perf.activation_checkpointing": "true"}
+    _, cfg = build_config("llama2_70b_lora", "llama2-70b", overrides=both)
+    assert cfg.perf.recompute_blocks == 56
+
+
 def test_malformed_override():
     with pytest.raises(ConfigError, match="key=value"):
         parse_key_values(["lr"])

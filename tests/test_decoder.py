@@ -119,6 +119,16 @@ def test_activation_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(a, b)
 
 
+def test_recompute_last_checkpoints_only_the_last_blocks():
+    from trainbench.models.decoder import recompute_last
+
+    model = DecoderLM(dataclasses.replace(SMALL, num_layers=4))
+    recompute_last(model, 3)
+    assert [b.checkpointing for b in model.model.layers] == [False, True, True, True]
+    recompute_last(model, 0)
+    assert not any(b.checkpointing for b in model.model.layers)
+
+
 def test_loss_with_targets_is_the_cross_entropy_of_the_logits_and_of_hf_with_gradients():
     import torch.nn.functional as F
 

@@ -171,6 +171,8 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_tiny, tmp_p
         "one": ["--nproc", "1"],
         "fsdp": ["--nproc", "2", "micro_batch_size=16"],
         "tp": ["--nproc", "2", "distributed.tp=2"],
+        # activation checkpointing on the last of the 2 blocks only: the same arithmetic, recomputed
+        "fsdp_recompute": ["--nproc", "2", "micro_batch_size=16", "activation_checkpointing=1", "recompute_blocks=1"],
     }
     losses, evals = {}, {}
     for name, extra in runs.items():
@@ -178,8 +180,10 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_tiny, tmp_p
         rows = read_metrics(only_run_dir(tmp_path / name))
         losses[name] = [r["loss"] for r in rows if "loss" in r]
         evals[name] = [r["log_perplexity"] for r in rows if "log_perplexity" in r]
+    console = (only_run_dir(tmp_path / "fsdp_recompute") / "console.log").read_text()
+    assert "activation checkpointing on the last 1 of 2 blocks" in console
     assert len(losses["one"]) == 8 and losses["one"][-1] < losses["one"][0]
-    for name in ("fsdp", "tp"):
+    for name in ("fsdp", "tp", "fsdp_recompute"):
         assert max(abs(a - b) for a, b in zip(losses["one"], losses[name], strict=True)) <= 1e-5, (name, losses)
         assert max(abs(a - b) for a, b in zip(evals["one"], evals[name], strict=True)) <= 1e-5, (name, evals)
 

@@ -31,7 +31,7 @@ from trainbench.data.steps import Step, batched, eval_share, rank_share
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
-from trainbench.models.decoder import DecoderConfig, DecoderLM
+from trainbench.models.decoder import DecoderConfig, DecoderLM, recompute_last
 from trainbench.models.decoder_parallel import place_decoder
 from trainbench.optim.adamw import AdamClipped
 from trainbench.optim.groups import weight_decay_split
@@ -103,6 +103,15 @@ def gpt3(preset: str) -> RunConfig:
     )  # fmt: skip
 
 
+def recompute_fewer(placed: Placed, cfg: RunConfig) -> Placed:
+    """``perf.recompute_blocks``: activation checkpointing on the last N blocks only."""
+    count = cfg.perf.recompute_blocks
+    if cfg.perf.activation_checkpointing and count:
+        recompute_last(placed.module, count)
+        placed.notes.append(f"activation checkpointing on the last {count} of {cfg.model.num_layers} blocks")
+    return placed
+
+
 class LLMBenchmark(Benchmark):
     metric_name = "log_perplexity"
     higher_is_better = False
@@ -131,6 +140,12 @@ class LLMBenchmark(Benchmark):
             raise ConfigError(f"data.seq_length={d.seq_length} exceeds model.max_seq_length={m.max_seq_length}")
         if cfg.distributed.nproc % cfg.distributed.tp:
             raise ConfigError(f"distributed.tp={cfg.distributed.tp} does not divide --nproc {cfg.distributed.nproc}")
+        if cfg.perf.recompute_blocks and not cfg.perf.activation_checkpointing:
+            raise ConfigError(f"perf.recompute_blocks={cfg.perf.recompute_blocks} needs "
+                              "perf.activation_checkpointing=true")  # fmt: skip
+        if cfg.perf.recompute_blocks > m.num_layers:
+            raise ConfigError(f"perf.recompute_blocks={cfg.perf.recompute_blocks} but the model has {m.num_layers} "
+                              "blocks")  # fmt: skip
 
     def eval_every_samples(self, cfg: RunConfig) -> int:
         return self.eval_every
@@ -178,8 +193,9 @@ class LLMBenchmark(Benchmark):
             return DecoderLM(cfg.model)
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        return place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
-                             cfg.perf.compile, cfg.seed)  # fmt: skip
+        placed = place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
+                               cfg.perf.compile, cfg.seed)  # fmt: skip
+        return recompute_fewer(placed, cfg)
 
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
         o = cfg.optimizer

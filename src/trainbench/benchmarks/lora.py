@@ -27,7 +27,7 @@ import torch
 
 from trainbench.benchmarks import lora_prepare
 from trainbench.benchmarks.base import BenchmarkData
-from trainbench.benchmarks.llm import LLMBenchmark
+from trainbench.benchmarks.llm import LLMBenchmark, recompute_fewer
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data import sft
 from trainbench.data.steps import batched, eval_share
@@ -162,8 +162,9 @@ class LoraBenchmark(LLMBenchmark):
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         m = dataclasses.replace(cfg.model, base_weights=self.base_weights(cfg))
-        return place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
-                          cfg.perf.compile, cfg.seed)  # fmt: skip
+        placed = place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
+                            cfg.perf.compile, cfg.seed)  # fmt: skip
+        return recompute_fewer(placed, cfg)
 
     def end_lr(self, cfg: RunConfig) -> float:
         return cfg.schedule.end_lr if cfg.schedule.end_lr is not None else 0.0

@@ -286,6 +286,14 @@ def init_part(part: nn.Module, cfg: DecoderConfig) -> None:
             module.reset_parameters()
 
 
+def recompute_last(model: DecoderLM, count: int) -> None:
+    """Activation checkpointing on the last ``count`` blocks only; the others keep their activations (faster, more
+    memory). The first ones keep theirs: backward frees them last, and nothing is gained by which ones."""
+    layers = model.model.layers
+    for i, block in enumerate(layers):
+        block.checkpointing = i >= len(layers) - count
+
+
 def load_hf_weights(model: DecoderLM, path: str | Path) -> None:
     """Load HF ``LlamaForCausalLM`` weights (same names) into a materialised model: a safetensors checkpoint folder
     or its ``model.safetensors`` through :func:`trainbench.models.hf_checkpoint.load_into` (names and shapes checked
