@@ -153,3 +153,17 @@ def test_one_weight_decay_rule_for_every_optimizer_and_frozen_parameters_get_no_
         assert not {id(p) for p in frozen} & {id(p) for p in grouped}
         assert all(p.ndim >= 2 for p in decay) and all(p.ndim == 1 for p in plain), name
         assert [g["weight_decay"] for g in opt.param_groups] == [cfg.optimizer.weight_decay, 0.0]
+
+
+def test_the_optimizers_square_root_is_the_correctly_rounded_one_on_this_cpu():
+    """MKL's float32 sqrt is off by one ulp for some inputs, and for other inputs on Intel than on AMD; the optimizers'
+    root is the correctly rounded one (NumPy's) on any CPU, so a CPU run gives the same bits on either."""
+    import numpy as np
+
+    from trainbench.optim.sqrt import foreach_sqrt, sqrt
+
+    x = torch.rand(100_003, generator=torch.Generator().manual_seed(0)) + 1e-8
+    exact = torch.from_numpy(np.sqrt(x.numpy()))
+    assert torch.equal(sqrt(x), exact)
+    assert all(torch.equal(a, b) for a, b in zip(foreach_sqrt([x, x[:7]]), [exact, exact[:7]], strict=True))
+    assert torch.equal(sqrt(x.double()), x.double().sqrt())

@@ -1,13 +1,25 @@
 """The runs whose numbers a restructure must keep: per-step losses, every eval, and the MLPerf log.
 
 ``python tests/golden/record.py`` (from the repository root) writes ``tests/golden/<name>.json`` for each run;
-``tests/test_golden.py`` runs them again and compares bit for bit. Record again only when a change is meant to
-alter what a run computes, and say so in the commit.
+``tests/test_golden.py`` runs them again (``--out DIR``) and compares bit for bit. Record again only when a change is
+meant to alter what a run computes, and say so in the commit.
+
+Bit for bit holds across machines only on one numeric path: by default MKL picks its GEMM kernels by CPU (an AVX-512
+Intel and an AMD EPYC gave first losses 6.273987293 and 6.273986816 for the same run), PyTorch and oneDNN their
+vector kernels by the widest instruction set, and reductions split by thread count. So the runs execute with MKL's
+conditional numerical reproducibility on its ``COMPATIBLE`` branch (the same results on Intel and compatible CPUs),
+PyTorch's and oneDNN's AVX2 kernels, and the threads a 2-core machine gives each rank (2 for one rank, 1 each for
+two), whatever this machine has; the script re-executes itself with that environment when started without it. (The
+optimizers' square roots avoid MKL's vector math, which differs by vendor even so: trainbench/optim/sqrt.py.) On
+that path the five runs gave the same bits on an AMD EPYC (PyTorch 2.13) and an Intel Xeon (PyTorch 2.11).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +44,26 @@ RUNS = {
 }
 
 
+# Read when torch and MKL load, so they must be in the environment before the process starts.
+PINNED = {"MKL_CBWR": "COMPATIBLE,STRICT", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+CORES = 2  # threads per machine, split over a run's ranks
+
+
+def pinned_path_missing() -> str | None:
+    """Why this machine cannot take the recorded numeric path, or None."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the recorded numbers are x86-64's MKL and AVX2 path; this machine is {platform.machine()}"
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " avx2" not in flags:
+        return "the recorded numbers are PyTorch's AVX2 kernels' and this CPU has no AVX2"
+    return None
+
+
+def ranks(name: str) -> int:
+    extra = RUNS[name][2]
+    return int(extra[extra.index("--nproc") + 1]) if "--nproc" in extra else 1
+
+
 def prepare_data(root: Path) -> dict[str, Path]:
     """The data the runs read: the tests' small BERT set and the tiny synthetic LLM language."""
     bert, llm = root / "bert", root / "llm"
@@ -53,6 +85,7 @@ def strip_log(path: Path) -> list[dict]:
 
 def run(name: str, data: dict[str, Path], results: Path) -> dict:
     benchmark, data_key, extra = RUNS[name]
+    os.environ["OMP_NUM_THREADS"] = str(CORES // ranks(name))  # each rank's threads (trainbench honours it)
     run_cli("run", benchmark, *COMMON, *extra, f"data.dir={data[data_key]}", f"output.results_dir={results}")
     run_dir = only_run_dir(results)
     rows = read_metrics(run_dir)
@@ -64,14 +97,24 @@ def run(name: str, data: dict[str, Path], results: Path) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=HERE, help="folder for <name>.json (default: tests/golden)")
+    parser.add_argument("--only", nargs="+", choices=list(RUNS), default=list(RUNS))
+    args = parser.parse_args(argv)
+    if any(os.environ.get(k) != v for k, v in PINNED.items()):
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], {**os.environ, **PINNED})
+    why = pinned_path_missing()
+    if why:
+        sys.exit(why)
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         data = prepare_data(Path(tmp) / "data")
-        for name in RUNS:
+        for name in args.only:
             result = run(name, data, Path(tmp) / name)
-            (HERE / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+            (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
             counts = f"{len(result['losses'])} losses, {len(result['evals'])} evals, {len(result['log'])} log lines"
-            print(f"{name}: {counts}")
+            print(f"{name}: {counts}", flush=True)
 
 
 if __name__ == "__main__":

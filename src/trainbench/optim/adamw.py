@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainbench.optim.sqrt import sqrt
+
 
 class AdamClipped(torch.optim.AdamW):
     """AdamW (Adam with decoupled weight decay; ``weight_decay=0`` groups for biases and norms) after clipping
@@ -43,4 +45,4 @@ def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         for group in key:
             dist.all_reduce(sq, group=group)
         total = sq if total is None else total + sq.to(total.device)
-    return total.sqrt()
+    return sqrt(total)

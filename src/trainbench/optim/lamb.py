@@ -19,6 +19,7 @@ import torch
 from torch.optim import Optimizer
 
 from trainbench.optim.groups import weight_decay_split
+from trainbench.optim.sqrt import foreach_sqrt, sqrt
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -128,11 +129,11 @@ def _lamb_update(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, settings, max
         torch._foreach_lerp_(m, g, 1 - beta1)
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-        denom = torch._foreach_sqrt(v)
+        denom = foreach_sqrt(v)
         update = m
         if bias_correction:
             step = t[0]
-            torch._foreach_div_(denom, torch.sqrt(1 - torch.pow(beta2, step)))
+            torch._foreach_div_(denom, sqrt(1 - torch.pow(beta2, step)))
             torch._foreach_add_(denom, eps)
             update = torch._foreach_div(m, denom)
             torch._foreach_div_(update, 1 - torch.pow(beta1, step))
