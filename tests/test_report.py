@@ -35,6 +35,36 @@ def test_two_failed_runs_make_the_result_invalid():
     assert score is None and not valid and "2 of 5 runs did not count" in reason
 
 
+@pytest.mark.parametrize(
+    ("benchmark", "ruleset", "gbs", "between"),
+    [("bert", "5.0.0", 448, None), ("bert", "5.0.0", 768, (448, 1536)), ("llama31_8b", "5.1.0", 16, None),
+     ("llama31_8b", "5.1.0", 48, (32, 64)), ("llama2_70b_lora", "5.1.0", 8, None),
+     ("llama2_70b_lora", "5.1.0", 64, (32, 128))],
+)  # fmt: skip
+def test_samples_to_target_at_a_batch_are_those_of_mlperf_loggings_rcp_checker(benchmark, ruleset, gbs, between):
+    """The reference point, or the interpolation between the two around the batch, that the RCP checker builds."""
+    from mlperf_logging.rcp_checker.rcp_checker import RCP_Checker
+
+    from trainbench.mlperf import reference_convergence
+
+    point = reference_convergence(benchmark, ruleset, gbs)
+    checker = RCP_Checker("training", ruleset, benchmark, verbose=False)
+    record = checker._find_rcp(gbs, "full_rcps")
+    if record is None:
+        low, high = checker._find_top_min_rcp(gbs, "full_rcps"), checker._find_bottom_max_rcp(gbs, "full_rcps")
+        record = checker._create_interp_rcp(gbs, low, high)[1]
+    assert point.between == between
+    assert point.mean_samples == pytest.approx(record["RCP Mean"], rel=1e-12)
+
+
+def test_no_samples_to_target_outside_the_reference_batches_or_rulesets():
+    from trainbench.mlperf import reference_convergence
+
+    assert reference_convergence("llama2_70b_lora", "5.1.0", 4) is None  # below the smallest reference batch
+    assert reference_convergence("bert", "5.0.0", 20_000) is None  # above the largest
+    assert reference_convergence("bert", "0.7.0", 768) is None  # a ruleset mlperf-logging has no RCP file for
+
+
 def test_too_few_runs_have_no_score():
     assert score_runs([1.0, 2.0])[:2] == (None, False)
     assert score_runs([])[:2] == (None, False)

@@ -203,3 +203,39 @@ def check_compliance(
     passed = proc.returncode == 0 and "SUCCESS" in output and not warned
     events = read_log(log_path, errors="replace") if Path(log_path).is_file() else []
     return ComplianceResult(passed, ruleset, output, waived, tuple(log_problems(events)))
+
+
+@dataclass(frozen=True)
+class ReferenceConvergence:
+    """Samples to reach the target at one global batch by mlperf-logging's reference convergence points (RCPs)."""
+
+    global_batch_size: int
+    mean_samples: float
+    """Olympic mean of the reference runs (fastest and slowest dropped), as the RCP checker takes it."""
+    between: tuple[int, int] | None = None
+    """The two reference batches it is interpolated between (linearly in the batch, as the checker does); None
+    where a reference point exists at this batch."""
+
+
+def reference_convergence(benchmark: str, ruleset: str, global_batch_size: int) -> ReferenceConvergence | None:
+    """Samples to target at ``global_batch_size`` from the RCP file that mlperf-logging ships for ``benchmark`` and
+    ``ruleset``; None where it has no file, or the batch lies outside its reference batches."""
+    from importlib import resources
+
+    path = resources.files("mlperf_logging") / "rcp_checker" / f"training_{ruleset}" / f"rcps_{benchmark}.json"
+    if not path.is_file():
+        return None
+    means = {}
+    for entry in json.loads(path.read_text()).values():
+        runs = sorted(entry.get("samples to converge") or entry["Epochs to converge"])  # both hold samples
+        means[int(entry["BS"])] = sum(runs[1:-1]) / (len(runs) - 2)
+    if global_batch_size in means:
+        return ReferenceConvergence(global_batch_size, means[global_batch_size])
+    below = [b for b in means if b < global_batch_size]
+    above = [b for b in means if b > global_batch_size]
+    if not below or not above:
+        return None
+    low, high = max(below), min(above)
+    share = (global_batch_size - low) / (high - low)
+    mean = means[low] + share * (means[high] - means[low])
+    return ReferenceConvergence(global_batch_size, mean, (low, high))

@@ -18,7 +18,6 @@ Rules followed (mlcommons/training `llama2_70b_lora`, MLPerf Training 5.1, mlper
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from trainbench.data import sft
 from trainbench.data.steps import batched, eval_share
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
-from trainbench.mlperf import constants
+from trainbench.mlperf import constants, reference_convergence
 from trainbench.models.decoder import DecoderLM
 from trainbench.models.hf_checkpoint import HFCheckpoint, check_shapes
 from trainbench.models.lora import LoraModelConfig
@@ -215,13 +214,6 @@ class LoraBenchmark(LLMBenchmark):
 
 def rcp_mean_samples(gbs: int) -> float | None:
     """Samples to target at global batch ``gbs`` by mlperf-logging's reference convergence points (the olympic mean
-    of the reference runs), or None where it has none for that batch."""
-    from importlib import resources
-
-    path = resources.files("mlperf_logging") / "rcp_checker" / "training_5.1.0" / "rcps_llama2_70b_lora.json"
-    for entry in json.loads(path.read_text()).values():
-        if entry.get("BS") == gbs:
-            runs = sorted(entry["samples to converge"])
-            trimmed = runs[1:-1] if len(runs) > 2 else runs
-            return sum(trimmed) / len(trimmed)
-    return None
+    of the reference runs, interpolated between reference batches), or None outside them."""
+    point = reference_convergence(LoraBenchmark.name, LoraBenchmark.ruleset, gbs)
+    return point.mean_samples if point else None
