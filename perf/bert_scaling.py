@@ -23,7 +23,6 @@ trainbench.train.profiling.timeline); rank 0's Chrome trace of each run is OUT/<
 from __future__ import annotations
 
 import argparse
-import csv
 import gzip
 import json
 import os
@@ -34,6 +33,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from trainbench.telemetry import window_summary  # noqa: E402
 
 
 def prepare(work: Path, data: Path) -> Path:
@@ -101,28 +103,11 @@ def read_run(results: Path) -> dict:
         "peak_memory_gib": outcome["peak_memory_gib"],
         "run_dir": str(run_dir),
     }
-    out["gpus_while_timed"] = telemetry(run_dir, steady_rows[0]["time_ms"] - 10_000, steady_rows[-1]["time_ms"])
+    # power, SM clock, throttle reasons and energy of each busy GPU over the timed intervals
+    out["gpus_while_timed"] = window_summary(run_dir, steady_rows[0]["time_ms"] - 10_000, steady_rows[-1]["time_ms"])
     timelines = sorted(run_dir.glob("profile_0_*timeline.json"))
     if timelines:
         out["timelines"] = {p.name: json.loads(p.read_text()) for p in timelines}
-    return out
-
-
-def telemetry(run_dir: Path, start_ms: int, stop_ms: int) -> dict[str, dict]:
-    """Median power and SM clock, and the throttle reasons seen, of every busy GPU (utilisation >= 50 %) over the
-    timed intervals, from the run's telemetry CSVs: whether a configuration runs at other clocks than another."""
-    out = {}
-    for path in sorted(run_dir.glob("telemetry_*_gpu*.csv")):
-        with open(path) as f:
-            rows = [r for r in csv.DictReader(f) if start_ms <= int(r["time_ms"]) <= stop_ms]
-        busy = [r for r in rows if r["gpu_util_pct"] and float(r["gpu_util_pct"]) >= 50]
-        if busy:
-            out[path.stem.rsplit("_", 1)[-1]] = {
-                "samples": len(busy),
-                "power_w": statistics.median(float(r["power_w"]) for r in busy),
-                "sm_clock_mhz": statistics.median(float(r["sm_clock_mhz"]) for r in busy),
-                "throttle_reasons": sorted({r["throttle_reasons"] for r in busy}),
-            }
     return out
 
 

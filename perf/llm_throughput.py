@@ -9,18 +9,24 @@ Reported: tokens/s, MFU against the measured peak (6 x parameters + causal atten
 lookup excluded), peak memory.
 
 Multi GPU (`--gpus N`, run on N GPUs): the `llama31-8b` preset's shape under torchrun, FSDP2 over N, then FSDP
-x TP 2, both with activation checkpointing, compiled blocks, bf16 parameters and fp32 gradient reduction.
+x TP 2 (`--tps`), each with and/or without activation checkpointing (`--acs on off`), compiled blocks, bf16
+parameters and fp32 gradient reduction, one sequence per rank (per TP group) per step.
 
-    python perf/llm_throughput.py --out OUT [--steps 10] [--gpus 4]
+Every configuration also reports each GPU's median power and SM clock, the throttle reasons seen and its energy over
+the timed steps (NVML at 10 Hz), and the energy per token and per sequence.
+
+    python perf/llm_throughput.py --out OUT [--steps 10] [--gpus 8 --tps 1 2 --acs on off]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +39,7 @@ from trainbench.benchmarks.llm import LLAMA31_8B, LLAMA_1B  # noqa: E402
 from trainbench.models.decoder import DecoderConfig, DecoderLM  # noqa: E402
 from trainbench.models.decoder_parallel import parallelize  # noqa: E402
 from trainbench.optim.adamw import AdamClipped  # noqa: E402
+from trainbench.telemetry import measured_window  # noqa: E402
 from trainbench.train.profiling import bf16_matmul_peak_tflops  # noqa: E402
 
 
@@ -64,15 +71,31 @@ def ours_mean_loss(model):
     return lambda batch: model(batch[:, :-1], targets=batch[:, 1:]) / batch[:, 1:].numel()
 
 
-def timed_steps(step, steps: int, warmup: int) -> float:
+def timed_steps(step, steps: int, warmup: int, gpus: dict | None = None) -> float:
+    """Seconds per ``step`` over ``steps`` after ``warmup``. With ``gpus`` (a dict), every GPU of this machine is
+    sampled at 10 Hz over the timed steps and ``gpus`` gets each one's power, SM clock, throttle reasons and energy
+    (trainbench.telemetry.window_summary)."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / steps
+    with tempfile.TemporaryDirectory() as folder:
+        with measured_window(Path(folder)) if gpus is not None else contextlib.nullcontext({}) as summary:
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            seconds = (time.perf_counter() - t) / steps
+    if gpus is not None:
+        gpus.update(summary)
+    return seconds
+
+
+def energy_fields(gpus: dict, tokens: float, seq: int) -> dict:
+    """The window's telemetry and its energy per token and per sequence (all GPUs' energy over all their tokens)."""
+    joules = sum(g["energy_j"] or 0.0 for g in gpus.values())
+    per_token = joules / tokens if joules and tokens else None
+    return {"gpus_while_timed": gpus, "energy_j_per_token": per_token,
+            "energy_j_per_sequence": per_token * seq if per_token else None}  # fmt: skip
 
 
 def single(args, peak: float) -> list[dict]:
@@ -109,7 +132,8 @@ def single(args, peak: float) -> list[dict]:
             tokens = torch.randint(0, cfg.vocab_size, shape, device="cuda", generator=gen)
             step = train_step(mean_loss, opt, tokens, autocast=True, accum=accum)
             torch.cuda.reset_peak_memory_stats()
-            seconds = timed_steps(step, steps, warmup)
+            gpus: dict = {}
+            seconds = timed_steps(step, steps, warmup, gpus)
             tok_s = seq * accum / seconds
             out = {
                 "config": f"llama-1b/{impl}/accum{accum}",
@@ -120,7 +144,7 @@ def single(args, peak: float) -> list[dict]:
                 "model_tflops": tok_s * flops_per_token(cfg, seq) / 1e12,
                 "mfu_vs_measured_peak": tok_s * flops_per_token(cfg, seq) / 1e12 / peak,
                 "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-            }
+            } | energy_fields(gpus, seq * accum * steps, seq)
             print(json.dumps(out), flush=True)
             results.append(out)
         del model, opt
@@ -139,7 +163,7 @@ def worker(args) -> None:
     cfg, seq = LLAMA31_8B, args.seq
     with torch.device("meta"):
         model = DecoderLM(cfg)
-    model = parallelize(model, torch.device("cuda"), world, args.tp, True, args.ac, True, None, 0).train()
+    model = parallelize(model, torch.device("cuda"), world, args.tp, True, bool(args.ac), True, None, 0).train()
     opt = AdamClipped(model.parameters(), 1.0, lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1, fused=True)
     dp_rank = rank // args.tp
     gen = torch.Generator(device="cuda").manual_seed(dp_rank)
@@ -147,11 +171,13 @@ def worker(args) -> None:
     step = train_step(ours_mean_loss(model), opt, tokens, autocast=False)  # FSDP's policy computes in bf16
 
     torch.cuda.reset_peak_memory_stats()
-    seconds = timed_steps(step, args.steps, args.warmup)
+    gpus: dict | None = {} if rank == 0 else None  # rank 0 samples every GPU of the node
+    seconds = timed_steps(step, args.steps, args.warmup, gpus)
     replicas = world // args.tp
     tok_s = seq * replicas / seconds
+    layout = f"fsdp{replicas}" + (f"_tp{args.tp}" if args.tp > 1 else "") + ("" if args.ac else "_no_ac")
     out = {
-        "config": f"llama31-8b/fsdp{replicas}" + (f"_tp{args.tp}" if args.tp > 1 else ""),
+        "config": f"llama31-8b/{layout}",
         "gpus": world,
         "tokens_per_s_per_gpu": tok_s / world,
         "step_ms": seconds * 1000,
@@ -160,6 +186,7 @@ def worker(args) -> None:
     }
     if rank == 0:
         out["mfu_vs_measured_peak"] = out["model_tflops_per_gpu"] / args.peak
+        out |= energy_fields(gpus, seq * replicas * args.steps, seq)
         print(json.dumps(out), flush=True)
         Path(args.out, f"{out['config'].replace('/', '_')}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
@@ -180,7 +207,9 @@ def main() -> None:
     )
     p.add_argument("--gpus", type=int, default=1, help="N > 1: the sharded 8B measurement on N GPUs")
     p.add_argument("--tps", type=int, nargs="+", default=[1, 2], help="tensor-parallel degrees to measure (--gpus > 1)")
-    p.add_argument("--ac", action=argparse.BooleanOptionalAction, default=True, help="activation checkpointing (8B)")
+    p.add_argument("--acs", nargs="+", choices=["on", "off"], default=["on"],
+                   help="activation checkpointing settings to measure (--gpus > 1)")  # fmt: skip
+    p.add_argument("--ac", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--peak", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -198,10 +227,16 @@ def main() -> None:
             ours["ratio_to_hf"] = ours["tokens_per_s"] / hf["tokens_per_s"]
     else:
         for tp in args.tps:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
-                   __file__, "--worker", "--out", str(args.out), "--steps", str(args.steps), "--warmup",
-                   str(args.warmup), "--seq", str(args.seq), "--tp", str(tp), "--peak", str(peak)]  # fmt: skip
-            subprocess.run(cmd, check=True)
+            for ac in args.acs:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}",
+                       __file__, "--worker", "--out", str(args.out), "--steps", str(args.steps), "--warmup",
+                       str(args.warmup), "--seq", str(args.seq), "--tp", str(tp), "--peak", str(peak),
+                       "--ac", str(int(ac == "on"))]  # fmt: skip
+                # without checkpointing a layout may not fit: record that and go on
+                done = subprocess.run(cmd)
+                if done.returncode != 0:
+                    failed = {"config": f"llama31-8b/tp{tp}_ac_{ac}", "error": f"exit {done.returncode}"}
+                    (args.out / f"llama31-8b_tp{tp}_ac_{ac}_failed.json").write_text(json.dumps(failed))
         report["runs"] = [json.loads(f.read_text()) for f in sorted(args.out.glob("llama31-8b_*.json"))]
     (args.out / "llm_throughput.json").write_text(json.dumps(report, indent=1))
 

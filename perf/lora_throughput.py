@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "perf"))
 
-from llm_throughput import timed_steps  # noqa: E402
+from llm_throughput import energy_fields, timed_steps  # noqa: E402
 
 from trainbench.benchmarks.lora import LLAMA2_70B, rcp_mean_samples  # noqa: E402
 from trainbench.distributed import DistInfo  # noqa: E402
@@ -129,8 +129,10 @@ def forward_seconds(model, forward, reps: int = 2) -> float:
 def measure(name: str, layers: int, model, step, steps: int, warmup: int, gpus: int = 1, extra=None,
             forward=None) -> dict:  # fmt: skip
     torch.cuda.reset_peak_memory_stats()
+    # rank 0 samples every GPU of the node over the timed steps
+    window: dict | None = {} if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0 else None
     try:
-        sec = timed_steps(step, steps, warmup)
+        sec = timed_steps(step, steps, warmup, window)
         fwd = forward_seconds(model, forward) if forward is not None else None
     except torch.OutOfMemoryError as e:
         return {"config": name, "error": f"out of memory: {str(e).splitlines()[0]}"}
@@ -144,6 +146,8 @@ def measure(name: str, layers: int, model, step, steps: int, warmup: int, gpus: 
         out["mfu"] = TFLOP_PER_ROW / sec / DENSE_BF16_PEAK
     if fwd is not None:
         out["eval_forward_s_per_row_at_80_layers"] = fwd * 80 / layers
+    if window is not None:
+        out |= energy_fields(window, SEQ * gpus * steps, SEQ)  # one row per GPU per step
     return out | (extra or {})
 
 

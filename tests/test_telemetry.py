@@ -103,6 +103,25 @@ def test_energy_prefers_the_counter_and_falls_back_to_power(tmp_path):
     assert total["total_joules"] == pytest.approx(300) and total["total_kwh"] == pytest.approx(300 / 3.6e6)
 
 
+def test_a_window_summary_gives_busy_medians_named_throttle_reasons_and_energy(tmp_path):
+    header = ",".join(telemetry.GPU_FIELDS)
+    # time_ms, gpu, power_w, energy_j, gpu_temp, mem_temp, sm_clock, mem_clock, gpu_util, mem_util, mem_used, throttle
+    rows = [
+        "0,0,90,1000,,,345,,0,,,1",  # idle, before the window
+        "1000,0,600,1100,,,1980,,100,,,0",
+        "2000,0,700,1750,,,1830,,100,,,4",  # the software power cap
+        "3000,0,650,2400,,,1900,,95,,,4",
+        "4000,0,100,2500,,,345,,10,,,1",  # idle: not busy, but its reasons count
+        "9000,0,80,3000,,,345,,0,,,1",  # after the window
+    ]
+    (tmp_path / "telemetry_n_gpu0.csv").write_text(header + "\n" + "\n".join(rows) + "\n")
+    summary = telemetry.window_summary(tmp_path, 1000, 4000)
+    assert summary == {"n_gpu0": {"busy_samples": 3, "power_w": 650.0, "sm_clock_mhz": 1900.0,
+                                  "throttle_reasons": ["GpuIdle", "SwPowerCap"], "energy_j": 1400.0}}  # fmt: skip
+    assert telemetry.throttle_names(0x4 | 0x40) == ["SwPowerCap", "HwThermalSlowdown"]
+    assert telemetry.throttle_names(0) == [] and telemetry.throttle_names(1 << 20) == ["0x100000"]
+
+
 def test_a_cpu_run_records_telemetry_without_failing(small_data, tmp_path):
     import json
 

@@ -14,8 +14,11 @@ import csv
 import os
 import platform
 import socket
+import statistics
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -325,3 +328,58 @@ def machine() -> dict[str, str]:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+# -- a measured window ---------------------------------------------------------------------------------------
+
+
+def throttle_names(mask: int) -> list[str]:
+    """The names of the clock event (throttle) reasons set in NVML's bit mask, by nvidia-ml-py's own constants
+    (``nvmlClocksThrottleReasonSwPowerCap`` is 0x4: "SwPowerCap"); bits it does not name as ``0x...``."""
+    import pynvml
+
+    prefix = "nvmlClocksThrottleReason"
+    named = {
+        value: name.removeprefix(prefix)
+        for name, value in sorted(vars(pynvml).items())
+        if name.startswith(prefix) and name.removeprefix(prefix) not in ("All", "None", "UserDefinedClocks")
+    }
+    names = [named[bit] for bit in sorted(named) if mask & bit]
+    rest = mask & ~sum(named)
+    return names + ([hex(rest)] if rest else [])
+
+
+def window_summary(run_dir: Path, start_ms: float, stop_ms: float, busy_pct: float = 50) -> dict[str, dict]:
+    """Each GPU's telemetry over [start_ms, stop_ms]: the median power and SM clock of its busy samples (utilisation
+    >= ``busy_pct``), the throttle reasons seen in any sample, and its energy over the window."""
+    out = {}
+    for path in sorted(Path(run_dir).glob("telemetry_*_gpu*.csv")):
+        rows = [r for r in read_csv(path) if r.get("time_ms") and start_ms <= float(r["time_ms"]) <= stop_ms]
+        busy = [r for r in rows if r["gpu_util_pct"] and float(r["gpu_util_pct"]) >= busy_pct]
+        if not busy:
+            continue
+        masks = {int(r["throttle_reasons"]) for r in rows if r["throttle_reasons"] not in ("", None)}
+        energy = gpu_energy(path, start_ms, stop_ms)
+        out[path.stem.removeprefix("telemetry_")] = {
+            "busy_samples": len(busy),
+            "power_w": statistics.median(float(r["power_w"]) for r in busy),
+            "sm_clock_mhz": statistics.median(float(r["sm_clock_mhz"]) for r in busy),
+            "throttle_reasons": sorted({name for m in masks for name in throttle_names(m)}),
+            "energy_j": None if energy is None else round(energy.joules, 3),
+        }
+    return out
+
+
+@contextmanager
+def measured_window(folder: Path, rate_hz: float = 10.0) -> Iterator[dict]:
+    """Sample every GPU of this machine into ``folder`` while the block runs; the dict it yields is filled, on leaving,
+    with :func:`window_summary` of the block's time (GPU name -> power, SM clock, throttle reasons, energy)."""
+    sampler = Sampler(Path(folder), rate_hz).start()
+    start = _now_ms()
+    summary: dict = {}
+    try:
+        yield summary
+    finally:
+        stop = _now_ms()
+        sampler.stop()
+        summary.update(window_summary(Path(folder), start, stop))
