@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -58,9 +60,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def converged(tiny_data, tmp_path_factory) -> Path:
-    """One tiny run to its target, with telemetry at 4 Hz: a finished, compliant results folder."""
+    """One tiny run to its target (``run bert --preset tiny``), with telemetry at 4 Hz: a finished, compliant results
+    folder; what it printed is ``stdout.txt`` beside the folder."""
     out = tmp_path_factory.mktemp("converged")
-    code = run_cli("run", "bert", f"data.dir={tiny_data}", f"output.results_dir={out}", "progress=false",
-                   "telemetry_hz=4")  # fmt: skip
-    assert code == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = run_cli("run", "bert", f"data.dir={tiny_data}", f"output.results_dir={out}", "progress=false",
+                       "telemetry_hz=4")  # fmt: skip
+    (out / "stdout.txt").write_text(printed.getvalue())  # what the run printed (beside its folder)
+    assert code == 0, printed.getvalue()
     return only_run_dir(out)

@@ -122,17 +122,18 @@ def test_cuda_graphs_need_compile(small_data, capsys):
 
 @pytest.mark.slow
 @needs_compiler
-def test_every_switch_on_converges_like_every_switch_off(tiny_data, tmp_path):
+def test_every_switch_on_converges_like_every_switch_off(tiny_data, converged, tmp_path):
     """The tiny preset to its target on 2 ranks: compiled model, fused LAMB, 4 length bins, bucket-wise
-    clipping (which bites: the tiny model's early gradients are far above 1.0), against all of it off."""
+    clipping (which bites: the tiny model's early gradients are far above 1.0), against all of it off (the shared
+    one-rank run: 1 rank at global batch 64 and 2 ranks at 16 x 2 accumulation train the same samples to 1e-5,
+    test_train.py)."""
     common = ["run", "bert", "--preset", "tiny", f"data.dir={tiny_data}", "progress=false", "--nproc", "2"]
     common += ["micro_batch_size=16", "telemetry_hz=0"]
     fast = ["perf.compile=true", "data.length_bins=4", "optimizer.clip=bucket"]
-    assert run_cli(*common, f"output.results_dir={tmp_path / 'off'}") == 0
     assert run_cli(*common, *fast, f"output.results_dir={tmp_path / 'on'}") == 0
     evals = {}
-    for name in ("off", "on"):
-        rows = read_metrics(only_run_dir(tmp_path / name))
+    for name, run_dir in (("off", converged), ("on", only_run_dir(tmp_path / "on"))):
+        rows = read_metrics(run_dir)
         evals[name] = [(r["samples"], r["masked_lm_accuracy"]) for r in rows if "masked_lm_accuracy" in r]
     (off_samples, off_acc), (on_samples, on_acc) = evals["off"][-1], evals["on"][-1]
     assert off_acc >= 0.72 and on_acc >= 0.72, evals

@@ -20,13 +20,9 @@ def log_events(path):
 
 
 @pytest.mark.slow
-def test_tiny_preset_reaches_target_with_a_compliant_log(tiny_data, tmp_path, capsys):
-    code = run_cli(
-        "run", "bert", "--preset", "tiny", f"data.dir={tiny_data}", f"output.results_dir={tmp_path}", "progress=false"
-    )
-    out = capsys.readouterr().out
-    assert code == 0, out
-    run_dir = only_run_dir(tmp_path)
+def test_tiny_preset_reaches_target_with_a_compliant_log(converged):
+    run_dir = converged  # `run bert --preset tiny` to its target (the session's shared run)
+    out = (run_dir.parent / "stdout.txt").read_text()
     assert "time to train (minutes):" in out and str(run_dir) in out
 
     log = run_dir / "result_0.txt"
