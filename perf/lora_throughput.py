@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import threading
@@ -46,12 +45,13 @@ sys.path.insert(0, str(REPO / "perf"))
 
 from llm_throughput import energy_fields, timed_steps  # noqa: E402
 
-from trainbench.benchmarks.lora import LLAMA2_70B, rcp_mean_samples  # noqa: E402
+from trainbench.benchmarks.lora import LLAMA2_70B, LoraBenchmark  # noqa: E402
 from trainbench.distributed import DistInfo  # noqa: E402
 from trainbench.models import fp8  # noqa: E402
 from trainbench.models.decoder import DecoderLM, recompute_last  # noqa: E402
 from trainbench.models.lora_parallel import place_lora  # noqa: E402
 from trainbench.optim.adamw import AdamClipped  # noqa: E402
+from trainbench.report.projection import project  # noqa: E402
 from trainbench.train.profiling import bf16_matmul_peak_tflops  # noqa: E402
 
 SEQ = 8192
@@ -325,12 +325,10 @@ def mode_load(args, info: DistInfo) -> list[dict]:
 
 
 def projections(rows: list[dict]) -> list[dict]:
-    """Projected time to train at GBS 8 for each measured rate, on 1, 2 and 8 GPUs of that rate per GPU: the
-    reference mean samples to target (mlperf-logging's RCPs) as 8192-token rows, plus every eval on the way (the
-    first at 1,536 samples, then every 384) as 173 rows' forwards split over the GPUs (an upper bound: GovReport's
-    validation sequences are shorter than a row)."""
-    samples = rcp_mean_samples(8)
-    evals = 1 + math.ceil(max(0.0, samples - 1536) / 384)
+    """Projected time to train at GBS 8 for each measured rate, on 1, 2 and 8 GPUs of that rate per GPU
+    (trainbench.report.projection: the reference mean samples to target as 8192-token rows, plus every eval of the
+    MLPerf cadence on the way, each 173 rows' forwards split over the GPUs: an upper bound, GovReport's validation
+    sequences are shorter than a row)."""
     out = []
     for r in rows:
         rate = r.get("tokens_per_s_per_gpu_at_80_layers")
@@ -338,9 +336,9 @@ def projections(rows: list[dict]) -> list[dict]:
             continue
         eval_s = 173 * r.get("eval_forward_s_per_row_at_80_layers", 0.0)
         for gpus in (1, 2, 8):
-            minutes = (samples * SEQ / (rate * gpus) + evals * eval_s / gpus) / 60
-            out.append({"projection": r["config"], "gpus": gpus, "rcp_mean_samples": samples, "evals": evals,
-                        "minutes_to_train": minutes})  # fmt: skip
+            p = project(LoraBenchmark.name, 8, samples_per_s=rate * gpus / SEQ, eval_seconds=eval_s / gpus)
+            out.append({"projection": r["config"], "gpus": gpus, "rcp_mean_samples": p.samples_to_target,
+                        "evals": p.evals, "minutes_to_train": p.minutes})  # fmt: skip
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -63,6 +64,26 @@ def test_no_samples_to_target_outside_the_reference_batches_or_rulesets():
     assert reference_convergence("llama2_70b_lora", "5.1.0", 4) is None  # below the smallest reference batch
     assert reference_convergence("bert", "5.0.0", 20_000) is None  # above the largest
     assert reference_convergence("bert", "0.7.0", 768) is None  # a ruleset mlperf-logging has no RCP file for
+
+
+def test_projected_time_to_train_is_reference_samples_over_the_rate_plus_the_cadences_evals():
+    from trainbench.report.projection import project
+
+    # LoRA at GBS 8: 3,178.67 samples (the olympic mean of 20 reference runs); evals every 384 samples from 1,536
+    # (the first FLOOR(0.125 x 8 + 2) = 3 skipped): 1,536 ... 3,456, six of them.
+    lora = project("llama2_70b_lora", 8, samples_per_s=1.0, eval_seconds=30.0)
+    assert (lora.first_eval_samples, lora.eval_every_samples, lora.evals) == (1536, 384, 6)
+    assert lora.samples_to_target == pytest.approx(3178.667, abs=1e-3) and lora.between is None
+    assert lora.minutes == pytest.approx(3178.667 / 60 + 6 * 30 / 60, abs=1e-4)
+    # BERT at GBS 768: between the 448 and 1536 points; evals every FLOOR(0.05 (230.23 x 768 + 3e6), 25,000) =
+    # 150,000 samples, the first at 150,000.
+    bert = project("bert", 768, samples_per_s=10_000.0, eval_seconds=0.0)
+    assert bert.between == (448, 1536) and bert.eval_every_samples == 150_000 and bert.first_eval_samples == 150_000
+    assert bert.evals == 1 + math.ceil((bert.samples_to_target - 150_000) / 150_000)
+    assert bert.train_minutes == pytest.approx(bert.samples_to_target / 10_000 / 60)
+    assert project("llama31_8b", 8, 1.0, 0.0) is None  # below the smallest reference batch (16)
+    with pytest.raises(ValueError, match="samples_per_s > 0"):
+        project("bert", 768, 0.0, 1.0)
 
 
 def test_too_few_runs_have_no_score():

@@ -32,7 +32,7 @@ from trainbench.data import sft
 from trainbench.data.steps import batched, eval_share
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
-from trainbench.mlperf import constants, reference_convergence
+from trainbench.mlperf import constants
 from trainbench.models.decoder import DecoderLM
 from trainbench.models.hf_checkpoint import HFCheckpoint, check_shapes
 from trainbench.models.lora import LoraModelConfig
@@ -210,10 +210,3 @@ class LoraBenchmark(LLMBenchmark):
     # -- the command line -----------------------------------------------------------------------
     def prepare(self, args) -> int:
         return lora_prepare.prepare(args, self)
-
-
-def rcp_mean_samples(gbs: int) -> float | None:
-    """Samples to target at global batch ``gbs`` by mlperf-logging's reference convergence points (the olympic mean
-    of the reference runs, interpolated between reference batches), or None outside them."""
-    point = reference_convergence(LoraBenchmark.name, LoraBenchmark.ruleset, gbs)
-    return point.mean_samples if point else None

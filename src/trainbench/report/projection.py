@@ -1,0 +1,63 @@
+"""Projected time to train: samples to target from mlperf-logging's reference convergence points at a global batch,
+divided by a measured training rate, plus every eval the MLPerf cadence runs on the way at a measured eval time.
+
+A projection, not a result: a real run's samples to target vary from seed to seed around the reference mean (and a
+submission's mean must not beat it by more than the RCP check allows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from trainbench.benchmarks import get_benchmark
+from trainbench.mlperf import reference_convergence
+
+
+@dataclass(frozen=True)
+class Projection:
+    benchmark: str
+    global_batch_size: int
+    samples_to_target: float
+    """The reference mean at this batch (interpolated between ``between`` where there is no point at it)."""
+    between: tuple[int, int] | None
+    evals: int
+    """Evals run until the one that sees the target: the first at ``first_eval_samples``, then every
+    ``eval_every_samples``."""
+    first_eval_samples: int
+    eval_every_samples: int
+    train_minutes: float
+    eval_minutes: float
+
+    @property
+    def minutes(self) -> float:
+        return self.train_minutes + self.eval_minutes
+
+
+def project(benchmark: str, global_batch_size: int, samples_per_s: float, eval_seconds: float) -> Projection | None:
+    """Minutes to train ``benchmark`` at ``global_batch_size`` on a machine that trains ``samples_per_s`` and takes
+    ``eval_seconds`` per eval; None where mlperf-logging has no reference points around that batch."""
+    if samples_per_s <= 0 or eval_seconds < 0:
+        raise ValueError(f"a projection needs samples_per_s > 0 and eval_seconds >= 0, got {samples_per_s}, "
+                         f"{eval_seconds}")  # fmt: skip
+    bench = get_benchmark(benchmark)
+    point = reference_convergence(bench.mlperf_name, bench.ruleset, global_batch_size)
+    if point is None:
+        return None
+    base = bench.presets[bench.full_preset]()
+    cfg = dataclasses.replace(base, data=dataclasses.replace(base.data, global_batch_size=global_batch_size))
+    every = bench.eval_every_samples(cfg)
+    first = bench.first_eval_samples(cfg, every)
+    evals = 1 + math.ceil(max(0.0, point.mean_samples - first) / every)
+    return Projection(
+        benchmark=bench.name,
+        global_batch_size=global_batch_size,
+        samples_to_target=point.mean_samples,
+        between=point.between,
+        evals=evals,
+        first_eval_samples=first,
+        eval_every_samples=every,
+        train_minutes=point.mean_samples / samples_per_s / 60,
+        eval_minutes=evals * eval_seconds / 60,
+    )
