@@ -26,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -78,13 +77,12 @@ def timed_steps(step, steps: int, warmup: int, gpus: dict | None = None) -> floa
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as folder:
-        with measured_window(Path(folder)) if gpus is not None else contextlib.nullcontext({}) as summary:
-            t = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-            seconds = (time.perf_counter() - t) / steps
+    with measured_window() if gpus is not None else contextlib.nullcontext({}) as summary:
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - t) / steps
     if gpus is not None:
         gpus.update(summary)
     return seconds

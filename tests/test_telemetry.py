@@ -122,6 +122,20 @@ def test_a_window_summary_gives_busy_medians_named_throttle_reasons_and_energy(t
     assert telemetry.throttle_names(0) == [] and telemetry.throttle_names(1 << 20) == ["0x100000"]
 
 
+def test_a_measured_window_samples_every_gpu_in_a_folder_of_its_own_and_removes_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(gpus=2, watts=300.0))
+    folders = []
+    real_sampler = telemetry.Sampler
+    monkeypatch.setattr(telemetry, "Sampler", lambda folder, rate: folders.append(folder) or real_sampler(folder, rate))
+    with telemetry.measured_window(rate_hz=20) as summary:
+        time.sleep(0.6)
+    assert len(folders) == 1 and not folders[0].exists()
+    assert sorted(g.split("_gpu")[1] for g in summary) == ["0", "1"]
+    for gpu in summary.values():
+        assert gpu["power_w"] == pytest.approx(300, abs=0.01) and gpu["sm_clock_mhz"] == 1980
+        assert gpu["energy_j"] == pytest.approx(300 * 0.6, rel=0.15)  # the counter's rise over the window
+
+
 def test_a_cpu_run_records_telemetry_without_failing(small_data, tmp_path):
     import json
 

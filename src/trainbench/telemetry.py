@@ -10,15 +10,16 @@ telemetry is absent. A failing sensor is recorded as empty, and nothing here eve
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import platform
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,9 +226,14 @@ def integrate_power(times_ms: list[float], watts: list[float], start_ms: float, 
 
 
 def gpu_energy(path: Path, start_ms: float, stop_ms: float) -> Energy | None:
-    """One GPU's energy between run_start and run_stop: from its energy counter when both ends are
+    """One GPU's energy between run_start and run_stop, from its telemetry file (:func:`rows_energy`)."""
+    return rows_energy(read_csv(path), start_ms, stop_ms)
+
+
+def rows_energy(rows: list[dict], start_ms: float, stop_ms: float) -> Energy | None:
+    """One GPU's energy over [start_ms, stop_ms] from its telemetry rows: from its energy counter when both ends are
     covered by samples that have it (interpolated to the exact times), else from its power samples."""
-    rows = [r for r in read_csv(path) if r.get("time_ms")]
+    rows = [r for r in rows if r.get("time_ms")]
     if not rows:
         return None
     counter = [(float(r["time_ms"]), float(r["energy_j"])) for r in rows if r.get("energy_j") not in (None, "")]
@@ -354,12 +360,13 @@ def window_summary(run_dir: Path, start_ms: float, stop_ms: float, busy_pct: flo
     >= ``busy_pct``), the throttle reasons seen in any sample, and its energy over the window."""
     out = {}
     for path in sorted(Path(run_dir).glob("telemetry_*_gpu*.csv")):
-        rows = [r for r in read_csv(path) if r.get("time_ms") and start_ms <= float(r["time_ms"]) <= stop_ms]
+        every_row = read_csv(path)  # the energy interpolates from the samples on either side of the window
+        rows = [r for r in every_row if r.get("time_ms") and start_ms <= float(r["time_ms"]) <= stop_ms]
         busy = [r for r in rows if r["gpu_util_pct"] and float(r["gpu_util_pct"]) >= busy_pct]
         if not busy:
             continue
         masks = {int(r["throttle_reasons"]) for r in rows if r["throttle_reasons"] not in ("", None)}
-        energy = gpu_energy(path, start_ms, stop_ms)
+        energy = rows_energy(every_row, start_ms, stop_ms)
         out[path.stem.removeprefix("telemetry_")] = {
             "busy_samples": len(busy),
             "power_w": statistics.median(float(r["power_w"]) for r in busy),
@@ -370,16 +377,20 @@ def window_summary(run_dir: Path, start_ms: float, stop_ms: float, busy_pct: flo
     return out
 
 
-@contextmanager
-def measured_window(folder: Path, rate_hz: float = 10.0) -> Iterator[dict]:
-    """Sample every GPU of this machine into ``folder`` while the block runs; the dict it yields is filled, on leaving,
-    with :func:`window_summary` of the block's time (GPU name -> power, SM clock, throttle reasons, energy)."""
-    sampler = Sampler(Path(folder), rate_hz).start()
-    start = _now_ms()
-    summary: dict = {}
-    try:
-        yield summary
-    finally:
-        stop = _now_ms()
-        sampler.stop()
-        summary.update(window_summary(Path(folder), start, stop))
+@contextlib.contextmanager
+def measured_window(folder: Path | None = None, rate_hz: float = 10.0) -> Iterator[dict]:
+    """Sample every GPU of this machine into ``folder`` (a temporary one, removed after, where none is given) while
+    the block runs; the dict it yields is filled, on leaving, with :func:`window_summary` of the block's time (GPU
+    name -> power, SM clock, throttle reasons, energy)."""
+    with contextlib.ExitStack() as stack:
+        if folder is None:
+            folder = stack.enter_context(tempfile.TemporaryDirectory())
+        sampler = Sampler(Path(folder), rate_hz).start()
+        start = _now_ms()
+        summary: dict = {}
+        try:
+            yield summary
+        finally:
+            stop = _now_ms()
+            sampler.stop()
+            summary.update(window_summary(Path(folder), start, stop))

@@ -2,9 +2,9 @@
 
 On the CPU, PyTorch's float32 ``sqrt`` goes through MKL's vector math, which is not correctly rounded and differs by
 processor: against NumPy's roots of 100,003 uniform inputs, 641 were one unit in the last place off on an Intel Xeon
-and 19,665 on an AMD EPYC, so the same CPU run computed other bits on the two machines. The float64 root rounded back
-to the input's type is the correctly rounded root (53 bits hold 2 x 24 + 2), and was on both. GPUs keep
-``torch.sqrt``, which is correctly rounded there.
+and 19,698 on an AMD EPYC (``perf/cpu_sqrt.py``), so the same CPU run computed other bits on the two machines. The
+float64 root rounded back to the input's type is the correctly rounded root (53 bits hold 2 x 24 + 2), and was on
+both. GPUs keep ``torch.sqrt``, which is correctly rounded there.
 """
 
 from __future__ import annotations
