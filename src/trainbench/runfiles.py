@@ -79,3 +79,68 @@ def read_json(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+LOCK = ".lock"
+
+
+class FolderLock:
+    """One process at a time works in a results folder: an exclusive ``flock`` on ``<folder>/.lock``, held while
+    the process trains (or submits) there and released by the kernel when it ends, however it ends. The lock file
+    names its holder (user, host, process, command and since when), so a second process can say who holds it.
+
+    ``acquire`` raises :class:`~trainbench.errors.UserError` when another process holds the lock."""
+
+    def __init__(self, folder: Path, what: str):
+        self.folder, self.what = Path(folder), what
+        self._fd: int | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.folder / LOCK
+
+    def holder(self) -> str:
+        try:
+            return self.path.read_text().strip() or "another process"
+        except OSError:
+            return "another process"
+
+    def acquire(self) -> FolderLock:
+        import fcntl
+        import getpass
+        import os
+        import socket
+        import time
+
+        from trainbench.errors import UserError
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise UserError(f"{self.folder} is in use: {self.holder()}; wait for it to end or stop it, then try "
+                            "again") from None  # fmt: skip
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):  # a container without the user in its passwd
+            user = f"uid {os.getuid()}"
+        text = f"{self.what} by {user} on {socket.gethostname()}, process {os.getpid()}, since {since}"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (text + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            import os
+
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
