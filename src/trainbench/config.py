@@ -28,13 +28,14 @@ def option(
     at_least: float | None = None,
     above: float | None = None,
     below: float | None = None,
+    at_most: float | None = None,
 ) -> Any:
     """A config field with its help text (shown by ``trainbench run --help-config``) and, for numbers, the range a
-    value must lie in: ``at_least`` (inclusive), ``above`` and ``below`` (exclusive)."""
+    value must lie in: ``at_least`` and ``at_most`` (inclusive), ``above`` and ``below`` (exclusive)."""
     meta = {"help": help}
     if choices is not None:
         meta["choices"] = choices
-    for name, bound in (("at_least", at_least), ("above", above), ("below", below)):
+    for name, bound in (("at_least", at_least), ("above", above), ("below", below), ("at_most", at_most)):
         if bound is not None:
             meta[name] = bound
     return field(default=default, metadata=meta)
@@ -70,6 +71,7 @@ class DataConfig:
         "Fixed layout: sort each global batch by length and deal it out so every rank's k-th micro-batch has "
         "the same lengths, each cut to the upper edge of its bin (seq_length / length_bins steps). 0: off; "
         "MLPerf-style 4 bins: 4. The samples of every step stay the same.",
+        at_least=0,
     )
 
 
@@ -84,7 +86,9 @@ class OptimizerConfig:
     beta1: float = option(0.9, "First-moment decay.", at_least=0, below=1)
     beta2: float = option(0.999, "Second-moment decay.", at_least=0, below=1)
     epsilon: float = option(1e-6, "Added to the second-moment root.", above=0)
-    weight_decay: float = option(0.01, "Decoupled weight decay; never applied to biases and LayerNorm.", at_least=0)
+    weight_decay: float = option(
+        0.01, "Decoupled weight decay; never applied to biases and LayerNorm.", at_least=0, at_most=1
+    )
     max_grad_norm: float = option(
         1.0, "Clip the global gradient norm to this before the update (0: no clipping).", at_least=0
     )
@@ -202,6 +206,7 @@ class OutputConfig:
         1.0,
         "GPU (or CPU) telemetry samples per second into telemetry_<host>_*.csv (0: off; MLPerf Power: >= 1).",
         at_least=0,
+        at_most=100,
     )
     checkpoint_every_steps: int = option(
         0,
@@ -222,7 +227,7 @@ class OutputConfig:
 class RunConfig:
     benchmark: str = option("", "Benchmark name (see `trainbench list`); set by the preset.")
     preset: str = option("tiny", "Preset the config started from.")
-    seed: int = option(1234, "Seed of the run (experiment i of --nexp uses seed + i).")
+    seed: int = option(1234, "Seed of the run (experiment i of --nexp uses seed + i).", at_least=0, below=2**63)
     resume: bool = option(
         False, "Continue unfinished runs from their checkpoints: output.run_dir, else the newest run folder."
     )
@@ -317,10 +322,11 @@ def has_control_character(value: str) -> bool:
 def _out_of_range(meta: Any, number: float) -> str | None:
     if number != number or number in (float("inf"), float("-inf")):
         return "must be a finite number"
-    lo, above, below = meta.get("at_least"), meta.get("above"), meta.get("below")
-    if lo is not None and number < lo or above is not None and number <= above or below is not None and number >= below:
+    lo, above, below, hi = meta.get("at_least"), meta.get("above"), meta.get("below"), meta.get("at_most")
+    if (lo is not None and number < lo or above is not None and number <= above
+            or below is not None and number >= below or hi is not None and number > hi):  # fmt: skip
         parts = ([f"at least {lo:g}"] if lo is not None else []) + ([f"above {above:g}"] if above is not None else [])
-        parts += [f"below {below:g}"] if below is not None else []
+        parts += ([f"below {below:g}"] if below is not None else []) + ([f"at most {hi:g}"] if hi is not None else [])
         return "must be " + " and ".join(parts)
     return None
 

@@ -17,6 +17,7 @@ CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 CONSOLE = "console.log"
 SUMMARY = "summary.json"
+INPUTS = "inputs.json"  # the config and the identity of the data (and base weights) a run started with
 
 _INDEXED = re.compile(r"^(?:result_(\d+)\.txt(?:\.partial)?|run_(\d+)\.json)$")
 
@@ -85,19 +86,25 @@ LOCK = ".lock"
 
 
 class FolderLock:
-    """One process at a time works in a results folder: an exclusive ``flock`` on ``<folder>/.lock``, held while
-    the process trains (or submits) there and released by the kernel when it ends, however it ends. The lock file
+    """One process at a time works in a results folder (or on one of its runs): an exclusive ``flock`` on
+    ``<folder>/.lock`` (``.lock.run<i>``), held while the process trains (or submits) there and released by the
+    kernel when it ends, however it ends. The lock file
     names its holder (user, host, process, command and since when), so a second process can say who holds it.
 
     ``acquire`` raises :class:`~trainbench.errors.UserError` when another process holds the lock."""
 
-    def __init__(self, folder: Path, what: str):
-        self.folder, self.what = Path(folder), what
+    def __init__(self, folder: Path, what: str, name: str = LOCK):
+        self.folder, self.what, self.name = Path(folder), what, name
         self._fd: int | None = None
+
+    @classmethod
+    def of_run(cls, folder: Path, index: int, what: str) -> FolderLock:
+        """The lock of run ``index`` alone (the runs of a Slurm job array train side by side in one folder)."""
+        return cls(folder, what, f"{LOCK}.run{index}")
 
     @property
     def path(self) -> Path:
-        return self.folder / LOCK
+        return self.folder / self.name
 
     def holder(self) -> str:
         try:
@@ -119,7 +126,8 @@ class FolderLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise UserError(f"{self.folder} is in use: {self.holder()}; wait for it to end or stop it, then try "
+            what = self.folder if self.name == LOCK else f"{self.folder} (run {self.name.rsplit('run', 1)[-1]})"
+            raise UserError(f"{what} is in use: {self.holder()}; wait for it to end or stop it, then try "
                             "again") from None  # fmt: skip
         since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         try:

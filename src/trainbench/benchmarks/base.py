@@ -9,9 +9,12 @@ docs/extending.md says how to add a benchmark.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,6 +88,13 @@ class Benchmark(ABC):
                 f"data.global_batch_size / processes = {per_rank} is not a multiple of "
                 f"data.micro_batch_size={d.micro_batch_size}"
             )
+        if cfg.schedule.max_samples is not None and cfg.schedule.max_samples < d.global_batch_size:
+            raise ConfigError(f"schedule.max_samples={cfg.schedule.max_samples} is less than one global batch "
+                              f"({d.global_batch_size}); set it to at least {d.global_batch_size}")  # fmt: skip
+        lo, hi = self.target_range(cfg)
+        if not lo < cfg.eval.target <= hi:
+            raise ConfigError(f"eval.target={cfg.eval.target:g}: the {self.metric_name} target must be above {lo:g} "
+                              f"and at most {hi:.4g} ({self.target_range_why})")  # fmt: skip
         if cfg.perf.cuda_graphs and not cfg.perf.compile:
             raise ConfigError("perf.cuda_graphs=true replays the compiled step: it needs perf.compile=true")
         if cfg.perf.cuda_graphs and cfg.device == "cpu":
@@ -106,6 +116,19 @@ class Benchmark(ABC):
             if value != getattr(preset[key].owner, preset[key].field.name):
                 raise ConfigError(f"{key}={value} has no effect on {self.name}: {why}")
 
+    def target_range(self, cfg: RunConfig) -> tuple[float, float]:
+        """The targets that mean something: above the first bound, at most the second. An accuracy lies in (0, 1];
+        a loss (nats) above 0 and below ln(vocabulary), what an untrained model that guesses uniformly scores."""
+        if self.higher_is_better:
+            return 0.0, 1.0
+        return 0.0, math.log(cfg.model.vocab_size)
+
+    @property
+    def target_range_why(self) -> str:
+        if self.higher_is_better:
+            return "an accuracy"
+        return "a loss in nats; ln(vocabulary size) is what a model that guesses uniformly scores"
+
     def accumulation_steps(self, cfg: RunConfig) -> int:
         replicas = cfg.distributed.world_size // max(1, cfg.distributed.tp)
         return cfg.data.global_batch_size // (replicas * cfg.data.micro_batch_size)
@@ -126,6 +149,12 @@ class Benchmark(ABC):
     @abstractmethod
     def check_data(self, cfg: RunConfig) -> None:
         """Validate the data on disk (cheap: metadata only); raise DataError with what to do."""
+
+    def inputs_identity(self, cfg: RunConfig) -> dict[str, Any]:
+        """What the run reads besides its config, each named and described so that a change shows (JSON values):
+        recorded when a run starts and compared when it resumes. By default the data set: its ``manifest.json``'s
+        hash where it has one, else every file's name and size."""
+        return {"data set": data_identity(cfg.data.dir)} if cfg.data.dir else {}
 
     @abstractmethod
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
@@ -205,3 +234,14 @@ class Benchmark(ABC):
         """``trainbench convert NAME``: turn a reference checkpoint into one ``model.init_checkpoint`` reads."""
         raise UserError(f"`trainbench convert {self.name}` is not available: {self.name} has no reference checkpoint "
                         "to convert")  # fmt: skip
+
+
+def data_identity(folder: str | Path) -> dict[str, Any]:
+    """A data set's identity: the sha256 of its ``manifest.json`` (which lists its files), else the names and sizes
+    of its files."""
+    root = Path(folder)
+    manifest = root / "manifest.json"
+    if manifest.is_file():
+        return {"manifest_sha256": hashlib.sha256(manifest.read_bytes()).hexdigest()}
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+    return {"files": {str(p.relative_to(root)): p.stat().st_size for p in files}}

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from trainbench.benchmarks import lora_prepare
 from trainbench.benchmarks.base import BenchmarkData
@@ -100,6 +101,12 @@ class LoraBenchmark(LLMBenchmark):
                               "MLPerf fine-tunes it on 8192")  # fmt: skip
         if not m.targets:
             raise ConfigError("model.lora_targets names no layer; MLPerf's are qkv_proj,o_proj")
+        with torch.device("meta"):
+            linears = {n.rsplit(".", 1)[-1] for n, mod in DecoderLM(m).named_modules() if isinstance(mod, nn.Linear)}
+        unknown = [t for t in m.targets if t not in linears]
+        if unknown:
+            raise ConfigError(f"model.lora_targets names '{unknown[0]}', which is not a linear layer of this model; its "
+                              f"linear layers are {', '.join(sorted(linears))} (MLPerf adapts qkv_proj,o_proj)")  # fmt: skip
 
     def eval_every_samples(self, cfg: RunConfig) -> int:
         gbs = cfg.data.global_batch_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainbench.benchmarks import get_benchmark
 from trainbench.benchmarks.base import Benchmark
@@ -20,8 +22,8 @@ from trainbench.console import RunConsole
 from trainbench.distributed import available_slots, init_distributed, resolve_device
 from trainbench.errors import ConfigError, DataError, Preempted, UserError
 from trainbench.launch.systems import largest_micro_batch
-from trainbench.mlperf import ComplianceResult, check_compliance
-from trainbench.runfiles import CONFIG, CONSOLE, SUMMARY, RunFiles, read_json
+from trainbench.mlperf import ComplianceResult, check_compliance, constants, read_log
+from trainbench.runfiles import CONFIG, CONSOLE, INPUTS, SUMMARY, FolderLock, RunFiles, read_json
 
 
 def build_config(
@@ -31,6 +33,10 @@ def build_config(
     the preset's is cut to fit each process's share of the global batch (as `submit` fits it to a system)."""
     bench = get_benchmark(benchmark)
     cfg = bench.config(preset)
+    for key in ("benchmark", "preset"):
+        if key in (overrides or {}):
+            raise ConfigError(f"{key} is not a key to set: name the benchmark and preset on the command line "
+                              f"(`trainbench run BENCHMARK --preset PRESET`), not {key}={overrides[key]}")  # fmt: skip
     explicit: set[str] = set()
     for path in yaml_files or []:
         values = read_yaml_overrides(path)
@@ -106,6 +112,9 @@ def resume_run_dir(bench: Benchmark, cfg: RunConfig) -> Path:
     return candidates[-1].parent
 
 
+# Set for the ranks of a run whose launcher holds the run's lock; a rank 0 started otherwise (srun) takes it.
+RUN_LOCKED = "TRAINBENCH_RUN_LOCKED"
+
 # What resume=true takes from the command line; every other key is the run's own, from its config.yaml.
 RESUME_KEYS = ("resume", "output.run_dir", "output.results_dir", "output.progress")
 
@@ -117,8 +126,11 @@ def run_experiments(
     refuses any that would change the run's saved settings)."""
     if nexp < 1:
         raise ConfigError(f"--nexp must be at least 1, got {nexp}")
+    lock = None
     if cfg.resume:
         run_dir = resume_run_dir(bench, cfg)
+        if run_dir.is_dir():  # one process at a time continues a run folder
+            lock = FolderLock(run_dir, "resume=true").acquire()
         if (run_dir / CONFIG).exists():  # continue with the settings the run started with
             _, saved = load_run_config(run_dir / CONFIG)
             _refuse_changes_on_resume(saved, cfg, given or [], run_dir)
@@ -128,7 +140,17 @@ def run_experiments(
     else:
         cfg = _absolute_paths(cfg)  # the run may be resumed, or its job started, from another directory
     try:
+        return _run_locked(bench, cfg, nexp, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_locked(bench: Benchmark, cfg: RunConfig, nexp: int, lock: FolderLock | None) -> tuple[Path, list[RunRecord]]:
+    try:
         device = preflight(bench, cfg)
+        if cfg.resume:
+            _check_resume(bench, cfg, Path(cfg.output.run_dir), nexp)
     except DataError as exc:
         if cfg.resume:
             raise DataError(f"resuming {cfg.output.run_dir} with the settings in its {CONFIG}: {exc}") from None
@@ -138,18 +160,34 @@ def run_experiments(
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
         run_dir = new_run_dir(cfg.output.results_dir, bench.name, cfg.preset)
+    own = FolderLock(run_dir, "a run").acquire() if lock is None else None
+    try:
+        return _train_all(bench, cfg, nexp, run_dir, device)
+    finally:
+        if own is not None:
+            own.release()
+
+
+def _train_all(bench: Benchmark, cfg: RunConfig, nexp: int, run_dir: Path, device: str) -> tuple[Path, list[RunRecord]]:
     save_config(cfg, run_dir / CONFIG)
     out = RunConsole(run_dir / CONSOLE)
+    if not cfg.resume or not (run_dir / INPUTS).exists():
+        if cfg.resume:
+            out.say(f"{run_dir} has no {INPUTS} (made by an earlier version): its data and weights are recorded now, "
+                    "not checked against the run's start")  # fmt: skip
+        _write_inputs(bench, cfg, run_dir)
     out.say(f"results folder: {run_dir}")
     records: list[RunRecord] = []
     try:
         for index in range(nexp):
             if cfg.resume and RunFiles(run_dir, index).finished:
                 out.say(f"run {index}: finished already")
-            elif cfg.distributed.nproc == 1:
-                _run_in_process(bench, experiment_config(cfg, index), run_dir, index, device)
             else:
-                _run_torchrun(cfg, run_dir, index)
+                with FolderLock.of_run(run_dir, index, f"run {index}"):
+                    if cfg.distributed.nproc == 1:
+                        _run_in_process(bench, experiment_config(cfg, index), run_dir, index, device)
+                    else:
+                        _run_torchrun(cfg, run_dir, index)
             records.append(_collect(bench, run_dir, index, cfg))
             _report(out, records[-1])
     except BaseException:
@@ -161,6 +199,76 @@ def run_experiments(
         raise
     write_summary(bench, cfg, run_dir, records)
     return run_dir, records
+
+
+def _flat_config(cfg: RunConfig) -> dict[str, Any]:
+    """The config's settings that define a run (not how it is resumed), by dotted key."""
+    return {k: getattr(leaf.owner, leaf.field.name) for k, leaf in leaves(cfg).items()
+            if k not in RESUME_KEYS and k != "resume"}  # fmt: skip
+
+
+def _write_inputs(bench: Benchmark, cfg: RunConfig, run_dir: Path) -> None:
+    value = {"config": _flat_config(cfg), "inputs": bench.inputs_identity(cfg)}
+    tmp = run_dir / f"{INPUTS}.tmp"
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    tmp.replace(run_dir / INPUTS)
+
+
+def _check_resume(bench: Benchmark, cfg: RunConfig, run_dir: Path, nexp: int) -> None:
+    """Refuse to continue a run whose config, data or weights are not those it started with, or whose checkpoint
+    is damaged or could run code: each is one sentence naming what changed."""
+    recorded = read_json(run_dir / INPUTS)
+    if recorded:
+        started = recorded.get("config") if isinstance(recorded.get("config"), dict) else {}
+        for key, value in _flat_config(cfg).items():
+            if key in started and started[key] != value:
+                raise ConfigError(
+                    f"{run_dir / CONFIG} says {key}={value!r}, but the run started with {started[key]!r} (what its "
+                    f"log declares); restore {key} there, or start a new run"
+                )
+        before = recorded.get("inputs") if isinstance(recorded.get("inputs"), dict) else {}
+        now = bench.inputs_identity(cfg)
+        for name, old in before.items():
+            if now.get(name) != old:
+                change = bench.describe_input_change(name, old, now.get(name))
+                raise DataError(
+                    f"the {name} changed since the run started ({change}); resuming would train on other inputs "
+                    "than its log and checkpoint: restore them, or start a new run"
+                )
+    for index in range(nexp):
+        files = RunFiles(run_dir, index)
+        if files.finished:
+            continue
+        _check_declared(bench, experiment_config(cfg, index), files.partial_log)
+        from trainbench.train import checkpoint
+
+        ckpt = checkpoint.find_checkpoint(run_dir, index)
+        if ckpt is not None:
+            checkpoint.verify(ckpt, cfg.distributed.world_size)
+
+
+def _check_declared(bench: Benchmark, cfg: RunConfig, log: Path) -> None:
+    """The config against what the run's unfinished log declares (seed, batch, the benchmark's hyperparameters)."""
+    if not log.exists():
+        return
+    try:
+        declared = {e["key"]: e.get("value") for e in read_log(log, errors="replace") if "key" in e}
+    except (OSError, ValueError, TypeError):
+        return  # a log too damaged to read: the checker says so when the run ends
+    expected = {constants.SEED: cfg.seed, constants.GLOBAL_BATCH_SIZE: cfg.data.global_batch_size}
+    expected |= bench.hyperparameters(cfg)
+    for key, value in expected.items():
+        if key in declared and not _same(declared[key], value):
+            raise ConfigError(
+                f"{log.name} declares {key}={declared[key]!r} but {log.parent / CONFIG} gives {value!r}; the config "
+                "was changed since the run started: restore it, or start a new run"
+            )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    return a == b
 
 
 def _refuse_changes_on_resume(saved: RunConfig, given_cfg: RunConfig, given: list[str], run_dir: Path) -> None:
@@ -176,14 +284,20 @@ def _refuse_changes_on_resume(saved: RunConfig, given_cfg: RunConfig, given: lis
             )
 
 
+# Config keys that name files or folders: saved absolute, so a resume (or a job) started elsewhere reads the same.
+PATH_KEYS = ("data.dir", "model.init_checkpoint", "model.base_weights", "output.run_dir")
+
+
 def _absolute_paths(cfg: RunConfig) -> RunConfig:
-    data = cfg.data
-    if data.dir:
-        data = dataclasses.replace(data, dir=str(Path(data.dir).expanduser().absolute()))
-    model = cfg.model
-    if getattr(model, "init_checkpoint", None):
-        model = dataclasses.replace(model, init_checkpoint=str(Path(model.init_checkpoint).expanduser().absolute()))
-    return dataclasses.replace(cfg, data=data, model=model)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data), model=dataclasses.replace(cfg.model),
+                              output=dataclasses.replace(cfg.output))  # fmt: skip
+    table = leaves(cfg)
+    for key in PATH_KEYS:
+        leaf = table.get(key)
+        value = getattr(leaf.owner, leaf.field.name) if leaf else None
+        if value:
+            setattr(leaf.owner, leaf.field.name, str(Path(value).expanduser().absolute()))
+    return cfg
 
 
 def _run_in_process(bench: Benchmark, cfg: RunConfig, run_dir: Path, index: int, device: str) -> None:
@@ -197,6 +311,7 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
     nproc = cfg.distributed.nproc
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, available_slots("cpu") // nproc)))
+    env[RUN_LOCKED] = "1"  # this process holds the run's lock for its ranks
     cmd = [
         sys.executable,
         "-m",

@@ -12,9 +12,9 @@ from rich.markup import escape
 from trainbench.console import console
 from trainbench.distributed import init_distributed, resolve_device, shutdown
 from trainbench.errors import Preempted, UserError
-from trainbench.launch.local import experiment_config, load_run_config
+from trainbench.launch.local import RUN_LOCKED, experiment_config, load_run_config
 from trainbench.launch.systems import format_cpus, parse_cpus
-from trainbench.runfiles import CONFIG, RunFiles
+from trainbench.runfiles import CONFIG, FolderLock, RunFiles
 from trainbench.train.duties import StopSignal
 from trainbench.train.loop import train
 
@@ -26,6 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, index, resume = Path(argv[0]), int(argv[1]), "--resume" in argv[2:]
     bench, cfg = load_run_config(run_dir / CONFIG)
     cfg = experiment_config(cfg, index)
+    lock = None
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    if rank == "0" and RUN_LOCKED not in os.environ:  # started by srun: no launcher holds the run's lock
+        job = os.environ.get("SLURM_JOB_ID")
+        try:
+            lock = FolderLock.of_run(run_dir, index, f"run {index}" + (f" of Slurm job {job}" if job else "")).acquire()
+        except UserError as exc:  # before any collective: srun's --kill-on-bad-exit ends the other ranks
+            console.print(f"[red]error:[/red] {escape(str(exc))}")
+            return 1
     info = init_distributed(resolve_device(cfg.device), cfg.distributed.backend, cfg.distributed.timeout_s)
     ended = False
     try:
@@ -45,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         shutdown(drain=ended)
+        if lock is not None:
+            lock.release()
     return 0
 
 

@@ -106,7 +106,7 @@ class BertConfig:
         0.1, "Dropout after embeddings, attention output and feed-forward output.", at_least=0, below=1
     )
     attention_dropout: float = option(0.1, "Dropout on attention probabilities.", at_least=0, below=1)
-    layer_norm_eps: float = option(1e-12, "LayerNorm epsilon.", above=0)
+    layer_norm_eps: float = option(1e-12, "LayerNorm epsilon.", above=0, below=1)
     init_std: float = option(0.02, "Std of the normal initialisation of weights.", above=0)
     packed_attention: str = option(
         "auto",

@@ -41,7 +41,7 @@ class DecoderConfig:
     arch: str = option("llama", "llama: RoPE, RMSNorm, SwiGLU, no biases; gpt3: learned positions, LayerNorm, "
                        "GELU, biases.", choices=("llama", "gpt3"))  # fmt: skip
     rope_theta: float = option(500000.0, "RoPE base (llama).", above=0)
-    norm_eps: float = option(1e-5, "Epsilon of RMSNorm / LayerNorm.", above=0)
+    norm_eps: float = option(1e-5, "Epsilon of RMSNorm / LayerNorm.", above=0, below=1)
     tie_embeddings: bool = option(False, "Share the input embedding with the output layer.")
     init_std: float = option(
         0.02, "Std of the normal initialisation; output projections get std / sqrt(2 x layers).", above=0

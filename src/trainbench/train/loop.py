@@ -157,6 +157,11 @@ class TrainLoop:
 
     def _steps(self, profiler, gc_policy: GcPolicy) -> None:
         s, run, info = self.state, self.run_, self.info
+        if not self.record.fresh and s.step and (s.samples >= s.next_eval or s.samples >= run.max_samples):
+            # A checkpoint saved where an eval was due (by an earlier version) resumes with that eval, so every
+            # eval stays at the samples of an uninterrupted run.
+            if self._eval_point(gc_policy):
+                return
         steps = pinned(run.data.train, info.device) if info.device.type == "cuda" else run.data.train
         for step_batches in prefetch(steps, self.cfg.data.prefetch):
             if profiler is not None:
@@ -167,17 +172,27 @@ class TrainLoop:
             if profiler is not None:
                 profiler.after_step(s.step)
             s.samples += step_batches.samples
-            if s.step % self.cfg.output.log_every_steps == 0 or s.samples >= s.next_eval:
+            log_point = s.step % self.cfg.output.log_every_steps == 0 or s.samples >= s.next_eval
+            if log_point:
                 self._log_point(lr)
             if s.samples >= s.next_eval or s.samples >= run.max_samples:
                 if self._eval_point(gc_policy):
                     break
-            if self.cfg.output.checkpoint_every_steps and s.step % self.cfg.output.checkpoint_every_steps == 0:
+            every = self.cfg.output.checkpoint_every_steps
+            saved = bool(every) and s.step % every == 0
+            if saved:
                 self._save_checkpoint()
+            # A stop signal on any rank checkpoints here, after the eval due at this step (if one was): a resumed
+            # run's evals fall at the same samples as an uninterrupted run's.
+            if log_point and self.stop.any(self.info):
+                if not saved:
+                    self._save_checkpoint()
+                raise Preempted(f"run {self.files.index}: stopped by a signal at step {s.step:,}; checkpoint saved in "
+                                f"{self.files.run_dir}")  # fmt: skip
             gc_policy.after_step(s.step)
 
     def _log_point(self, lr: float) -> None:
-        """Loss and rate since the last log point into metrics.jsonl; a stop signal on any rank checkpoints here."""
+        """Loss and rate since the last log point into metrics.jsonl."""
         s = self.state
         if bool(self.totals.nonfinite):
             raise TrainingDiverged(
@@ -189,10 +204,6 @@ class TrainLoop:
         self.metrics.record(s.step, s.samples, {"loss": mean_loss, "lr": lr, "samples_per_s": rate})
         self.progress.update(s.samples, loss=mean_loss, rate=rate)
         self.totals.loss_sum.zero_()
-        if self.stop.any(self.info):
-            self._save_checkpoint()
-            raise Preempted(f"run {self.files.index}: stopped by a signal at step {s.step:,}; checkpoint saved in "
-                            f"{self.files.run_dir}")  # fmt: skip
 
     def _eval_point(self, gc_policy: GcPolicy) -> bool:
         """Close the block, evaluate, and open the next block; True when the run is over."""
