@@ -105,8 +105,10 @@ class LoraBenchmark(LLMBenchmark):
             linears = {n.rsplit(".", 1)[-1] for n, mod in DecoderLM(m).named_modules() if isinstance(mod, nn.Linear)}
         unknown = [t for t in m.targets if t not in linears]
         if unknown:
-            raise ConfigError(f"model.lora_targets names '{unknown[0]}', which is not a linear layer of this model; its "
-                              f"linear layers are {', '.join(sorted(linears))} (MLPerf adapts qkv_proj,o_proj)")  # fmt: skip
+            raise ConfigError(
+                f"model.lora_targets names '{unknown[0]}', which is not a linear layer of this model; its linear "
+                f"layers are {', '.join(sorted(linears))} (MLPerf adapts qkv_proj,o_proj)"
+            )
 
     def eval_every_samples(self, cfg: RunConfig) -> int:
         gbs = cfg.data.global_batch_size
