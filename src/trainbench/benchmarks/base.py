@@ -156,6 +156,12 @@ class Benchmark(ABC):
         hash where it has one, else every file's name and size."""
         return {"data set": data_identity(cfg.data.dir)} if cfg.data.dir else {}
 
+    def describe_input_change(self, name: str, old: Any, new: Any) -> str:
+        """A short phrase naming what changed in input ``name`` between two :meth:`inputs_identity` values."""
+        if name == "data set":
+            return "its manifest.json differs" if "manifest_sha256" in (old or {}) else "its files differ"
+        return "it differs"
+
     @abstractmethod
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
         """The model, on the CPU or the meta device; :meth:`place` puts it on the rank's devices."""
