@@ -162,11 +162,15 @@ def test_a_damaged_checkpoint_is_one_sentence(stopped, damage):
 
 def test_an_edited_config_is_refused_naming_the_key(stopped):
     config = stopped / "config.yaml"
-    values = yaml.safe_load(config.read_text())
+    text = config.read_text()
+    values = yaml.safe_load(text)
     values["optimizer"]["lr"] = values["optimizer"]["lr"] * 10
     config.write_text(yaml.safe_dump(values, sort_keys=False))
     code, printed = resume(stopped)
     assert code == 2 and "optimizer.lr" in printed and "started with" in printed, printed
+    config.write_text(text)  # restored, the run continues (the refusal left no lock behind)
+    code, printed = resume(stopped)
+    assert code == 1 and "resumed from" in printed, printed
 
 
 def test_an_edited_config_is_refused_by_the_log_where_the_start_was_not_recorded(stopped):

@@ -127,19 +127,19 @@ def run_experiments(
     if nexp < 1:
         raise ConfigError(f"--nexp must be at least 1, got {nexp}")
     lock = None
-    if cfg.resume:
-        run_dir = resume_run_dir(bench, cfg)
-        if run_dir.is_dir():  # one process at a time continues a run folder
-            lock = FolderLock(run_dir, "resume=true").acquire()
-        if (run_dir / CONFIG).exists():  # continue with the settings the run started with
-            _, saved = load_run_config(run_dir / CONFIG)
-            _refuse_changes_on_resume(saved, cfg, given or [], run_dir)
-            cfg = dataclasses.replace(
-                saved, resume=True, output=dataclasses.replace(saved.output, run_dir=str(run_dir))
-            )
-    else:
-        cfg = _absolute_paths(cfg)  # the run may be resumed, or its job started, from another directory
     try:
+        if cfg.resume:
+            run_dir = resume_run_dir(bench, cfg)
+            if run_dir.is_dir():  # one process at a time continues a run folder
+                lock = FolderLock(run_dir, "resume=true").acquire()
+            if (run_dir / CONFIG).exists():  # continue with the settings the run started with
+                _, saved = load_run_config(run_dir / CONFIG)
+                _refuse_changes_on_resume(saved, cfg, given or [], run_dir)
+                cfg = dataclasses.replace(
+                    saved, resume=True, output=dataclasses.replace(saved.output, run_dir=str(run_dir))
+                )
+        else:
+            cfg = _absolute_paths(cfg)  # the run may be resumed, or its job started, from another directory
         return _run_locked(bench, cfg, nexp, lock)
     finally:
         if lock is not None:
