@@ -317,6 +317,31 @@ def test_fp8_frozen_linear_matches_bf16_compiled_and_eager_on_cuda():
     assert err(g, g_ref) < 0.1
 
 
+@pytest.mark.parametrize("shape", [(10240, 8192), (8192, 28672), (1000, 777), (1, 130), (129, 1)])
+def test_the_fp8_transpose_kernel_equals_torchs_transpose_bit_for_bit_on_cuda(shape):
+    from trainbench.models import fp8
+
+    w, _ = fp8.quantize_rows(torch.randn(*shape, device="cuda"))
+    for block in (32, 64, 128):
+        got = fp8.transpose_fp8(w, block)
+        assert got.shape == (shape[1], shape[0]) and got.dtype == fp8.E4M3 and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8), w.t().contiguous().view(torch.uint8)), block
+
+
+def test_the_fp8_input_gradient_through_the_kernel_equals_the_dequantised_product_on_cuda():
+    """The backward's GEMM with the transposed weight against the same numbers in fp32: only the FP8 rounding of
+    the gradient differs."""
+    from trainbench.models import fp8
+
+    torch.manual_seed(0)
+    w, s = fp8.quantize_rows(torch.randn(768, 512, device="cuda"))
+    grad = torch.randn(256, 768, device="cuda")
+    gq, gs = fp8.quantize_rows(grad * s.t())
+    got = fp8.fp8_grad_input(gq, gs, w, torch.float32)
+    want = (gq.float() * gs) @ w.float()
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-2
+
+
 @pytest.mark.parametrize("base", ["auto", "fp8"])
 def test_tiny_lora_reaches_its_target_with_a_bf16_or_fp8_base_compiled_on_cuda(tmp_path, base):
     data = tmp_path / "data"
