@@ -13,6 +13,8 @@ Modes (``--mode``), each printing one JSON line per configuration and writing th
   adapters (44.6 M parameters).
 
 Every model is placed by ``trainbench.models.lora_parallel.place_lora``, the function ``trainbench run`` uses.
+- ``profile`` (one GPU): ``--layers`` FP8 blocks, nothing recomputed: the CUDA time per block by kernel group and
+  the 25 longest kernels (torch.profiler self times), and the memory a block keeps for its backward.
 - ``load`` (torchrun, N GPUs): rank 0 writes a random ``--layers``-block checkpoint of the 70B width as sharded
   safetensors (fused qkv, bf16); every rank then reads its FSDP2 shards from it. Reported: bytes read per rank,
   seconds, and host memory: peak anonymous memory (sampled every 5 ms) and peak resident set, which also counts
@@ -229,6 +231,64 @@ def mode_fp8_one(args) -> list[dict]:
     return results
 
 
+# Kernel names to the rows of the per-block table (first match wins).
+KERNEL_GROUPS = (
+    ("FP8 GEMM (_scaled_mm)", ("_qqtst_", "_qqtnt_", "e4m3", "sm90_xmma_gemm_e4m3")),
+    ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
+    ("FP8 weight transpose", ("kernel_0d1d2d3d", "transpose", "float8_copy")),
+    ("bf16/fp32 GEMM (adapters, lm_head)", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet")),
+    ("copies", ("copy", "memcpy", "memset", "cat")),
+    ("Triton (norms, SwiGLU, quantisation, dropout)", ("triton",)),
+)
+
+
+def _group(name: str) -> str:
+    if name == "kernel":  # the Triton transpose of models/fp8.py (its function is named kernel)
+        return "FP8 weight transpose"
+    low = name.lower()
+    for group, keys in KERNEL_GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other"
+
+
+def mode_profile(args) -> list[dict]:
+    """``--layers`` FP8 blocks, nothing recomputed, compiled: torch.profiler's CUDA self time per kernel, summed into
+    groups and divided by blocks and steps; and the memory each block keeps for its backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, _ = build_ours(args.layers, ONE_GPU, "fp8")
+    recompute_last(model, 0)
+    opt = optimizer(model)
+    b = batch(args.packed)
+    step = step_fn(model, opt, b)
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    weights = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    kept = (torch.cuda.max_memory_allocated() - weights) / args.layers / 2**30
+    sec = timed_steps(step, args.steps, 1)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.self_device_time_total > 0:
+            kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3 / args.steps / args.layers
+    groups: dict[str, float] = {}
+    for name, ms in kernels.items():
+        groups[_group(name)] = groups.get(_group(name), 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return [{"config": f"profile_fp8_{args.layers}_blocks{'_packed' if args.packed else ''}", "layers": args.layers,
+             "ms_per_block_wall": sec / args.layers * 1e3, "peak_gib_per_block_above_weights": kept,
+             "ms_per_block_by_group": {k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+             "top_kernels_ms_per_block": [[k[:120], round(v, 3)] for k, v in top]}]  # fmt: skip
+
+
 def init_dist() -> DistInfo:
     import torch.distributed as dist
 
@@ -344,8 +404,9 @@ def projections(rows: list[dict]) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mode", required=True, choices=("single", "fp8-one", "fsdp", "fp8-dp", "load"))
-    p.add_argument("--layers", type=int, default=8, help="single: blocks of the 70B width; load: blocks written")
+    p.add_argument("--mode", required=True, choices=("single", "fp8-one", "fsdp", "fp8-dp", "load", "profile"))
+    p.add_argument("--layers", type=int, default=8, help="single, profile: blocks of the 70B width; load: written")
+    p.add_argument("--packed", action="store_true", help="profile: a row of two sequences (the masked attention)")
     p.add_argument("--checkpointed", default="80", help="blocks recomputed in backward, comma-separated variants")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
@@ -359,6 +420,8 @@ def main() -> None:
         results = mode_single(args)
     elif args.mode == "fp8-one":
         results = mode_fp8_one(args)
+    elif args.mode == "profile":
+        results = mode_profile(args)
     else:
         results = {"fsdp": mode_fsdp, "fp8-dp": mode_fp8_dp, "load": mode_load}[args.mode](args, info)
     if distributed:
