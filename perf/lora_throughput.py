@@ -50,7 +50,7 @@ from llm_throughput import energy_fields, timed_steps  # noqa: E402
 from trainbench.benchmarks.lora import LLAMA2_70B, LoraBenchmark  # noqa: E402
 from trainbench.distributed import DistInfo  # noqa: E402
 from trainbench.models import fp8  # noqa: E402
-from trainbench.models.decoder import DecoderLM, recompute_last  # noqa: E402
+from trainbench.models.decoder import DecoderLM, recompute_last, silu_mul  # noqa: E402
 from trainbench.models.lora_parallel import place_lora  # noqa: E402
 from trainbench.optim.adamw import AdamClipped  # noqa: E402
 from trainbench.report.projection import project  # noqa: E402
@@ -214,15 +214,23 @@ def mode_single(args) -> list[dict]:
     return results
 
 
+def mlp_saved(model, how: str) -> None:
+    """``fp8``: the placement's FP8-kept SwiGLU inputs; ``bf16``: the plain function (kept in bf16)."""
+    if how == "bf16":
+        for block in model.model.layers:
+            block.mlp.gated = silu_mul
+
+
 def mode_fp8_one(args) -> list[dict]:
     model, _ = build_ours(80, ONE_GPU, "fp8")
+    mlp_saved(model, args.mlp_saved)
     print(json.dumps({"fp8_model_gib": torch.cuda.memory_allocated() / 2**30}), flush=True)
     results = []
     for ckpt in args.checkpointed_list:
         recompute_last(model, ckpt)
         opt = optimizer(model)
         b = batch()
-        name = f"ours_fp8_one_gpu_ckpt{ckpt}"
+        name = f"ours_fp8_one_gpu_ckpt{ckpt}_mlp_{args.mlp_saved}"
         results.append(measure(name, 80, model, step_fn(model, opt, b), args.steps, args.warmup,
                                forward=forward_fn(model, b)))  # fmt: skip
         print(json.dumps(results[-1]), flush=True)
@@ -258,6 +266,7 @@ def mode_profile(args) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     model, _ = build_ours(args.layers, ONE_GPU, "fp8")
+    mlp_saved(model, args.mlp_saved)
     recompute_last(model, 0)
     opt = optimizer(model)
     b = batch(args.packed)
@@ -283,7 +292,8 @@ def mode_profile(args) -> list[dict]:
     for name, ms in kernels.items():
         groups[_group(name)] = groups.get(_group(name), 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
-    return [{"config": f"profile_fp8_{args.layers}_blocks{'_packed' if args.packed else ''}", "layers": args.layers,
+    return [{"config": f"profile_fp8_{args.layers}_blocks{'_packed' if args.packed else ''}_mlp_{args.mlp_saved}",
+             "layers": args.layers,
              "ms_per_block_wall": sec / args.layers * 1e3, "peak_gib_per_block_above_weights": kept,
              "ms_per_block_by_group": {k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
              "top_kernels_ms_per_block": [[k[:120], round(v, 3)] for k, v in top]}]  # fmt: skip
@@ -407,6 +417,8 @@ def main() -> None:
     p.add_argument("--mode", required=True, choices=("single", "fp8-one", "fsdp", "fp8-dp", "load", "profile"))
     p.add_argument("--layers", type=int, default=8, help="single, profile: blocks of the 70B width; load: written")
     p.add_argument("--packed", action="store_true", help="profile: a row of two sequences (the masked attention)")
+    p.add_argument("--mlp-saved", default="fp8", choices=("fp8", "bf16"),
+                   help="fp8-one, profile: SwiGLU inputs kept in FP8 (the placement's) or bf16")  # fmt: skip
     p.add_argument("--checkpointed", default="80", help="blocks recomputed in backward, comma-separated variants")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)

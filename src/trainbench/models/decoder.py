@@ -161,7 +161,16 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gating: ``silu(gate) * up``."""
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
+    # How the gate meets the up projection; a placement may swap in an equal function that keeps less for the
+    # backward (models/fp8.py keeps both inputs in FP8).
+    gated = staticmethod(silu_mul)
+
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
@@ -173,7 +182,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.gated(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 

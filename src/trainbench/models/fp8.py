@@ -15,6 +15,7 @@ stored, another kernel.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 E4M3 = torch.float8_e4m3fn
@@ -110,6 +111,40 @@ class _Fp8Matmul(torch.autograd.Function):
         # dx = gq @ Wq: Wq's transpose [in, out] as the second operand; a transient copy of this layer only.
         dx = fp8_grad_input(gq, gs, weight, ctx.in_dtype)
         return dx.reshape(*shape[:-1], weight.shape[1]), None, None
+
+
+class _SiluMulFp8Saved(torch.autograd.Function):
+    """``silu(gate) * up`` whose backward reads both inputs from e4m3 copies with one scale per row (half the bytes of
+    bf16): a 70B block keeps 448 MiB of them instead of 896 MiB. The forward's output is exact; the gradients see the
+    inputs rounded to FP8 (about 2^-4 relative), as the FP8 base's GEMMs already see their inputs."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        out = F.silu(gate) * up
+        width = gate.shape[-1]
+        gq, gs = quantize_rows(gate.detach().reshape(-1, width))
+        uq, us = quantize_rows(up.detach().reshape(-1, width))
+        ctx.save_for_backward(gq, gs, uq, us)
+        ctx.shape, ctx.dtypes = gate.shape, (gate.dtype, up.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gq, gs, uq, us = ctx.saved_tensors
+        gate = (gq.float() * gs).reshape(ctx.shape)
+        up = (uq.float() * us).reshape(ctx.shape)
+        sig = torch.sigmoid(gate)
+        grad = grad.float()
+        d_gate = grad * up * sig * (1 + gate * (1 - sig))
+        d_up = grad * gate * sig
+        return d_gate.to(ctx.dtypes[0]), d_up.to(ctx.dtypes[1])
+
+
+def silu_mul_fp8_saved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """:func:`trainbench.models.decoder.silu_mul` keeping its inputs for the backward in FP8 (where grad is on)."""
+    if not torch.is_grad_enabled() or not (gate.requires_grad or up.requires_grad):
+        return F.silu(gate) * up
+    return _SiluMulFp8Saved.apply(gate, up)
 
 
 class Fp8Linear(nn.Linear):
