@@ -151,6 +151,19 @@ class LoraBenchmark(LLMBenchmark):
         for split in ("train", "eval"):
             sft.Split(root / split, cfg.data.seq_length)
 
+    def inputs_identity(self, cfg: RunConfig) -> dict[str, Any]:
+        """The data set's and the base weights' identities (the base's from its index and tensor headers)."""
+        from trainbench.models.hf_checkpoint import identity
+
+        return super().inputs_identity(cfg) | {"base weights": identity(self.base_weights(cfg))}
+
+    def describe_input_change(self, name: str, old: Any, new: Any) -> str:
+        if name == "base weights":
+            from trainbench.models.hf_checkpoint import describe_change
+
+            return describe_change(old or {}, new or {}) or "it differs"
+        return super().describe_input_change(name, old, new)
+
     def build_data(self, cfg: RunConfig, rank: int, world_size: int, start_sample: int = 0) -> BenchmarkData:
         d, root = cfg.data, self._root(cfg)
         train, evals = sft.Split(root / "train", d.seq_length), sft.Split(root / "eval", d.seq_length)
@@ -173,6 +186,22 @@ class LoraBenchmark(LLMBenchmark):
         placed = place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
                             cfg.perf.compile, cfg.seed)  # fmt: skip
         return recompute_fewer(placed, cfg)
+
+    def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
+        """Which base was read, the type its files store and what the run made of it."""
+        from trainbench.models.hf_checkpoint import FLOAT_TYPES
+
+        folder = self.base_weights(cfg)
+        with HFCheckpoint(folder) as ckpt:
+            stored = sorted({FLOAT_TYPES.get(ckpt.dtype(n), ckpt.dtype(n)) for n in ckpt.where})
+        if cfg.model.base_precision == "fp8":
+            made = "quantised to FP8 (e4m3, a scale per output channel) block by block"
+        else:
+            target = "bfloat16" if bf16 and device.type == "cuda" else "float32"
+            made = f"used as {target}" + ("" if stored == [target] else " (" + "; ".join(
+                f"{t} {'widened exactly' if _wider(target, t) else 'rounded'} to {target}" for t in stored
+                if t != target) + ")")  # fmt: skip
+        return [f"base weights: {folder}, stored as {', '.join(stored)}, {made}"]
 
     def end_lr(self, cfg: RunConfig) -> float:
         return cfg.schedule.end_lr if cfg.schedule.end_lr is not None else 0.0
@@ -219,3 +248,9 @@ class LoraBenchmark(LLMBenchmark):
     # -- the command line -----------------------------------------------------------------------
     def prepare(self, args) -> int:
         return lora_prepare.prepare(args, self)
+
+
+def _wider(target: str, stored: str) -> bool:
+    """Whether every ``stored`` value is exactly a ``target`` value (float16 -> float32, bfloat16 -> float32)."""
+    bits = {"bfloat16": (8, 8), "float16": (11, 5), "float32": (24, 8), "float64": (53, 11)}  # mantissa, exponent
+    return all(a >= b for a, b in zip(bits[target], bits[stored], strict=True))

@@ -40,10 +40,7 @@ class HFCheckpoint:
             raise DataError(f"{self.folder}: no such checkpoint folder; give the folder holding {INDEX} and its shards")
         index = self.folder / INDEX
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise DataError(f"{index}: not a safetensors index (no weight_map): {e}") from None
+            weight_map = read_index(index)
             files = sorted(set(weight_map.values()))
         elif (self.folder / SINGLE).exists():
             files, weight_map = [SINGLE], None
@@ -86,6 +83,10 @@ class HFCheckpoint:
     def has(self, name: str) -> bool:
         return name in self.where
 
+    def dtype(self, name: str) -> str:
+        """The tensor's type as its file's header names it (``BF16``, ``F16``, ``F32``, ``I64``, ...)."""
+        return str(self._open[self.where[name]].get_slice(name).get_dtype())
+
     def file_of(self, name: str) -> Path:
         return self.folder / self.where[name]
 
@@ -93,8 +94,103 @@ class HFCheckpoint:
         return tuple(self._open[self.where[name]].get_slice(name).get_shape())
 
     def read(self, name: str, rows: slice, cols: slice | None) -> torch.Tensor:
-        part = self._open[self.where[name]].get_slice(name)
-        return part[rows] if cols is None else part[rows, cols]
+        try:
+            part = self._open[self.where[name]].get_slice(name)
+            return part[rows] if cols is None else part[rows, cols]
+        except Exception as e:  # safetensors' own error types: a file cut short or changed since it was opened
+            raise DataError(f"{self.file_of(name)}: tensor {name} cannot be read ({_first_line(e)}); download the "
+                            "checkpoint again") from None  # fmt: skip
+
+
+# The types a frozen base may be stored in: floating point only (an integer tensor would be cast, and trained on,
+# as if it were weights).
+FLOAT_TYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """``weight_map`` of a safetensors index: tensor name -> shard file name, every shard a plain file name inside
+    the index's folder (an index never sends the reader elsewhere on the disk)."""
+    try:
+        value = json.loads(index.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{index}: not a safetensors index ({_first_line(e)}); download it again") from None
+    weight_map = value.get("weight_map") if isinstance(value, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):  # fmt: skip
+        raise DataError(f"{index}: not a safetensors index (its weight_map must map tensor names to shard file "
+                        "names); download it again")  # fmt: skip
+    if not weight_map:
+        raise DataError(f"{index}: its weight_map names no tensor; download it again")
+    for name in set(weight_map.values()):
+        if name != Path(name).name or name in (".", "..") or "\\" in name:
+            raise DataError(f"{index}: names the shard '{name}', outside its folder; an index may name only files "
+                            "beside it")  # fmt: skip
+    return weight_map
+
+
+SAMPLES, SAMPLE_BYTES = 16, 64 * 2**10  # per shard: 16 pieces of 64 KiB of its tensor data (all of a small one)
+
+
+def identity(folder: str | Path) -> dict:
+    """What a base checkpoint is, without reading all of it: the index's sha256, and per shard its name, size, the
+    sha256 of its header (the 8-byte length and the JSON giving every tensor's name, type, shape and offsets) and the
+    sha256 of 16 evenly spaced 64 KiB pieces of its tensor data (all of it below 1 MiB). Another base of the same
+    shapes has the same headers; its sampled data differs. A full hash of the 70B base reads 138 GB (minutes at a
+    file system's speed, at every start and resume); the samples read 1 MiB a shard (perf/base_identity.py)."""
+    import hashlib
+
+    root = Path(folder)
+    index = root / INDEX
+    files = sorted(set(read_index(index).values())) if index.exists() else [SINGLE]
+    out: dict = {"index_sha256": hashlib.sha256(index.read_bytes()).hexdigest() if index.exists() else None,
+                 "shards": {}}  # fmt: skip
+    for name in files:
+        path = root / name
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.read(8)
+                length = int.from_bytes(head, "little") if len(head) == 8 else 0
+                header = f.read(min(length, 100 * 2**20))  # safetensors caps its header at 100 MB
+                start = 8 + len(header)
+                data = hashlib.sha256()
+                span = size - start
+                if span <= SAMPLES * SAMPLE_BYTES:
+                    data.update(f.read())
+                else:
+                    for i in range(SAMPLES):
+                        f.seek(start + (span - SAMPLE_BYTES) * i // (SAMPLES - 1))
+                        data.update(f.read(SAMPLE_BYTES))
+        except OSError as e:
+            raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+        out["shards"][name] = {"bytes": size, "header_sha256": hashlib.sha256(head + header).hexdigest(),
+                               "data_sample_sha256": data.hexdigest()}  # fmt: skip
+    return out
+
+
+def describe_change(old: dict, new: dict) -> str | None:
+    """A short phrase naming how two :func:`identity` values differ (None when they do not)."""
+    if old == new:
+        return None
+    a, b = old.get("shards", {}), new.get("shards", {})
+    for name in sorted(set(a) | set(b)):
+        if name not in b:
+            return f"shard {name} is gone"
+        if name not in a:
+            return f"shard {name} is new"
+        if a[name].get("bytes") != b[name].get("bytes"):
+            return f"shard {name} changed size ({a[name].get('bytes'):,} -> {b[name].get('bytes'):,} bytes)"
+        if a[name].get("header_sha256") != b[name].get("header_sha256"):
+            return f"the tensor headers of shard {name} changed"
+        if a[name].get("data_sample_sha256") != b[name].get("data_sample_sha256"):
+            return f"the tensor data of shard {name} changed"
+    if old.get("index_sha256") != new.get("index_sha256"):
+        return "its index changed"
+    return "it differs"
 
 
 def _sources(name: str, ckpt: HFCheckpoint, cfg: DecoderConfig) -> list[tuple[str, int, int]]:
@@ -130,6 +226,9 @@ def _check_shape(name: str, want: tuple[int, ...], ckpt: HFCheckpoint, sources) 
         if not ckpt.has(tensor):
             raise DataError(f"{ckpt.folder}: no tensor {tensor} (for the model's {name}); is this checkpoint of "
                             "the model the config describes?")  # fmt: skip
+        if ckpt.dtype(tensor) not in FLOAT_TYPES:
+            raise DataError(f"{ckpt.file_of(tensor)}: tensor {tensor} is stored as {ckpt.dtype(tensor)}, not as "
+                            f"floating point ({', '.join(FLOAT_TYPES)}); these are not a model's weights")  # fmt: skip
     shapes = [ckpt.shape(t) for t, _, _ in sources]
     got_rows = sum(s[0] if r < 0 else r for s, (_, _, r) in zip(shapes, sources, strict=True))
     trailing = {s[1:] for s in shapes}
