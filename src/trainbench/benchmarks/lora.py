@@ -148,8 +148,13 @@ class LoraBenchmark(LLMBenchmark):
         # Every shard there, every tensor of the model's shape: read from the files' headers, before any folder is made.
         with torch.device("meta"), HFCheckpoint(self.base_weights(cfg)) as ckpt:
             check_shapes(DecoderLM(cfg.model), ckpt, cfg.model)
+        splits = manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}
         for split in ("train", "eval"):
-            sft.Split(root / split, cfg.data.seq_length)
+            sft.Split(root / split, cfg.data.seq_length).check(splits.get(split, {}), cfg.model.vocab_size)
+        rows = splits["train"]["rows"]
+        if cfg.data.global_batch_size > rows:
+            raise DataError(f"{root}: {rows:,} training rows, fewer than one global batch (data.global_batch_size="
+                            f"{cfg.data.global_batch_size}); prepare more data or set a smaller batch")  # fmt: skip
 
     def inputs_identity(self, cfg: RunConfig) -> dict[str, Any]:
         """The data set's and the base weights' identities (the base's from its index and tensor headers)."""

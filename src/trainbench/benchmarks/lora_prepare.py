@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
 
-from trainbench.errors import UserError
+from trainbench.errors import DataError, UserError
 
 # The tiny base is written in shards this small, so tiny runs read several shards as 70B runs do.
 TINY_SHARD_BYTES = 100_000
@@ -33,6 +34,24 @@ def _claim(out: Path, spec: dict, force: bool) -> bool:
 
 
 def prepare(args, bench) -> int:
+    """Write the data set into ``args.out``; a disk that fills up ends in one sentence, and since the manifest is
+    written last, a folder without one is never taken for a data set."""
+    try:
+        return _prepare(args, bench)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            where = e.filename or "while writing"
+            raise DataError(f"{args.out}: the disk is full ({where}); nothing there is marked complete (no "
+                            "manifest.json): make room and run the same command again") from None  # fmt: skip
+        raise
+    except Exception as e:
+        if "No space left on device" in str(e):  # safetensors reports a full disk as its own error type
+            raise DataError(f"{args.out}: the disk is full; nothing there is marked complete (no manifest.json): "
+                            "make room and run the same command again") from None  # fmt: skip
+        raise
+
+
+def _prepare(args, bench) -> int:
     from rich.progress import BarColumn, Progress, TextColumn
 
     from trainbench.console import console

@@ -6,11 +6,14 @@
   counts); examples longer than the row (8192 tokens) are dropped, as MLPerf's reference drops them.
 - MLPerf's tokenised parquet (``input_ids``, ``labels`` with -100 over the prompt).
 - NVIDIA's ``train.npy`` / ``validation.npy`` (rows of ``input_ids``, ``loss_mask``, ``seq_start_id``): each row
-  is cut back into its sequences. These are pickled numpy objects: read only files from a source you trust.
+  is cut back into its sequences. These are pickled numpy object arrays; they are read by an unpickler that admits
+  numpy's own array classes and nothing else, so a crafted file cannot run code (:func:`load_object_npy`).
 
 Files whose names start with ``train`` are the training split, ``validation`` the eval split. Tokenised input is
-checked, not trimmed: a sequence longer than a row, labels of another length than the tokens, or token ids past
-the model's vocabulary stop the preparation with one sentence naming the file and row.
+checked, not trimmed: a sequence longer than a row, labels of another length than the tokens, token ids that are not
+integers or lie past the model's vocabulary, labels other than -100 or the token itself, loss masks other than 0/1,
+sequence starts that do not begin at 0 and rise within the row, text columns that are not text: each stops the
+preparation with one sentence naming the file and row.
 
 The synthetic source (``--synthetic``) writes a summarisation-shaped task a tiny model can learn with LoRA on a
 random base: each example has one of ``topics`` topics; its "text" is 24-72 words drawn from that topic's 24
@@ -20,6 +23,7 @@ safetensors (``base/``), so tiny runs load their weights exactly as 70B runs do.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 
@@ -104,9 +108,7 @@ def detect(source: Path) -> str:
     if not files:
         raise DataError(f"{source}: no train*.parquet and no train.npy; give SCROLLS GovReport's parquet files, "
                         "MLPerf's tokenised parquet or NVIDIA's train.npy/validation.npy")  # fmt: skip
-    import pyarrow.parquet as pq
-
-    columns = set(pq.read_schema(files[0]).names)
+    columns = _schema_names(files[0])
     if {"input_ids", "labels"} <= columns:
         return "tokens"
     if {"input", "output"} <= columns:
@@ -116,15 +118,41 @@ def detect(source: Path) -> str:
                     "parquet with input and output, or tokenised parquet with input_ids and labels")  # fmt: skip
 
 
-def _columns(path: Path, names: list[str]):
+def _schema_names(path: Path) -> set[str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    have = set(pq.read_schema(path).names)
+    try:
+        return set(pq.read_schema(path).names)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable parquet file ({_first_line(e)}); download it again") from None
+
+
+def _columns(path: Path, names: list[str]):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    have = _schema_names(path)
     for name in names:
         if name not in have:
             raise DataError(f"{path}: no column '{name}' (columns: {', '.join(sorted(have))})")
-    table = pq.read_table(path, columns=names)
-    return [table.column(n).to_pylist() for n in names]
+    try:
+        table = pq.read_table(path, columns=names)
+        return [table.column(n).to_pylist() for n in names]
+    except (pa.ArrowException, OSError, ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not a readable parquet file ({_first_line(e)}); download it again") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+
+
+def _texts(path: Path, column: str, values: list) -> list[str]:
+    for row, value in enumerate(values):
+        if not isinstance(value, str):
+            what = "empty (null)" if value is None else f"a {type(value).__name__}, not text"
+            raise DataError(f"{path}: row {row} of column '{column}' is {what}; GovReport's input and output are text")
+    return values
 
 
 def read_text(files: list[Path], tok: TextTokenizer, row_length: int, progress: Progress | None):
@@ -132,6 +160,7 @@ def read_text(files: list[Path], tok: TextTokenizer, row_length: int, progress: 
     out, dropped = [], 0
     for i, path in enumerate(files):
         inputs, outputs = _columns(path, ["input", "output"])
+        inputs, outputs = _texts(path, "input", inputs), _texts(path, "output", outputs)
         for j in range(0, len(inputs), 256):
             for tokens, mask in tok.example(inputs[j : j + 256], outputs[j : j + 256]):
                 if len(tokens) > row_length:
@@ -155,37 +184,115 @@ def _checked(path: Path, row: int, tokens: np.ndarray, mask: np.ndarray, row_len
     return tokens, mask
 
 
+def integers(path: Path, row: int, what: str, value) -> np.ndarray:
+    """``value`` (a list or array) as a 1-d int64 array, refusing what is not a sequence of integers."""
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError):
+        array = np.asarray([None])
+    if array.ndim != 1 or not (array.dtype.kind in "iub" or (array.dtype.kind == "f" and np.all(np.isfinite(array))
+                                                               and np.all(array == np.round(array)))):  # fmt: skip
+        shown = repr(value)[:60]
+        raise DataError(f"{path}: row {row}: {what} must be a list of integers, got {shown}")
+    return array.astype(np.int64)
+
+
 def read_tokens(files: list[Path], row_length: int, vocab: int, progress: Progress | None) -> Sequences:
     out = []
     for i, path in enumerate(files):
         ids, labels = _columns(path, ["input_ids", "labels"])
         for row, (x, y) in enumerate(zip(ids, labels, strict=True)):
+            x, y = integers(path, row, "input_ids", x), integers(path, row, "labels", y)
             if len(x) != len(y):
                 raise DataError(f"{path}: row {row} has {len(y)} labels for {len(x)} input_ids; they must be as long")
-            x, y = np.asarray(x, np.int64), np.asarray(y, np.int64)
+            wrong = np.flatnonzero((y != sft.IGNORE) & (y != x))
+            if len(wrong):
+                raise DataError(f"{path}: row {row}: label {int(y[wrong[0]])} at position {int(wrong[0])} is neither "
+                                f"{sft.IGNORE} (a prompt token, no loss) nor the token itself ({int(x[wrong[0]])}), "
+                                "as MLPerf's tokenised GovReport has them")  # fmt: skip
             out.append(_checked(path, row, x, (y != sft.IGNORE).astype(np.uint8), row_length, vocab))
         if progress:
             progress(i + 1, len(files))
     return out
 
 
-def read_npy(path: Path, row_length: int, vocab: int) -> Sequences:
+# What np.save writes for an object array of dicts of arrays: numpy's array reconstruction and nothing else.
+_NUMPY_PICKLE = {
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+    ("numpy", "ndarray"), ("numpy", "dtype"),
+}  # fmt: skip
+
+
+class _NumpyOnly(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) not in _NUMPY_PICKLE:
+            raise pickle.UnpicklingError(f"it holds a pickled {module}.{name}")
+        if module == "numpy":
+            return getattr(np, name)
+        core = np._core if hasattr(np, "_core") else np.core  # numpy 2 renamed numpy.core
+        return getattr(getattr(core, module.rsplit(".", 1)[-1]), name)
+
+
+def load_object_npy(path: Path) -> np.ndarray:
+    """A .npy file of a pickled object array, read by an unpickler that admits only numpy's array classes: a file
+    whose pickle names anything else (a function to call) is refused before anything is called."""
+    from numpy.lib import format as npy
+
     try:
-        rows = np.load(path, allow_pickle=True)
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: not a numpy file ({e})") from None
+        with open(path, "rb") as f:
+            version = npy.read_magic(f)
+            if version == (1, 0):
+                shape, _, dtype = npy.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, _, dtype = npy.read_array_header_2_0(f)
+            else:
+                raise ValueError(f"numpy file format version {version}")
+            if not dtype.hasobject:
+                raise DataError(f"{path}: an array of {dtype}, not NVIDIA's rows (a pickled array of dicts of "
+                                "input_ids, loss_mask and seq_start_id)")  # fmt: skip
+            array = _NumpyOnly(f).load()
+    except DataError:
+        raise
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except pickle.UnpicklingError as e:
+        raise DataError(f"{path}: {_first_line(e)}, which trainbench does not load (it could run code); NVIDIA's "
+                        "files hold numpy arrays only: download them again") from None  # fmt: skip
+    except Exception as e:  # an empty or cut file: EOFError, ValueError and others from the header or the pickle
+        raise DataError(f"{path}: not a whole numpy file ({type(e).__name__}: {_first_line(e)}); download it "
+                        "again") from None  # fmt: skip
+    if not isinstance(array, np.ndarray) or array.shape != shape:
+        raise DataError(f"{path}: its pickle is not the array of shape {shape} its header announces")
+    return array
+
+
+def read_npy(path: Path, row_length: int, vocab: int) -> Sequences:
+    rows = load_object_npy(path)
+    if rows.ndim != 1 or len(rows) == 0:
+        raise DataError(f"{path}: holds {'no rows' if rows.size == 0 else f'an array of shape {rows.shape}'}; "
+                        "NVIDIA's files hold one row of 8192 tokens per entry")  # fmt: skip
     out = []
     for r, row in enumerate(rows):
         if not isinstance(row, dict) or not {"input_ids", "loss_mask", "seq_start_id"} <= set(row):
-            have = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+            have = ", ".join(sorted(map(str, row))) if isinstance(row, dict) else type(row).__name__
             raise DataError(f"{path}: row {r} is not a dict of input_ids, loss_mask and seq_start_id ({have})")
-        ids, mask = np.asarray(row["input_ids"], np.int64), np.asarray(row["loss_mask"], np.uint8)
+        ids = integers(path, r, "input_ids", row["input_ids"])
+        mask = integers(path, r, "loss_mask", row["loss_mask"])
         if len(ids) != len(mask):
             raise DataError(f"{path}: row {r} has {len(mask)} loss_mask values for {len(ids)} input_ids; they must "
                             "be as long")  # fmt: skip
-        starts = [int(s) for s in row["seq_start_id"]] + [len(ids)]
-        for a, b in zip(starts[:-1], starts[1:], strict=True):
-            out.append(_checked(path, r, ids[a:b], mask[a:b], row_length, vocab))
+        if len(mask) and (mask.min() < 0 or mask.max() > 1):
+            raise DataError(f"{path}: row {r}: loss_mask holds {int(mask.max() if mask.max() > 1 else mask.min())}; "
+                            "it must be 0 (no loss) or 1")  # fmt: skip
+        starts = integers(path, r, "seq_start_id", row["seq_start_id"])
+        if len(starts) == 0 or starts[0] != 0 or np.any(np.diff(starts) <= 0) or starts[-1] >= max(len(ids), 1):
+            raise DataError(f"{path}: row {r}: seq_start_id {starts.tolist()[:8]} must start at 0 and rise strictly "
+                            f"within the row's {len(ids)} tokens; every token belongs to one sequence")  # fmt: skip
+        bounds = [*starts.tolist(), len(ids)]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            out.append(_checked(path, r, ids[a:b], mask[a:b].astype(np.uint8), row_length, vocab))
     return out
 
 

@@ -102,9 +102,47 @@ class Split:
         missing = [f for f in FILES if not (self.folder / f).exists()]
         if missing:
             raise DataError(f"{self.folder}: {missing[0]} is missing; prepare the data set again")
-        self.tokens, self.labels, self.seq_offsets, self.row_offsets = (
-            np.load(self.folder / f, mmap_mode="r") for f in FILES
-        )
+        arrays = []
+        for name in FILES:
+            try:
+                arrays.append(np.load(self.folder / name, mmap_mode="r", allow_pickle=False))
+            except (OSError, ValueError, EOFError) as e:  # cut short ("mmap length ..."), not .npy, or pickled
+                raise DataError(f"{self.folder / name}: not a whole array ({str(e)[:120]}); prepare the data set "
+                                "again") from None  # fmt: skip
+        self.tokens, self.labels, self.seq_offsets, self.row_offsets = arrays
+
+    def check(self, sizes: dict, vocab: int) -> None:
+        """The arrays against each other and against the manifest's ``sizes`` of this split (sequences, rows,
+        tokens): types, lengths, offsets from 0 rising to the ends, every row within the row length and every
+        token in the vocabulary. An array swapped, cut or edited is one sentence here, not an error mid-run."""
+
+        def bad(what: str) -> DataError:
+            return DataError(f"{self.folder}: {what}; the data set was changed after `prepare`: prepare it again")
+
+        kinds = {"tokens.npy": "iu", "labels.npy": "u", "seq_offsets.npy": "i", "row_offsets.npy": "i"}
+        for name, array in zip(FILES, (self.tokens, self.labels, self.seq_offsets, self.row_offsets), strict=True):
+            if array.ndim != 1 or array.dtype.kind not in kinds[name]:
+                raise bad(f"{name} is an array of {array.dtype} and shape {array.shape}, not what prepare writes")
+        want = {"sequences": self.sequences, "rows": self.rows, "tokens": len(self.tokens)}
+        for key, have in want.items():
+            if not isinstance(sizes, dict) or sizes.get(key) != have:
+                listed = sizes.get(key) if isinstance(sizes, dict) else None
+                raise bad(f"its arrays hold {have:,} {key} but manifest.json lists {listed}")
+        seq, rows = np.asarray(self.seq_offsets), np.asarray(self.row_offsets)
+        if len(self.labels) != len(self.tokens):
+            raise bad(f"labels.npy has {len(self.labels):,} entries for {len(self.tokens):,} tokens")
+        if seq[0] != 0 or seq[-1] != len(self.tokens) or np.any(np.diff(seq) <= 0):
+            raise bad("seq_offsets.npy does not rise from 0 to the token count")
+        if rows[0] != 0 or rows[-1] != self.sequences or np.any(np.diff(rows) <= 0):
+            raise bad("row_offsets.npy does not rise from 0 to the sequence count")
+        longest = int(np.max(seq[rows[1:]] - seq[rows[:-1]]))
+        if longest > self.row_length:
+            raise bad(f"a row holds {longest} tokens, more than data.seq_length={self.row_length}")
+        if len(self.tokens) and (int(self.tokens.min()) < 0 or int(self.tokens.max()) >= vocab):
+            raise bad(f"token ids run from {int(self.tokens.min())} to {int(self.tokens.max())}, outside the "
+                      f"vocabulary of {vocab}")  # fmt: skip
+        if len(self.labels) and int(self.labels.max()) > 1:
+            raise bad("labels.npy holds values other than 0 and 1")
 
     @property
     def rows(self) -> int:
