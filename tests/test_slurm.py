@@ -507,7 +507,8 @@ def test_a_chained_script_waits_for_its_namesake_continues_and_skips_an_ended_ru
     run_dir = next(tmp_path.iterdir())
     script = (run_dir / "submit.sbatch").read_text()
     assert "#SBATCH --dependency=singleton" in script and "#SBATCH --requeue" in script  # node failures still requeue
-    assert "state CONTINUES" in script and "scontrol requeue" not in script
+    # on USR1 it leaves the rest to a queued namesake; with none queued (the chain's last job) it requeues itself
+    assert "state CONTINUES" in script and 'squeue -h -n "$SLURM_JOB_NAME"' in script
     assert json.loads((run_dir / "job.json").read_text())["chain"] == 3
     # A job of the chain that starts after the run has ended leaves at once: no srun, nothing rewritten.
     (run_dir / "result_0.txt").write_text("ended\n")

@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         metavar="K",
         help="submit K jobs of one name (--dependency=singleton), each continuing the run from the last one's "
-        "checkpoint until it ends: a run longer than the partition's time limit (default 1)",
+        "checkpoint until it ends: a run longer than the partition's time limit (default 1, at most 100)",
     )
     subm.add_argument("--dry-run", action="store_true", help="write and print the script; do not submit")
     subm.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")

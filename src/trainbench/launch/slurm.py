@@ -31,7 +31,7 @@ from trainbench.config import RunConfig, has_control_character, save_config
 from trainbench.errors import UserError
 from trainbench.launch.local import new_run_dir
 from trainbench.launch.systems import System, load_system, save_system
-from trainbench.runfiles import CONFIG
+from trainbench.runfiles import CONFIG, FolderLock
 
 q = shlex.quote
 SCRIPT = "submit.sbatch"
@@ -47,7 +47,9 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
                   chain: int = 1) -> str:  # fmt: skip
     """The sbatch script: #SBATCH lines, environment, srun of every rank, requeue and bookkeeping. With ``chain``
     > 1 the job is one of a chain of that name: it starts when the previous one has ended, continues the run from
-    its checkpoint, and on the time-limit warning leaves the rest to the next one instead of requeueing itself."""
+    its checkpoint, and on the time-limit warning leaves the rest to the next one instead of requeueing itself, when
+    a next one is queued; with none (the chain's last, or a resubmitted job) it requeues itself. A requeue Slurm
+    refuses leaves the state STOPPED and a line saying how to continue."""
     ranks = system.ranks_per_node
     sb = [
         f"--job-name={_job_name(cfg.benchmark, cfg.preset, system.name)}",
@@ -125,10 +127,19 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         'if [ -e "$RUN_DIR/preempted_$INDEX" ]; then  # the ranks checkpointed on USR1: go again',
         '  rm -f "$RUN_DIR/preempted_$INDEX"',
         *(
-            ['  state CONTINUES "$rc"  # the next job of the chain resumes from the checkpoint']
+            [  # the next job of the chain resumes from the checkpoint, if one is queued: else this one goes again
+                '  if squeue -h -n "$SLURM_JOB_NAME" -o %i 2>/dev/null | grep -qvx "$SLURM_JOB_ID"; then',
+                '    state CONTINUES "$rc"; exit 0',
+                "  fi",
+            ]
             if chain > 1
-            else ['  state REQUEUED "$rc"', '  scontrol requeue "$SLURM_JOB_ID"']
-        ),  # fmt: skip
+            else []
+        ),
+        '  state REQUEUED "$rc"',
+        '  if ! scontrol requeue "$SLURM_JOB_ID"; then',
+        '    state STOPPED "$rc"',
+        '    echo "run $INDEX stopped with a checkpoint and no job follows: trainbench resubmit $RUN_DIR continues it"',
+        "  fi",
         "  exit 0",
         "fi",
         '"$PYTHON" -m trainbench.launch.slurm finish "$RUN_DIR" "$INDEX" "$rc"',
@@ -256,8 +267,8 @@ def submit(
     Returns (run folder, script text, the first job's id or None)."""
     if nexp < 1:
         raise UserError(f"--nexp must be at least 1, got {nexp}")
-    if chain < 1:
-        raise UserError(f"--chain must be at least 1, got {chain}")
+    if not 1 <= chain <= MAX_CHAIN:
+        raise UserError(f"--chain must be from 1 to {MAX_CHAIN} jobs, got {chain}")
     if chain > 1 and nexp > 1:
         raise UserError("--chain continues one run across jobs: use it with --nexp 1 (submit each experiment apart)")
     layout = system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)
@@ -286,11 +297,51 @@ def submit(
     path.write_text(script)
     save_system(system, run_dir / SYSTEM)
     job = {"system": system.name, "layout": layout, "nexp": nexp, "chain": chain, "script": path.name, "job_id": None}
+    write_job(run_dir, job)
     if not dry_run:
-        ids = [_run(["sbatch", "--parsable", str(path)]).strip().split(";")[0] for _ in range(chain)]
+        ids: list[str] = []
+        for k in range(chain):  # each job recorded as soon as Slurm has it: resubmit must know every one
+            try:
+                ids.append(_run(["sbatch", "--parsable", str(path)]).strip().split(";")[0])
+            except UserError as e:
+                if not ids:
+                    raise
+                raise UserError(f"sbatch refused job {k + 1} of the chain of {chain} ({e}); jobs {', '.join(ids)} "
+                                f"are queued and recorded in {run_dir / 'job.json'}: let them run, then `trainbench "
+                                f"resubmit {run_dir}` continues the run (or scancel them)") from None  # fmt: skip
+            finally:
+                if ids:
+                    write_job(run_dir, job | {"job_id": ids[0], "job_ids": ids})
         job["job_id"], job["job_ids"] = ids[0], ids
-    (run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")
     return run_dir, script, job["job_id"]
+
+
+# The most jobs one `submit --chain` queues: a chain of a week at a two-hour limit, and a typo's million refused.
+MAX_CHAIN = 100
+
+
+def write_job(run_dir: Path, job: dict) -> None:
+    """``job.json`` whole or as it was: written beside, then renamed over it."""
+    tmp = run_dir / "job.json.tmp"
+    tmp.write_text(json.dumps(job, indent=2) + "\n")
+    os.replace(tmp, run_dir / "job.json")
+
+
+def read_job(run_dir: Path) -> dict:
+    """``job.json`` of a results folder, checked: one sentence for a file that is not what submit writes."""
+    path = run_dir / "job.json"
+    try:
+        job = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        why = str(e)[:120]
+        raise UserError(f"{path}: not readable as JSON ({why}); it is written by `trainbench submit`") from None
+    ids = job.get("job_ids") if isinstance(job, dict) else None
+    if (not isinstance(job, dict) or not isinstance(job.get("nexp", 1), int) or isinstance(job.get("nexp", 1), bool)
+            or not 1 <= job.get("nexp", 1) <= 10_000 or not isinstance(job.get("system", ""), str)
+            or not (ids is None or isinstance(ids, list) and all(isinstance(i, (str, int)) for i in ids))
+            or not isinstance(job.get("job_id"), (str, int, type(None)))):  # fmt: skip
+        raise UserError(f"{path}: not the job record `trainbench submit` writes (nexp, system, job_id, job_ids)")
+    return job
 
 
 def _job_states(ids: list[str]) -> dict[str, str]:
@@ -314,7 +365,12 @@ def resubmit(run_dir: Path, time_limit: str | None = None) -> tuple[list[int], s
     path, job_file = run_dir / SCRIPT, run_dir / "job.json"
     if not (path.is_file() and job_file.is_file()):
         raise UserError(f"{run_dir} is not a results folder written by `trainbench submit` (no {SCRIPT} or job.json)")
-    job = json.loads(job_file.read_text())
+    with FolderLock(run_dir, "trainbench resubmit"):  # two resubmits at once: the second waits for nothing, it stops
+        return _resubmit(run_dir, path, time_limit)
+
+
+def _resubmit(run_dir: Path, path: Path, time_limit: str | None) -> tuple[list[int], str]:
+    job = read_job(run_dir)
     nexp = int(job.get("nexp", 1))
     left = [i for i in range(nexp) if not (run_dir / f"result_{i}.txt").exists()]
     if not left:
@@ -346,7 +402,7 @@ def resubmit(run_dir: Path, time_limit: str | None = None) -> tuple[list[int], s
         )
     job["job_ids"] = [*ids, job_id]
     job["job_id"] = job_id
-    job_file.write_text(json.dumps(job, indent=2) + "\n")
+    write_job(run_dir, job)
     return left, job_id
 
 
