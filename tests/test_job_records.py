@@ -121,3 +121,41 @@ def test_two_resubmits_at_once_the_second_says_who_holds_the_folder(small_data, 
     finally:
         holder.kill()
         holder.wait()
+
+
+# -- report and package of a folder they must not take as one benchmark's -------------------------------------------
+
+
+@pytest.fixture
+def mixed(converged, tmp_path) -> Path:
+    """The tiny BERT run's folder with a second log that names llama2_70b_lora."""
+    import shutil
+
+    folder = Path(shutil.copytree(converged, tmp_path / "mixed"))
+    log = (folder / "result_0.txt").read_text()
+    assert '"value": "bert"' in log
+    (folder / "result_1.txt").write_text(log.replace('"value": "bert"', '"value": "llama2_70b_lora"'))
+    return folder
+
+
+def test_report_of_a_folder_mixing_benchmarks_is_refused_naming_them(mixed, capsys):
+    capsys.readouterr()
+    assert run_cli("report", mixed) == 2
+    message = _error(capsys)
+    assert "mixes benchmarks" in message and "result_1.txt: llama2_70b_lora" in message and "bert" in message
+    assert not (mixed / "report.html").exists()
+
+
+def test_package_of_a_folder_mixing_benchmarks_is_refused(mixed, tmp_path, capsys):
+    capsys.readouterr()
+    assert run_cli("package", mixed, "--org", "acme", "--system", "box", "--out", tmp_path / "pkg") == 2
+    assert "mixes benchmarks" in _error(capsys) and not (tmp_path / "pkg").exists()
+
+
+@pytest.mark.parametrize("org", ["..", ".", "a/b", "../up"])
+def test_package_names_never_lead_outside_the_output_folder(converged, tmp_path, capsys, org):
+    out = tmp_path / "deep" / "pkg"
+    capsys.readouterr()
+    assert run_cli("package", converged, "--org", org, "--system", "box", "--out", out) == 2
+    assert "letters, digits" in _error(capsys)
+    assert not (tmp_path / "deep").exists()

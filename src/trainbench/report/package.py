@@ -78,8 +78,9 @@ def system_description(org: str, system_name: str, run_dir: Path, division: str,
 def make_package(run_dir: Path, out: Path, org: str, system_name: str) -> Path:
     run_dir, out = Path(run_dir), Path(out)
     for name, value in (("--org", org), ("--system", system_name)):
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
-            raise UserError(f"{name} {value!r}: use letters, digits, '.', '_' and '-' only (it becomes a folder name)")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", value) or set(value) == {"."}:
+            raise UserError(f"{name} {value!r}: use letters, digits, '.', '_' and '-' only, not '.' or '..' alone "
+                            "(it becomes a folder name inside --out)")  # fmt: skip
     logs = finished_logs(run_dir)
     if not logs:
         raise UserError(f"{run_dir} holds no finished MLPerf log (result_*.txt)")
@@ -90,6 +91,8 @@ def make_package(run_dir: Path, out: Path, org: str, system_name: str) -> Path:
     division = cfg.output.division if cfg else "closed"
     status = cfg.output.status if cfg else "onprem"
     root = out / org
+    if out.resolve() not in root.resolve().parents:
+        raise UserError(f"--org {org!r} would write outside {out}")
     results = root / "results" / system_name / benchmark
     results.mkdir(parents=True, exist_ok=True)
     for i, log in enumerate(logs):

@@ -79,6 +79,7 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
     if not indices:
         raise UserError(f"{run_dir} holds no runs (no result_<i>.txt, result_<i>.txt.partial or run_<i>.json); "
                         "give the folder `trainbench run` printed")  # fmt: skip
+    one_benchmark(run_dir, [RunFiles(run_dir, i).log for i in indices if RunFiles(run_dir, i).log.exists()])
     for i in indices:
         files = RunFiles(run_dir, i)
         outcome = read_json(files.outcome)
@@ -122,9 +123,27 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
     return Score(runs, score, valid, reason, required, counted)
 
 
+def one_benchmark(run_dir: Path, logs: list[Path]) -> str | None:
+    """The one MLPerf benchmark every finished log of ``run_dir`` (and its summary.json) names; a folder whose logs
+    name several is refused in one sentence naming them (it would be scored, or packaged, as one)."""
+    named: dict[str, list[str]] = {}
+    for log in logs:
+        name = submission_benchmark(read_log(log, errors="replace")) or "no benchmark"
+        named.setdefault(name, []).append(log.name)
+    expected = read_json(run_dir / SUMMARY).get("mlperf_benchmark")
+    if expected:
+        named.setdefault(expected, []).append(SUMMARY)
+    if len(named) > 1:
+        parts = "; ".join(f"{', '.join(files)}: {name}" for name, files in sorted(named.items()))
+        raise UserError(f"{run_dir} mixes benchmarks ({parts}); a results folder holds the runs of one benchmark: "
+                        "move the others to a folder of their own")  # fmt: skip
+    return next(iter(named), None)
+
+
 def folder_benchmark(run_dir: Path, logs: list[Path]) -> tuple[str, str]:
     """(MLPerf benchmark name, compliance ruleset) of a results folder: from its summary.json, else from its first
     log's ``submission_benchmark`` through the benchmark registry."""
     summary = read_json(run_dir / SUMMARY)
+    one_benchmark(run_dir, logs)
     name = summary.get("mlperf_benchmark") or submission_benchmark(read_log(logs[0], errors="replace"))
     return name, summary.get("ruleset") or ruleset_of(name, logs[0], NO_SUMMARY)
