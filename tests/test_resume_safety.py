@@ -348,3 +348,22 @@ def test_a_relative_base_path_is_saved_absolute(lora_tiny, tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path / "elsewhere")
     code, printed = resume_lora(run_dir)
     assert code in (0, 1) and "resumed from" in printed, printed
+
+
+def test_a_rank_0_that_slurm_started_checks_the_run_before_it_trains(stopped, monkeypatch, capsys):
+    """No launcher checked for it: the worker itself refuses an edited config, before any collective."""
+    from trainbench.launch import worker
+    from trainbench.train.duties import StopSignal
+
+    monkeypatch.setattr(StopSignal, "install_early", classmethod(lambda cls: None))
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TRAINBENCH_RUN_LOCKED", raising=False)
+    config = stopped / "config.yaml"
+    values = yaml.safe_load(config.read_text())
+    values["optimizer"]["lr"] = values["optimizer"]["lr"] * 10
+    config.write_text(yaml.safe_dump(values, sort_keys=False))
+    capsys.readouterr()
+    assert worker.main([str(stopped), "0", "--resume"]) == 1
+    out = capsys.readouterr().out
+    assert "optimizer.lr" in out and "started with" in out, out

@@ -139,7 +139,7 @@ def run_experiments(
                     saved, resume=True, output=dataclasses.replace(saved.output, run_dir=str(run_dir))
                 )
         else:
-            cfg = _absolute_paths(cfg)  # the run may be resumed, or its job started, from another directory
+            cfg = absolute_paths(cfg)  # the run may be resumed, or its job started, from another directory
         return _run_locked(bench, cfg, nexp, lock)
     finally:
         if lock is not None:
@@ -150,7 +150,7 @@ def _run_locked(bench: Benchmark, cfg: RunConfig, nexp: int, lock: FolderLock | 
     try:
         device = preflight(bench, cfg)
         if cfg.resume:
-            _check_resume(bench, cfg, Path(cfg.output.run_dir), nexp)
+            check_resume(bench, cfg, Path(cfg.output.run_dir), range(nexp))
     except DataError as exc:
         if cfg.resume:
             raise DataError(f"resuming {cfg.output.run_dir} with the settings in its {CONFIG}: {exc}") from None
@@ -207,16 +207,25 @@ def _flat_config(cfg: RunConfig) -> dict[str, Any]:
             if k not in RESUME_KEYS and k != "resume"}  # fmt: skip
 
 
+def check_or_record_inputs(bench: Benchmark, cfg: RunConfig, run_dir: Path, index: int) -> None:
+    """For a rank 0 that Slurm started (no launcher checked for it): check run ``index`` against what the folder
+    recorded when it started, or record that where this is the start."""
+    if (run_dir / INPUTS).exists():
+        check_resume(bench, cfg, run_dir, [index])
+    else:
+        _write_inputs(bench, cfg, run_dir)
+
+
 def _write_inputs(bench: Benchmark, cfg: RunConfig, run_dir: Path) -> None:
     value = {"config": _flat_config(cfg), "inputs": bench.inputs_identity(cfg)}
-    tmp = run_dir / f"{INPUTS}.tmp"
+    tmp = run_dir / f"{INPUTS}.{os.getpid()}.tmp"  # a job array's tasks may write it at once
     tmp.write_text(json.dumps(value, indent=2) + "\n")
     tmp.replace(run_dir / INPUTS)
 
 
-def _check_resume(bench: Benchmark, cfg: RunConfig, run_dir: Path, nexp: int) -> None:
-    """Refuse to continue a run whose config, data or weights are not those it started with, or whose checkpoint
-    is damaged or could run code: each is one sentence naming what changed."""
+def check_resume(bench: Benchmark, cfg: RunConfig, run_dir: Path, indices) -> None:
+    """Refuse to continue runs ``indices`` of ``run_dir`` where the config, data or weights are not those the runs
+    started with, or a checkpoint is damaged or could run code: each is one sentence naming what changed."""
     recorded = read_json(run_dir / INPUTS)
     if recorded:
         started = recorded.get("config") if isinstance(recorded.get("config"), dict) else {}
@@ -235,7 +244,7 @@ def _check_resume(bench: Benchmark, cfg: RunConfig, run_dir: Path, nexp: int) ->
                     f"the {name} changed since the run started ({change}); resuming would train on other inputs "
                     "than its log and checkpoint: restore them, or start a new run"
                 )
-    for index in range(nexp):
+    for index in indices:
         files = RunFiles(run_dir, index)
         if files.finished:
             continue
@@ -288,7 +297,7 @@ def _refuse_changes_on_resume(saved: RunConfig, given_cfg: RunConfig, given: lis
 PATH_KEYS = ("data.dir", "model.init_checkpoint", "model.base_weights", "output.run_dir")
 
 
-def _absolute_paths(cfg: RunConfig) -> RunConfig:
+def absolute_paths(cfg: RunConfig) -> RunConfig:
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data), model=dataclasses.replace(cfg.model),
                               output=dataclasses.replace(cfg.output))  # fmt: skip
     table = leaves(cfg)

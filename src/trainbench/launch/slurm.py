@@ -29,7 +29,7 @@ from pathlib import Path
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, has_control_character, save_config
 from trainbench.errors import UserError
-from trainbench.launch.local import new_run_dir
+from trainbench.launch.local import absolute_paths, new_run_dir
 from trainbench.launch.systems import System, load_system, save_system
 from trainbench.runfiles import CONFIG, FolderLock
 
@@ -278,12 +278,9 @@ def submit(
         check_mpi(system)
         bench.check_data(cfg)
     run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-{system.name}").resolve()
-    data = cfg.data
-    if data.dir:  # the job may start in another directory
-        data = dataclasses.replace(data, dir=str(Path(data.dir).resolve()))
+    cfg = absolute_paths(cfg)  # the job starts in another directory: data and base weights saved absolute
     cfg = dataclasses.replace(
         cfg,
-        data=data,
         device=system.device,
         resume=True,
         distributed=dataclasses.replace(cfg.distributed, nproc=system.ranks_per_node, nodes=system.nodes),

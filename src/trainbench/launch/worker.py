@@ -12,7 +12,7 @@ from rich.markup import escape
 from trainbench.console import console
 from trainbench.distributed import init_distributed, resolve_device, shutdown
 from trainbench.errors import Preempted, UserError
-from trainbench.launch.local import RUN_LOCKED, experiment_config, load_run_config
+from trainbench.launch.local import RUN_LOCKED, check_or_record_inputs, experiment_config, load_run_config
 from trainbench.launch.systems import format_cpus, parse_cpus
 from trainbench.runfiles import CONFIG, FolderLock, RunFiles
 from trainbench.train.duties import StopSignal
@@ -24,14 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     StopSignal.install_early()
     argv = sys.argv[1:] if argv is None else argv
     run_dir, index, resume = Path(argv[0]), int(argv[1]), "--resume" in argv[2:]
-    bench, cfg = load_run_config(run_dir / CONFIG)
-    cfg = experiment_config(cfg, index)
+    bench, saved = load_run_config(run_dir / CONFIG)
+    cfg = experiment_config(saved, index)
     lock = None
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     if rank == "0" and RUN_LOCKED not in os.environ:  # started by srun: no launcher holds the run's lock
         job = os.environ.get("SLURM_JOB_ID")
         try:
             lock = FolderLock.of_run(run_dir, index, f"run {index}" + (f" of Slurm job {job}" if job else "")).acquire()
+            check_or_record_inputs(bench, saved, run_dir, index)
         except UserError as exc:  # before any collective: srun's --kill-on-bad-exit ends the other ranks
             console.print(f"[red]error:[/red] {escape(str(exc))}")
             return 1
