@@ -57,6 +57,8 @@ class Benchmark(ABC):
     """Per preset, the size of the data set ``prepare NAME --synthetic --preset P`` writes."""
     unused_keys: dict[str, str] = {}
     """Config keys this benchmark does not read, each with why: setting one away from the preset's value is refused."""
+    cuda_alloc_conf: str | None = None
+    """``PYTORCH_CUDA_ALLOC_CONF`` for its processes where the user set none (None: torch's default)."""
 
     # -- config ---------------------------------------------------------------------------------
     def config(self, preset: str) -> RunConfig:

@@ -83,6 +83,7 @@ def experiment_config(cfg: RunConfig, index: int) -> RunConfig:
 
 def preflight(bench: Benchmark, cfg: RunConfig) -> str:
     """Fail before creating anything for what can be checked up front; returns the device kind."""
+    allocator_settings(bench)
     device = resolve_device(cfg.device)
     slots = available_slots(device)
     nproc = cfg.distributed.nproc
@@ -96,6 +97,13 @@ def preflight(bench: Benchmark, cfg: RunConfig) -> str:
         )
     bench.check_data(cfg)
     return device
+
+
+def allocator_settings(bench: Benchmark) -> None:
+    """The benchmark's CUDA allocator settings for this process and the ranks it starts, unless the user set some
+    (read by torch at the first CUDA allocation, which comes later)."""
+    if bench.cuda_alloc_conf:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", bench.cuda_alloc_conf)
 
 
 def resume_run_dir(bench: Benchmark, cfg: RunConfig) -> Path:

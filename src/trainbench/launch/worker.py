@@ -12,7 +12,13 @@ from rich.markup import escape
 from trainbench.console import console
 from trainbench.distributed import init_distributed, resolve_device, shutdown
 from trainbench.errors import Preempted, UserError
-from trainbench.launch.local import RUN_LOCKED, check_or_record_inputs, experiment_config, load_run_config
+from trainbench.launch.local import (
+    RUN_LOCKED,
+    allocator_settings,
+    check_or_record_inputs,
+    experiment_config,
+    load_run_config,
+)
 from trainbench.launch.systems import format_cpus, parse_cpus
 from trainbench.runfiles import CONFIG, FolderLock, RunFiles
 from trainbench.train.duties import StopSignal
@@ -25,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     run_dir, index, resume = Path(argv[0]), int(argv[1]), "--resume" in argv[2:]
     bench, saved = load_run_config(run_dir / CONFIG)
+    allocator_settings(bench)  # a rank that srun started: before its first CUDA allocation
     cfg = experiment_config(saved, index)
     lock = None
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
