@@ -287,6 +287,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_sentence_and_the_run_stays_resumable
         ("bert", "data.length_bins=-2", "at least 0"),
         ("bert", "eval.target=1.5", "at most 1"),
         ("bert", "preset=large", "not a key to set"),
+        ("bert", "distributed.tp=2", "does not divide the 1 ranks"),
     ],
 )
 def test_values_are_refused_before_any_folder_exists(bench, override, says, tmp_path):

@@ -71,6 +71,10 @@ class Benchmark(ABC):
         self._refuse_unused(cfg)
         if cfg.optimizer.name != self.optimizer_name:
             raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with {self.optimizer_name}")
+        ranks, tp = cfg.distributed.world_size, max(1, cfg.distributed.tp)
+        if ranks % tp:
+            raise ConfigError(f"distributed.tp={tp} does not divide the {ranks} ranks ({cfg.distributed.nodes} nodes x "
+                              f"{cfg.distributed.nproc}); tensor-parallel groups need tp ranks each")  # fmt: skip
         # Data-parallel replicas: tensor-parallel ranks share their replica's batch.
         d, world = cfg.data, cfg.distributed.world_size // max(1, cfg.distributed.tp)
         if d.global_batch_size % world:
