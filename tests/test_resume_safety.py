@@ -368,3 +368,30 @@ def test_a_rank_0_that_slurm_started_checks_the_run_before_it_trains(stopped, mo
     assert worker.main([str(stopped), "0", "--resume"]) == 1
     out = capsys.readouterr().out
     assert "optimizer.lr" in out and "started with" in out, out
+
+
+def test_values_a_checkpoint_stores_as_bytes_load_without_running_code(tmp_path):
+    """distributed checkpoint keeps the optimizer's hyperparameters as torch.save bytes: they load weights-only."""
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from trainbench.train.checkpoint import SafePlanner
+
+    marker = tmp_path / "ran"
+    crafted = io.BytesIO()
+    torch.save(Marker(marker), crafted)
+    planner = SafePlanner()
+    planner.set_up_planner({"lr": 0.1}, None, True)
+    at, zero = MetadataIndex("lr"), torch.Size([0])
+    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=at, dest_offsets=zero, storage_index=at,
+                    storage_offsets=zero, lengths=zero)  # fmt: skip
+    crafted.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(item, crafted)
+    assert not marker.exists()
+    plain = io.BytesIO()
+    torch.save(0.25, plain)
+    plain.seek(0)
+    planner.load_bytes(item, plain)
+    assert planner.original_state_dict["lr"] == 0.25
