@@ -237,22 +237,74 @@ def _arrays(folder: Path) -> dict[str, np.ndarray]:
     return {f"{split}/{f}": np.load(folder / split / f) for split in ("train", "eval") for f in sft.FILES}
 
 
-def test_three_source_forms_give_the_same_data_set(govreport, tmp_path):
+def _sequences(arrays: dict[str, np.ndarray], split: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    tokens, labels, offsets = (arrays[f"{split}/{f}"] for f in ("tokens.npy", "labels.npy", "seq_offsets.npy"))
+    bounds = zip(offsets[:-1], offsets[1:], strict=True)
+    return [(tuple(tokens[a:b].tolist()), tuple(labels[a:b].tolist())) for a, b in bounds]
+
+
+def test_three_source_forms_hold_the_same_tokens_text_packed_and_mlperf_rows_as_given(govreport, tmp_path):
     made = {}
     for form in ("text", "tokens", "npy"):
         extra = ["--tokenizer", govreport / "tokenizer.json"] if form == "text" else []
         assert run_cli("prepare", "llama2_70b_lora", "--source", govreport / form, *extra, "--out", tmp_path / form,
                        "--no-progress") == 0  # fmt: skip
         made[form] = _arrays(tmp_path / form)
-        manifest = json.loads((tmp_path / form / "manifest.json").read_text())
-        assert manifest["splits"]["train"]["sequences"] == 40 and manifest["splits"]["eval"]["sequences"] == 12
-    for form in ("tokens", "npy"):
-        for name, array in made["text"].items():
-            assert np.array_equal(array, made[form][name]), (form, name)
+    manifests = {f: json.loads((tmp_path / f / "manifest.json").read_text()) for f in made}
+    # Text is tokenised here and packed; the two tokenised forms keep every source row as one row.
+    assert manifests["text"]["splits"]["train"]["sequences"] == 40 and manifests["text"]["rows"].startswith("packed")
+    assert manifests["tokens"]["splits"]["train"]["rows"] == 40 and manifests["npy"]["splits"]["train"]["rows"] == 20
+    assert manifests["npy"]["rows"].startswith("as given") and manifests["tokens"]["rows"].startswith("as given")
+    for split in ("train", "eval"):
+        source = _sequences(made["tokens"], split)  # one example a row, in the source order
+        assert sorted(source) == sorted(_sequences(made["text"], split))
+        pairs = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(source[0::2], source[1::2], strict=True)]
+        assert _sequences(made["npy"], split) == pairs  # NVIDIA's rows of two, each kept whole
     # The prompt is masked, the answer and EOS are not: the first answer token follows "### Summary:\n".
     tokens, labels = made["text"]["train/tokens.npy"], made["text"]["train/labels.npy"]
     assert tokens[0] == 1 and labels[0] == 0 and labels.sum() < len(labels) / 3
     assert run_cli("run", "llama2_70b_lora", f"data.dir={tmp_path / 'text'}", "--help-config") == 0  # readable
+
+
+def test_mlperf_rows_holding_several_documents_survive_prepare_unchanged_with_attention_across_the_row(tmp_path):
+    """Made-up files shaped like MLPerf's: full rows (256 tokens at the tiny preset, 8192 in MLPerf's) of several
+    documents each, in NVIDIA's npy and MLPerf's tokenised parquet: the row count and every row's tokens and loss
+    mask survive, and the loop sees each row as one sequence (positions 0..255, one segment: causal across it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    gen = np.random.default_rng(0)
+    rows = {}
+    for split, n in (("train", 9), ("validation", 3)):
+        rows[split] = []
+        for _ in range(n):
+            ids, mask, starts = [], [], []
+            while len(ids) < 256:
+                starts.append(len(ids))
+                prompt, answer = int(gen.integers(10, 60)), int(gen.integers(3, 20))
+                ids += [1, *gen.integers(64, 500, prompt - 1).tolist(), *gen.integers(8, 64, answer).tolist()]
+                mask += [0] * prompt + [1] * answer
+            rows[split].append((np.array(ids[:256]), np.array(mask[:256]), [s for s in starts if s < 256]))
+    npy, parquet = tmp_path / "npy", tmp_path / "parquet"
+    npy.mkdir()
+    parquet.mkdir()
+    for split, items in rows.items():
+        np.save(npy / f"{split}.npy", np.array([{"input_ids": i, "loss_mask": m, "seq_start_id": s}
+                                                for i, m, s in items], dtype=object), allow_pickle=True)  # fmt: skip
+        pq.write_table(pa.table({"input_ids": [i.tolist() for i, _, _ in items],
+                                 "labels": [np.where(m > 0, i, -100).tolist() for i, m, _ in items]}),
+                       parquet / f"{split}.parquet")  # fmt: skip
+    for form in (npy, parquet):
+        out = tmp_path / f"out-{form.name}"
+        assert run_cli("prepare", "llama2_70b_lora", "--source", form, "--out", out, "--no-progress") == 0
+        for split, folder in (("train", "train"), ("validation", "eval")):
+            data = sft.Split(out / folder, 256)
+            assert data.rows == len(rows[split]) and data.sequences == len(rows[split])
+            for r, (ids, mask, _) in enumerate(rows[split]):
+                a, b = int(data.seq_offsets[r]), int(data.seq_offsets[r + 1])
+                assert np.array_equal(data.tokens[a:b], ids) and np.array_equal(data.labels[a:b], mask), (form, r)
+            seen = data.row_arrays([0])
+            assert np.array_equal(seen["positions"][0], np.arange(256)) and len(set(seen["segments"][0])) == 1
 
 
 def test_a_sentencepiece_tokenizer_model_is_read_too(tmp_path):

@@ -90,16 +90,23 @@ def _prepare(args, bench) -> int:
             kind, splits, dropped = p.read_source(src, Path(args.tokenizer) if args.tokenizer else None, row, vocab,
                                                   lambda done, total: progress.update(task, completed=done,
                                                                                       total=total))  # fmt: skip
-    sizes = {split: sft.write_split(out / split, seqs, row) for split, seqs in splits.items()}
+    as_given = kind in p.ROWS_AS_GIVEN
+    sizes = {split: sft.write_split(out / split, seqs, row, packed=not as_given) for split, seqs in splits.items()}
     manifest = {"format": sft.FORMAT, "benchmark": bench.name, "source": kind, "spec": spec, "seq_length": row,
-                "vocab_size": vocab, "splits": sizes, "dropped_longer_than_row": dropped}  # fmt: skip
+                "vocab_size": vocab, "splits": sizes, "dropped_longer_than_row": dropped,
+                "rows": "as given, attention causal across each row" if as_given
+                else "packed, attention inside each sequence"}  # fmt: skip
     if args.synthetic:
         manifest["base_weights"] = "base"
     sft.write_manifest(out, manifest)
     t, e = sizes["train"], sizes["eval"]
-    console.print(f"{t['sequences']:,} training sequences in {t['rows']:,} rows of {row} tokens, {e['sequences']:,} "
-                  f"eval sequences in {e['rows']:,} rows, into {out} ({kind}; dropped as longer than a row: "
-                  f"{dropped['train']:,} training, {dropped['eval']:,} eval)")  # fmt: skip
+    if as_given:
+        console.print(f"{t['rows']:,} training rows and {e['rows']:,} eval rows of at most {row} tokens, each "
+                      f"kept as given (MLPerf's pre-packed rows, causal attention across each): {out}")  # fmt: skip
+    else:
+        console.print(f"{t['sequences']:,} training sequences in {t['rows']:,} rows of {row} tokens, "
+                      f"{e['sequences']:,} eval sequences in {e['rows']:,} rows, into {out} ({kind}; dropped as "
+                      f"longer than a row: {dropped['train']:,} training, {dropped['eval']:,} eval)")  # fmt: skip
     if args.synthetic:
         console.print(f"base model (random, {cfg.model.num_layers} layers) as sharded safetensors in {out / 'base'}")
     return 0

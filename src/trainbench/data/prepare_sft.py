@@ -5,9 +5,16 @@
   ### Summary:\\n `` (BOS first, the prompt, loss-free) then ``{output}`` and EOS (the answer, where the loss
   counts); examples longer than the row (8192 tokens) are dropped, as MLPerf's reference drops them.
 - MLPerf's tokenised parquet (``input_ids``, ``labels`` with -100 over the prompt).
-- NVIDIA's ``train.npy`` / ``validation.npy`` (rows of ``input_ids``, ``loss_mask``, ``seq_start_id``): each row
-  is cut back into its sequences. These are pickled numpy object arrays; they are read by an unpickler that admits
-  numpy's own array classes and nothing else, so a crafted file cannot run code (:func:`load_object_npy`).
+- NVIDIA's ``train.npy`` / ``validation.npy`` (rows of ``input_ids``, ``loss_mask``, ``seq_start_id``). These are
+  pickled numpy object arrays; they are read by an unpickler that admits numpy's own array classes and nothing else,
+  so a crafted file cannot run code (:func:`load_object_npy`).
+
+MLPerf's two tokenised forms are pre-packed: each of their rows is one training row (GovReport: 3,901 training and
+173 validation rows of 8192 tokens, several documents each), trained by MLPerf's reference and NVIDIA with causal
+attention across the whole row, and counted as one sample by the reference convergence points. So each of their rows
+stays one row here, as given (:data:`ROWS_AS_GIVEN`): its tokens and loss mask unchanged, one sequence to the loop
+(positions from 0 across the row, attention causal across it, the eval's per-sequence mean taken over the row).
+Text parquet is tokenised here, one example a sequence, and packed with attention kept inside each sequence.
 
 Files whose names start with ``train`` are the training split, ``validation`` the eval split. Tokenised input is
 checked, not trimmed: a sequence longer than a row, labels of another length than the tokens, token ids that are not
@@ -34,6 +41,8 @@ from trainbench.errors import DataError
 
 PROMPT = "### Summarize the following text:\n {input}\n ### Summary:\n "
 SPLITS = {"train": "train", "eval": "validation"}
+# Source forms whose rows are MLPerf's training rows: each stays one row, attention causal across it.
+ROWS_AS_GIVEN = ("tokens", "npy")
 
 Progress = Callable[[int, int], None]
 Sequences = list[tuple[np.ndarray, np.ndarray]]
@@ -290,9 +299,8 @@ def read_npy(path: Path, row_length: int, vocab: int) -> Sequences:
         if len(starts) == 0 or starts[0] != 0 or np.any(np.diff(starts) <= 0) or starts[-1] >= max(len(ids), 1):
             raise DataError(f"{path}: row {r}: seq_start_id {starts.tolist()[:8]} must start at 0 and rise strictly "
                             f"within the row's {len(ids)} tokens; every token belongs to one sequence")  # fmt: skip
-        bounds = [*starts.tolist(), len(ids)]
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            out.append(_checked(path, r, ids[a:b], mask[a:b].astype(np.uint8), row_length, vocab))
+        # The row as given: MLPerf's rows are trained whole (ROWS_AS_GIVEN); seq_start_id is checked, not used.
+        out.append(_checked(path, r, ids, mask.astype(np.uint8), row_length, vocab))
     return out
 
 

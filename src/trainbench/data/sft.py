@@ -53,9 +53,17 @@ def pack(lengths: Sequence[int], row_length: int) -> list[list[int]]:
     return rows
 
 
-def write_split(folder: Path, sequences: list[tuple[np.ndarray, np.ndarray]], row_length: int) -> dict[str, int]:
-    """Pack ``sequences`` ((tokens, answer mask) pairs) into rows and write them; returns the split's sizes."""
-    rows = pack([len(t) for t, _ in sequences], row_length)
+def write_split(folder: Path, sequences: list[tuple[np.ndarray, np.ndarray]], row_length: int,
+                packed: bool = True) -> dict[str, int]:  # fmt: skip
+    """Pack ``sequences`` ((tokens, answer mask) pairs) into rows and write them, or with ``packed=False`` each
+    sequence as a row of its own, in the given order; returns the split's sizes."""
+    if packed:
+        rows = pack([len(t) for t, _ in sequences], row_length)
+    else:
+        longest = max((len(t) for t, _ in sequences), default=0)
+        if longest > row_length:
+            raise ValueError(f"a row of {longest} tokens is longer than {row_length}")
+        rows = [[i] for i in range(len(sequences))]
     order = [i for row in rows for i in row]
     folder.mkdir(parents=True, exist_ok=True)
     lengths = np.array([len(sequences[i][0]) for i in order], dtype=np.int64)
