@@ -303,8 +303,40 @@ def test_mlperf_rows_holding_several_documents_survive_prepare_unchanged_with_at
             for r, (ids, mask, _) in enumerate(rows[split]):
                 a, b = int(data.seq_offsets[r]), int(data.seq_offsets[r + 1])
                 assert np.array_equal(data.tokens[a:b], ids) and np.array_equal(data.labels[a:b], mask), (form, r)
-            seen = data.row_arrays([0])
-            assert np.array_equal(seen["positions"][0], np.arange(256)) and len(set(seen["segments"][0])) == 1
+            seen = data.row_arrays([0])  # one sequence a row: no positions or segments, plain causal attention
+            assert set(seen) == {"tokens", "targets", "seq_ids"} and len(set(seen["seq_ids"][0])) == 1
+
+
+def test_a_row_of_one_sequence_trains_the_same_through_the_causal_path_padding_included(tmp_path):
+    """Rows as given skip the document mask: for a sequence followed by padding, plain causal attention gives its
+    tokens the same loss and adapter gradients as the masked path (they never look forward at the padding)."""
+    from trainbench.benchmarks.lora import TINY
+    from trainbench.models import lora
+    from trainbench.models.decoder import DecoderLM
+
+    gen = np.random.default_rng(3)
+    seqs = [(gen.integers(3, 500, n), (np.arange(n) >= n // 2).astype(np.uint8)) for n in (200, 256, 131)]
+    sft.write_split(tmp_path, seqs, 256, packed=False)
+    split = sft.Split(tmp_path, 256)
+    assert split.whole_rows
+    fast = {k: torch.as_tensor(v) for k, v in split.row_arrays([0, 1, 2]).items()}
+    seg = fast["seq_ids"]
+    positions = torch.where(seg >= 0, torch.arange(256).expand(3, 256), 0)
+    torch.manual_seed(0)
+    model = DecoderLM(TINY)
+    model.init_weights(0)
+    lora.attach(model, TINY.targets, 16, 32.0, 0.0)
+    lora.load_adapters(model, {k: torch.randn(v.shape) * 0.05 for k, v in lora.full_init(model, 0).items()})
+    losses, grads = [], []
+    for kwargs in ({}, {"positions": positions, "segments": seg}):
+        model.zero_grad()
+        loss = model(fast["tokens"], targets=fast["targets"], **kwargs)
+        loss.backward()
+        losses.append(float(loss))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    for name, g in grads[1].items():
+        assert float((grads[0][name] - g).abs().max()) <= 1e-5 * float(g.abs().max()), name
 
 
 def test_a_sentencepiece_tokenizer_model_is_read_too(tmp_path):
@@ -379,6 +411,7 @@ def test_the_eval_loss_is_the_mean_over_sequences_of_each_ones_mean(lora_data):
         "targets": torch.tensor([[0, 0, 0, 1, -100, -100]]),
         "positions": torch.zeros(1, 6, dtype=torch.long),
         "segments": torch.tensor([[0, 0, 0, 1, 1, -1]]),
+        "seq_ids": torch.tensor([[0, 0, 0, 1, 1, -1]]),
     }
     sums = BENCH.eval_sums(lambda *a, **k: logits, batch)
     right, wrong = (-torch.log_softmax(logits[0, 0], -1)[[0, 1]]).tolist()

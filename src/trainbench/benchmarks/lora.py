@@ -219,17 +219,17 @@ class LoraBenchmark(LLMBenchmark):
         return (batch["targets"] != sft.IGNORE).sum().float().reshape(1)
 
     def loss(self, model, batch, weights):
-        total = model(batch["tokens"], targets=batch["targets"], positions=batch["positions"],
-                      segments=batch["segments"])  # fmt: skip
+        total = model(batch["tokens"], targets=batch["targets"], positions=batch.get("positions"),
+                      segments=batch.get("segments"))  # fmt: skip
         return total / weights[0]
 
     def eval_sums(self, model, batch) -> torch.Tensor:
-        logits = model(batch["tokens"], positions=batch["positions"], segments=batch["segments"])
+        logits = model(batch["tokens"], positions=batch.get("positions"), segments=batch.get("segments"))
         targets = batch["targets"]
         losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                                                    reduction="none", ignore_index=sft.IGNORE)  # fmt: skip
         counted = targets.flatten() != sft.IGNORE
-        seqs, which = torch.unique(batch["segments"].flatten()[counted], return_inverse=True)
+        seqs, which = torch.unique(batch["seq_ids"].flatten()[counted], return_inverse=True)
         sums = torch.zeros(len(seqs), dtype=torch.float64, device=logits.device)
         counts = torch.zeros_like(sums)
         sums.index_add_(0, which, losses[counted].double())

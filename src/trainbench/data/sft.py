@@ -11,7 +11,8 @@ On disk (one folder per split, ``train/`` and ``eval/``, and ``manifest.json`` b
 A row as the model sees it (:func:`row_arrays`): ``tokens`` padded to the row length, ``targets`` (the next token
 where it is an answer token of the same sequence, else -100), ``positions`` (from 0 in every sequence) and
 ``segments`` (which sequence of the row; padding is a segment of its own), so attention stays inside each sequence
-and a packed row trains exactly what its sequences would one by one.
+and a packed row trains exactly what its sequences would one by one. Where every row holds one sequence (MLPerf's
+rows as given) positions and segments are left out: attention is plainly causal across the row, the fast path.
 """
 
 from __future__ import annotations
@@ -160,8 +161,16 @@ class Split:
     def sequences(self) -> int:
         return len(self.seq_offsets) - 1
 
+    @property
+    def whole_rows(self) -> bool:
+        """Every row holds one sequence (MLPerf's rows as given): attention is causal across each row, and the model
+        needs neither positions nor segments (padding after the sequence is never attended to by its tokens)."""
+        return self.rows == self.sequences
+
     def row_arrays(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
-        """Model inputs of ``rows`` ([len(rows), row_length] each)."""
+        """Model inputs of ``rows`` ([len(rows), row_length] each): tokens, targets, ``seq_ids`` (which sequence each
+        token belongs to, -1 for padding: the eval's per-sequence mean), and for rows of several sequences their
+        ``positions`` and ``segments``."""
         n, length = len(rows), self.row_length
         tokens = np.zeros((n, length), np.int64)
         targets = np.full((n, length), IGNORE, np.int64)
@@ -178,7 +187,9 @@ class Split:
                 positions[b, at:end] = np.arange(hi - lo)
                 segments[b, at:end] = s
                 at = end
-        return {"tokens": tokens, "targets": targets, "positions": positions, "segments": segments}
+        if self.whole_rows:
+            return {"tokens": tokens, "targets": targets, "seq_ids": segments}
+        return {"tokens": tokens, "targets": targets, "positions": positions, "segments": segments, "seq_ids": segments}
 
 
 class RowSteps:
