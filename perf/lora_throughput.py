@@ -70,16 +70,33 @@ def fp8_matmul_peak_tflops(n: int = 8192, reps: int = 30) -> float:
     return 2 * n**3 / timed_steps(run, reps, 5) / 1e12
 
 
-def batch(packed: bool = False) -> dict[str, torch.Tensor]:
+def mix_lengths(seed: int = 0) -> list[int]:
+    """The sequences of one packed row of raw GovReport: lengths drawn uniformly from 1,024 to 8,192 tokens (what
+    is left after MLPerf's 8192-token filter, each a report and its summary) and placed until the row is full; the
+    last room, where at least 256 tokens, holds a shorter one, else padding. 1 to 4 sequences a row."""
+    rng = torch.Generator().manual_seed(seed)
+    lengths, room = [], SEQ
+    while room >= 256:
+        n = int(torch.randint(1024, SEQ + 1, (1,), generator=rng))
+        lengths.append(min(n, room))
+        room -= lengths[-1]
+    return lengths
+
+
+def batch(packed: bool | str = False) -> dict[str, torch.Tensor]:
+    """One row: a single sequence (MLPerf's rows), ``True``/``"two"``: two of half a row, ``"mix"``: GovReport's
+    length mix (:func:`mix_lengths`)."""
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 32000, (1, SEQ), generator=g)
     targets = tokens.roll(-1, 1)
     targets[:, : int(SEQ * (1 - ANSWER_FRACTION))] = -100
     out = {"tokens": tokens, "targets": targets}
-    if packed:  # two sequences of half a row each
-        half = SEQ // 2
-        out["positions"] = torch.arange(SEQ).remainder(half).unsqueeze(0)
-        out["segments"] = (torch.arange(SEQ) >= half).long().unsqueeze(0)
+    if packed:
+        lengths = mix_lengths() if packed == "mix" else [SEQ // 2, SEQ // 2]
+        pad = SEQ - sum(lengths)
+        out["positions"] = torch.cat([torch.arange(n) for n in lengths] + [torch.zeros(pad)]).long()[None]
+        out["segments"] = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]
+                                    + [torch.full((pad,), -1)]).long()[None]  # fmt: skip
     return {k: v.cuda() for k, v in out.items()}
 
 
@@ -267,6 +284,7 @@ def mode_profile(args) -> list[dict]:
 
     model, _ = build_ours(args.layers, ONE_GPU, "fp8")
     mlp_saved(model, args.mlp_saved)
+    model.model.packed_kernel = args.packed_kernel
     recompute_last(model, 0)
     opt = optimizer(model)
     b = batch(args.packed)
@@ -292,7 +310,8 @@ def mode_profile(args) -> list[dict]:
     for name, ms in kernels.items():
         groups[_group(name)] = groups.get(_group(name), 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
-    return [{"config": f"profile_fp8_{args.layers}_blocks{'_packed' if args.packed else ''}_mlp_{args.mlp_saved}",
+    rows = f"_packed_{args.packed}_{args.packed_kernel}" if args.packed else ""
+    return [{"config": f"profile_fp8_{args.layers}_blocks{rows}_mlp_{args.mlp_saved}",
              "layers": args.layers,
              "ms_per_block_wall": sec / args.layers * 1e3, "peak_gib_per_block_above_weights": kept,
              "ms_per_block_by_group": {k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
@@ -416,7 +435,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", required=True, choices=("single", "fp8-one", "fsdp", "fp8-dp", "load", "profile"))
     p.add_argument("--layers", type=int, default=8, help="single, profile: blocks of the 70B width; load: written")
-    p.add_argument("--packed", action="store_true", help="profile: a row of two sequences (the masked attention)")
+    p.add_argument("--packed", choices=("two", "mix"), help="profile: rows of two sequences, or GovReport's length mix "
+                   "(mix_lengths), attention kept inside each")  # fmt: skip
+    p.add_argument("--packed-kernel", default="flex", choices=("flex", "dense"),
+                   help="profile: packed rows through FlexAttention's block mask (the placement's) or SDPA's mask")  # fmt: skip
     p.add_argument("--mlp-saved", default="fp8", choices=("fp8", "bf16"),
                    help="fp8-one, profile: SwiGLU inputs kept in FP8 (the placement's) or bf16")  # fmt: skip
     p.add_argument("--checkpointed", default="80", help="blocks recomputed in backward, comma-separated variants")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from trainbench.config import option
@@ -117,6 +118,17 @@ def document_mask(segments: torch.Tensor) -> torch.Tensor:
     return (segments[:, :, None] == segments[:, None, :]).logical_and(causal).unsqueeze(1)
 
 
+def document_block_mask(segments: torch.Tensor) -> BlockMask:
+    """The same mask as :func:`document_mask` for FlexAttention: only the blocks that hold a causal pair of one
+    sequence are computed, and no [seq, seq] mask reaches the attention kernel."""
+
+    def same_sequence_causal(b, h, q, kv):
+        return (segments[b, q] == segments[b, kv]) & (q >= kv)
+
+    batch, seq = segments.shape
+    return create_block_mask(same_sequence_causal, batch, None, seq, seq, device=segments.device)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [batch, heads, seq, head_dim]."""
     half = x.shape[-1] // 2
@@ -156,6 +168,8 @@ class Attention(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif isinstance(mask, BlockMask):  # packed rows, compiled on CUDA: only the blocks of each sequence
+            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -209,6 +223,10 @@ class Block(nn.Module):
 
 
 class Body(nn.Module):
+    # Attention over packed rows: "dense" (SDPA with a [seq, seq] mask, any device) or "flex" (FlexAttention's
+    # block mask: compiled Triton, CUDA); a placement that compiles the blocks on CUDA picks flex.
+    packed_kernel = "dense"
+
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.cfg = cfg
@@ -229,7 +247,12 @@ class Body(nn.Module):
             x = x + self.embed_positions(torch.arange(seq, device=input_ids.device) if positions is None else positions)
         else:
             rope = rope_at(self.cfg, positions, seq, input_ids.device)
-        mask = None if segments is None else document_mask(segments)
+        if segments is None:
+            mask = None
+        elif self.packed_kernel == "flex":
+            mask = document_block_mask(segments)
+        else:
+            mask = document_mask(segments)
         for layer in self.layers:
             x = layer(x, rope) if mask is None else layer(x, rope, mask)
         return self.norm(x)

@@ -79,6 +79,14 @@ def wrap_blocks(model: DecoderLM, checkpointing: bool, compile_blocks: bool) -> 
         model.loss_fn = torch.compile(lm_loss, dynamic=False)
 
 
+def use_flex_for_packed_rows(model: DecoderLM, device: torch.device, compiled: bool) -> None:
+    """Compiled blocks on CUDA attend over packed rows through FlexAttention's block mask (no [seq, seq] mask, only
+    each sequence's causal blocks); elsewhere SDPA with the dense mask (flex's eager form is slow, its backward
+    absent on CPU)."""
+    if compiled and device.type == "cuda":
+        model.model.packed_kernel = "flex"
+
+
 def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf16: bool, checkpointing: bool,
                 compile_blocks: bool, full_state: dict[str, torch.Tensor] | None, seed: int,
                 fill: Callable[[DecoderLM], None] | None = None) -> nn.Module:  # fmt: skip
@@ -95,6 +103,7 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
         if tp > 1:
             apply_tp(model, mesh["tp"])
     wrap_blocks(model, checkpointing, compile_blocks)
+    use_flex_for_packed_rows(model, device, compile_blocks)
     if world > 1:
         apply_fsdp(model, mesh["dp"], bf16)
     model.to_empty(device=device)

@@ -21,7 +21,7 @@ from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError
 from trainbench.models import fp8, lora
 from trainbench.models.decoder import DecoderLM, init_part, lm_loss
-from trainbench.models.decoder_parallel import parallelize
+from trainbench.models.decoder_parallel import parallelize, use_flex_for_packed_rows
 from trainbench.models.hf_checkpoint import HFCheckpoint, check_shapes, fill, load_into
 
 
@@ -41,6 +41,7 @@ def place_lora(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, tp: 
         placed = _place_fp8(model, cfg, info, checkpointing, seed)
         if compile_blocks:
             compile_inside_checkpointing(placed.module)
+        use_flex_for_packed_rows(placed.module, info.device, compile_blocks)
     else:
 
         def fill_model(m: DecoderLM) -> None:
