@@ -438,7 +438,7 @@ def main() -> None:
     p.add_argument("--packed", choices=("two", "mix"), help="profile: rows of two sequences, or GovReport's length mix "
                    "(mix_lengths), attention kept inside each")  # fmt: skip
     p.add_argument("--packed-kernel", default="flex", choices=("flex", "dense"),
-                   help="profile: packed rows through FlexAttention's block mask (the placement's) or SDPA's mask")  # fmt: skip
+                   help="profile: packed rows through flex attention's block mask or SDPA's mask")  # fmt: skip
     p.add_argument("--mlp-saved", default="fp8", choices=("fp8", "bf16"),
                    help="fp8-one, profile: SwiGLU inputs kept in FP8 (the placement's) or bf16")  # fmt: skip
     p.add_argument("--checkpointed", default="80", help="blocks recomputed in backward, comma-separated variants")
