@@ -241,13 +241,15 @@ def mlp_saved(model, how: str) -> None:
 def mode_fp8_one(args) -> list[dict]:
     model, _ = build_ours(80, ONE_GPU, "fp8")
     mlp_saved(model, args.mlp_saved)
+    model.model.packed_kernel = args.packed_kernel
     print(json.dumps({"fp8_model_gib": torch.cuda.memory_allocated() / 2**30}), flush=True)
     results = []
     for ckpt in args.checkpointed_list:
         recompute_last(model, ckpt)
         opt = optimizer(model)
-        b = batch()
-        name = f"ours_fp8_one_gpu_ckpt{ckpt}_mlp_{args.mlp_saved}"
+        b = batch(args.packed)
+        rows = f"_packed_{args.packed}_{args.packed_kernel}" if args.packed else ""
+        name = f"ours_fp8_one_gpu_ckpt{ckpt}_mlp_{args.mlp_saved}{rows}"
         results.append(measure(name, 80, model, step_fn(model, opt, b), args.steps, args.warmup,
                                forward=forward_fn(model, b)))  # fmt: skip
         print(json.dumps(results[-1]), flush=True)
@@ -435,10 +437,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", required=True, choices=("single", "fp8-one", "fsdp", "fp8-dp", "load", "profile"))
     p.add_argument("--layers", type=int, default=8, help="single, profile: blocks of the 70B width; load: written")
-    p.add_argument("--packed", choices=("two", "mix"), help="profile: rows of two sequences, or GovReport's length mix "
-                   "(mix_lengths), attention kept inside each")  # fmt: skip
+    p.add_argument("--packed", choices=("two", "mix"), help="fp8-one, profile: rows of two sequences, or GovReport's "
+                   "length mix (mix_lengths), attention kept inside each")  # fmt: skip
     p.add_argument("--packed-kernel", default="flex", choices=("flex", "dense"),
-                   help="profile: packed rows through flex attention's block mask or SDPA's mask")  # fmt: skip
+                   help="fp8-one, profile: packed rows through flex attention's block mask or SDPA's mask")  # fmt: skip
     p.add_argument("--mlp-saved", default="fp8", choices=("fp8", "bf16"),
                    help="fp8-one, profile: SwiGLU inputs kept in FP8 (the placement's) or bf16")  # fmt: skip
     p.add_argument("--checkpointed", default="80", help="blocks recomputed in backward, comma-separated variants")
