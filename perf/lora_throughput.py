@@ -261,7 +261,7 @@ def mode_fp8_one(args) -> list[dict]:
 # Kernel names to the rows of the per-block table (first match wins).
 KERNEL_GROUPS = (
     ("FP8 GEMM (_scaled_mm)", ("_qqtst_", "_qqtnt_", "e4m3", "sm90_xmma_gemm_e4m3")),
-    ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
+    ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa", "flex_attention")),
     ("FP8 weight transpose", ("kernel_0d1d2d3d", "transpose", "float8_copy")),
     ("bf16/fp32 GEMM (adapters, lm_head)", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet")),
     ("copies", ("copy", "memcpy", "memset", "cat")),
