@@ -44,6 +44,23 @@ def tiny_data(tmp_path_factory) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def lock_held_elsewhere(folder: Path, what: str):
+    """Another process holding ``folder``'s lock (runfiles.FolderLock) while the block runs; yields its pid."""
+    import subprocess
+    import sys
+
+    code = ("import time; from trainbench.runfiles import FolderLock; "
+            f"FolderLock({str(folder)!r}, {what!r}).acquire(); print('held', flush=True); time.sleep(60)")  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def run_cli(*args: str) -> int:
     return cli_main([str(a) for a in args])
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import lock_held_elsewhere, run_cli
 
 
 def _error(capsys) -> str:
@@ -108,19 +107,10 @@ def test_two_resubmits_at_once_the_second_says_who_holds_the_folder(small_data, 
     assert run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", "--dry-run",
                    f"data.dir={small_data}", f"output.results_dir={tmp_path / 'r'}") == 0  # fmt: skip
     run_dir = next((tmp_path / "r").iterdir())
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import time; from trainbench.runfiles import FolderLock; "
-         f"FolderLock({str(run_dir)!r}, 'trainbench resubmit').acquire(); print('held', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(run_dir, "trainbench resubmit"):
         capsys.readouterr()
         assert run_cli("resubmit", run_dir) == 2
         assert "is in use: trainbench resubmit by" in _error(capsys)
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 # -- report and package of a folder they must not take as one benchmark's -------------------------------------------

@@ -13,14 +13,12 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import yaml
-from conftest import run_cli, tiny_spec
+from conftest import lock_held_elsewhere, run_cli, tiny_spec
 from test_resume import events
 
 from trainbench.data.synthetic_bert import prepare_synthetic
@@ -96,22 +94,15 @@ def resume(run_dir: Path) -> tuple[int, str]:
 # -- never running what a results folder holds ------------------------------------------------------------------
 
 
-def test_a_crafted_rng_file_is_refused_and_never_runs(stopped, tmp_path):
+@pytest.mark.parametrize("name, says", [("rng_rank0.pt", "could run code"), (".metadata", "posix.system")])
+def test_a_crafted_checkpoint_file_is_refused_and_never_runs(stopped, tmp_path, name, says):
+    """The RNG file (torch.load) and distributed checkpoint's metadata (a pickle), each crafted to run a command."""
     marker = tmp_path / "ran"
-    (stopped / "checkpoint_0" / "rng_rank0.pt").write_bytes(crafted_pickle(marker))
+    (stopped / "checkpoint_0" / name).write_bytes(crafted_pickle(marker))
     code, printed = resume(stopped)
     assert not marker.exists()
     assert code == 2 and len(error_lines(printed)) == 1 and "Traceback" not in printed, printed
-    assert "rng_rank0.pt" in printed and "could run code" in printed
-
-
-def test_crafted_checkpoint_metadata_is_refused_and_never_runs(stopped, tmp_path):
-    marker = tmp_path / "ran"
-    (stopped / "checkpoint_0" / ".metadata").write_bytes(crafted_pickle(marker))
-    code, printed = resume(stopped)
-    assert not marker.exists()
-    assert code == 2 and len(error_lines(printed)) == 1 and "Traceback" not in printed, printed
-    assert ".metadata" in printed and "posix.system" in printed
+    assert name in printed and says in printed
 
 
 def test_checkpoint_metadata_naming_a_shard_outside_the_checkpoint_is_refused(stopped):
@@ -207,18 +198,9 @@ def test_paths_are_saved_absolute_so_a_resume_from_elsewhere_reads_the_same(smal
 
 
 def test_two_processes_on_one_run_folder_the_second_says_who_holds_it(stopped, tmp_path):
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from trainbench.runfiles import FolderLock; "
-         f"FolderLock({str(stopped)!r}, 'resume=true').acquire(); print('held', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with lock_held_elsewhere(stopped, "resume=true") as pid:
         code, printed = resume(stopped)
-    finally:
-        holder.kill()
-        holder.wait()
-    assert code == 2 and "is in use" in printed and f"process {holder.pid}" in printed, printed
+    assert code == 2 and "is in use" in printed and f"process {pid}" in printed, printed
     assert "trainbench_resumed" not in (stopped / "result_0.txt.partial").read_text()
     code, printed = resume(stopped)  # the holder is gone: its lock went with it
     assert code == 1, printed
