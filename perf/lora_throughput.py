@@ -73,7 +73,8 @@ def fp8_matmul_peak_tflops(n: int = 8192, reps: int = 30) -> float:
 def mix_lengths(seed: int = 0) -> list[int]:
     """The sequences of one packed row of raw GovReport: lengths drawn uniformly from 1,024 to 8,192 tokens (what
     is left after MLPerf's 8192-token filter, each a report and its summary) and placed until the row is full; the
-    last room, where at least 256 tokens, holds a shorter one, else padding. 1 to 4 sequences a row."""
+    last room, where at least 256 tokens, holds a shorter one, else padding. Over 1,000 seeds: 1 sequence a row 5 %,
+    2 65 %, 3 27 %, 4 or 5 4 %; the row measured (seed 0) holds 5,713 + 2,479 tokens."""
     rng = torch.Generator().manual_seed(seed)
     lengths, room = [], SEQ
     while room >= 256:

@@ -75,3 +75,15 @@ def test_throughput_benchmark_packs_every_sample_once_at_six_per_row():
         assert (packed["masked_lm_positions"] > 0).sum() == (fixed["masked_lm_positions"] > 0).sum()
         fill[per_pack] = (packed["sequence_ids"] > 0).mean()
     assert fill[6] > fill[3]
+
+
+def test_the_govreport_length_mix_fills_a_row_mostly_with_two_or_three_sequences():
+    lora_throughput = load("lora_throughput")
+    seq, counts = lora_throughput.SEQ, []
+    for seed in range(200):
+        lengths = lora_throughput.mix_lengths(seed)
+        assert seq - 256 < sum(lengths) <= seq and all(n >= 256 for n in lengths), lengths
+        assert all(n >= 1024 for n in lengths[:-1])  # only the last, cut to the room left, may be shorter
+        counts.append(len(lengths))
+    assert 2 <= sorted(counts)[len(counts) // 2] <= 3  # the median row holds two or three
+    assert lora_throughput.mix_lengths(0) == lora_throughput.mix_lengths(0)  # seeded: the row measured is fixed
