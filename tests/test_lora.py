@@ -109,6 +109,7 @@ def _fsdp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
             results[layout] = {"logits": model(ids).tolist(), "bytes": read["b"]}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
+    dist.barrier()  # neither rank tears its connections down while the other still uses them
     dist.destroy_process_group()
 
 
