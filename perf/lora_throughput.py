@@ -7,7 +7,9 @@ Modes (``--mode``), each printing one JSON line per configuration and writing th
   ours (fused qkv, compiled blocks) with a bf16 and an FP8 frozen base, checkpointing every block or none, and with
   a packed row of two sequences (the masked attention path). Seconds per layer scale to 80 layers.
 - ``fp8-one`` (one GPU): all 80 layers with the FP8 base on one H200, built block by block (the bf16 model never
-  exists whole), ``--checkpointed`` blocks recomputed (the rest keep their activations).
+  exists whole), ``--checkpointed`` blocks recomputed (the rest keep their activations), ``--offloaded`` of the
+  kept ones with their saved activations in pinned host memory (``models/offload.py``); first the pinned copy
+  rates each way.
 - ``fsdp`` (torchrun, N GPUs): 80 layers, bf16 base, FSDP2 over the GPUs, ``--checkpointed`` blocks recomputed.
 - ``fp8-dp`` (torchrun, N GPUs): the FP8 base whole on every GPU (65 GiB), each GPU its own row, DDP over the
   adapters (44.6 M parameters).
@@ -239,22 +241,46 @@ def mlp_saved(model, how: str) -> None:
             block.mlp.gated = silu_mul
 
 
+def host_link_gb_per_s(gib: int = 2, reps: int = 5) -> dict:
+    """Pinned host <-> GPU copy rates (GB/s), each direction alone: what an offloaded block's bytes travel over."""
+    gpu = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    host = torch.empty(gib << 30, dtype=torch.uint8, pin_memory=True)
+    out = {}
+    for name, dst, src in (("device_to_host", host, gpu), ("host_to_device", gpu, host)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out[f"{name}_gb_per_s"] = reps * (gib << 30) / (time.perf_counter() - t) / 1e9
+    return out
+
+
 def mode_fp8_one(args) -> list[dict]:
+    from trainbench.models.offload import offload_blocks
+
     model, _ = build_ours(80, ONE_GPU, "fp8")
     mlp_saved(model, args.mlp_saved)
     model.model.packed_kernel = args.packed_kernel
-    print(json.dumps({"fp8_model_gib": torch.cuda.memory_allocated() / 2**30}), flush=True)
-    results = []
-    for ckpt in args.checkpointed_list:
+    first = {"fp8_model_gib": torch.cuda.memory_allocated() / 2**30} | host_link_gb_per_s()
+    print(json.dumps(first), flush=True)
+    results = [first]
+    for ckpt, off in args.variants:
         recompute_last(model, ckpt)
+        moved = offload_blocks(model.model.layers, off, ONE_GPU.device)
         opt = optimizer(model)
         b = batch(args.packed)
         rows = f"_packed_{args.packed}_{args.packed_kernel}" if args.packed else ""
-        name = f"ours_fp8_one_gpu_ckpt{ckpt}_mlp_{args.mlp_saved}{rows}"
-        results.append(measure(name, 80, model, step_fn(model, opt, b), args.steps, args.warmup,
+        name = f"ours_fp8_one_gpu_ckpt{ckpt}_offload{off}_mlp_{args.mlp_saved}{rows}"
+        extra = {"recomputed": ckpt, "offloaded": off}
+        results.append(measure(name, 80, model, step_fn(model, opt, b), args.steps, args.warmup, extra=extra,
                                forward=forward_fn(model, b)))  # fmt: skip
+        if moved is not None:
+            results[-1]["offloaded_gib_per_step"] = moved.bytes_per_step / 2**30
+            moved.remove()
         print(json.dumps(results[-1]), flush=True)
-        del opt
+        del opt, moved
         torch.cuda.empty_cache()
     return results
 
@@ -445,12 +471,19 @@ def main() -> None:
     p.add_argument("--mlp-saved", default="fp8", choices=("fp8", "bf16"),
                    help="fp8-one, profile: SwiGLU inputs kept in FP8 (the placement's) or bf16")  # fmt: skip
     p.add_argument("--checkpointed", default="80", help="blocks recomputed in backward, comma-separated variants")
+    p.add_argument("--offloaded", default="0", help="fp8-one: blocks whose saved activations wait in host memory, "
+                   "one count for every --checkpointed variant or one per variant")  # fmt: skip
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ckpt-dir", default="/tmp/lora70b_ckpt", help="load: where the random checkpoint is written")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     args.checkpointed_list = [int(x) for x in args.checkpointed.split(",")]
+    offloaded = [int(x) for x in args.offloaded.split(",")]
+    if len(offloaded) not in (1, len(args.checkpointed_list)):
+        p.error("--offloaded takes one count or one per --checkpointed variant")
+    args.variants = list(zip(args.checkpointed_list, offloaded * len(args.checkpointed_list)
+                             if len(offloaded) == 1 else offloaded, strict=True))  # fmt: skip
     distributed = args.mode in ("fsdp", "fp8-dp", "load")
     info = init_dist() if distributed else None
     if args.mode == "single":

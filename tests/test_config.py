@@ -105,6 +105,36 @@ def test_recompute_blocks_needs_checkpointing_and_at_most_the_models_blocks():
     assert cfg.perf.recompute_blocks == 56
 
 
+def test_offload_blocks_only_for_the_fp8_lora_base_on_a_gpu_and_at_most_the_kept_blocks():
+    fp8 = {"model.base_precision": "fp8", "device": "cuda"}
+    with pytest.raises(ConfigError, match="offloaded only for llama2_70b_lora with model.base_precision=fp8"):
+        build_config("llama2_70b_lora", "tiny", overrides={"perf.offload_blocks": "1"})
+    with pytest.raises(ConfigError, match="offloaded only for llama2_70b_lora"):
+        build_config("llama31_8b", "tiny", overrides={"perf.offload_blocks": "1"})
+    with pytest.raises(ConfigError, match="perf.offload_blocks=1 needs a GPU"):
+        build_config("llama2_70b_lora", "tiny", overrides=fp8 | {"perf.offload_blocks": "1", "device": "cpu"})
+    with pytest.raises(ConfigError, match="perf.offload_blocks=3 but only 2 blocks keep their activations"):
+        build_config("llama2_70b_lora", "tiny", overrides=fp8 | {"perf.offload_blocks": "3"})
+    every = {"perf.activation_checkpointing": "true"}  # recompute_blocks=0: every block is recomputed
+    with pytest.raises(ConfigError, match="perf.offload_blocks=1 but only 0 blocks keep their activations"):
+        build_config("llama2_70b_lora", "tiny", overrides=fp8 | every | {"perf.offload_blocks": "1"})
+    both = fp8 | every | {"perf.recompute_blocks": "20", "perf.offload_blocks": "30"}
+    _, cfg = build_config("llama2_70b_lora", "llama2-70b", overrides=both)
+    assert cfg.perf.offload_blocks == 30
+    with pytest.raises(ConfigError, match="perf.offload_blocks=61 but only 60 blocks keep"):
+        build_config("llama2_70b_lora", "llama2-70b", overrides=both | {"perf.offload_blocks": "61"})
+
+
+def test_offloaded_blocks_are_spread_over_the_kept_ones():
+    from trainbench.models.offload import spread
+
+    assert spread(30, 60) == list(range(0, 60, 2))
+    assert spread(1, 5) == [0] and spread(5, 5) == [0, 1, 2, 3, 4]
+    assert spread(3, 10) == [0, 3, 6]
+    with pytest.raises(ConfigError, match="perf.offload_blocks=4 but only 3 blocks keep"):
+        spread(4, 3)
+
+
 def test_malformed_override():
     with pytest.raises(ConfigError, match="key=value"):
         parse_key_values(["lr"])

@@ -385,3 +385,63 @@ def test_tiny_lora_reaches_its_target_with_a_bf16_or_fp8_base_compiled_on_cuda(t
     assert code == 0
     summary = json.loads((only_run_dir(tmp_path / "r") / "summary.json").read_text())
     assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+
+
+def test_offloaded_blocks_train_like_kept_ones_with_less_gpu_memory_on_cuda(monkeypatch):
+    """Four FP8 LoRA blocks, compiled inside their checkpointing as `trainbench run` places them: with two blocks'
+    saved activations in host memory the loss is the same and the adapters' gradients too, and the GPU holds less
+    between forward and backward."""
+    import dataclasses
+
+    from trainbench.benchmarks.lora import TINY
+    from trainbench.distributed import DistInfo
+    from trainbench.models import offload
+    from trainbench.models.decoder import DecoderLM
+    from trainbench.models.lora_parallel import place_lora
+
+    monkeypatch.setattr(offload, "MIN_BYTES", 1 << 20)
+    cfg = dataclasses.replace(TINY, hidden_size=1024, num_heads=8, num_kv_heads=2, intermediate_size=2816,
+                              num_layers=4, vocab_size=1000, max_seq_length=2048, base_precision="fp8")  # fmt: skip
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
+    model = place_lora(model, cfg, one, 1, True, False, True, 0).module
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 1000, (2, 2048), generator=gen).cuda()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(tokens, targets=tokens)
+        held = torch.cuda.memory_allocated()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads, held
+
+    step()  # compile
+    loss, grads, held = step()
+    moved = offload.offload_blocks(model.model.layers, 2, one.device)
+    assert moved.offloaded == [0, 2]
+    step()
+    loss_off, grads_off, held_off = step()
+    assert moved.bytes_per_step > 2 * 2048 * 1024 * 2  # at least a block's input and its attention output
+    assert torch.equal(loss_off, loss)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_off[name], g, rtol=1e-3, atol=1e-6, msg=name)
+    assert held - held_off > moved.bytes_per_step / 4  # block 0's copies are released during the forward
+    moved.remove()
+    assert all(b.saved_to_host is None for b in model.model.layers)
+
+
+def test_tiny_lora_reaches_its_target_with_offloaded_blocks_on_cuda(tmp_path, monkeypatch):
+    from trainbench.models import offload
+
+    monkeypatch.setattr(offload, "MIN_BYTES", 0)  # the tiny model's tensors are small: move them all
+    data = tmp_path / "data"
+    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", data) == 0
+    code = run_cli("run", "llama2_70b_lora", f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}", "device=cuda",
+                   "perf.compile=true", "perf.activation_checkpointing=true", "perf.recompute_blocks=1",
+                   "perf.offload_blocks=1", "model.base_precision=fp8", "progress=false")  # fmt: skip
+    assert code == 0
+    summary = json.loads((only_run_dir(tmp_path / "r") / "summary.json").read_text())
+    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]

@@ -41,8 +41,11 @@ def test_a_chain_refused_half_way_is_recorded_job_by_job_and_resubmit_knows_it(s
     count = tmp_path / "count"
     count.write_text("0")
     # sbatch accepts two jobs, then a QOS limit refuses the third
-    stand_ins(cluster, sbatch=f'n=$(( $(cat {count}) + 1 )); echo $n > {count}; '
-                              'if [ $n -ge 3 ]; then echo "QOSMaxSubmitJobPerUserLimit" >&2; exit 1; fi; echo 100$n')
+    stand_ins(
+        cluster,
+        sbatch=f"n=$(( $(cat {count}) + 1 )); echo $n > {count}; "
+        'if [ $n -ge 3 ]; then echo "QOSMaxSubmitJobPerUserLimit" >&2; exit 1; fi; echo 100$n',
+    )
     code = run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", "--chain", "4",
                    f"data.dir={small_data}", f"output.results_dir={tmp_path / 'r'}", "eval_samples=256")  # fmt: skip
     assert code == 2

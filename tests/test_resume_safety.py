@@ -242,9 +242,10 @@ def test_a_full_disk_at_a_checkpoint_is_one_sentence_and_the_run_stays_resumable
                             "checkpoint_every_steps=4")  # fmt: skip
     assert code == 2 and len(error_lines(printed)) == 1 and "the disk is full" in printed, printed
     outcome = json.loads((run_dir / "run_0.json").read_text())
-    assert outcome["status"] == "interrupted" and json.loads((run_dir / "checkpoint_0" / "meta.json").read_text())[
-        "step"
-    ] == 4
+    assert (
+        outcome["status"] == "interrupted"
+        and json.loads((run_dir / "checkpoint_0" / "meta.json").read_text())["step"] == 4
+    )
     code, printed = resume(run_dir)
     assert code == 1 and "resumed from" in printed, printed
 

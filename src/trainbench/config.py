@@ -179,6 +179,13 @@ class PerfConfig:
         "(faster, more memory: the 70B LoRA runs 56 of 80 on an H200, docs/lora.md). 0: every block.",
         at_least=0,
     )
+    offload_blocks: int = option(
+        0,
+        "Blocks, among those that keep their activations, whose saved activations wait in pinned host memory "
+        "between forward and backward, copied on a side stream while the GPU computes (CUDA; llama2_70b_lora with "
+        "model.base_precision=fp8): more blocks without recompute where the GPU's memory ends (docs/lora.md).",
+        at_least=0,
+    )
     cuda_graphs: bool = option(
         False, "With compile: replay the compiled forward and backward as CUDA graphs (static shapes; CUDA only)."
     )

@@ -124,6 +124,7 @@ class BertBenchmark(Benchmark):
         "schedule.end_lr": "its schedule decays polynomially to 0 (schedule.poly_power shapes the decay)",
         "perf.activation_checkpointing": "BERT keeps its activations (the large preset fits on one GPU at 48 rows)",
         "perf.recompute_blocks": "BERT keeps its activations (no perf.activation_checkpointing)",
+        "perf.offload_blocks": "BERT keeps its activations on the GPU",
     }
 
     def validate(self, cfg: RunConfig) -> None:

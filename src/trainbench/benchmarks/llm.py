@@ -33,6 +33,7 @@ from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
 from trainbench.models.decoder import DecoderConfig, DecoderLM, recompute_last
 from trainbench.models.decoder_parallel import place_decoder
+from trainbench.models.offload import offload_blocks
 from trainbench.optim.adamw import AdamClipped
 from trainbench.optim.groups import weight_decay_split
 from trainbench.optim.schedules import cosine_warmup_lr
@@ -103,13 +104,25 @@ def gpt3(preset: str) -> RunConfig:
     )  # fmt: skip
 
 
-def recompute_fewer(placed: Placed, cfg: RunConfig) -> Placed:
-    """``perf.recompute_blocks``: activation checkpointing on the last N blocks only."""
+def recompute_fewer(placed: Placed, cfg: RunConfig, device: torch.device) -> Placed:
+    """``perf.recompute_blocks``: activation checkpointing on the last N blocks only; ``perf.offload_blocks``: of
+    the others, N keep their saved activations in host memory."""
     count = cfg.perf.recompute_blocks
     if cfg.perf.activation_checkpointing and count:
         recompute_last(placed.module, count)
         placed.notes.append(f"activation checkpointing on the last {count} of {cfg.model.num_layers} blocks")
+    if cfg.perf.offload_blocks:
+        offload = offload_blocks(placed.module.model.layers, cfg.perf.offload_blocks, device)
+        placed.notes.append(f"saved activations of blocks {', '.join(map(str, offload.offloaded))} kept in host "
+                            "memory between forward and backward")  # fmt: skip
     return placed
+
+
+def kept_blocks(cfg: RunConfig) -> int:
+    """How many blocks keep their activations (are not recomputed)."""
+    if not cfg.perf.activation_checkpointing:
+        return cfg.model.num_layers
+    return cfg.model.num_layers - (cfg.perf.recompute_blocks or cfg.model.num_layers)
 
 
 class LLMBenchmark(Benchmark):
@@ -146,6 +159,20 @@ class LLMBenchmark(Benchmark):
         if cfg.perf.recompute_blocks > m.num_layers:
             raise ConfigError(f"perf.recompute_blocks={cfg.perf.recompute_blocks} but the model has {m.num_layers} "
                               "blocks")  # fmt: skip
+        if cfg.perf.offload_blocks:
+            if getattr(m, "base_precision", None) != "fp8":
+                raise ConfigError(f"perf.offload_blocks={cfg.perf.offload_blocks}: activations are offloaded only "
+                                  "for llama2_70b_lora with model.base_precision=fp8 (whole blocks on each GPU, "
+                                  "compiled inside their checkpointing)")  # fmt: skip
+            if cfg.device == "cpu":
+                raise ConfigError(f"perf.offload_blocks={cfg.perf.offload_blocks} needs a GPU (device=cuda or auto)")
+            if cfg.perf.offload_blocks > kept_blocks(cfg):
+                raise ConfigError(
+                    f"perf.offload_blocks={cfg.perf.offload_blocks} but only {kept_blocks(cfg)} "
+                    f"blocks keep their activations (perf.recompute_blocks="
+                    f"{cfg.perf.recompute_blocks} of {m.num_layers}, 0 meaning all, with "
+                    f"perf.activation_checkpointing={str(cfg.perf.activation_checkpointing).lower()})"
+                )
 
     def eval_every_samples(self, cfg: RunConfig) -> int:
         return self.eval_every
@@ -195,7 +222,7 @@ class LLMBenchmark(Benchmark):
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         placed = place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
                                cfg.perf.compile, cfg.seed)  # fmt: skip
-        return recompute_fewer(placed, cfg)
+        return recompute_fewer(placed, cfg, info.device)
 
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
         o = cfg.optimizer

@@ -193,7 +193,7 @@ class LoraBenchmark(LLMBenchmark):
         m = dataclasses.replace(cfg.model, base_weights=self.base_weights(cfg))
         placed = place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
                             cfg.perf.compile, cfg.seed)  # fmt: skip
-        return recompute_fewer(placed, cfg)
+        return recompute_fewer(placed, cfg, info.device)
 
     def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
         """Which base was read, the type its files store and what the run made of it."""

@@ -209,12 +209,17 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     checkpointing = False  # recompute this block's activations in backward (activation checkpointing)
+    saved_to_host = None  # a models.offload.HostOffload keeping this block's saved activations in host memory
 
     def forward(self, x: torch.Tensor, rope=None, mask: torch.Tensor | None = None) -> torch.Tensor:
         # Inside the block's own forward, so a sharding wrapper's hooks (gather, cast) stay outside the
         # recomputed region and run again for the recomputation.
         if self.checkpointing and torch.is_grad_enabled():
             return checkpoint(self._forward, x, rope, mask, use_reentrant=False)
+        if self.saved_to_host is not None and torch.is_grad_enabled():
+            shared = [*(rope or ()), mask if isinstance(mask, torch.Tensor) else None]
+            with self.saved_to_host.saving(self, shared):
+                return self._forward(x, rope, mask)
         return self._forward(x, rope, mask)
 
     def _forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None) -> torch.Tensor:
