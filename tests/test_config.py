@@ -135,6 +135,18 @@ def test_offloaded_blocks_are_spread_over_the_kept_ones():
         spread(4, 3)
 
 
+def test_only_dense_tensors_are_offloaded_as_one_block_of_bytes():
+    import torch
+
+    from trainbench.models.offload import dense
+
+    t = torch.zeros(4, 6, 8)
+    assert dense(t) and dense(t.transpose(0, 2)) and dense(t.permute(1, 0, 2)) and dense(t[:1]) and dense(t[1, 2:3])
+    assert (
+        not dense(t[:, :3]) and not dense(t[0:4, 2:3]) and not dense(t[..., ::2]) and not dense(t[:1].expand(3, 6, 8))
+    )
+
+
 def test_malformed_override():
     with pytest.raises(ConfigError, match="key=value"):
         parse_key_values(["lr"])

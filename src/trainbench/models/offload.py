@@ -54,11 +54,21 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements cover its span of memory without gaps or overlap, in some order of its dimensions
+    (contiguous, or a permutation of contiguous): then a copy with the same strides is one block of bytes."""
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride(), strict=True) if n != 1),
+                               key=lambda p: p[1]):  # fmt: skip
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _movable(t: torch.Tensor) -> bool:
-    """A dense CUDA tensor (its elements cover its storage span without gaps or overlap) worth copying."""
-    if t.device.type != "cuda" or t.numel() * t.element_size() < MIN_BYTES:
-        return False
-    return t.is_contiguous() or t.is_non_overlapping_and_dense()
+    """A dense CUDA tensor worth copying."""
+    return t.device.type == "cuda" and t.numel() * t.element_size() >= MIN_BYTES and dense(t)
 
 
 class HostOffload:
