@@ -420,6 +420,7 @@ def test_offloaded_blocks_train_like_kept_ones_with_less_gpu_memory_on_cuda(monk
 
     step()  # compile
     loss, grads, held = step()
+    _, again, _ = step()  # the attention backward's own run-to-run differences (its atomics)
     moved = offload.offload_blocks(model.model.layers, 2, one.device)
     assert moved.offloaded == [0, 2]
     step()
@@ -427,7 +428,10 @@ def test_offloaded_blocks_train_like_kept_ones_with_less_gpu_memory_on_cuda(monk
     assert moved.bytes_per_step > 2 * 2048 * 1024 * 2  # at least a block's input and its attention output
     assert torch.equal(loss_off, loss)
     for name, g in grads.items():
-        torch.testing.assert_close(grads_off[name], g, rtol=1e-3, atol=1e-6, msg=name)
+        noise = float((again[name] - g).abs().max())
+        err = float((grads_off[name] - g).abs().max())
+        scale = float(g.abs().max())
+        assert scale > 0 and err <= max(2 * noise, 1e-3 * scale), (name, err, noise, scale)
     assert held - held_off > moved.bytes_per_step / 4  # block 0's copies are released during the forward
     moved.remove()
     assert all(b.saved_to_host is None for b in model.model.layers)
