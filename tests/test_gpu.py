@@ -431,7 +431,8 @@ def test_offloaded_blocks_train_like_kept_ones_with_less_gpu_memory_on_cuda(monk
         noise = float((again[name] - g).abs().max())
         err = float((grads_off[name] - g).abs().max())
         scale = float(g.abs().max())
-        assert scale > 0 and err <= max(2 * noise, 1e-3 * scale), (name, err, noise, scale)
+        assert err <= max(2 * noise, 1e-3 * scale), (name, err, noise, scale)
+    assert all(float(g.abs().max()) > 0 for n, g in grads.items() if "lora_B" in n)  # (lora_B starts at 0: A's are 0)
     assert held - held_off > moved.bytes_per_step / 4  # block 0's copies are released during the forward
     moved.remove()
     assert all(b.saved_to_host is None for b in model.model.layers)
