@@ -12,7 +12,7 @@ Modes (``--mode``), each printing one JSON line per configuration and writing th
   rates each way.
 - ``fsdp`` (torchrun, N GPUs): 80 layers, bf16 base, FSDP2 over the GPUs, ``--checkpointed`` blocks recomputed.
 - ``fp8-dp`` (torchrun, N GPUs): the FP8 base whole on every GPU (65 GiB), each GPU its own row, DDP over the
-  adapters (44.6 M parameters).
+  adapters (44.6 M parameters); ``--checkpointed`` and ``--offloaded`` as for ``fp8-one``.
 
 Every model is placed by ``trainbench.models.lora_parallel.place_lora``, the function ``trainbench run`` uses.
 - ``profile`` (one GPU): ``--layers`` FP8 blocks, nothing recomputed: the CUDA time per block by kernel group and
@@ -54,6 +54,7 @@ from trainbench.distributed import DistInfo  # noqa: E402
 from trainbench.models import fp8  # noqa: E402
 from trainbench.models.decoder import DecoderLM, recompute_last, silu_mul  # noqa: E402
 from trainbench.models.lora_parallel import place_lora  # noqa: E402
+from trainbench.models.offload import offload_blocks  # noqa: E402
 from trainbench.optim.adamw import AdamClipped  # noqa: E402
 from trainbench.report.projection import project  # noqa: E402
 from trainbench.train.profiling import bf16_matmul_peak_tflops  # noqa: E402
@@ -258,8 +259,6 @@ def host_link_gb_per_s(gib: int = 2, reps: int = 5) -> dict:
 
 
 def mode_fp8_one(args) -> list[dict]:
-    from trainbench.models.offload import offload_blocks
-
     model, _ = build_ours(80, ONE_GPU, "fp8")
     mlp_saved(model, args.mlp_saved)
     model.model.packed_kernel = args.packed_kernel
@@ -375,14 +374,18 @@ def mode_fp8_dp(args, info: DistInfo) -> list[dict]:
     model, ddp = build_ours(80, info, "fp8")  # the same seed on every rank: the same base and adapters
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     results = []
-    for ckpt in args.checkpointed_list:
+    for ckpt, off in args.variants:
         recompute_last(model, ckpt)
+        moved = offload_blocks(model.model.layers, off, info.device)
         opt = optimizer(model)
         b = batch()
-        results.append(measure(f"ours_fp8_replicated_ddp{info.world_size}_ckpt{ckpt}", 80, model,
-                               step_fn(ddp, opt, b), args.steps, args.warmup, info.world_size,
-                               {"adapter_parameters": adapters}, forward=forward_fn(model, b)))  # fmt: skip
-        del opt
+        extra = {"adapter_parameters": adapters, "recomputed": ckpt, "offloaded": off}
+        results.append(measure(f"ours_fp8_replicated_ddp{info.world_size}_ckpt{ckpt}_offload{off}", 80, model,
+                               step_fn(ddp, opt, b), args.steps, args.warmup, info.world_size, extra,
+                               forward=forward_fn(model, b)))  # fmt: skip
+        if moved is not None:
+            moved.remove()
+        del opt, moved
         torch.cuda.empty_cache()
     return results
 
@@ -471,8 +474,8 @@ def main() -> None:
     p.add_argument("--mlp-saved", default="fp8", choices=("fp8", "bf16"),
                    help="fp8-one, profile: SwiGLU inputs kept in FP8 (the placement's) or bf16")  # fmt: skip
     p.add_argument("--checkpointed", default="80", help="blocks recomputed in backward, comma-separated variants")
-    p.add_argument("--offloaded", default="0", help="fp8-one: blocks whose saved activations wait in host memory, "
-                   "one count for every --checkpointed variant or one per variant")  # fmt: skip
+    p.add_argument("--offloaded", default="0", help="fp8-one, fp8-dp: blocks whose saved activations wait in host "
+                   "memory, one count for every --checkpointed variant or one per variant")  # fmt: skip
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ckpt-dir", default="/tmp/lora70b_ckpt", help="load: where the random checkpoint is written")
