@@ -55,11 +55,13 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=3072)
     p.add_argument("--width", type=int, help="a base of this width instead of the tiny preset's (a multiple of 512)")
     p.add_argument("--layers", type=int, default=8, help="with --width: its blocks")
+    p.add_argument("--lr", type=float, help="optimizer.lr (the tiny preset's 1e-2 is unstable at width 1024)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp())
     trainbench("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", str(work / "data"))
     sys.path.insert(0, str(REPO / "src"))
     shape = wider_base(work / "wide_base", args.width, args.layers, 0) if args.width else []
+    shape += [f"optimizer.lr={args.lr}"] if args.lr else []
     results = []
     for seed in args.seeds:
         for base in ("auto", "fp8"):
@@ -71,7 +73,8 @@ def main() -> None:
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             evals = {r["samples"]: r["eval_loss"] for r in rows if "eval_loss" in r}
             results.append({"base": "bf16" if base == "auto" else "fp8", "seed": seed, "eval_loss": evals,
-                            "width": args.width or 128, "layers": args.layers if args.width else 2})  # fmt: skip
+                            "width": args.width or 128, "layers": args.layers if args.width else 2,
+                            "lr": args.lr or 1e-2})  # fmt: skip
             print(json.dumps(results[-1]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
