@@ -70,7 +70,8 @@ def _run_script(run_dir: Path, tmp_path: Path, queue: str, requeue_ok: bool) -> 
     """The job script of ``run_dir`` as job 77 whose ranks checkpoint on USR1 (srun leaves the preempted marker),
     with ``queue`` as what squeue lists under the job's name."""
     bin_dir, log = tmp_path / "jobbin", tmp_path / "calls.log"
-    stand_ins(bin_dir, srun=f"touch {run_dir}/preempted_0; exit 3", squeue=f"printf '{queue}'",
+    stand_ins(bin_dir, srun=f'case "$*" in *launch.preflight*) exit 0;; esac; touch {run_dir}/preempted_0; exit 3',
+              squeue=f"printf '{queue}'",
               scontrol=f'echo "scontrol $*" >> {log}; ' + ("true" if requeue_ok else "exit 1"))  # fmt: skip
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77", SLURM_JOB_NODELIST="n1",
                SLURM_JOB_NAME="tb")  # fmt: skip

@@ -29,7 +29,7 @@ from pathlib import Path
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, has_control_character, save_config
 from trainbench.errors import UserError
-from trainbench.launch.local import absolute_paths, new_run_dir
+from trainbench.launch.local import PATH_KEYS, absolute_paths, new_run_dir
 from trainbench.launch.systems import System, load_system, save_system
 from trainbench.runfiles import CONFIG, FolderLock
 
@@ -77,11 +77,8 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         srun.append(f"--cpu-bind={system.cpu_bind}")
     if system.srun_gres:
         srun.append(f"--gres={system.srun_gres}")  # repeated on srun: some Slurm versions drop it otherwise
-    if system.container_image:
-        srun.append(f"--container-image={system.container_image}")
-        if system.container_mounts:
-            srun.append(f"--container-mounts={','.join(system.container_mounts)}")
     env = dict(system.env)
+    box = container_parts(system, mounts_for(system, cfg, run_dir), env)
     if system.numa:
         env["TRAINBENCH_CPU_MAP"] = ";".join(system.cpu_map())
     recorded = "".join(" " if has_control_character(c) else c for c in " ".join(q(a) for a in command))  # one line
@@ -120,7 +117,26 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         "fi",
         'rm -f "$RUN_DIR/preempted_$INDEX"',
         "state RUNNING null",
-        " ".join(q(arg) for arg in srun) + ' "$PYTHON" -m trainbench.launch.worker "$RUN_DIR" "$INDEX" --resume &',
+        *box.start_lines,
+        "# preflight: on every node the container starts, sees the data and this folder, the GPUs are there, and an",
+        "# all-reduce over the job's ranks measures the bus bandwidth (preflight_$INDEX.json); else no run starts",
+        'rm -rf "$RUN_DIR/preflight" && mkdir -p "$RUN_DIR/preflight"',
+        " ".join([*map(q, srun), *box.srun_flags, box.command])
+        + ' -m trainbench.launch.preflight "$RUN_DIR" "$INDEX"; prc=$?',
+        "bad=0",
+        'for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do',
+        '  why=$(cat "$RUN_DIR/preflight/$node".*.failed 2>/dev/null | head -n 1)',
+        '  if [ -n "$why" ]; then echo "preflight failed on node $node: $why"; bad=1',
+        '  elif ! ls "$RUN_DIR/preflight/$node".*.ok >/dev/null 2>&1; then',
+        '    echo "preflight failed on node $node: it never reported (the container did not start there, or the '
+        'results folder is not visible in it; srun exit code $prc)"; bad=1',
+        "  fi",
+        "done",
+        'if [ "$bad" = 0 ] && [ "$prc" != 0 ]; then echo "preflight failed: the all-reduce step exited with $prc"; '
+        "bad=1; fi",
+        'if [ "$bad" = 1 ]; then state PREFLIGHT_FAILED "$prc"; exit 1; fi',
+        " ".join([*map(q, srun), *box.srun_flags, box.command])
+        + ' -m trainbench.launch.worker "$RUN_DIR" "$INDEX" --resume &',
         "wait $!; rc=$?",
         "while kill -0 $! 2>/dev/null; do wait $!; rc=$?; done  # a trapped signal interrupts the first wait",
         'if [ "$STOPPED" = 1 ]; then exit "$rc"; fi',
@@ -142,15 +158,97 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         "  fi",
         "  exit 0",
         "fi",
-        '"$PYTHON" -m trainbench.launch.slurm finish "$RUN_DIR" "$INDEX" "$rc"',
+        box.finish + ' -m trainbench.launch.slurm finish "$RUN_DIR" "$INDEX" "$rc"',
         'exit "$rc"',
     ]
     script = "\n".join(lines) + "\n"
     # The last guard: every value above is quoted, but no quoting keeps a line break from ending a line.
-    for value in (str(run_dir), python, *sb, *srun, *env.values(), *env):
+    for value in (str(run_dir), python, *sb, *srun, *env.values(), *env, *box.prefix):
         if has_control_character(value):
             raise UserError(f"{value!r} holds a control character; it cannot go into a job script")
     return script
+
+
+# -- containers -------------------------------------------------------------------------------------------
+
+# Passed into a podman container by name (podman's --env takes a trailing * for every variable so named): what a rank
+# reads of Slurm's and the job script's environment.
+PODMAN_ENV = ("SLURM_*", "SLURMD_NODENAME", "MASTER_ADDR", "MASTER_PORT", "TRAINBENCH_*", "CUDA_VISIBLE_DEVICES")
+
+
+@dataclasses.dataclass
+class ContainerParts:
+    """What the job script adds for a container: lines that start it once per node, srun flags (kept unquoted where
+    they expand $SLURM_JOB_ID), the command prefix of each rank (a runtime and the image's python), and how the
+    closing bookkeeping step runs."""
+
+    start_lines: list[str]
+    srun_flags: list[str]
+    prefix: list[str]
+    finish: str
+
+    @property
+    def command(self) -> str:
+        """The start of each rank's command, as shell text."""
+        return " ".join(map(q, self.prefix)) if self.prefix else '"$PYTHON"'
+
+
+def mounts_for(system: System, cfg: RunConfig, run_dir: Path) -> list[str]:
+    """The system's mounts, then the run's folder and the config's data and weights at the paths they have here:
+    the ranks read and write the same paths inside as outside."""
+    if system.container is None:
+        return []
+    mounts = list(system.container.mounts)
+    covered = [m.split(":")[1] for m in mounts]
+    paths = [str(run_dir)] + [str(v) for k in PATH_KEYS if k != "output.run_dir" and (v := _get(cfg, k))]
+    for path in paths:
+        if any(path == c or path.startswith(c.rstrip("/") + "/") for c in covered):
+            continue
+        if "," in path or ":" in path:
+            raise UserError(f"{path} holds a comma or a colon, which a container mount cannot take; move it or mount "
+                            "a folder above it in the system file's container.mounts")  # fmt: skip
+        mounts.append(f"{path}:{path}")
+        covered.append(path)
+    return mounts
+
+
+def _get(cfg: RunConfig, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name, None)
+
+
+def container_parts(system: System, mounts: list[str], env: dict[str, str]) -> ContainerParts:
+    c = system.container
+    if c is None:
+        return ContainerParts([], [], [], '"$PYTHON"')
+    gpus = system.gpus_per_node > 0
+    if c.runtime == "pyxis":
+        name = "--container-name=trainbench_${SLURM_JOB_ID}"  # expanded by the shell: one container per job
+        start = [
+            "# pyxis: the first step imports the image once on every node; later steps reuse it by name",
+            " ".join(["srun", "--ntasks-per-node=1", q(f"--container-image={c.image}"), name, "true"])
+            + ' || { state PREFLIGHT_FAILED $?; echo "preflight failed: the container image did not start on every '
+            'node"; exit 1; }',
+        ]
+        flags = [name, q(f"--container-mounts={','.join(mounts)}")] if mounts else [name]
+        finish = " ".join(["srun", "--nodes=1", "--ntasks=1", *flags, q(c.python)])
+        return ContainerParts(start, flags, [c.python], finish)
+    if c.runtime == "apptainer":
+        prefix = [c.runtime_command or "apptainer", "exec", *(["--nv"] if gpus else [])]
+        for m in mounts:
+            prefix += ["--bind", m]
+        prefix += [c.image, c.python]
+    else:  # podman (podman-hpc: runtime_command)
+        prefix = [c.runtime_command or "podman", "run", "--rm", "--network=host", "--uts=host", "--ipc=host"]
+        for m in mounts:
+            prefix += ["-v", m]
+        for name in (*PODMAN_ENV, *env):
+            prefix.append(f"--env={name}")
+        if gpus:
+            prefix.append("--device=nvidia.com/gpu=all")
+        prefix += [c.image, c.python]
+    finish = " ".join(["srun", "--nodes=1", "--ntasks=1", *map(q, prefix)])
+    return ContainerParts([], [], prefix, finish)
 
 
 # -- what the cluster can do ------------------------------------------------------------------------------
@@ -247,12 +345,12 @@ def check_mpi(system: System) -> None:
 
 
 def check_container(system: System) -> None:
-    image = system.container_image
-    if image and (image.startswith(("/", "./", "~")) or image.endswith(".sqsh")):
+    """A container image that is a file (an enroot squashfs, an Apptainer SIF) exists where submit runs."""
+    image = system.container.image if system.container else None
+    if image and (image.startswith(("/", "./", "~")) or image.endswith((".sqsh", ".sif"))):
         if not Path(image).expanduser().is_file():
-            raise UserError(
-                f"container image {image} (system {system.name}) does not exist; import it with enroot first"
-            )
+            how = "build it with containers/image.sh (docs/containers.md)"
+            raise UserError(f"container image {image} (system {system.name}) does not exist; {how}")
 
 
 # -- submit -----------------------------------------------------------------------------------------------
@@ -288,7 +386,7 @@ def submit(
     )
     bench.validate(cfg)  # again, at the job's world size (nodes x ranks per node)
     save_config(cfg, run_dir / CONFIG)
-    python = "python3" if system.container_image else sys.executable
+    python = system.container.python if system.container else sys.executable
     script = render_script(system, cfg, run_dir, nexp, command, python, chain)
     path = run_dir / SCRIPT
     path.write_text(script)

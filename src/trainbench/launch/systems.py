@@ -17,6 +17,23 @@ import yaml
 from trainbench.config import has_control_character
 from trainbench.errors import ConfigError, UserError
 
+RUNTIMES = ("pyxis", "apptainer", "podman")
+IMAGE_PYTHON = "/opt/trainbench/venv/bin/python"  # where the project's Containerfile installs trainbench
+
+
+@dataclass
+class Container:
+    """How each rank's process starts inside a container: ``runtime`` pyxis (srun --container-image, an enroot
+    squashfs or a registry image), apptainer (``apptainer exec`` of a SIF) or podman (``podman run``; podman-hpc
+    takes the same flags, ``runtime_command: podman-hpc``). ``mounts`` are ``HOST:CONTAINER`` pairs; the run's
+    folder and the config's data and weights paths are added at the paths they have on the host."""
+
+    runtime: str = "pyxis"
+    image: str = ""
+    mounts: list[str] = field(default_factory=list)
+    python: str = IMAGE_PYTHON
+    runtime_command: str | None = None  # the runtime's executable, where it is not the runtime's name
+
 
 @dataclass
 class System:
@@ -35,8 +52,7 @@ class System:
     gres: str | None = None  # default gpu:<gpus_per_node> when the system has GPUs
     mpi: str = "pmi2"
     cpu_bind: str | None = "none"  # srun --cpu-bind (ranks pin themselves from the NUMA map); null: leave it out
-    container_image: str | None = None  # pyxis: a registry image (nvcr.io#nvidia/pytorch:...) or a .sqsh file
-    container_mounts: list[str] = field(default_factory=list)
+    container: Container | None = None
     env: dict[str, str] = field(default_factory=dict)
     device: str = "cuda"
     path: str = ""
@@ -83,6 +99,16 @@ class System:
             raise ConfigError(f"{where}: mpi must be pmi2, pmix or none, got {self.mpi!r}")
         if self.device not in ("cuda", "cpu"):
             raise ConfigError(f"{where}: device must be cuda or cpu, got {self.device!r}")
+        if self.container is not None:
+            c = self.container
+            if c.runtime not in RUNTIMES:
+                raise ConfigError(f"{where}: container.runtime must be one of {', '.join(RUNTIMES)}, got {c.runtime!r}")
+            if not c.image:
+                raise ConfigError(f"{where}: container.image is empty (an image name, or a .sqsh/.sif file)")
+            for m in c.mounts:
+                host, sep, inside = m.partition(":")
+                if not sep or not host.startswith("/") or not inside.startswith("/"):
+                    raise ConfigError(f"{where}: container mount {m!r} is not HOST:CONTAINER with absolute paths")
         if self.gpu_numa and (len(self.gpu_numa) != self.ranks_per_node or max(self.gpu_numa) >= len(self.numa)):
             raise ConfigError(f"{where}: gpu_numa needs one NUMA index (< {len(self.numa)}) per GPU")
         for i, cpus in enumerate(self.numa):
@@ -115,7 +141,7 @@ _KINDS = {
     "cpus_per_node": int,
     "numa": list,
     "gpu_numa": list,
-    "container_mounts": list,
+    "container": dict,
     "env": dict,
     "exclusive": bool,
     "time": str,
@@ -189,7 +215,7 @@ def load_system(name_or_path: str) -> System:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"system file {path} is not valid YAML: {exc}") from None
-    names = {f.name for f in dataclasses.fields(System)}
+    names = {f.name for f in dataclasses.fields(System)} | set(LEGACY_CONTAINER_KEYS)
     unknown = sorted(set(data) - names)
     if unknown:
         raise ConfigError(f"system file {path}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
@@ -202,11 +228,40 @@ def load_system(name_or_path: str) -> System:
         ):
             raise ConfigError(f"system file {path}: {f.name} should be {want.__name__}, got {value!r}")
     data.setdefault("name", path.stem)
+    data["container"] = _container(path, data)
     data["env"] = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
     data["path"] = str(path)
     system = System(**data)
     system.validate()
     return system
+
+
+# The short form for pyxis, as NVIDIA's and other vendors' configs spell it: container_image and container_mounts.
+LEGACY_CONTAINER_KEYS = {"container_image": "image", "container_mounts": "mounts"}
+
+
+def _container(path: Path, data: dict) -> Container | None:
+    """The ``container:`` section (or the pyxis short form) as a :class:`Container`; None for none."""
+    section = data.get("container")
+    legacy = {new: v for old, new in LEGACY_CONTAINER_KEYS.items() if (v := data.pop(old, None)) is not None}
+    if section is not None and legacy:
+        raise ConfigError(f"system file {path}: give the container either as a container: section or as "
+                          "container_image/container_mounts, not both")  # fmt: skip
+    if legacy:
+        section = {"runtime": "pyxis", **legacy}
+    if section is None:
+        return None
+    keys = {f.name: f for f in dataclasses.fields(Container)}
+    unknown = sorted(set(section) - set(keys))
+    if unknown:
+        raise ConfigError(f"system file {path}: unknown container key(s) {', '.join(unknown)}; valid: "
+                          f"{', '.join(keys)}")  # fmt: skip
+    if not isinstance(section.get("mounts", []), list):
+        raise ConfigError(f"system file {path}: container.mounts should be a list of HOST:CONTAINER paths")
+    for key in ("runtime", "image", "python", "runtime_command"):
+        if section.get(key) is not None and not isinstance(section[key], str):
+            raise ConfigError(f"system file {path}: container.{key} should be a string, got {section[key]!r}")
+    return Container(**{**section, "mounts": [str(m) for m in section.get("mounts", [])]})
 
 
 def save_system(system: System, path: Path) -> None:
