@@ -16,6 +16,7 @@ import os
 import platform
 import socket
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -333,6 +334,7 @@ def machine() -> dict[str, str]:
         "driver": driver_version() or "-",
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "executable": sys.executable,  # which installation ran: a container's image, a venv
     }
 
 

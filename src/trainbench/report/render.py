@@ -188,8 +188,24 @@ def system_line(run_dir: Path, job: dict) -> str:
     outcomes = (read_json(p) for p in sorted(run_dir.glob("run_*.json")))
     found = next((o["system"] for o in outcomes if o.get("system")), {})
     parts = [job["system"]] if job.get("system") else []
-    parts += [f"{k} {v}" for k, v in found.items() if k != "host"]
+    parts += [f"{k} {v}" for k, v in found.items() if k not in ("host", "executable")]
     return "; ".join(parts) or "not recorded (runs made before trainbench recorded the machine)"
+
+
+def preflight_lines(run_dir: Path) -> list[str]:
+    """What each job's preflight measured (launch/preflight.py): its nodes and the all-reduce's bus bandwidth."""
+    out = []
+    for path in sorted(run_dir.glob("preflight_*.json")):
+        p = read_json(path)
+        a = p.get("allreduce") if isinstance(p.get("allreduce"), dict) else {}
+        try:
+            nodes = ", ".join(map(str, p["nodes"]))
+            out.append(f"Preflight of run {int(p['index'])}: {len(p['nodes'])} node(s) ({nodes}), "
+                       f"{int(p['ranks'])} ranks on {p['device']}; all-reduce of {int(a['bytes']) >> 20} MiB: bus "
+                       f"bandwidth {float(a['bus_gb_per_s']):.2f} GB/s ({p.get('time', '')}).")  # fmt: skip
+        except (KeyError, TypeError, ValueError):
+            out.append(f"Preflight record {path.name} is not what the preflight writes; left out.")
+    return out
 
 
 def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
@@ -215,7 +231,7 @@ def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
     title = f"{summary.get('benchmark', 'benchmark')}/{summary.get('preset', '')} — {run_dir.name}"
 
     layout = f", layout {job['layout']}" if "layout" in job else ""
-    extra = notes(score, summary.get("mlperf_benchmark"))
+    extra = notes(score, summary.get("mlperf_benchmark")) + preflight_lines(run_dir)
     md = [f"# {title}", "", score_line, "", f"System: {system}{layout}", ""]
     md += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     md += ["| " + " | ".join(row) + " |" for row in body]
