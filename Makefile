@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 DEMO_DATA    ?= data/bert-tiny
 DEMO_RESULTS ?= results
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean image
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
+
+# The container image from the package registries alone (podman, mmdebstrap): docs/containers.md.
+image:
+	containers/image.sh cpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
