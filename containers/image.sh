@@ -41,8 +41,9 @@ wheels() {  # $1 = all: trainbench and every dependency; own: trainbench only (t
 }
 
 build() {  # $1 BASE, $2 OFFLINE, $3 EXTRAS
-  "$PODMAN" build --quiet --build-arg BASE="$1" --build-arg OFFLINE="$2" --build-arg EXTRAS="$3" -t "$IMAGE" \
-    -f Containerfile . >/dev/null
+  digest=$(cd build/wheels && sha256sum -- * | sha256sum | cut -c1-16)
+  "$PODMAN" build --quiet --build-arg BASE="$1" --build-arg OFFLINE="$2" --build-arg EXTRAS="$3" \
+    --build-arg WHEELS_DIGEST="$digest" -t "$IMAGE" -f Containerfile . >/dev/null
   echo "$IMAGE built ($("$PODMAN" image inspect --format "{{.Size}}" "$IMAGE" | awk "{printf \"%.0f MB\", \$1/1e6}"))"
 }
 

@@ -39,13 +39,17 @@ def checks(run_dir: Path, gpus_per_node: int) -> str | None:
     from trainbench.runfiles import CONFIG
 
     try:
-        _, cfg = load_run_config(run_dir / CONFIG)
+        bench, cfg = load_run_config(run_dir / CONFIG)
     except UserError as exc:
         return f"the run's config could not be read: {exc}"
     for what, path in (("data folder", cfg.data.dir), ("base weights", getattr(cfg.model, "base_weights", None)),
                        ("initial checkpoint", getattr(cfg.model, "init_checkpoint", None))):  # fmt: skip
         if path and not Path(path).exists():
             return f"the {what} {path} is not visible here"
+    try:
+        bench.check_data(cfg)  # what submit checked where it ran: the data's files, shapes and manifest
+    except UserError as exc:
+        return f"the data is not usable here: {exc}"
     if gpus_per_node:
         if not torch.cuda.is_available():
             return f"no GPU is visible here (the system file says {gpus_per_node} per node)"
