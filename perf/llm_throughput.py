@@ -15,7 +15,12 @@ parameters and fp32 gradient reduction, one sequence per rank (per TP group) per
 Every configuration also reports each GPU's median power and SM clock, the throttle reasons seen and its energy over
 the timed steps (NVML at 10 Hz), and the energy per token and per sequence.
 
+One GPU, the 8B width (`--layers L1 L2`): HF compiled, ours in bf16 and ours with FP8 linear layers (torchao's
+float8 training, `model.precision=fp8`), nothing recomputed, each at L1 and L2 blocks; a block's cost and the rest
+extrapolated to 32 blocks.
+
     python perf/llm_throughput.py --out OUT [--steps 10] [--gpus 8 --tps 1 2 --acs on off]
+    python perf/llm_throughput.py --out OUT --layers 4 8 --steps 6 --warmup 3
 """
 
 from __future__ import annotations
@@ -151,6 +156,76 @@ def single(args, peak: float) -> list[dict]:
     return results
 
 
+def hf_llama(cfg: DecoderConfig, seq: int):
+    import transformers
+
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=seq, rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(hf_cfg).cuda().train()
+
+
+def one_gpu_8b(args, peak: float) -> list[dict]:
+    """The 8B width on one GPU with ``--layers`` blocks (two counts): nothing recomputed, compiled, AdamW (fused) on
+    fp32 weights with bf16 autocast, one 8192-token sequence a step. The step time is measured at both counts; the
+    slope is a block's cost (forward, backward and its share of the optimizer step), the intercept the rest
+    (embedding, output layer and loss, their optimizer step), and 32 blocks are extrapolated from them. For HF
+    ``LlamaForCausalLM`` compiled, ours in bf16 and ours with FP8 linear layers (torchao, tensorwise)."""
+    import dataclasses
+
+    seq, results = args.seq, []
+    for impl in args.impls:
+        times = {}
+        for layers in args.layers:
+            cfg = dataclasses.replace(LLAMA31_8B, num_layers=layers, precision="fp8" if impl == "ours_fp8" else "auto")
+            torch.manual_seed(0)
+            if impl == "hf_compiled":
+                model = torch.compile(hf_llama(cfg, seq))
+                mean_loss = lambda batch, m=model: m(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss  # noqa: E731
+            else:
+                with torch.device("meta"):
+                    model = DecoderLM(cfg)
+                model = parallelize(model, torch.device("cuda"), 1, 1, False, False, True, None, 0).train()
+                mean_loss = ours_mean_loss(model)
+            opt = AdamClipped(model.parameters(), 1.0, lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1,
+                              fused=True)  # fmt: skip
+            gen = torch.Generator(device="cuda").manual_seed(layers)
+            tokens = torch.randint(0, cfg.vocab_size, (args.steps + args.warmup, 1, seq + 1), device="cuda",
+                                   generator=gen)  # fmt: skip
+            torch.cuda.reset_peak_memory_stats()
+            gpus: dict = {}
+            try:
+                seconds = timed_steps(train_step(mean_loss, opt, tokens, autocast=True), args.steps, args.warmup, gpus)
+            except torch.OutOfMemoryError:
+                seconds = None
+            row = {"config": f"llama31-8b-width/{impl}/{layers}_blocks", "layers": layers, "step_s": seconds,
+                   "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+            if seconds:
+                row |= energy_fields(gpus, seq * args.steps, seq)
+                times[layers] = seconds
+            print(json.dumps(row), flush=True)
+            results.append(row)
+            del model, opt
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+        if len(times) == 2:
+            (l1, t1), (l2, t2) = sorted(times.items())
+            block = (t2 - t1) / (l2 - l1)
+            rest = t1 - l1 * block
+            step32 = rest + 32 * block
+            tok = seq / step32
+            row = {"config": f"llama31-8b/{impl}/32_blocks_extrapolated", "block_ms": block * 1e3,
+                   "rest_ms": rest * 1e3, "step_s": step32, "tokens_per_s": tok,
+                   "model_tflops": tok * flops_per_token(LLAMA31_8B, seq) / 1e12}  # fmt: skip
+            row["mfu_vs_measured_bf16_peak"] = row["model_tflops"] / peak
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    return results
+
+
 def worker(args) -> None:
     """One rank of the sharded 8B measurement (under torchrun)."""
     import torch.distributed as dist
@@ -203,6 +278,10 @@ def main() -> None:
         default=[1, 32],
         help="one GPU: sequences per optimizer step (the llama-1b preset: global batch 32, micro-batch 1)",
     )
+    p.add_argument("--layers", type=int, nargs=2, help="one GPU: the 8B width at these two block counts, HF against "
+                   "ours in bf16 and FP8, extrapolated to 32 blocks")  # fmt: skip
+    p.add_argument("--impls", nargs="+", default=["hf_compiled", "ours_bf16", "ours_fp8"],
+                   choices=["hf_compiled", "ours_bf16", "ours_fp8"], help="with --layers: which to measure")  # fmt: skip
     p.add_argument("--gpus", type=int, default=1, help="N > 1: the sharded 8B measurement on N GPUs")
     p.add_argument("--tps", type=int, nargs="+", default=[1, 2], help="tensor-parallel degrees to measure (--gpus > 1)")
     p.add_argument("--acs", nargs="+", choices=["on", "off"], default=["on"],
@@ -219,7 +298,9 @@ def main() -> None:
     peak = bf16_matmul_peak_tflops()
     report = {"bf16_matmul_peak_tflops": peak, "gpu": torch.cuda.get_device_name(), "runs": []}
     print(json.dumps({"bf16_matmul_peak_tflops": peak}), flush=True)
-    if args.gpus == 1:
+    if args.layers:
+        report["runs"] = one_gpu_8b(args, peak)
+    elif args.gpus == 1:
         report["runs"] = single(args, peak)
         for hf, ours in zip(report["runs"][: len(args.accum)], report["runs"][len(args.accum) :], strict=True):
             ours["ratio_to_hf"] = ours["tokens_per_s"] / hf["tokens_per_s"]

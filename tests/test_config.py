@@ -234,3 +234,49 @@ def test_the_preset_value_of_an_unused_key_is_accepted_and_a_wrong_optimizer_is_
     assert cli_main(["run", "llama31_8b", "distributed.grad_reduce_dtype=bf16"]) == 2
     out = capsys.readouterr().out
     assert "distributed.grad_reduce_dtype=bf16 has no effect on llama31_8b" in out and "Traceback" not in out
+
+
+def test_fp8_training_is_refused_on_the_cpu_without_torchao_and_for_lora(monkeypatch):
+    import importlib.util
+
+    with pytest.raises(ConfigError, match="model.precision=fp8 trains on FP8 tensor cores: it needs an NVIDIA GPU"):
+        build_config("llama31_8b", "tiny", overrides={"model.precision": "fp8", "device": "cpu"})
+    with pytest.raises(ConfigError, match="model.precision=fp8 has no effect on llama2_70b_lora"):
+        build_config("llama2_70b_lora", "tiny", overrides={"model.precision": "fp8"})
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    with pytest.raises(
+        ConfigError, match=r"torchao's float8 training, which is not installed: pip install 'trainbench\[fp8\]'"
+    ):
+        build_config("gpt3", "tiny", overrides={"model.precision": "fp8", "device": "cuda"})
+
+
+def test_fp8_placement_refuses_a_device_without_fp8_tensor_cores(monkeypatch):
+    import torch
+
+    from trainbench.models import fp8
+
+    with pytest.raises(ConfigError, match="needs an NVIDIA GPU, not the cpu"):
+        fp8.min_capability(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ConfigError, match=r"compute capability 8.9 or newer.*NVIDIA A100-SXM4-80GB has 8.0"):
+        fp8.min_capability(torch.device("cuda", 0))
+
+
+def test_fp8_training_swaps_only_the_blocks_linear_layers_keeping_their_names():
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    import torch
+
+    from trainbench.models import fp8
+    from trainbench.models.decoder import DecoderLM
+
+    _, cfg = build_config("llama31_8b", "tiny")
+    with torch.device("meta"):
+        model = DecoderLM(cfg.model)
+    names = [n for n, _ in model.named_parameters()]
+    swapped = fp8.train_blocks_in_fp8(model)
+    assert swapped == 7 * cfg.model.num_layers  # q, k, v, o, gate, up, down
+    assert [n for n, _ in model.named_parameters()] == names
+    assert type(model.lm_head).__name__ == "Linear"
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "Float8Linear"

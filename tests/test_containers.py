@@ -221,6 +221,8 @@ def test_a_preflight_that_fails_names_the_node_and_why_and_no_run_starts(image, 
     out = (run_dir / f"slurm-{state['job_id']}.out").read_text()
     assert state["state"] == "PREFLIGHT_FAILED", out[-3000:]
     for node in ("tbn1", "tbn2"):
-        assert (f"preflight failed on node {node}: the data is not usable here: training data folder {tiny_data}/train "
-                "does not exist") in out, out
+        assert (
+            f"preflight failed on node {node}: the data is not usable here: training data folder {tiny_data}/train "
+            "does not exist"
+        ) in out, out
     assert not (run_dir / "run_0.json").exists() and not (run_dir / "result_0.txt").exists()

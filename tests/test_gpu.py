@@ -450,3 +450,44 @@ def test_tiny_lora_reaches_its_target_with_offloaded_blocks_on_cuda(tmp_path, mo
     assert code == 0
     summary = json.loads((only_run_dir(tmp_path / "r") / "summary.json").read_text())
     assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+
+
+def test_the_fp8_training_linear_matches_a_float64_reference_in_output_and_every_gradient_on_cuda():
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    from trainbench.models import fp8
+
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.model = torch.nn.Module()
+    holder.model.layers = torch.nn.ModuleList([torch.nn.Linear(1024, 2048, bias=False, device="cuda")])
+    w64 = holder.model.layers[0].weight.detach().double().clone().requires_grad_(True)
+    assert fp8.train_blocks_in_fp8(holder) == 1
+    layer = holder.model.layers[0]
+    x = torch.randn(4, 512, 1024, device="cuda", requires_grad=True)
+    x64 = x.detach().double().clone().requires_grad_(True)
+    dy = torch.randn(4, 512, 2048, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().backward(dy)
+    y64 = x64 @ w64.t()
+    y64.backward(dy.double())
+    rel = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
+    assert rel(y, y64) < 0.05, rel(y, y64)  # e4m3 inputs and weight
+    assert rel(x.grad, x64.grad) < 0.1, rel(x.grad, x64.grad)  # e5m2 output gradient
+    assert rel(layer.weight.grad, w64.grad) < 0.1, rel(layer.weight.grad, w64.grad)
+    assert layer.weight.grad.dtype == torch.float32  # the master weight and its gradient keep their precision
+
+
+def test_tiny_llama_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys):
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    data = tmp_path / "data"
+    assert run_cli("prepare", "llama31_8b", "--synthetic", "--preset", "tiny", "--out", data) == 0
+    code = run_cli("run", "llama31_8b", "--preset", "tiny", f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}",
+                   "device=cuda", "perf.compile=true", "model.precision=fp8", "progress=false")  # fmt: skip
+    assert code == 0
+    run_dir = only_run_dir(tmp_path / "r")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+    assert (
+        "14 linear layers of the blocks train in FP8 (torchao's float8 training, tensorwise" in capsys.readouterr().out
+    )

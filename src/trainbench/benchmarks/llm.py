@@ -16,6 +16,7 @@ The eval metric is the mean next-token cross entropy (nats) over every token of 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from abc import abstractmethod
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,13 @@ class LLMBenchmark(Benchmark):
         if cfg.perf.recompute_blocks > m.num_layers:
             raise ConfigError(f"perf.recompute_blocks={cfg.perf.recompute_blocks} but the model has {m.num_layers} "
                               "blocks")  # fmt: skip
+        if getattr(m, "precision", "auto") == "fp8":
+            if cfg.device == "cpu":
+                raise ConfigError("model.precision=fp8 trains on FP8 tensor cores: it needs an NVIDIA GPU of compute "
+                                  "capability 8.9 or newer (device=cuda or auto), not the CPU")  # fmt: skip
+            if importlib.util.find_spec("torchao") is None:
+                raise ConfigError("model.precision=fp8 uses torchao's float8 training, which is not installed: "
+                                  "pip install 'trainbench[fp8]'")  # fmt: skip
         if cfg.perf.offload_blocks:
             if getattr(m, "base_precision", None) != "fp8":
                 raise ConfigError(f"perf.offload_blocks={cfg.perf.offload_blocks}: activations are offloaded only "

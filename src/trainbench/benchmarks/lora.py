@@ -94,6 +94,7 @@ class LoraBenchmark(LLMBenchmark):
         "distributed.tp": "its adapters are sharded by FSDP2 only",
         "model.init_std": "its base is read from model.base_weights, and adapters start as peft's",
         "data.layout": "its rows are always packed (data.global_batch_size counts rows)",
+        "model.precision": "its frozen base's precision is model.base_precision; the adapters train in fp32",
     }
 
     def validate(self, cfg: RunConfig) -> None:

@@ -52,6 +52,14 @@ class DecoderConfig:
         "One qkv_proj for queries, keys and values (rows q, then k, then v) instead of q/k/v_proj: the layout "
         "of MLPerf's Llama-2-70B checkpoint.",
     )
+    precision: str = option(
+        "auto",
+        "The blocks' linear layers: auto (the run's precision: bf16 on a GPU) or fp8 (torchao's float8 training: "
+        "forward, input and weight gradients on FP8 tensor cores with a scale per tensor; weights, gradients and "
+        "optimizer state stay as before). fp8 needs torchao (pip install 'trainbench[fp8]') and a GPU of compute "
+        "capability 8.9 or newer.",
+        choices=("auto", "fp8"),
+    )
 
     @property
     def kv_heads(self) -> int:

@@ -102,6 +102,11 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
         mesh = make_mesh(device.type, world, tp)
         if tp > 1:
             apply_tp(model, mesh["tp"])
+    if model.cfg.precision == "fp8":  # before compilation and FSDP: both then see torchao's Float8Linear
+        from trainbench.models import fp8
+
+        fp8.min_capability(device)
+        fp8.train_blocks_in_fp8(model)
     wrap_blocks(model, checkpointing, compile_blocks)
     use_flex_for_packed_rows(model, device, compile_blocks)
     if world > 1:
@@ -133,4 +138,11 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         full = whole.state_dict()
     placed = parallelize(model, info.device, info.world_size, tp, bf16 and info.device.type == "cuda", checkpointing,
                          compile_blocks, full, seed)  # fmt: skip
-    return Placed(module=placed, model=placed)
+    out = Placed(module=placed, model=placed)
+    if cfg.precision == "fp8":
+        from trainbench.models.fp8 import TRAINING_RECIPE
+
+        n = sum(type(m).__name__ == "Float8Linear" for m in placed.modules())
+        out.notes.append(f"{n} linear layers of the blocks train in FP8 (torchao's float8 training, {TRAINING_RECIPE} "
+                         "scales); the output layer and the embedding as before")  # fmt: skip
+    return out

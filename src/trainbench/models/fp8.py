@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainbench.errors import ConfigError
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
 
@@ -180,3 +182,43 @@ def quantize_frozen(model: nn.Module, skip: tuple[str, ...] = ("lm_head", "lora_
 
 def dequantized(module: Fp8Linear) -> torch.Tensor:
     return module.weight_fp8.float() * module.weight_scale
+
+
+# -- training in FP8 (weights that change every step) ------------------------------------------------------------
+#
+# The frozen-base path above quantises each weight once; a trained weight changes every step, and its gradient is
+# wanted too. torchao's float8 training (the library torchtitan uses) does the three GEMMs of each linear layer in
+# FP8 with scales computed from the tensors of the step; it is used as it is, not rewritten here.
+
+TRAINING_RECIPE = "tensorwise"  # measured fastest of torchao's recipes on an 8B block (docs/llm.md)
+
+
+def min_capability(device: torch.device) -> None:
+    """FP8 GEMMs need tensor cores of compute capability 8.9 or newer; one sentence otherwise."""
+    if device.type != "cuda":
+        raise ConfigError(
+            f"model.precision=fp8 trains on FP8 tensor cores: it needs an NVIDIA GPU, not the {device.type}"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(f"model.precision=fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
+                          f"Blackwell); {name} has {major}.{minor}")  # fmt: skip
+
+
+def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE) -> int:
+    """Swap every linear layer inside the blocks (``model.layers.*``) for torchao's ``Float8Linear``, on any device
+    (the meta device included: before sharding and compilation, as torchao expects); the output layer and the
+    embedding stay as they are. Parameter names do not change. Returns how many layers were swapped."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ConfigError("model.precision=fp8 uses torchao's float8 training, which is not installed: "
+                          "pip install 'trainbench[fp8]'") from None  # fmt: skip
+
+    def chosen(module: nn.Module, name: str) -> bool:
+        return (name.startswith("model.layers.") and isinstance(module, nn.Linear)
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)  # fmt: skip
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=chosen)
+    return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
