@@ -280,8 +280,8 @@ def main() -> None:
     )
     p.add_argument("--layers", type=int, nargs=2, help="one GPU: the 8B width at these two block counts, HF against "
                    "ours in bf16 and FP8, extrapolated to 32 blocks")  # fmt: skip
-    p.add_argument("--impls", nargs="+", default=["hf_compiled", "ours_bf16", "ours_fp8"],
-                   choices=["hf_compiled", "ours_bf16", "ours_fp8"], help="with --layers: which to measure")  # fmt: skip
+    impls = ["hf_compiled", "ours_bf16", "ours_fp8"]
+    p.add_argument("--impls", nargs="+", default=impls, choices=impls, help="with --layers: which to measure")
     p.add_argument("--gpus", type=int, default=1, help="N > 1: the sharded 8B measurement on N GPUs")
     p.add_argument("--tps", type=int, nargs="+", default=[1, 2], help="tensor-parallel degrees to measure (--gpus > 1)")
     p.add_argument("--acs", nargs="+", choices=["on", "off"], default=["on"],
