@@ -197,7 +197,7 @@ def _other_value(leaf, value):
     raise AssertionError(f"no other value for {leaf.key} of type {leaf.type}")
 
 
-UNUSED = [(b.name, key) for b in BENCHMARKS.values() for key in b.unused_keys]
+UNUSED = [(b.name, key) for b in BENCHMARKS.values() for key in b.unused_for(b.config("tiny"))]
 
 
 def test_every_benchmark_declares_keys_it_ignores_and_each_is_a_real_key():
@@ -208,7 +208,13 @@ def test_every_benchmark_declares_keys_it_ignores_and_each_is_a_real_key():
         assert {"perf.cuda_graphs", "distributed.bucket_cap_mb", "distributed.grad_reduce_dtype",
                 "distributed.overlap_compiled", "optimizer.clip"} <= set(BENCHMARKS[name].unused_keys)  # fmt: skip
     for bench in BENCHMARKS.values():
-        assert set(bench.unused_keys) <= set(leaves(bench.config("tiny"))), bench.name
+        assert set(bench.unused_for(bench.config("tiny"))) <= set(leaves(bench.config("tiny"))), bench.name
+    # derived from the architecture, not listed by each benchmark
+    assert "model.max_seq_length" in BENCHMARKS["llama31_8b"].unused_for(BENCHMARKS["llama31_8b"].config("tiny"))
+    assert "model.rope_theta" in BENCHMARKS["gpt3"].unused_for(BENCHMARKS["gpt3"].config("tiny"))
+    assert "model.max_seq_length" in BENCHMARKS["llama2_70b_lora"].unused_for(
+        BENCHMARKS["llama2_70b_lora"].config("tiny")
+    )
 
 
 @pytest.mark.parametrize("benchmark,key", UNUSED, ids=[f"{b}-{k}" for b, k in UNUSED])
@@ -280,3 +286,49 @@ def test_fp8_training_swaps_only_the_blocks_linear_layers_keeping_their_names():
     assert [n for n, _ in model.named_parameters()] == names
     assert type(model.lm_head).__name__ == "Linear"
     assert type(model.model.layers[0].mlp.down_proj).__name__ == "Float8Linear"
+
+
+def test_tied_embeddings_on_several_ranks_are_refused_before_anything_runs(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="model.tie_embeddings=true runs on one rank only.*this run has 2 ranks"):
+        build_config("llama31_8b", "tiny", overrides={"model.tie_embeddings": "true", "distributed.nproc": "2"})
+    build_config("llama31_8b", "tiny", overrides={"model.tie_embeddings": "true"})  # one rank: fine
+
+
+def test_no_two_benchmarks_claim_one_mlperf_name_unless_both_declare_it():
+    from trainbench.benchmarks import register
+    from trainbench.benchmarks.llm import Llama31Benchmark
+
+    names = [b.mlperf_name for b in BENCHMARKS.values()]
+    for bench in BENCHMARKS.values():
+        for other in BENCHMARKS.values():
+            if other is not bench and other.mlperf_name == bench.mlperf_name:
+                assert other.name in bench.shares_mlperf_name and bench.name in other.shares_mlperf_name
+    assert len(set(names)) == len(names)
+
+    class Copy(Llama31Benchmark):
+        name = "llama31_8b_copy"
+
+    with pytest.raises(ConfigError, match="logs submission_benchmark 'llama31_8b', which llama31_8b logs too"):
+        register(Copy())
+    assert "llama31_8b_copy" not in BENCHMARKS
+
+
+def test_an_mlperf_name_the_ruleset_does_not_know_is_refused_before_training(tmp_path, capsys):
+    from trainbench.benchmarks import register
+    from trainbench.benchmarks.llm import Llama31Benchmark
+
+    class Misnamed(Llama31Benchmark):
+        name, mlperf_name = "misnamed_lm", "gpt2_tiny_lm"
+
+    register(Misnamed())
+    try:
+        code = cli_main(["run", "misnamed_lm", "--preset", "tiny", f"output.results_dir={tmp_path / 'r'}"])
+        out = capsys.readouterr().out
+        assert (
+            code == 2
+            and "logs submission_benchmark 'gpt2_tiny_lm', which mlperf-logging's ruleset 5.1.0 does not know" in out
+            and "mlperf = False" in out
+        ), out
+        assert not (tmp_path / "r").exists()
+    finally:
+        BENCHMARKS.pop("misnamed_lm")

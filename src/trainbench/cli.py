@@ -405,9 +405,13 @@ def cmd_check(args) -> int:
         raise UserError(f"{path} does not exist")
     if ruleset is None:
         ruleset = _ruleset_from_log(logs[0])
+    from trainbench.benchmarks import is_own
+    from trainbench.mlperf import read_log, submission_benchmark
+
     failures = 0
     for log in logs:
-        result = check_compliance(log, ruleset, waived=waived)
+        own = is_own(submission_benchmark(read_log(log, errors="replace")))
+        result = check_compliance(log, ruleset, waived=waived, own=own)
         failures += not result.ok
         console.print(f"{log}: {result.reason()} (ruleset {ruleset})", style="green" if result.ok else "red")
     return 1 if failures else 0

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from mlperf_logging.mllog import constants
 from mlperf_logging.mllog import mllog as mllog_impl
 
@@ -106,6 +107,8 @@ class ComplianceResult:
     waived: frozenset[str] = frozenset()
     # What the checker does not look at but the log must hold to be a record of one run (see log_problems).
     problems: tuple[str, ...] = ()
+    # A benchmark of one's own: checked by the rules common to every benchmark, not an MLPerf benchmark's own.
+    own: bool = False
 
     def _messages(self) -> list[str]:
         """First line of each message of the checker (it separates messages with a line of dashes)."""
@@ -144,8 +147,9 @@ class ComplianceResult:
     def reason(self) -> str:
         """The lines that explain a failure: the checker's, then the log's own problems (or 'SUCCESS')."""
         if self.ok:
+            kind = " (not an MLPerf benchmark: mlperf-logging's common rules and trainbench's log checks)"
             if self.passed:
-                return "SUCCESS"
+                return "SUCCESS" + (kind if self.own else "")
             return (
                 f"SUCCESS except the full-size checks of a scaled-down run ({', '.join(sorted(self.failed_checks()))})"
             )
@@ -176,11 +180,55 @@ def log_problems(events: list[dict]) -> list[str]:
     return problems
 
 
+def _checker_dir(usage: str, ruleset: str) -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("mlperf_logging") / "compliance_checker" / f"{usage}_{ruleset}"))
+
+
+def known_mlperf_benchmarks(ruleset: str, usage: str = "training") -> set[str]:
+    """The benchmarks mlperf-logging's checker has rules for in ``ruleset`` (its closed_<name>.yaml files)."""
+    folder = _checker_dir(usage, ruleset)
+    if not folder.is_dir():
+        return set()
+    return {p.stem.removeprefix("closed_") for p in folder.glob("closed_*.yaml")} - {"common"}
+
+
+def common_rules(tmp: Path, ruleset: str, usage: str = "training") -> Path:
+    """mlperf-logging's rules common to every benchmark of ``ruleset`` (its common.yaml and the division's
+    <division>_common.yaml), for a benchmark of one's own: written to ``tmp`` from the checker's own files with one
+    rule changed in each, the one on ``submission_benchmark``, which there admits only MLPerf's names and then loads
+    that benchmark's rules; here any name is admitted and nothing more is loaded. Returns the common file."""
+    source = _checker_dir(usage, ruleset)
+    for name in ("common", "closed_common", "open_common"):
+        path = source / f"{name}.yaml"
+        if not path.is_file():
+            continue
+        rules = yaml.safe_load(path.read_text()) or []
+        for rule in rules:
+            key = rule.get("KEY") if isinstance(rule, dict) else None
+            if not key:
+                continue
+            if key.get("NAME") == constants.SUBMISSION_BENCHMARK:
+                key["CHECK"] = " v['value'] != '' "
+                key.pop("POST", None)
+            elif isinstance(key.get("POST"), str):  # the division's file: the one written here
+                key["POST"] = key["POST"].replace(f"'{usage}_{ruleset}/", f"'{tmp}/")
+        (tmp / f"{name}.yaml").write_text(yaml.safe_dump(rules, sort_keys=False))
+    return tmp / "common.yaml"
+
+
 def check_compliance(
-    log_path: str | Path, ruleset: str, usage: str = "training", waived: frozenset[str] = frozenset()
+    log_path: str | Path,
+    ruleset: str,
+    usage: str = "training",
+    waived: frozenset[str] = frozenset(),
+    own: bool = False,
 ) -> ComplianceResult:
-    """Run ``python -m mlperf_logging.compliance_checker`` on a log, as a user would by hand."""
+    """Run ``python -m mlperf_logging.compliance_checker`` on a log, as a user would by hand; ``own``: the log of a
+    benchmark of one's own, checked by the rules every benchmark has (:func:`common_rules`)."""
     with tempfile.TemporaryDirectory() as tmp:
+        config = ["--config", str(common_rules(Path(tmp), ruleset, usage))] if own else []
         proc = subprocess.run(
             [
                 sys.executable,
@@ -190,6 +238,7 @@ def check_compliance(
                 usage,
                 "--ruleset",
                 ruleset,
+                *config,
                 "--log_output",
                 str(Path(tmp) / "checker.log"),
                 str(log_path),
@@ -202,7 +251,7 @@ def check_compliance(
     warned = any(line.startswith(("WARNING", "ERROR")) for line in output.splitlines())
     passed = proc.returncode == 0 and "SUCCESS" in output and not warned
     events = read_log(log_path, errors="replace") if Path(log_path).is_file() else []
-    return ComplianceResult(passed, ruleset, output, waived, tuple(log_problems(events)))
+    return ComplianceResult(passed, ruleset, output, waived, tuple(log_problems(events)), own)
 
 
 @dataclass(frozen=True)

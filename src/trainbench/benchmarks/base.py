@@ -39,11 +39,20 @@ class BenchmarkData:
 
 class Benchmark(ABC):
     name: str
-    """trainbench's name for it (``trainbench run NAME``)."""
+    """trainbench's name for it (``trainbench run NAME``): unique among the registered benchmarks."""
+    mlperf: bool = True
+    """Whether it is one of MLPerf's benchmarks. False for a benchmark of one's own: its log is checked by
+    mlperf-logging's rules common to every benchmark and trainbench's own log checks, it is marked as not an MLPerf
+    benchmark in the log, the report and ``check``, and no reference convergence is projected for it."""
     mlperf_name: str
-    """MLPerf ``submission_benchmark``."""
+    """The log's ``submission_benchmark``. For an MLPerf benchmark, its name in MLPerf (one mlperf-logging's
+    ``ruleset`` knows, refused before training otherwise), claimed by one registered benchmark only unless both
+    list each other in ``shares_mlperf_name``; for a benchmark of one's own, its ``name``."""
+    shares_mlperf_name: tuple[str, ...] = ()
+    """Registered benchmarks that log the same ``mlperf_name`` on purpose (e.g. another model size of it)."""
     ruleset: str
-    """mlperf-logging compliance ruleset the logs are checked against."""
+    """mlperf-logging's compliance ruleset version (e.g. ``5.1.0``) whose rules check the logs; several
+    benchmarks may share one."""
     description: str
     metric_name: str
     """Name of the quality metric in metrics.jsonl and on screen."""
@@ -68,6 +77,7 @@ class Benchmark(ABC):
 
     def validate(self, cfg: RunConfig) -> None:
         """Raise ConfigError for keys this benchmark ignores and for combinations the loop cannot run."""
+        self.check_mlperf_name()
         self._refuse_unused(cfg)
         if cfg.optimizer.name != self.optimizer_name:
             raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with {self.optimizer_name}")
@@ -113,11 +123,31 @@ class Benchmark(ABC):
                 f"set data.micro_batch_size={per_rank}"
             )
 
+    def check_mlperf_name(self) -> None:
+        """An MLPerf benchmark's name must be one its ruleset's checker knows: else every log it writes fails the
+        check after the training (a benchmark of one's own sets ``mlperf = False``)."""
+        from trainbench.mlperf import known_mlperf_benchmarks
+
+        if not self.mlperf:
+            return
+        known = known_mlperf_benchmarks(self.ruleset)
+        if self.mlperf_name not in known:
+            raise ConfigError(
+                f"benchmark {self.name} logs submission_benchmark '{self.mlperf_name}', which mlperf-logging's "
+                f"ruleset {self.ruleset} does not know ({', '.join(sorted(known)) or 'no benchmarks'}); a benchmark "
+                "of your own sets mlperf = False (docs/extending.md)"
+            )
+
+    def unused_for(self, cfg: RunConfig) -> dict[str, str]:
+        """The keys ``cfg`` does not read, with why: ``unused_keys``, and what a family derives from the config."""
+        return self.unused_keys
+
     def _refuse_unused(self, cfg: RunConfig) -> None:
-        if not self.unused_keys:
+        unused = self.unused_for(cfg)
+        if not unused:
             return
         ours, preset = leaves(cfg), leaves(self.config(cfg.preset))
-        for key, why in self.unused_keys.items():
+        for key, why in unused.items():
             value = getattr(ours[key].owner, ours[key].field.name)
             if value != getattr(preset[key].owner, preset[key].field.name):
                 raise ConfigError(f"{key}={value} has no effect on {self.name}: {why}")

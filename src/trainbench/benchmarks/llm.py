@@ -40,8 +40,11 @@ from trainbench.optim.groups import weight_decay_split
 from trainbench.optim.schedules import cosine_warmup_lr
 
 
-def _run(name: str, preset: str, model: DecoderConfig, data: DataConfig, optimizer: OptimizerConfig,
+def run_config(name: str, preset: str, model: DecoderConfig, data: DataConfig, optimizer: OptimizerConfig,
          schedule: ScheduleConfig, target: float, every: int | None = None) -> RunConfig:  # fmt: skip
+    """A preset's config for an LLM-family benchmark: its model, data, optimizer and schedule, the target log
+    perplexity and how often to evaluate (samples; None: the benchmark's cadence). Part of the family's public API
+    (docs/extending.md), with TINY_MODEL, TINY_DATA and :func:`tiny`."""
     # A copy: overrides change the run's config, never the module's shapes.
     model = dataclasses.replace(model)
     return RunConfig(benchmark=name, preset=preset, model=model, data=data, optimizer=optimizer, schedule=schedule,
@@ -62,11 +65,11 @@ def tiny(name: str, arch: str, optimizer: str, epsilon: float) -> RunConfig:
     opt = OptimizerConfig(name=optimizer, lr=3e-3, beta1=0.9, beta2=0.95, epsilon=epsilon, weight_decay=0.1,
                           max_grad_norm=1.0)  # fmt: skip
     sched = ScheduleConfig(warmup_steps=20, total_steps=1000)
-    return _run(name, "tiny", model, dataclasses.replace(TINY_DATA), opt, sched, target=1.6, every=3200)
+    return run_config(name, "tiny", model, dataclasses.replace(TINY_DATA), opt, sched, target=1.6, every=3200)
 
 
 def llama(preset: str, model: DecoderConfig, gbs: int, micro: int, lr: float) -> RunConfig:
-    return _run(
+    return run_config(
         "llama31_8b", preset, model,
         DataConfig(seq_length=8192, global_batch_size=gbs, micro_batch_size=micro, eval_batch_size=1,
                    eval_samples=1024),
@@ -97,7 +100,7 @@ def gpt3(preset: str) -> RunConfig:
     layers, width, heads = GPT3_SHAPES[preset]
     model = DecoderConfig(arch="gpt3", vocab_size=50257, hidden_size=width, num_layers=layers, num_heads=heads,
                           num_kv_heads=None, intermediate_size=4 * width, max_seq_length=2048)  # fmt: skip
-    return _run(
+    return run_config(
         "gpt3", preset, model,
         DataConfig(seq_length=2048, global_batch_size=1536, micro_batch_size=1, eval_batch_size=1, eval_samples=24567),
         OptimizerConfig(name="adam", lr=2e-5, beta1=0.9, beta2=0.95, epsilon=1e-8, weight_decay=0.1, max_grad_norm=1.0),
@@ -127,6 +130,10 @@ def kept_blocks(cfg: RunConfig) -> int:
 
 
 class LLMBenchmark(Benchmark):
+    """The decoder-only language-model family (llama or gpt3 architecture): a new member subclasses it and gives its
+    name, presets and target; model, placement, data, optimizer, loss and eval come from here (docs/extending.md)."""
+
+    # log_perplexity: the mean next-token cross entropy over the eval tokens, in nats (the log of the perplexity).
     metric_name = "log_perplexity"
     higher_is_better = False
     eval_every: int
@@ -152,6 +159,9 @@ class LLMBenchmark(Benchmark):
                               "must divide evenly")  # fmt: skip
         if m.arch == "gpt3" and d.seq_length > m.max_seq_length:
             raise ConfigError(f"data.seq_length={d.seq_length} exceeds model.max_seq_length={m.max_seq_length}")
+        if m.tie_embeddings and cfg.distributed.world_size > 1:
+            raise ConfigError(f"model.tie_embeddings=true runs on one rank only (sharding would untie the weights); "
+                              f"this run has {cfg.distributed.world_size} ranks")  # fmt: skip
         if cfg.distributed.nproc % cfg.distributed.tp:
             raise ConfigError(f"distributed.tp={cfg.distributed.tp} does not divide --nproc {cfg.distributed.nproc}")
         if cfg.perf.recompute_blocks and not cfg.perf.activation_checkpointing:
@@ -184,6 +194,16 @@ class LLMBenchmark(Benchmark):
 
     def eval_every_samples(self, cfg: RunConfig) -> int:
         return self.eval_every
+
+    ARCH_UNUSED = {
+        "llama": {"model.max_seq_length": "the llama architecture has rotary positions"},
+        "gpt3": {"model.rope_theta": "the gpt3 architecture has learned positions"},
+    }
+
+    def unused_for(self, cfg: RunConfig) -> dict[str, str]:
+        """The benchmark's own unused keys and those of its architecture (llama: max_seq_length, gpt3: rope_theta),
+        derived from ``model.arch`` rather than listed by each benchmark."""
+        return self.unused_keys | self.ARCH_UNUSED.get(cfg.model.arch, {})
 
     # -- data -----------------------------------------------------------------------------------
     def _split(self, cfg: RunConfig, split: str) -> list[IndexedDataset]:
@@ -317,7 +337,6 @@ class Llama31Benchmark(LLMBenchmark):
     eval_every = 12_288
     full_preset = "llama31-8b"
     # Llama's rotary positions need no position table.
-    unused_keys = LLMBenchmark.unused_keys | {"model.max_seq_length": "the llama architecture has rotary positions"}
     presets = {
         "tiny": lambda: tiny("llama31_8b", arch="llama", optimizer="adamw", epsilon=1e-5),
         "llama-1b": lambda: llama("llama-1b", LLAMA_1B, gbs=32, micro=1, lr=1e-3),
@@ -357,7 +376,6 @@ class Gpt3Benchmark(LLMBenchmark):
         name: (lambda n=name: gpt3(n)) for name in GPT3_SHAPES
     }
     # GPT-3's learned positions take the place of RoPE.
-    unused_keys = LLMBenchmark.unused_keys | {"model.rope_theta": "the gpt3 architecture has learned positions"}
 
     def waived_checks(self, cfg: RunConfig) -> frozenset[str]:
         # Only the shape: the target window (2.6-2.69) and init_checkpoint_step (MLPerf's step-4000 checkpoint)

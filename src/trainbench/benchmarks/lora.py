@@ -89,7 +89,6 @@ class LoraBenchmark(LLMBenchmark):
     # 4 more recomputed blocks' worth (docs/notes/lora-fp8-one-gpu.md).
     cuda_alloc_conf = "expandable_segments:True"
     unused_keys = LLMBenchmark.unused_keys | {
-        "model.max_seq_length": "the llama architecture has rotary positions",
         "data.eval_samples": "it evaluates every validation sequence, as MLPerf's rules ask",
         "distributed.tp": "its adapters are sharded by FSDP2 only",
         "model.init_std": "its base is read from model.base_weights, and adapters start as peft's",

@@ -42,6 +42,8 @@ def project(benchmark: str, global_batch_size: int, samples_per_s: float, eval_s
         raise ValueError(f"a projection needs samples_per_s > 0 and eval_seconds >= 0, got {samples_per_s}, "
                          f"{eval_seconds}")  # fmt: skip
     bench = get_benchmark(benchmark)
+    if not bench.mlperf:  # a benchmark of one's own has no MLPerf reference runs
+        return None
     point = reference_convergence(bench.mlperf_name, bench.ruleset, global_batch_size)
     if point is None:
         return None

@@ -173,7 +173,13 @@ def _in_score(score: Score, run) -> str:
 
 def notes(score: Score, benchmark: str | None) -> list[str]:
     """What a reader comparing machines needs beside the table."""
+    from trainbench.benchmarks import is_own
+
     out = []
+    if is_own(benchmark):
+        out.append(f"{benchmark} is not an MLPerf benchmark: its logs are checked by mlperf-logging's rules common to "
+                   "every benchmark and trainbench's own log checks, and no MLPerf reference convergence applies; its "
+                   "times compare with its own runs only.")  # fmt: skip
     if score.runs and all(r.energy is None for r in score.runs):
         out.append("Energy is empty: it needs GPU telemetry during the run (NVIDIA GPUs with NVML, "
                    "output.telemetry_hz > 0); a CPU run records power only where the CPU reports it.")  # fmt: skip
@@ -232,6 +238,9 @@ def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
 
     layout = f", layout {job['layout']}" if "layout" in job else ""
     extra = notes(score, summary.get("mlperf_benchmark")) + preflight_lines(run_dir)
+    if metric == "log_perplexity":
+        extra.append("log_perplexity is the mean next-token cross entropy over the eval tokens, in nats (the log of "
+                     "the perplexity); lower is better.")  # fmt: skip
     md = [f"# {title}", "", score_line, "", f"System: {system}{layout}", ""]
     md += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     md += ["| " + " | ".join(row) + " |" for row in body]

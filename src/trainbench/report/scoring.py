@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainbench.benchmarks import ruleset_of
+from trainbench.benchmarks import is_own, ruleset_of
 from trainbench.errors import UserError
 from trainbench.mlperf import check_compliance, constants, read_log, run_window, submission_benchmark
 from trainbench.runfiles import SUMMARY, RunFiles, read_json, run_indices
@@ -91,7 +91,8 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
         benchmark = benchmark or submission_benchmark(events)
         if ruleset is None:
             ruleset = summary.get("ruleset") or ruleset_of(benchmark, files.log, NO_SUMMARY)
-        check = check_compliance(files.log, ruleset, waived=frozenset(summary.get("waived_checks", [])))
+        check = check_compliance(files.log, ruleset, waived=frozenset(summary.get("waived_checks", [])),
+                                 own=is_own(benchmark))  # fmt: skip
         window = run_window(events)
         ttt = None if window is None else (window[1] - window[0]) / 60_000
         energy = outcome.get("energy")

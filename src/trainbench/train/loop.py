@@ -78,7 +78,7 @@ def train(
         files.partial_log.unlink(missing_ok=True)  # a fresh start: nothing of an earlier attempt stays in the log
         (run_dir / METRICS).touch()
     record = MLPerfRecord(files.partial_log if info.is_main else None, fresh=ckpt is None)
-    record.header(bench.mlperf_name, cfg.output, platform_name(info.device, info.world_size))
+    record.header(bench.mlperf_name, cfg.output, platform_name(info.device, info.world_size), bench.mlperf)
     run = build_run(cfg, bench, info, ckpt)
     record.hyperparameters(cfg, run.accumulation, run.data.train_samples, run.data.eval_samples,
                            bench.hyperparameters(cfg))  # fmt: skip
