@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -168,23 +169,61 @@ def hf_llama(cfg: DecoderConfig, seq: int):
     return transformers.LlamaForCausalLM(hf_cfg).cuda().train()
 
 
+def fsdp_on_one_gpu(cfg: DecoderConfig, fp8: bool):
+    """Ours under FSDP2 over one GPU, as a multi-GPU run places it: bf16 parameters for compute from fp32 shards (the
+    optimizer's), fp32 gradient reduction; with ``fp8``, torchao's FP8 all-gather of the weights and their scales
+    computed once a step after the optimizer. Returns (model, what runs after each optimizer step)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainbench.models.decoder_parallel import apply_fsdp, wrap_blocks
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    mesh = init_device_mesh("cuda", (1,))
+    with torch.device("meta"):
+        model = DecoderLM(dataclasses.replace(cfg, precision="auto"))
+    after = None
+    if fp8:
+        from torchao.float8 import (
+            Float8LinearConfig,
+            convert_to_float8_training,
+            precompute_float8_dynamic_scale_for_fsdp,
+        )
+
+        config = Float8LinearConfig.from_recipe_name("tensorwise")
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True,
+                                     force_recompute_fp8_weight_in_bwd=True)  # fmt: skip
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, n: n.startswith("model.layers."))
+        after = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
+    wrap_blocks(model, False, True)
+    apply_fsdp(model, mesh, bf16=True)
+    model.to_empty(device="cuda")
+    model.init_weights(0)
+    return model.train(), after
+
+
 def one_gpu_8b(args, peak: float) -> list[dict]:
     """The 8B width on one GPU with ``--layers`` blocks (two counts): nothing recomputed, compiled, AdamW (fused) on
     fp32 weights with bf16 autocast, one 8192-token sequence a step. The step time is measured at both counts; the
     slope is a block's cost (forward, backward and its share of the optimizer step), the intercept the rest
     (embedding, output layer and loss, their optimizer step), and 32 blocks are extrapolated from them. For HF
     ``LlamaForCausalLM`` compiled, ours in bf16 and ours with FP8 linear layers (torchao, tensorwise)."""
-    import dataclasses
-
     seq, results = args.seq, []
     for impl in args.impls:
         times = {}
         for layers in args.layers:
             cfg = dataclasses.replace(LLAMA31_8B, num_layers=layers, precision="fp8" if impl == "ours_fp8" else "auto")
             torch.manual_seed(0)
+            after_step = None
             if impl == "hf_compiled":
                 model = torch.compile(hf_llama(cfg, seq))
                 mean_loss = lambda batch, m=model: m(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss  # noqa: E731
+            elif impl.endswith("_fsdp1"):
+                model, after_step = fsdp_on_one_gpu(cfg, fp8=impl.startswith("ours_fp8"))
+                mean_loss = ours_mean_loss(model)
             else:
                 with torch.device("meta"):
                     model = DecoderLM(cfg)
@@ -197,8 +236,11 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
                                    generator=gen)  # fmt: skip
             torch.cuda.reset_peak_memory_stats()
             gpus: dict = {}
+            step = train_step(mean_loss, opt, tokens, autocast=after_step is None and not impl.endswith("_fsdp1"))
+            if after_step is not None:
+                step = (lambda s, f: lambda: (s(), f()))(step, after_step)
             try:
-                seconds = timed_steps(train_step(mean_loss, opt, tokens, autocast=True), args.steps, args.warmup, gpus)
+                seconds = timed_steps(step, args.steps, args.warmup, gpus)
             except torch.OutOfMemoryError:
                 seconds = None
             row = {"config": f"llama31-8b-width/{impl}/{layers}_blocks", "layers": layers, "step_s": seconds,
@@ -280,7 +322,7 @@ def main() -> None:
     )
     p.add_argument("--layers", type=int, nargs=2, help="one GPU: the 8B width at these two block counts, HF against "
                    "ours in bf16 and FP8, extrapolated to 32 blocks")  # fmt: skip
-    impls = ["hf_compiled", "ours_bf16", "ours_fp8"]
+    impls = ["hf_compiled", "ours_bf16", "ours_fp8", "ours_bf16_fsdp1", "ours_fp8_fsdp1"]
     p.add_argument("--impls", nargs="+", default=impls, choices=impls, help="with --layers: which to measure")
     p.add_argument("--gpus", type=int, default=1, help="N > 1: the sharded 8B measurement on N GPUs")
     p.add_argument("--tps", type=int, nargs="+", default=[1, 2], help="tensor-parallel degrees to measure (--gpus > 1)")
