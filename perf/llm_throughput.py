@@ -102,22 +102,25 @@ def energy_fields(gpus: dict, tokens: float, seq: int) -> dict:
             "energy_j_per_sequence": per_token * seq if per_token else None}  # fmt: skip
 
 
+def hf_llama(cfg: DecoderConfig, seq: int):
+    import transformers
+
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=seq, rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(hf_cfg).cuda().train()
+
+
 def single(args, peak: float) -> list[dict]:
     cfg, seq = LLAMA_1B, args.seq
     results = []
     for impl in ("hf_compiled", "ours_compiled"):
         torch.manual_seed(0)
         if impl == "hf_compiled":
-            import transformers
-
-            hf_cfg = transformers.LlamaConfig(
-                vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
-                intermediate_size=cfg.intermediate_size, max_position_embeddings=seq, rope_theta=cfg.rope_theta,
-                tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa",
-            )  # fmt: skip
-            model = transformers.LlamaForCausalLM(hf_cfg).cuda().train()
-            model = torch.compile(model)
+            model = torch.compile(hf_llama(cfg, seq))
 
             def mean_loss(batch, m=model):  # as HF users train: labels in, the loss computed inside the model
                 return m(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
@@ -155,18 +158,6 @@ def single(args, peak: float) -> list[dict]:
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     return results
-
-
-def hf_llama(cfg: DecoderConfig, seq: int):
-    import transformers
-
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
-        intermediate_size=cfg.intermediate_size, max_position_embeddings=seq, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa",
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(hf_cfg).cuda().train()
 
 
 def fsdp_on_one_gpu(cfg: DecoderConfig, fp8: bool):

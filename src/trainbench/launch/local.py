@@ -305,15 +305,18 @@ def _refuse_changes_on_resume(saved: RunConfig, given_cfg: RunConfig, given: lis
 PATH_KEYS = ("data.dir", "model.init_checkpoint", "model.base_weights", "output.run_dir")
 
 
+def path_values(cfg: RunConfig) -> dict[str, str]:
+    """The paths the config sets (PATH_KEYS that the benchmark's config has and gives a value), by key."""
+    table = leaves(cfg)
+    return {k: v for k in PATH_KEYS if k in table and (v := getattr(table[k].owner, table[k].field.name))}
+
+
 def absolute_paths(cfg: RunConfig) -> RunConfig:
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data), model=dataclasses.replace(cfg.model),
                               output=dataclasses.replace(cfg.output))  # fmt: skip
     table = leaves(cfg)
-    for key in PATH_KEYS:
-        leaf = table.get(key)
-        value = getattr(leaf.owner, leaf.field.name) if leaf else None
-        if value:
-            setattr(leaf.owner, leaf.field.name, str(Path(value).expanduser().absolute()))
+    for key, value in path_values(cfg).items():
+        setattr(table[key].owner, table[key].field.name, str(Path(value).expanduser().absolute()))
     return cfg
 
 

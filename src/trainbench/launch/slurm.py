@@ -29,7 +29,7 @@ from pathlib import Path
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, has_control_character, save_config
 from trainbench.errors import UserError
-from trainbench.launch.local import PATH_KEYS, absolute_paths, new_run_dir
+from trainbench.launch.local import absolute_paths, new_run_dir, path_values
 from trainbench.launch.systems import System, load_system, save_system
 from trainbench.runfiles import CONFIG, FolderLock
 
@@ -200,7 +200,7 @@ def mounts_for(system: System, cfg: RunConfig, run_dir: Path) -> list[str]:
         return []
     mounts = list(system.container.mounts)
     covered = [m.split(":")[1] for m in mounts]
-    paths = [str(run_dir)] + [str(v) for k in PATH_KEYS if k != "output.run_dir" and (v := _get(cfg, k))]
+    paths = [str(run_dir)] + [str(v) for k, v in path_values(cfg).items() if k != "output.run_dir"]
     for path in paths:
         if any(path == c or path.startswith(c.rstrip("/") + "/") for c in covered):
             continue
@@ -210,11 +210,6 @@ def mounts_for(system: System, cfg: RunConfig, run_dir: Path) -> list[str]:
         mounts.append(f"{path}:{path}")
         covered.append(path)
     return mounts
-
-
-def _get(cfg: RunConfig, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name, None)
 
 
 def container_parts(system: System, mounts: list[str], env: dict[str, str]) -> ContainerParts:
