@@ -17,10 +17,13 @@ the timed steps (NVML at 10 Hz), and the energy per token and per sequence.
 
 One GPU, the 8B width (`--layers L1 L2`): HF compiled, ours in bf16 and ours with FP8 linear layers (torchao's
 float8 training, `model.precision=fp8`), nothing recomputed, each at L1 and L2 blocks; a block's cost and the rest
-extrapolated to 32 blocks.
+extrapolated to 32 blocks. With `--profile`, each run's step is also split into forward+backward, gradient clip and
+AdamW update (CUDA events), its kernels are tabled (torch.profiler, CUDA time a step by kernel and by kind: FP8 GEMM,
+bf16 GEMM, attention, optimizer, compiled elementwise, ...) and the difference between the two block counts gives a
+block's cost by kind; the causal attention of the 8B shape is also timed through each SDPA backend.
 
     python perf/llm_throughput.py --out OUT [--steps 10] [--gpus 8 --tps 1 2 --acs on off]
-    python perf/llm_throughput.py --out OUT --layers 4 8 --steps 6 --warmup 3
+    python perf/llm_throughput.py --out OUT --layers 4 8 --steps 6 --warmup 3 [--profile]
 """
 
 from __future__ import annotations
@@ -92,6 +95,113 @@ def timed_steps(step, steps: int, warmup: int, gpus: dict | None = None) -> floa
     if gpus is not None:
         gpus.update(summary)
     return seconds
+
+
+def step_phases(mean_loss, opt, tokens: torch.Tensor, autocast: bool, steps: int = 3) -> dict:
+    """Milliseconds a step spends, median over ``steps``: forward+backward, the gradient clip (the norm, and the
+    in-place scaling unless the update takes it) and the AdamW update with ``zero_grad`` (CUDA events)."""
+    marks = []
+    for i in range(steps):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        ev[0].record()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = mean_loss(tokens[i % len(tokens)])
+        loss.backward()
+        ev[1].record()
+        opt.clip_grads()
+        ev[2].record()
+        opt.update()
+        opt.zero_grad(set_to_none=True)
+        ev[3].record()
+        marks.append(ev)
+    torch.cuda.synchronize()
+
+    def median(a: int, b: int) -> float:
+        return sorted(ev[a].elapsed_time(ev[b]) for ev in marks)[steps // 2]
+
+    return {"forward_backward_ms": median(0, 1), "clip_ms": median(1, 2), "update_ms": median(2, 3)}
+
+
+KERNEL_KINDS = (  # first match wins: (kind, substrings of the lower-cased kernel name)
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attn", "attention", "sdpa", "cudnn")),
+    ("fp8 gemm", ("e4m3", "f8f8", "fp8", "qgmma", "_qq")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "sm90")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel")),
+    ("copy", ("memcpy", "memset", "copy")),
+    ("compiled elementwise", ("triton",)),
+    ("other", ("",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next(kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys))
+
+
+def kernel_table(step, steps: int = 2, top: int = 60) -> dict:
+    """CUDA time a step by kernel (the ``top`` longest, microseconds) and by kind, over ``steps`` profiled steps,
+    and the GPU-busy share of the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - t) * 1e6 / steps
+    kernels = [(a.key, a.self_device_time_total / steps, a.count // steps) for a in prof.key_averages()
+               if a.self_device_time_total > 0]  # fmt: skip
+    kernels.sort(key=lambda k: -k[1])
+    kinds: dict[str, float] = {}
+    for name, us, _ in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us
+    busy = sum(us for _, us, _ in kernels)
+    table = [{"name": n[:160], "us": us, "calls": c, "kind": kernel_kind(n)} for n, us, c in kernels[:top]]
+    return {"wall_us": wall_us, "kernel_us": busy, "by_kind_us": kinds, "kernels": table}
+
+
+def attention_backends(cfg: DecoderConfig, seq: int, reps: int = 10) -> list[dict]:
+    """Causal attention of ``cfg``'s shape (one sequence of ``seq``), forward and backward, through each SDPA
+    backend: with grouped-query heads as they are (``enable_gqa``) and with the key/value heads repeated."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    d = cfg.hidden_size // cfg.num_heads
+    q = torch.randn(1, cfg.num_heads, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = [torch.randn(1, cfg.kv_heads, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv"]
+    flops = 2 * 2 * seq * seq * d * cfg.num_heads / 2 * 3.5  # causal: forward (2 GEMMs) and backward (2.5 times)
+    rows = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        for gqa in ("enable_gqa", "repeated"):
+
+            def run(gqa=gqa):
+                k, v = kv
+                if gqa == "repeated":
+                    rep = cfg.num_heads // cfg.kv_heads
+                    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                       enable_gqa=gqa == "enable_gqa")  # fmt: skip
+                out.backward(torch.ones_like(out))
+
+            row = {"backend": backend.name, "heads": gqa}
+            try:
+                with sdpa_kernel([backend]):
+                    run()
+                    torch.cuda.synchronize()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(reps):
+                        run()
+                    end.record()
+                    torch.cuda.synchronize()
+                ms = start.elapsed_time(end) / reps
+                row |= {"forward_backward_ms": ms, "tflops": flops / ms / 1e9}
+            except RuntimeError as e:
+                row["error"] = str(e).splitlines()[0][:200]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
 
 
 def energy_fields(gpus: dict, tokens: float, seq: int) -> dict:
@@ -204,9 +314,10 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
     ``LlamaForCausalLM`` compiled, ours in bf16 and ours with FP8 linear layers (torchao, tensorwise)."""
     seq, results = args.seq, []
     for impl in args.impls:
-        times = {}
+        times, profiles = {}, {}
         for layers in args.layers:
-            cfg = dataclasses.replace(LLAMA31_8B, num_layers=layers, precision="fp8" if impl == "ours_fp8" else "auto")
+            fp8 = impl in ("ours_fp8", "ours_fp8_sepclip")
+            cfg = dataclasses.replace(LLAMA31_8B, num_layers=layers, precision="fp8" if fp8 else "auto")
             torch.manual_seed(0)
             after_step = None
             if impl == "hf_compiled":
@@ -220,14 +331,16 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
                     model = DecoderLM(cfg)
                 model = parallelize(model, torch.device("cuda"), 1, 1, False, False, True, None, 0).train()
                 mean_loss = ours_mean_loss(model)
-            opt = AdamClipped(model.parameters(), 1.0, lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1,
-                              fused=True)  # fmt: skip
+            # _sepclip: the clip as a pass of its own over the gradients instead of inside the fused update
+            opt = AdamClipped(model.parameters(), 1.0, fold_clip=not impl.endswith("_sepclip"), lr=1e-4,
+                              betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1, fused=True)  # fmt: skip
             gen = torch.Generator(device="cuda").manual_seed(layers)
             tokens = torch.randint(0, cfg.vocab_size, (args.steps + args.warmup, 1, seq + 1), device="cuda",
                                    generator=gen)  # fmt: skip
             torch.cuda.reset_peak_memory_stats()
             gpus: dict = {}
-            step = train_step(mean_loss, opt, tokens, autocast=after_step is None and not impl.endswith("_fsdp1"))
+            autocast = after_step is None and not impl.endswith("_fsdp1")
+            step = train_step(mean_loss, opt, tokens, autocast=autocast)
             if after_step is not None:
                 step = (lambda s, f: lambda: (s(), f()))(step, after_step)
             try:
@@ -239,7 +352,14 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
             if seconds:
                 row |= energy_fields(gpus, seq * args.steps, seq)
                 times[layers] = seconds
-            print(json.dumps(row), flush=True)
+                if args.profile:
+                    row["phases"] = step_phases(mean_loss, opt, tokens, autocast)
+                    if after_step is not None:
+                        after_step()
+                    # timed_steps used up its tokens: the profiled steps reuse the first ones
+                    row["kernels"] = kernel_table(train_step(mean_loss, opt, tokens, autocast=autocast))
+                    profiles[layers] = row
+            print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
             results.append(row)
             del model, opt
             torch._dynamo.reset()
@@ -254,6 +374,12 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
                    "rest_ms": rest * 1e3, "step_s": step32, "tokens_per_s": tok,
                    "model_tflops": tok * flops_per_token(LLAMA31_8B, seq) / 1e12}  # fmt: skip
             row["mfu_vs_measured_bf16_peak"] = row["model_tflops"] / peak
+            if len(profiles) == 2:  # a block's share of each kind of kernel, and of each phase
+                p1, p2 = profiles[l1], profiles[l2]
+                k1, k2 = p1["kernels"]["by_kind_us"], p2["kernels"]["by_kind_us"]
+                row["block_by_kind_ms"] = {k: (k2.get(k, 0.0) - k1.get(k, 0.0)) / (l2 - l1) / 1e3 for k in k2}
+                row["block_phases_ms"] = {k: (p2["phases"][k] - p1["phases"][k]) / (l2 - l1) for k in p2["phases"]}
+                row["block_kernel_ms"] = (p2["kernels"]["kernel_us"] - p1["kernels"]["kernel_us"]) / (l2 - l1) / 1e3
             print(json.dumps(row), flush=True)
             results.append(row)
     return results
@@ -313,8 +439,10 @@ def main() -> None:
     )
     p.add_argument("--layers", type=int, nargs=2, help="one GPU: the 8B width at these two block counts, HF against "
                    "ours in bf16 and FP8, extrapolated to 32 blocks")  # fmt: skip
-    impls = ["hf_compiled", "ours_bf16", "ours_fp8", "ours_bf16_fsdp1", "ours_fp8_fsdp1"]
+    impls = ["hf_compiled", "ours_bf16", "ours_fp8", "ours_fp8_sepclip", "ours_bf16_fsdp1", "ours_fp8_fsdp1"]
     p.add_argument("--impls", nargs="+", default=impls, choices=impls, help="with --layers: which to measure")
+    p.add_argument("--profile", action="store_true", help="with --layers: each run's phases and kernels, a block's "
+                   "cost by kind of kernel, and the 8B shape's attention through each SDPA backend")  # fmt: skip
     p.add_argument("--gpus", type=int, default=1, help="N > 1: the sharded 8B measurement on N GPUs")
     p.add_argument("--tps", type=int, nargs="+", default=[1, 2], help="tensor-parallel degrees to measure (--gpus > 1)")
     p.add_argument("--acs", nargs="+", choices=["on", "off"], default=["on"],
@@ -332,6 +460,8 @@ def main() -> None:
     report = {"bf16_matmul_peak_tflops": peak, "gpu": torch.cuda.get_device_name(), "runs": []}
     print(json.dumps({"bf16_matmul_peak_tflops": peak}), flush=True)
     if args.layers:
+        if args.profile:
+            report["attention_backends"] = attention_backends(LLAMA31_8B, args.seq)
         report["runs"] = one_gpu_8b(args, peak)
     elif args.gpus == 1:
         report["runs"] = single(args, peak)

@@ -491,3 +491,35 @@ def test_tiny_llama_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys)
     assert (
         "14 linear layers of the blocks train in FP8 (torchao's float8 training, tensorwise" in capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped, and a norm under the limit (factor 1)
+def test_the_clip_folded_into_the_fused_update_matches_the_separate_pass_on_cuda(max_norm):
+    from trainbench.optim.adamw import AdamClipped
+
+    def g(seed: int, shape) -> torch.Tensor:
+        return torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+
+    shapes = [(512, 256), (256,), (3, 1000)]
+
+    def train(limit: float, fold: bool) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(g(i, s)) for i, s in enumerate(shapes)]
+        # eps of the gradients' clipped size: the update then depends on the clip (Adam alone is scale-free)
+        opt = AdamClipped(params, limit, fold_clip=fold, lr=1e-2, eps=1e-4, weight_decay=0.1, fused=True)
+        assert opt._folds([p.detach() for p in params]) is fold
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = g(10 * (step + 1) + i, p.shape)
+            opt.step()
+            assert not hasattr(opt, "grad_scale")
+        return [p.detach() for p in params]
+
+    separate, folded, unclipped = train(max_norm, False), train(max_norm, True), train(0.0, True)
+    for a, b, c in zip(separate, folded, unclipped, strict=True):
+        # the same update but for rounding: the separate pass multiplies by the factor, the kernel divides by its
+        # reciprocal
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+        if max_norm > 1:
+            torch.testing.assert_close(b, c, rtol=1e-6, atol=1e-6)
+    if max_norm < 1:  # the clip did act, so the comparison above saw it
+        assert max((b - c).abs().max() for b, c in zip(folded, unclipped, strict=True)) > 1e-3
