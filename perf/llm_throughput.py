@@ -317,7 +317,8 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
         times, profiles = {}, {}
         for layers in args.layers:
             fp8 = impl in ("ours_fp8", "ours_fp8_sepclip")
-            cfg = dataclasses.replace(LLAMA31_8B, num_layers=layers, precision="fp8" if fp8 else "auto")
+            cfg = dataclasses.replace(LLAMA31_8B, num_layers=layers, precision="fp8" if fp8 else "auto",
+                                      fused_qkv=not args.separate_qkv)  # fmt: skip
             torch.manual_seed(0)
             after_step = None
             if impl == "hf_compiled":
@@ -347,7 +348,8 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
                 seconds = timed_steps(step, args.steps, args.warmup, gpus)
             except torch.OutOfMemoryError:
                 seconds = None
-            row = {"config": f"llama31-8b-width/{impl}/{layers}_blocks", "layers": layers, "step_s": seconds,
+            name = impl + ("_separate_qkv" if args.separate_qkv and impl.startswith("ours") else "")
+            row = {"config": f"llama31-8b-width/{name}/{layers}_blocks", "layers": layers, "step_s": seconds,
                    "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
             if seconds:
                 row |= energy_fields(gpus, seq * args.steps, seq)
@@ -370,7 +372,7 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
             rest = t1 - l1 * block
             step32 = rest + 32 * block
             tok = seq / step32
-            row = {"config": f"llama31-8b/{impl}/32_blocks_extrapolated", "block_ms": block * 1e3,
+            row = {"config": f"llama31-8b/{name}/32_blocks_extrapolated", "block_ms": block * 1e3,
                    "rest_ms": rest * 1e3, "step_s": step32, "tokens_per_s": tok,
                    "model_tflops": tok * flops_per_token(LLAMA31_8B, seq) / 1e12}  # fmt: skip
             row["mfu_vs_measured_bf16_peak"] = row["model_tflops"] / peak
@@ -392,7 +394,7 @@ def worker(args) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
-    cfg, seq = LLAMA31_8B, args.seq
+    cfg, seq = dataclasses.replace(LLAMA31_8B, fused_qkv=args.tp == 1), args.seq  # fused q/k/v has no TP plan
     with torch.device("meta"):
         model = DecoderLM(cfg)
     model = parallelize(model, torch.device("cuda"), world, args.tp, True, bool(args.ac), True, None, 0).train()
@@ -441,6 +443,8 @@ def main() -> None:
                    "ours in bf16 and FP8, extrapolated to 32 blocks")  # fmt: skip
     impls = ["hf_compiled", "ours_bf16", "ours_fp8", "ours_fp8_sepclip", "ours_bf16_fsdp1", "ours_fp8_fsdp1"]
     p.add_argument("--impls", nargs="+", default=impls, choices=impls, help="with --layers: which to measure")
+    p.add_argument("--separate-qkv", action="store_true", help="with --layers: ours with q/k/v_proj instead of the "
+                   "preset's one qkv_proj (model.fused_qkv=false)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="with --layers: each run's phases and kernels, a block's "
                    "cost by kind of kernel, and the 8B shape's attention through each SDPA backend")  # fmt: skip
     p.add_argument("--gpus", type=int, default=1, help="N > 1: the sharded 8B measurement on N GPUs")

@@ -33,7 +33,7 @@ from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
 from trainbench.models.decoder import DecoderConfig, DecoderLM, recompute_last
-from trainbench.models.decoder_parallel import place_decoder
+from trainbench.models.decoder_parallel import FUSED_QKV_TP, place_decoder
 from trainbench.models.offload import offload_blocks
 from trainbench.optim.adamw import AdamClipped
 from trainbench.optim.groups import weight_decay_split
@@ -78,7 +78,9 @@ def llama(preset: str, model: DecoderConfig, gbs: int, micro: int, lr: float) ->
     )  # fmt: skip
 
 
-LLAMA31_8B = DecoderConfig()  # the defaults are Llama 3.1 8B
+# The defaults are Llama 3.1 8B. One qkv_proj, as the reference (Megatron's linear_qkv): in FP8 the attention's
+# input is then cast once, not three times (docs/notes/llm.md, "Where a block's time goes").
+LLAMA31_8B = DecoderConfig(fused_qkv=True)
 LLAMA_1B = DecoderConfig(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
                          tie_embeddings=True)  # the Llama 3.2 1B shape: one GPU  # fmt: skip
 
@@ -162,6 +164,8 @@ class LLMBenchmark(Benchmark):
         if m.tie_embeddings and cfg.distributed.world_size > 1:
             raise ConfigError(f"model.tie_embeddings=true runs on one rank only (sharding would untie the weights); "
                               f"this run has {cfg.distributed.world_size} ranks")  # fmt: skip
+        if m.fused_qkv and cfg.distributed.tp > 1:
+            raise ConfigError(FUSED_QKV_TP)
         if cfg.distributed.nproc % cfg.distributed.tp:
             raise ConfigError(f"distributed.tp={cfg.distributed.tp} does not divide --nproc {cfg.distributed.nproc}")
         if cfg.perf.recompute_blocks and not cfg.perf.activation_checkpointing:

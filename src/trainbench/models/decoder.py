@@ -50,7 +50,8 @@ class DecoderConfig:
     fused_qkv: bool = option(
         False,
         "One qkv_proj for queries, keys and values (rows q, then k, then v) instead of q/k/v_proj: the layout "
-        "of MLPerf's Llama-2-70B checkpoint.",
+        "of MLPerf's Llama-2-70B checkpoint and of the llama31-8b preset (in FP8 the attention's input is cast "
+        "once instead of three times). No tensor-parallel plan.",
     )
     precision: str = option(
         "auto",

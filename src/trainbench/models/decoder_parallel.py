@@ -20,6 +20,9 @@ from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError
 from trainbench.models.decoder import DecoderConfig, DecoderLM, lm_loss
 
+FUSED_QKV_TP = ("model.fused_qkv=true (one qkv_proj) has no tensor-parallel plan: set distributed.tp=1, or "
+                "model.fused_qkv=false for separate q/k/v projections")  # fmt: skip
+
 # Models smaller than this are initialised whole on every rank and then sharded, so a run on N ranks
 # starts from exactly the weights of a one-rank run; larger ones are initialised shard by shard.
 FULL_INIT_MAX_PARAMS = 2_000_000_000
@@ -37,7 +40,7 @@ def apply_tp(model: DecoderLM, mesh: DeviceMesh) -> None:
     cfg = model.cfg
     tp = mesh.size()
     if cfg.fused_qkv:
-        raise ConfigError("model.fused_qkv=true has no tensor-parallel plan: set distributed.tp=1")
+        raise ConfigError(FUSED_QKV_TP)
     for name, heads in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads)):
         if heads % tp:
             raise ConfigError(f"model.{name}={heads} is not divisible by distributed.tp={tp}")
