@@ -316,7 +316,7 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
     for impl in args.impls:
         times, profiles = {}, {}
         for layers in args.layers:
-            fp8 = impl in ("ours_fp8", "ours_fp8_sepclip")
+            fp8 = impl in ("ours_fp8", "ours_fp8_sepclip", "ours_fp8_ac")
             cfg = dataclasses.replace(LLAMA31_8B, num_layers=layers, precision="fp8" if fp8 else "auto",
                                       fused_qkv=not args.separate_qkv)  # fmt: skip
             torch.manual_seed(0)
@@ -330,7 +330,9 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
             else:
                 with torch.device("meta"):
                     model = DecoderLM(cfg)
-                model = parallelize(model, torch.device("cuda"), 1, 1, False, False, True, None, 0).train()
+                # _ac: every block recomputed in the backward (activation checkpointing)
+                model = parallelize(model, torch.device("cuda"), 1, 1, False, impl.endswith("_ac"), True, None,
+                                    0).train()  # fmt: skip
                 mean_loss = ours_mean_loss(model)
             # _sepclip: the clip as a pass of its own over the gradients instead of inside the fused update
             opt = AdamClipped(model.parameters(), 1.0, fold_clip=not impl.endswith("_sepclip"), lr=1e-4,
@@ -338,9 +340,22 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
             gen = torch.Generator(device="cuda").manual_seed(layers)
             tokens = torch.randint(0, cfg.vocab_size, (args.steps + args.warmup, 1, seq + 1), device="cuda",
                                    generator=gen)  # fmt: skip
-            torch.cuda.reset_peak_memory_stats()
             gpus: dict = {}
             autocast = after_step is None and not impl.endswith("_fsdp1")
+            weights_and_state = saved = None
+            try:  # what the forward keeps for the backward, on top of weights, gradients and optimizer state
+                train_step(mean_loss, opt, tokens, autocast=autocast)()  # the optimizer's state exists from here
+                torch.cuda.synchronize()
+                weights_and_state = torch.cuda.memory_allocated()
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    loss = mean_loss(tokens[0])
+                saved = torch.cuda.memory_allocated() - weights_and_state
+                loss.backward()
+                opt.zero_grad(set_to_none=True)
+                del loss
+            except torch.OutOfMemoryError:
+                pass
+            torch.cuda.reset_peak_memory_stats()
             step = train_step(mean_loss, opt, tokens, autocast=autocast)
             if after_step is not None:
                 step = (lambda s, f: lambda: (s(), f()))(step, after_step)
@@ -350,7 +365,9 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
                 seconds = None
             name = impl + ("_separate_qkv" if args.separate_qkv and impl.startswith("ours") else "")
             row = {"config": f"llama31-8b-width/{name}/{layers}_blocks", "layers": layers, "step_s": seconds,
-                   "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
+                   "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+                   "weights_and_state_gib": weights_and_state / 2**30 if weights_and_state else None,
+                   "saved_for_backward_gib": saved / 2**30 if saved is not None else None}  # fmt: skip
             if seconds:
                 row |= energy_fields(gpus, seq * args.steps, seq)
                 times[layers] = seconds
@@ -363,11 +380,12 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
                     profiles[layers] = row
             print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
             results.append(row)
-            del model, opt
+            del model, opt, step, mean_loss, tokens  # nothing of this model may stay alive into the next one
             torch._dynamo.reset()
             torch.cuda.empty_cache()
         if len(times) == 2:
             (l1, t1), (l2, t2) = sorted(times.items())
+            by_layers = {r["layers"]: r for r in results[-2:]}
             block = (t2 - t1) / (l2 - l1)
             rest = t1 - l1 * block
             step32 = rest + 32 * block
@@ -376,6 +394,12 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
                    "rest_ms": rest * 1e3, "step_s": step32, "tokens_per_s": tok,
                    "model_tflops": tok * flops_per_token(LLAMA31_8B, seq) / 1e12}  # fmt: skip
             row["mfu_vs_measured_bf16_peak"] = row["model_tflops"] / peak
+            # the same extrapolation for the energy a token and the memory the forward keeps
+            for key in ("energy_j_per_token", "saved_for_backward_gib", "weights_and_state_gib"):
+                v1, v2 = by_layers[l1].get(key), by_layers[l2].get(key)
+                if v1 is not None and v2 is not None:
+                    row[f"{key}_per_block"] = (v2 - v1) / (l2 - l1)
+                    row[f"{key}_32_blocks"] = v1 + (32 - l1) * (v2 - v1) / (l2 - l1)
             if len(profiles) == 2:  # a block's share of each kind of kernel, and of each phase
                 p1, p2 = profiles[l1], profiles[l2]
                 k1, k2 = p1["kernels"]["by_kind_us"], p2["kernels"]["by_kind_us"]
@@ -441,7 +465,15 @@ def main() -> None:
     )
     p.add_argument("--layers", type=int, nargs=2, help="one GPU: the 8B width at these two block counts, HF against "
                    "ours in bf16 and FP8, extrapolated to 32 blocks")  # fmt: skip
-    impls = ["hf_compiled", "ours_bf16", "ours_fp8", "ours_fp8_sepclip", "ours_bf16_fsdp1", "ours_fp8_fsdp1"]
+    impls = [
+        "hf_compiled",
+        "ours_bf16",
+        "ours_fp8",
+        "ours_fp8_sepclip",
+        "ours_fp8_ac",
+        "ours_bf16_fsdp1",
+        "ours_fp8_fsdp1",
+    ]
     p.add_argument("--impls", nargs="+", default=impls, choices=impls, help="with --layers: which to measure")
     p.add_argument("--separate-qkv", action="store_true", help="with --layers: ours with q/k/v_proj instead of the "
                    "preset's one qkv_proj (model.fused_qkv=false)")  # fmt: skip
