@@ -294,6 +294,17 @@ def test_tied_embeddings_on_several_ranks_are_refused_before_anything_runs(tmp_p
     build_config("llama31_8b", "tiny", overrides={"model.tie_embeddings": "true"})  # one rank: fine
 
 
+def test_the_8b_preset_has_one_qkv_proj_and_tensor_parallelism_then_asks_for_separate_projections():
+    _, cfg = build_config("llama31_8b", "llama31-8b")
+    assert cfg.model.fused_qkv  # one FP8 cast of the attention's input instead of three
+    with pytest.raises(ConfigError, match="model.fused_qkv=true .*set distributed.tp=1, or model.fused_qkv=false"):
+        build_config("llama31_8b", "llama31-8b", overrides={"distributed.nproc": "2", "distributed.tp": "2"})
+    _, tp = build_config("llama31_8b", "llama31-8b", overrides={"distributed.nproc": "2", "distributed.tp": "2",
+                                                                "model.fused_qkv": "false"})  # fmt: skip
+    assert not tp.model.fused_qkv and tp.distributed.tp == 2
+    assert not build_config("llama31_8b", "tiny")[1].model.fused_qkv  # the tiny preset's layout is unchanged
+
+
 def test_no_two_benchmarks_claim_one_mlperf_name_unless_both_declare_it():
     from trainbench.benchmarks import register
     from trainbench.benchmarks.llm import Llama31Benchmark
