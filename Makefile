@@ -13,7 +13,7 @@ DEMO_RESULTS ?= results
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,fp8]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

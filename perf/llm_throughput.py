@@ -124,12 +124,12 @@ def step_phases(mean_loss, opt, tokens: torch.Tensor, autocast: bool, steps: int
 
 KERNEL_KINDS = (  # first match wins: (kind, substrings of the lower-cased kernel name)
     ("nccl", ("nccl",)),
+    ("compiled elementwise", ("triton_",)),  # Inductor's kernels, named after the ops they fuse
     ("attention", ("flash", "fmha", "attn", "attention", "sdpa", "cudnn")),
-    ("fp8 gemm", ("e4m3", "f8f8", "fp8", "qgmma", "_qq")),
+    ("fp8 gemm", ("e4m3", "f8f8", "fp8", "qgmma", "_qq", "_qr", "_rq")),  # cuBLAS's nvjet: q = e4m3, r = e5m2
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "sm90")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel")),
     ("copy", ("memcpy", "memset", "copy")),
-    ("compiled elementwise", ("triton",)),
     ("other", ("",)),
 )
 

@@ -87,3 +87,29 @@ def test_the_govreport_length_mix_fills_a_row_mostly_with_two_or_three_sequences
         counts.append(len(lengths))
     assert 2 <= sorted(counts)[len(counts) // 2] <= 3  # the median row holds two or three
     assert lora_throughput.mix_lengths(0) == lora_throughput.mix_lengths(0)  # seeded: the row measured is fixed
+
+
+def test_llm_kernel_kinds_tell_fp8_gemms_attention_and_compiled_casts_apart():
+    kind = load("llm_throughput").kernel_kind
+    assert kind("nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT") == "fp8 gemm"  # e4m3 x e5m2
+    assert kind("nvjet_sm90_qqtst_256x128_128x4_1x2_h_bz_coopA_TNT") == "fp8 gemm"
+    assert kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
+    assert kind("triton_per_fused__fused_rms_norm__scaled_mm__to_copy_add_clamp_t_view_20") == "compiled elementwise"
+    assert kind("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>") == "optimizer"
+    assert kind("Memcpy HtoD (Pageable -> Device)") == "copy"
+    assert kind("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>") == "other"
+
+
+def test_the_fp8_quality_script_splits_wikitext_into_articles_and_holds_one_in_20_out(tmp_path):
+    quality = load("llm_fp8_quality")
+    text = "".join(f" = Article {i} = \n\n = = Section = = \n Body {i} . \n\n" for i in range(40))
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "part.txt").write_text(text)
+    docs = quality.articles(text)
+    assert len(docs) == 40 and docs[3].startswith("= Article 3 =") and "= = Section = =" in docs[3]
+    assert quality.source_folder(tmp_path / "text", tmp_path / "src") == {"articles_train": 38, "articles_eval": 2}
+    held = [json.loads(line)["text"] for line in (tmp_path / "src" / "wikitext-validation.jsonl").open()]
+    assert [d.split(" =")[0] for d in held] == ["= Article 19", "= Article 39"]
+    with pytest.raises(SystemExit, match="no WikiText .txt files"):
+        quality.source_folder(tmp_path / "src", tmp_path / "other")
