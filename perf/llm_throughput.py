@@ -141,7 +141,7 @@ def kernel_kind(name: str) -> str:
 
 def kernel_table(step, steps: int = 2, top: int = 60) -> dict:
     """CUDA time a step by kernel (the ``top`` longest, microseconds) and by kind, over ``steps`` profiled steps,
-    and the GPU-busy share of the wall time."""
+    the kernels' total and the wall time a step."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -386,7 +386,11 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
         if len(times) == 2:
             (l1, t1), (l2, t2) = sorted(times.items())
             by_layers = {r["layers"]: r for r in results[-2:]}
-            block = (t2 - t1) / (l2 - l1)
+
+            def per_block(v1: float, v2: float, span: int = l2 - l1) -> float:  # the slope between the counts
+                return (v2 - v1) / span
+
+            block = per_block(t1, t2)
             rest = t1 - l1 * block
             step32 = rest + 32 * block
             tok = seq / step32
@@ -398,14 +402,14 @@ def one_gpu_8b(args, peak: float) -> list[dict]:
             for key in ("energy_j_per_token", "saved_for_backward_gib", "weights_and_state_gib"):
                 v1, v2 = by_layers[l1].get(key), by_layers[l2].get(key)
                 if v1 is not None and v2 is not None:
-                    row[f"{key}_per_block"] = (v2 - v1) / (l2 - l1)
-                    row[f"{key}_32_blocks"] = v1 + (32 - l1) * (v2 - v1) / (l2 - l1)
+                    row[f"{key}_per_block"] = per_block(v1, v2)
+                    row[f"{key}_32_blocks"] = v1 + (32 - l1) * per_block(v1, v2)
             if len(profiles) == 2:  # a block's share of each kind of kernel, and of each phase
                 p1, p2 = profiles[l1], profiles[l2]
                 k1, k2 = p1["kernels"]["by_kind_us"], p2["kernels"]["by_kind_us"]
-                row["block_by_kind_ms"] = {k: (k2.get(k, 0.0) - k1.get(k, 0.0)) / (l2 - l1) / 1e3 for k in k2}
-                row["block_phases_ms"] = {k: (p2["phases"][k] - p1["phases"][k]) / (l2 - l1) for k in p2["phases"]}
-                row["block_kernel_ms"] = (p2["kernels"]["kernel_us"] - p1["kernels"]["kernel_us"]) / (l2 - l1) / 1e3
+                row["block_by_kind_ms"] = {k: per_block(k1.get(k, 0.0), k2[k]) / 1e3 for k in k2}
+                row["block_phases_ms"] = {k: per_block(p1["phases"][k], p2["phases"][k]) for k in p2["phases"]}
+                row["block_kernel_ms"] = per_block(p1["kernels"]["kernel_us"], p2["kernels"]["kernel_us"]) / 1e3
             print(json.dumps(row), flush=True)
             results.append(row)
     return results

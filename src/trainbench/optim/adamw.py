@@ -26,7 +26,7 @@ class AdamClipped(torch.optim.AdamW):
         self.fold_clip = fold_clip
 
     def _folds(self, grads: list[torch.Tensor]) -> bool:
-        return (self.fold_clip and all(g.get("fused") for g in self.param_groups)
+        return (self.fold_clip and all(group.get("fused") for group in self.param_groups)
                 and all(g.is_cuda and not isinstance(g, DTensor) for g in grads))  # fmt: skip
 
     @torch.no_grad()
