@@ -1,5 +1,6 @@
 # Two entry points: `make demo` (prepare tiny data, train to target, print time and report)
-# and `make test`. Both create .venv and install on first use.
+# and `make test` (lint and the fast tier of the tests); `make test-all` runs the whole suite (docs/testing.md).
+# All create .venv and install on first use.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -8,7 +9,10 @@ STAMP  := $(VENV)/.installed
 DEMO_DATA    ?= data/bert-tiny
 DEMO_RESULTS ?= results
 
-.PHONY: demo test lint clean image
+# Independent test modules run in parallel, one worker per core; a module's tests stay on one worker.
+PYTEST := $(BIN)/python -m pytest -n auto --dist loadgroup
+
+.PHONY: demo test test-all lint clean image
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,9 +25,11 @@ demo: $(STAMP)
 	$(BIN)/trainbench run bert --preset tiny data.dir=$(DEMO_DATA) output.results_dir=$(DEMO_RESULTS)
 	$(BIN)/trainbench report $$(ls -td $(DEMO_RESULTS)/*-bert-tiny*/ | head -n 1)
 
-test: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q
+test: lint
+	$(PYTEST) -q -m "not full"
+
+test-all: lint
+	$(PYTEST) -q
 
 # The container image from the package registries alone (podman, mmdebstrap): docs/containers.md.
 image:

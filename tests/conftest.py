@@ -1,10 +1,22 @@
-"""Shared fixtures: small synthetic data sets and a way to run the CLI in-process."""
+"""Shared fixtures: small synthetic data sets, one trained tiny run, what the machine offers (a local Slurm cluster,
+podman's limits), the test tiers and their grouping for parallel runs, and a way to run the CLI in-process.
+
+Tiers (docs/testing.md): a test marked ``full`` runs only in ``make test-all``; every other test is in the fast tier
+(``make test``) too. Under pytest-xdist (``-n auto --dist loadgroup``) the tests of one module stay on one worker, so
+a module's fixtures are built once, and the tests that use the real cluster or the container image form one group
+of their own; the expensive session fixtures are built once for all workers (:func:`built_once`)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
+import os
+import resource
+import shutil
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,6 +25,50 @@ from trainbench.cli import main as cli_main
 from trainbench.data.synthetic_bert import SyntheticSpec, prepare_synthetic
 
 REPO = Path(__file__).resolve().parents[1]
+LOCAL_SLURM = REPO.parent / "shared" / "scripts" / "local-slurm"
+CLUSTER_GROUP = "cluster"  # the xdist group of every test that uses the real Slurm cluster or the container image
+
+
+# -- tiers and parallel workers -----------------------------------------------------------------------------------
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's share of the cores: torch's default, a thread per core in every worker and
+    in every rank it starts, oversubscribed the machine (a tiny LoRA run took 109 s instead of 19). The runs honour
+    OMP_NUM_THREADS, and their ranks inherit it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    # The longest group first, so that it never starts last and alone.
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != CLUSTER_GROUP)
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """``build(folder)`` once for the whole test session, parallel workers included: the first worker to ask builds
+    while the others wait for it, then all read the same folder. Built on failure again by the next that asks."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of one session
+    out, done = root / name, root / f"{name}.built"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            done.touch()
+    return out
 
 
 def tiny_spec(**changes) -> SyntheticSpec:
@@ -31,17 +87,17 @@ def tiny_spec(**changes) -> SyntheticSpec:
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory) -> Path:
     """A few thousand samples in the tiny preset's shapes: enough for short runs."""
-    out = tmp_path_factory.mktemp("bert-small")
-    prepare_synthetic(out, tiny_spec())
-    return out
+    return built_once(tmp_path_factory, "bert-small", lambda out: prepare_synthetic(out, tiny_spec()))
 
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """The data set `make demo` uses (`prepare bert --synthetic --preset tiny`)."""
-    out = tmp_path_factory.mktemp("bert-tiny")
-    assert cli_main(["prepare", "bert", "--synthetic", "--preset", "tiny", "--out", str(out)]) == 0
-    return out
+
+    def build(out: Path) -> None:
+        assert cli_main(["prepare", "bert", "--synthetic", "--preset", "tiny", "--out", str(out)]) == 0
+
+    return built_once(tmp_path_factory, "bert-tiny", build)
 
 
 @contextlib.contextmanager
@@ -79,11 +135,105 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def converged(tiny_data, tmp_path_factory) -> Path:
     """One tiny run to its target (``run bert --preset tiny``), with telemetry at 4 Hz: a finished, compliant results
     folder; what it printed is ``stdout.txt`` beside the folder."""
-    out = tmp_path_factory.mktemp("converged")
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        code = run_cli("run", "bert", f"data.dir={tiny_data}", f"output.results_dir={out}", "progress=false",
-                       "telemetry_hz=4")  # fmt: skip
-    (out / "stdout.txt").write_text(printed.getvalue())  # what the run printed (beside its folder)
-    assert code == 0, printed.getvalue()
-    return only_run_dir(out)
+
+    def build(out: Path) -> None:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = run_cli("run", "bert", f"data.dir={tiny_data}", f"output.results_dir={out}", "progress=false",
+                           "telemetry_hz=4")  # fmt: skip
+        (out / "stdout.txt").write_text(printed.getvalue())  # what the run printed (beside its folder)
+        assert code == 0, printed.getvalue()
+
+    return only_run_dir(built_once(tmp_path_factory, "converged", build))
+
+
+# -- what the machine offers: a local Slurm cluster, podman --------------------------------------------------------
+
+
+def _sinfo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["sinfo", "-h", *args], capture_output=True, text=True, timeout=30)
+
+
+def _cluster_answers() -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    proc = _sinfo("-o", "%a")
+    return proc.returncode == 0 and "up" in proc.stdout
+
+
+def _cannot_start_cluster() -> str | None:
+    missing = [t for t in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(t) is None]
+    if missing:
+        return f"no Slurm cluster answers sinfo, and {', '.join(missing)} not installed (.ci/run installs Slurm)"
+    if not (LOCAL_SLURM / "start-local-slurm.sh").is_file():
+        return f"no Slurm cluster answers sinfo, and {LOCAL_SLURM} (which starts one) is absent"
+    if os.geteuid() != 0:
+        return "no Slurm cluster answers sinfo, and starting the local one needs root"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A Slurm cluster that answers sinfo: the machine's own, or the local two-node one (../shared/scripts/local-slurm,
+    Debian's slurmctld, slurmd and munge, each node in its own network namespace) started here and stopped at the
+    end of the session. Skips with the reason where neither can be had."""
+    started = False
+    if not _cluster_answers():
+        why = _cannot_start_cluster()
+        if why:
+            pytest.skip(why)
+        start = LOCAL_SLURM / "start-local-slurm.sh"
+        proc = subprocess.run(["bash", str(start)], env=dict(os.environ, SLURM_NODES="2"), capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+        assert proc.returncode == 0, f"{start} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        started = True
+    try:
+        yield
+    finally:
+        if started:
+            subprocess.run(["bash", str(LOCAL_SLURM / "stop-local-slurm.sh")], capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def two_slurm_nodes(slurm_cluster):
+    nodes = set(_sinfo("-N", "-o", "%N").stdout.split())
+    if len(nodes) < 2:
+        pytest.skip(f"the cluster has {len(nodes)} node(s); these tests need two (SLURM_NODES=2 start-local-slurm.sh)")
+
+
+def needs_two_nodes(test):
+    """A test that submits real jobs to a cluster of at least two nodes: ``make test-all`` only, in the cluster's
+    group of parallel workers."""
+    for mark in (pytest.mark.full, pytest.mark.xdist_group(CLUSTER_GROUP), pytest.mark.usefixtures("two_slurm_nodes")):
+        test = mark(test)
+    return test
+
+
+def _limit(which: int) -> str:
+    """This process's soft:hard limit as podman's ulimit option writes it (-1: unlimited)."""
+    return ":".join(str(-1 if v == resource.RLIM_INFINITY else v) for v in resource.getrlimit(which))
+
+
+@pytest.fixture(scope="session")
+def podman_limits(tmp_path_factory):
+    """podman's configuration for this machine, where the caller set none (CONTAINERS_CONF): its default ulimits
+    (nofile 1048576) are more than a container of this machine may take ("error setting rlimit type 7"), so each
+    container gets this process's own limits; runc where it is installed (crun fails on cgroups v1 without
+    systemd), and cgroupfs where systemd does not run the machine. The variable reaches podman, image.sh and the
+    Slurm jobs started from this session."""
+    if os.environ.get("CONTAINERS_CONF"):
+        yield os.environ["CONTAINERS_CONF"]
+        return
+    ulimits = f'"nofile={_limit(resource.RLIMIT_NOFILE)}", "nproc={_limit(resource.RLIMIT_NPROC)}"'
+    lines = ["[containers]", f"default_ulimits = [{ulimits}]", "[engine]"]
+    if shutil.which("runc"):
+        lines.append('runtime = "runc"')
+    if not Path("/run/systemd/system").is_dir():
+        lines.append('cgroup_manager = "cgroupfs"')
+    conf = tmp_path_factory.mktemp("podman") / "containers.conf"
+    conf.write_text("\n".join(lines) + "\n")
+    os.environ["CONTAINERS_CONF"] = str(conf)
+    try:
+        yield str(conf)
+    finally:
+        os.environ.pop("CONTAINERS_CONF", None)

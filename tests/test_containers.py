@@ -13,8 +13,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import only_run_dir, run_cli
-from test_slurm import _wait_state, needs_two_nodes
+from conftest import CLUSTER_GROUP, needs_two_nodes, only_run_dir, run_cli
+from test_slurm import _wait_state
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE = "localhost/trainbench:test"
@@ -107,11 +107,18 @@ def _cannot_build() -> str | None:
     return None
 
 
-needs_podman = pytest.mark.skipif(_cannot_build() is not None, reason=str(_cannot_build()))
+def needs_podman(test):
+    """A test of the image itself: ``make test-all`` only, in the cluster's group of parallel workers (the image is
+    built once, by the worker that runs them)."""
+    reason = _cannot_build()
+    for mark in (pytest.mark.full, pytest.mark.xdist_group(CLUSTER_GROUP),
+                 pytest.mark.skipif(reason is not None, reason=str(reason))):  # fmt: skip
+        test = mark(test)
+    return test
 
 
 @pytest.fixture(scope="session")
-def image() -> str:
+def image(podman_limits) -> str:
     """The CPU image, built once by `containers/image.sh cpu` (mmdebstrap, wheels gathered by pip, podman build)."""
     proc = subprocess.run([str(REPO / "containers" / "image.sh"), "cpu"], env=dict(os.environ, IMAGE=IMAGE),
                           capture_output=True, text=True, timeout=1200)  # fmt: skip

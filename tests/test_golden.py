@@ -2,7 +2,7 @@
 
 The fixtures in tests/golden/ come from the code before it was restructured (tiny BERT on 1 rank, on 2 ranks and with
 accumulation 4; tiny llama31_8b and gpt3; 30 steps each, same seed, CPU), on the numeric path that record.py pins so
-that any x86-64 machine computes the same bits. The five runs execute once, in one process started with that path.
+that any x86-64 machine computes the same bits. Each run executes in a process of its own started with that path.
 """
 
 import json
@@ -16,20 +16,23 @@ from golden.record import RUNS, pinned_path_missing
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
 
-@pytest.fixture(scope="module")
-def rerun(tmp_path_factory) -> Path:
+# gpt3's run is in the fast tier (make test): it is also that benchmark's one tiny run through the whole CLI.
+FAST = {"gpt3"}
+
+
+@pytest.fixture
+def rerun(name, tmp_path) -> Path:
+    """The run named by the test, executed again by record.py (in a process of its own, on the pinned path)."""
     why = pinned_path_missing()
     if why:
         pytest.skip(why)
-    out = tmp_path_factory.mktemp("golden-rerun")
-    command = [sys.executable, str(GOLDEN / "record.py"), "--out", str(out)]
+    command = [sys.executable, str(GOLDEN / "record.py"), "--out", str(tmp_path), "--only", name]
     proc = subprocess.run(command, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    return tmp_path
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", [pytest.param(n, id=n, marks=() if n in FAST else pytest.mark.full) for n in RUNS])
 def test_run_reproduces_its_recorded_numbers_bit_for_bit(name, rerun):
     expected = json.loads((GOLDEN / f"{name}.json").read_text())
     got = json.loads((rerun / f"{name}.json").read_text())

@@ -144,7 +144,6 @@ def llm_tiny(tmp_path_factory):
 FULL_SIZE_CHECKS = {"eval_samples", "max_sequence_length", "opt_learning_rate_decay_steps", "max_steps"}
 
 
-@pytest.mark.slow
 def test_tiny_llama_reaches_its_target_with_a_compliant_log(llm_tiny, tmp_path):
     assert run_cli("run", "llama31_8b", f"data.dir={llm_tiny}", f"output.results_dir={tmp_path}", "progress=false") == 0
     run_dir = only_run_dir(tmp_path)
@@ -163,7 +162,7 @@ def test_tiny_llama_reaches_its_target_with_a_compliant_log(llm_tiny, tmp_path):
     assert keys["run_stop"]["metadata"]["status"] == "success"
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_tiny, tmp_path):
     common = ["run", "llama31_8b", f"data.dir={llm_tiny}", "progress=false", "log_every_steps=1", "telemetry_hz=0",
               "schedule.max_samples=256", "eval.every_samples=128", "eval_samples=64"]  # fmt: skip
@@ -240,7 +239,7 @@ def _two_d_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_fsdp_times_tensor_parallel_on_four_ranks_gives_the_loss_of_one(tmp_path):
     import socket
 

@@ -119,7 +119,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_two_fsdp_ranks_read_only_their_slices_and_give_transformers_logits(checkpoints, tmp_path):
     root, hf = checkpoints
     out = tmp_path / "fsdp.json"

@@ -41,7 +41,6 @@ def lora_converged(lora_data, tmp_path_factory) -> Path:
 # -- the tiny preset, the log and the MLPerf rules -------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_tiny_lora_reaches_the_mlperf_target_and_passes_the_checker(lora_converged):
     log = lora_converged / "result_0.txt"
     result = check_compliance(log, "5.1.0")
@@ -109,7 +108,7 @@ def no_dropout_one_rank(lora_data, tmp_path_factory) -> Path:
     return only_run_dir(out)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_two_fsdp_ranks_train_the_losses_of_one_and_log_the_config(lora_data, no_dropout_one_rank, tmp_path):
     assert run_cli("run", "llama2_70b_lora", "--nproc", "2", f"data.dir={lora_data}", f"output.results_dir={tmp_path}",
                    *SHORT, "model.lora_dropout=0") == 1  # fmt: skip
@@ -124,7 +123,7 @@ def test_two_fsdp_ranks_train_the_losses_of_one_and_log_the_config(lora_data, no
     assert found["gradient_accumulation_steps"] == 1  # micro-batch fitted to each rank's 4 rows
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_kill_9_then_resume_gives_the_losses_of_an_uninterrupted_run(lora_data, short_one_rank, tmp_path):
     run_dir = tmp_path / "killed"
     command = [sys.executable, "-m", "trainbench", "run", "llama2_70b_lora", f"data.dir={lora_data}", *SHORT,
@@ -418,7 +417,7 @@ def test_the_eval_loss_is_the_mean_over_sequences_of_each_ones_mean(lora_data):
     assert BENCH.eval_metric(sums) == pytest.approx((right + wrong) / 2) and math.isclose(float(sums[1]), 2)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_fp8_base_on_one_and_two_ranks_tracks_the_full_precision_run(lora_data, no_dropout_one_rank, tmp_path):
     """The FP8 layout (whole base on every rank, DDP over the adapters) on the CPU, where the product is taken with
     the dequantised weights: two ranks agree with one to FP8's rounding (a sum in another order can flip an e4m3

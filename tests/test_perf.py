@@ -65,7 +65,7 @@ def test_length_bins_keep_each_global_batch_and_balance_the_ranks(varied_data):
     assert cut > 0, "no micro-batch was shorter than 128: the bins were never used"
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_length_bins_give_the_losses_of_the_plain_split(varied_data, tmp_path):
     common = ["run", "bert", "--preset", "tiny", f"data.dir={varied_data}", "log_every_steps=1", "micro_batch_size=16"]
     run_cli(*common, *QUICK, f"output.results_dir={tmp_path / 'plain'}")
@@ -79,7 +79,7 @@ def _losses(results):
     return [r["loss"] for r in read_metrics(only_run_dir(results)) if "loss" in r]
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_bucket_clipping_is_global_clipping_when_nothing_is_clipped(small_data, tmp_path):
     """Below the threshold both clip nothing: the same updates. A threshold that bites makes them differ."""
     common = ["run", "bert", "--preset", "tiny", f"data.dir={small_data}", "log_every_steps=1", "--nproc", "2"]
@@ -120,7 +120,7 @@ def test_cuda_graphs_need_compile(small_data, capsys):
     )
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @needs_compiler
 def test_every_switch_on_converges_like_every_switch_off(tiny_data, converged, tmp_path):
     """The tiny preset to its target on 2 ranks: compiled model, fused LAMB, 4 length bins, bucket-wise
@@ -142,6 +142,7 @@ def test_every_switch_on_converges_like_every_switch_off(tiny_data, converged, t
     assert np.isfinite([a for _, a in evals["on"]]).all()
 
 
+@pytest.mark.full
 def test_scheduled_garbage_collection_gives_the_same_losses_and_restores_automatic_collection(
     small_data, tmp_path, monkeypatch
 ):
@@ -161,6 +162,7 @@ def test_scheduled_garbage_collection_gives_the_same_losses_and_restores_automat
     assert _losses(tmp_path / "auto") == _losses(tmp_path / "scheduled")
 
 
+@pytest.mark.full
 @needs_compiler
 def test_one_compiled_graph_under_ddp_gives_the_losses_of_the_graph_split_at_buckets(small_data, tmp_path):
     """With buckets small enough to split the tiny model's compiled graph, overlap_compiled=true (split, each bucket

@@ -56,6 +56,7 @@ def kill_after_checkpoint(command: list[str], run_dir: Path, step: int) -> int:
     return json.loads(meta.read_text())["step"]
 
 
+@pytest.mark.full
 def test_sigkilled_run_resumes_with_the_losses_of_an_uninterrupted_run(small_data, tmp_path):
     reference = tmp_path / "reference"
     assert run_cli("run", "bert", f"data.dir={small_data}", f"output.results_dir={reference}", *RUN) == 1
@@ -85,6 +86,7 @@ def test_sigkilled_run_resumes_with_the_losses_of_an_uninterrupted_run(small_dat
     assert len(complaints) == 1 and "eval_accuracy" in complaints[0], result.output[-2000:]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT], ids=["SIGUSR1", "SIGINT"])
 def test_a_stop_signal_checkpoints_and_stops_then_resume_finishes(small_data, tmp_path, sig):
     """Slurm's SIGUSR1 and a Ctrl-C (SIGINT) alike: checkpoint, stop with the run unfinished and saying why."""
@@ -138,6 +140,7 @@ SHORT = ["progress=false", "log_every_steps=1", "checkpoint_every_steps=4", "sch
          "eval.every_samples=640", "eval_samples=256", "telemetry_hz=0"]  # fmt: skip
 
 
+@pytest.mark.full
 def test_an_error_mid_run_leaves_it_unfinished_naming_the_cause_and_resume_continues(
     small_data, tmp_path, monkeypatch, capsys
 ):
@@ -166,6 +169,7 @@ def test_an_error_mid_run_leaves_it_unfinished_naming_the_cause_and_resume_conti
     _resumed_once(small_data, run_dir)
 
 
+@pytest.mark.full
 def test_a_kill_between_run_stop_and_the_final_name_leaves_the_run_unfinished(small_data, tmp_path, monkeypatch):
     """The finish is atomic: killed as the finished log is renamed, the run stays unfinished (no run_stop in the
     log it keeps), and resume ends it with exactly one run_stop."""
@@ -186,6 +190,7 @@ def test_a_kill_between_run_stop_and_the_final_name_leaves_the_run_unfinished(sm
     _resumed_once(small_data, run_dir)
 
 
+@pytest.mark.full
 def test_a_rank_killed_mid_run_ends_the_job_unfinished_and_resume_continues(small_data, tmp_path):
     """kill -9 of rank 1 of 2: rank 0 stops within seconds (its collective fails), the run is left unfinished with
     the cause, and resuming on 2 ranks ends it."""

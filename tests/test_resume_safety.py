@@ -209,6 +209,7 @@ def test_two_processes_on_one_run_folder_the_second_says_who_holds_it(stopped, t
 # -- the MLPerf eval cadence across a stop ------------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_a_stop_at_an_eval_step_keeps_every_eval_where_an_uninterrupted_run_has_it(stopped, small_data, tmp_path):
     code, printed = cli("run", "bert", f"data.dir={small_data}", f"output.run_dir={tmp_path / 'whole'}", *BERT)
     assert code == 1, printed
@@ -225,6 +226,7 @@ def test_a_stop_at_an_eval_step_keeps_every_eval_where_an_uninterrupted_run_has_
 # -- a full disk at a checkpoint ----------------------------------------------------------------------------------
 
 
+@pytest.mark.full
 def test_a_full_disk_at_a_checkpoint_is_one_sentence_and_the_run_stays_resumable(small_data, tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -19,7 +19,6 @@ def log_events(path):
     return [json.loads(line.split(":::MLLOG", 1)[1]) for line in path.read_text().splitlines() if ":::MLLOG" in line]
 
 
-@pytest.mark.slow
 def test_tiny_preset_reaches_target_with_a_compliant_log(converged):
     run_dir = converged  # `run bert --preset tiny` to its target (the session's shared run)
     out = (run_dir.parent / "stdout.txt").read_text()
@@ -60,7 +59,7 @@ def _losses(results):
     return [r["loss"] for r in rows if "loss" in r]
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_two_ranks_give_the_loss_curve_of_one_rank(small_data, tmp_path):
     common = [
         "run",
@@ -85,6 +84,7 @@ def test_two_ranks_give_the_loss_curve_of_one_rank(small_data, tmp_path):
     assert events["global_batch_size"]["value"] == 64 and events["run_stop"]["metadata"]["status"] == "aborted"
 
 
+@pytest.mark.full
 def test_nexp_runs_k_seeds_into_one_folder(small_data, tmp_path):
     code = run_cli(
         "run",

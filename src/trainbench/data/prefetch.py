@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -18,23 +19,27 @@ def prefetch(iterable: Iterable, depth: int) -> Iterator:
     stop = threading.Event()
     done = object()
 
+    def offer(item) -> bool:
+        """Put ``item`` unless the consumer has stopped; never blocks past a stop."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def work():
         try:
             for item in iterable:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not offer(item):
                     return
         except BaseException as exc:  # handed to the consumer, raised there
-            q.put(exc)
+            offer(exc)
             return
-        q.put(done)
+        offer(done)
 
-    thread = threading.Thread(target=work, daemon=True)
+    thread = threading.Thread(target=work, name="prefetch", daemon=True)
     thread.start()
     try:
         while True:
@@ -45,7 +50,14 @@ def prefetch(iterable: Iterable, depth: int) -> Iterator:
                 raise item
             yield item
     finally:
+        # The producer is joined, not left to run: a daemon thread still inside torch's C++ code when the
+        # interpreter exits is ended by a forced unwind that aborts the process ("terminate called without an
+        # active exception"), which turned ranks that had logged run_stop into failed runs.
         stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:  # make room, so that a put in progress returns
+                q.get_nowait()
+        thread.join()
 
 
 def pinned(steps: Iterable[list[dict]], device: torch.device) -> Iterator[list[dict]]:

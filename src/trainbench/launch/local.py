@@ -358,6 +358,15 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
     if files.preempted_marker.exists():
         files.preempted_marker.unlink()
         raise Preempted(f"run {index}: stopped by a signal; checkpoint saved in {run_dir}")
+    if code != 0 and files.finished:
+        # Every rank logged past run_stop (it is written after the last collective), so the result is whole; a
+        # rank that crashed on its way out (a library's thread at interpreter exit) does not undo it.
+        RunConsole(run_dir / CONSOLE).say(
+            f"run {index}: torchrun exited with code {code} after the run had ended (its log holds run_stop): a "
+            "rank crashed on its way out; the result stands",
+            style="yellow",
+        )
+        return
     if code != 0:
         outcome = read_json(files.outcome) or None
         why = f": {outcome['reason']}" if outcome and outcome.get("status") == "interrupted" else ""

@@ -31,7 +31,7 @@ from trainbench.config import RunConfig, has_control_character, save_config
 from trainbench.errors import UserError
 from trainbench.launch.local import absolute_paths, new_run_dir, path_values
 from trainbench.launch.systems import System, load_system, save_system
-from trainbench.runfiles import CONFIG, FolderLock
+from trainbench.runfiles import CONFIG, FolderLock, RunFiles
 
 q = shlex.quote
 SCRIPT = "submit.sbatch"
@@ -159,7 +159,7 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         "  exit 0",
         "fi",
         box.finish + ' -m trainbench.launch.slurm finish "$RUN_DIR" "$INDEX" "$rc"',
-        'exit "$rc"',
+        "exit $?  # the run's exit code, or 0 where its log holds run_stop",
     ]
     script = "\n".join(lines) + "\n"
     # The last guard: every value above is quoted, but no quoting keeps a line break from ending a line.
@@ -258,7 +258,8 @@ def _run(cmd: list[str]) -> str:
             "(use --dry-run to only write the script)"
         ) from None
     if proc.returncode != 0:
-        raise UserError(f"`{' '.join(cmd)}` failed: {(proc.stderr or proc.stdout).strip()[:300]}")
+        said = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip())
+        raise UserError(f"`{' '.join(cmd)}` failed: {said[:300]}")  # one line, however many the tool printed
     return proc.stdout
 
 
@@ -496,25 +497,27 @@ def _resubmit(run_dir: Path, path: Path, time_limit: str | None) -> tuple[list[i
     return left, job_id
 
 
-def finish(run_dir: Path, index: int, rc: int) -> None:
-    """After a run's srun: its compliance check, the folder's summary, and the job state."""
+def finish(run_dir: Path, index: int, rc: int) -> int:
+    """After a run's srun: its compliance check, the folder's summary, and the job state; returns the job's exit
+    code."""
     from trainbench.launch.local import _collect, load_run_config, write_summary
 
     bench, cfg = load_run_config(run_dir / CONFIG)
     nexp = json.loads((run_dir / "job.json").read_text()).get("nexp", 1) if (run_dir / "job.json").exists() else 1
     records = [_collect(bench, run_dir, i, cfg) for i in range(nexp)]
     write_summary(bench, cfg, run_dir, records)
-    state = "COMPLETED" if rc == 0 else "FAILED"
+    # A log that holds run_stop is a whole result, even if a rank crashed on its way out after it.
+    state = "COMPLETED" if rc == 0 or RunFiles(run_dir, index).finished else "FAILED"
     (run_dir / f"slurm_{index}.json").write_text(
         json.dumps({"index": index, "state": state, "exit_code": rc, "job_id": os.environ.get("SLURM_JOB_ID")}) + "\n"
     )
+    return 0 if state == "COMPLETED" else rc
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 4 and argv[0] == "finish":
-        finish(Path(argv[1]), int(argv[2]), int(argv[3]))
-        return 0
+        return finish(Path(argv[1]), int(argv[2]), int(argv[3]))
     print("usage: python -m trainbench.launch.slurm finish RUN_DIR INDEX EXIT_CODE", file=sys.stderr)
     return 2
 

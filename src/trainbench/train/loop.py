@@ -163,33 +163,45 @@ class TrainLoop:
             if self._eval_point(gc_policy):
                 return
         steps = pinned(run.data.train, info.device) if info.device.type == "cuda" else run.data.train
-        for step_batches in prefetch(steps, self.cfg.data.prefetch):
-            if profiler is not None:
-                profiler.before_step(s.step)
-            lr = self.bench.lr_at(self.cfg, s.step)
-            train_step(self.bench, run.placed, run.optimizer, step_batches, lr, info, self.autocast, self.totals)
-            s.step += 1
-            if profiler is not None:
-                profiler.after_step(s.step)
-            s.samples += step_batches.samples
-            log_point = s.step % self.cfg.output.log_every_steps == 0 or s.samples >= s.next_eval
-            if log_point:
-                self._log_point(lr)
-            if s.samples >= s.next_eval or s.samples >= run.max_samples:
-                if self._eval_point(gc_policy):
+        batches = prefetch(steps, self.cfg.data.prefetch)
+        try:
+            for step_batches in batches:
+                if self._step(step_batches, profiler, gc_policy):
                     break
-            every = self.cfg.output.checkpoint_every_steps
-            saved = bool(every) and s.step % every == 0
-            if saved:
+        finally:
+            batches.close()  # ends and joins its thread before the run is finished and the process exits
+
+    def _step(self, step_batches, profiler, gc_policy: GcPolicy) -> bool:
+        """One training step and the duties due after it (log point, eval, checkpoint, stop signal); True when
+        the run is over."""
+        s, run, info = self.state, self.run_, self.info
+        if profiler is not None:
+            profiler.before_step(s.step)
+        lr = self.bench.lr_at(self.cfg, s.step)
+        train_step(self.bench, run.placed, run.optimizer, step_batches, lr, info, self.autocast, self.totals)
+        s.step += 1
+        if profiler is not None:
+            profiler.after_step(s.step)
+        s.samples += step_batches.samples
+        log_point = s.step % self.cfg.output.log_every_steps == 0 or s.samples >= s.next_eval
+        if log_point:
+            self._log_point(lr)
+        if s.samples >= s.next_eval or s.samples >= run.max_samples:
+            if self._eval_point(gc_policy):
+                return True
+        every = self.cfg.output.checkpoint_every_steps
+        saved = bool(every) and s.step % every == 0
+        if saved:
+            self._save_checkpoint()
+        # A stop signal on any rank checkpoints here, after the eval due at this step (if one was): a resumed
+        # run's evals fall at the same samples as an uninterrupted run's.
+        if log_point and self.stop.any(self.info):
+            if not saved:
                 self._save_checkpoint()
-            # A stop signal on any rank checkpoints here, after the eval due at this step (if one was): a resumed
-            # run's evals fall at the same samples as an uninterrupted run's.
-            if log_point and self.stop.any(self.info):
-                if not saved:
-                    self._save_checkpoint()
-                raise Preempted(f"run {self.files.index}: stopped by a signal at step {s.step:,}; checkpoint saved in "
-                                f"{self.files.run_dir}")  # fmt: skip
-            gc_policy.after_step(s.step)
+            raise Preempted(f"run {self.files.index}: stopped by a signal at step {s.step:,}; checkpoint saved in "
+                            f"{self.files.run_dir}")  # fmt: skip
+        gc_policy.after_step(s.step)
+        return False
 
     def _log_point(self, lr: float) -> None:
         """Loss and rate since the last log point into metrics.jsonl."""
