@@ -100,6 +100,26 @@ def tiny_data(tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "bert-tiny", build)
 
 
+def _prepared(tmp_path_factory, benchmark: str) -> Path:
+    def build(out: Path) -> None:
+        assert cli_main(["prepare", benchmark, "--synthetic", "--preset", "tiny", "--out", str(out)]) == 0
+
+    return built_once(tmp_path_factory, f"{benchmark}-tiny", build)
+
+
+@pytest.fixture(scope="session")
+def lora_data(tmp_path_factory) -> Path:
+    """``prepare llama2_70b_lora --synthetic --preset tiny``: rows and a tiny base model. Read only: a test that
+    changes it works on a copy."""
+    return _prepared(tmp_path_factory, "llama2_70b_lora")
+
+
+@pytest.fixture(scope="session")
+def llm_data(tmp_path_factory) -> Path:
+    """``prepare llama31_8b --synthetic --preset tiny`` (gpt3's tiny preset reads the same data). Read only."""
+    return _prepared(tmp_path_factory, "llama31_8b")
+
+
 @contextlib.contextmanager
 def lock_held_elsewhere(folder: Path, what: str):
     """Another process holding ``folder``'s lock (runfiles.FolderLock) while the block runs; yields its pid."""
@@ -183,8 +203,10 @@ def slurm_cluster():
         if why:
             pytest.skip(why)
         start = LOCAL_SLURM / "start-local-slurm.sh"
-        proc = subprocess.run(["bash", str(start)], env=dict(os.environ, SLURM_NODES="2"), capture_output=True,
-                              text=True, timeout=600)  # fmt: skip
+        # Every core for the nodes: the script counts them with nproc, which would count this worker's OMP_NUM_THREADS.
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        env |= {"SLURM_NODES": "2", "SLURM_CPUS": str(len(os.sched_getaffinity(0)))}
+        proc = subprocess.run(["bash", str(start)], env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{start} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
         started = True
     try:
@@ -209,22 +231,26 @@ def needs_two_nodes(test):
     return test
 
 
-def _limit(which: int) -> str:
-    """This process's soft:hard limit as podman's ulimit option writes it (-1: unlimited)."""
-    return ":".join(str(-1 if v == resource.RLIM_INFINITY else v) for v in resource.getrlimit(which))
+def _limit(which: int, at_most: int | None = None) -> str:
+    """This process's soft:hard limit as podman's ulimit option writes it (-1: unlimited), ``at_most`` where given."""
+    values = [v if at_most is None or (v != resource.RLIM_INFINITY and v <= at_most) else at_most
+              for v in resource.getrlimit(which)]  # fmt: skip
+    return ":".join(str(-1 if v == resource.RLIM_INFINITY else v) for v in values)
 
 
 @pytest.fixture(scope="session")
 def podman_limits(tmp_path_factory):
     """podman's configuration for this machine, where the caller set none (CONTAINERS_CONF): its default ulimits
     (nofile 1048576) are more than a container of this machine may take ("error setting rlimit type 7"), so each
-    container gets this process's own limits; runc where it is installed (crun fails on cgroups v1 without
-    systemd), and cgroupfs where systemd does not run the machine. The variable reaches podman, image.sh and the
-    Slurm jobs started from this session."""
+    container gets this process's own limits, its process limit no more than the kernel's pid_max; runc where it is
+    installed (crun fails on cgroups v1 without systemd), and cgroupfs where systemd does not run the machine. The
+    variable reaches podman, image.sh and the Slurm jobs started from this session."""
     if os.environ.get("CONTAINERS_CONF"):
         yield os.environ["CONTAINERS_CONF"]
         return
-    ulimits = f'"nofile={_limit(resource.RLIMIT_NOFILE)}", "nproc={_limit(resource.RLIMIT_NPROC)}"'
+    # A process limit above the kernel's pid_max was refused too (seen: 32,769 refused, 32,768 taken, pid_max 32,768).
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text()) if Path("/proc/sys/kernel/pid_max").exists() else None
+    ulimits = f'"nofile={_limit(resource.RLIMIT_NOFILE)}", "nproc={_limit(resource.RLIMIT_NPROC, pid_max)}"'
     lines = ["[containers]", f"default_ulimits = [{ulimits}]", "[engine]"]
     if shutil.which("runc"):
         lines.append('runtime = "runc"')

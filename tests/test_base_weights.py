@@ -85,9 +85,8 @@ def test_an_integer_base_tensor_is_refused_not_cast(tmp_path):
     assert "stored as I32, not as floating point" in load_error(folder)
 
 
-def test_the_console_names_a_float16_base_and_its_conversion(tmp_path, capsys):
-    data = tmp_path / "data"
-    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", data) == 0
+def test_the_console_names_a_float16_base_and_its_conversion(lora_data, tmp_path, capsys):
+    data = Path(shutil.copytree(lora_data, tmp_path / "data"))  # changed below: a copy of the shared set
     from safetensors.torch import load_file, save_file
 
     for shard in (data / "base").glob("*.safetensors"):
@@ -166,9 +165,8 @@ def test_generated_damaged_shards_and_indexes_are_one_sentence(base, header, len
 
 
 @pytest.mark.parametrize("damage", ["header length past the file", "header not JSON", "data cut short"])
-def test_a_damaged_base_stops_the_run_in_one_sentence_before_any_folder(tmp_path, damage):
-    data = tmp_path / "data"
-    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", data) == 0
+def test_a_damaged_base_stops_the_run_in_one_sentence_before_any_folder(lora_data, tmp_path, damage):
+    data = Path(shutil.copytree(lora_data, tmp_path / "data"))  # changed below: a copy of the shared set
     shard = sorted((data / "base").glob("*.safetensors"))[0]
     raw = shard.read_bytes()
     if damage == "header length past the file":

@@ -133,19 +133,12 @@ def test_prepare_c4_errors_are_one_line(c4_dir, tmp_path, capsys):
     assert "--source needs --tokenizer" in capsys.readouterr().out
 
 
-@pytest.fixture(scope="module")
-def llm_tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("llm-tiny")
-    assert run_cli("prepare", "llama31_8b", "--synthetic", "--preset", "tiny", "--out", out) == 0
-    return out
-
-
 # The closed llama31_8b rules fix the full benchmark's shape; a tiny run logs its own values for these.
 FULL_SIZE_CHECKS = {"eval_samples", "max_sequence_length", "opt_learning_rate_decay_steps", "max_steps"}
 
 
-def test_tiny_llama_reaches_its_target_with_a_compliant_log(llm_tiny, tmp_path):
-    assert run_cli("run", "llama31_8b", f"data.dir={llm_tiny}", f"output.results_dir={tmp_path}", "progress=false") == 0
+def test_tiny_llama_reaches_its_target_with_a_compliant_log(llm_data, tmp_path):
+    assert run_cli("run", "llama31_8b", f"data.dir={llm_data}", f"output.results_dir={tmp_path}", "progress=false") == 0
     run_dir = only_run_dir(tmp_path)
     evals = [r["log_perplexity"] for r in read_metrics(run_dir) if "log_perplexity" in r]
     assert evals[-1] <= 1.6 and evals[-1] > 1.2  # above the synthetic language's floor (1.264)
@@ -163,8 +156,8 @@ def test_tiny_llama_reaches_its_target_with_a_compliant_log(llm_tiny, tmp_path):
 
 
 @pytest.mark.full
-def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_tiny, tmp_path):
-    common = ["run", "llama31_8b", f"data.dir={llm_tiny}", "progress=false", "log_every_steps=1", "telemetry_hz=0",
+def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_path):
+    common = ["run", "llama31_8b", f"data.dir={llm_data}", "progress=false", "log_every_steps=1", "telemetry_hz=0",
               "schedule.max_samples=256", "eval.every_samples=128", "eval_samples=64"]  # fmt: skip
     runs = {
         "one": ["--nproc", "1"],

@@ -23,13 +23,6 @@ BENCH = get_benchmark("llama2_70b_lora")
 
 
 @pytest.fixture(scope="module")
-def lora_data(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("lora-tiny")
-    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", out) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
 def lora_converged(lora_data, tmp_path_factory) -> Path:
     """The tiny preset to its target: one run serves every assertion on a finished run."""
     out = tmp_path_factory.mktemp("lora-run")

@@ -287,13 +287,6 @@ def test_values_are_refused_before_any_folder_exists(bench, override, says, tmp_
 LORA = ["progress=false", "telemetry_hz=0", "log_every_steps=1", "eval.every_samples=32", "schedule.max_samples=128"]
 
 
-@pytest.fixture(scope="module")
-def lora_tiny(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("lora-tiny")
-    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", out) == 0
-    return out
-
-
 def stopped_lora_run(data: Path, run_dir: Path, *extra: str) -> Path:
     with stop_at(2):
         assert run_cli("run", "llama2_70b_lora", f"data.dir={data}", f"output.run_dir={run_dir}", *LORA, *extra) == 3
@@ -304,8 +297,8 @@ def resume_lora(run_dir: Path) -> tuple[int, str]:
     return cli("run", "llama2_70b_lora", f"output.run_dir={run_dir}", "resume=true")
 
 
-def test_a_lora_run_resumed_on_another_base_is_refused(lora_tiny, tmp_path):
-    data = Path(shutil.copytree(lora_tiny, tmp_path / "data"))
+def test_a_lora_run_resumed_on_another_base_is_refused(lora_data, tmp_path):
+    data = Path(shutil.copytree(lora_data, tmp_path / "data"))
     run_dir = stopped_lora_run(data, tmp_path / "run")
     other = tmp_path / "other"
     assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--seed", "99", "--out", other) == 0
@@ -315,8 +308,8 @@ def test_a_lora_run_resumed_on_another_base_is_refused(lora_tiny, tmp_path):
     assert code == 2 and "base weights changed" in printed and len(error_lines(printed)) == 1, printed
 
 
-def test_a_lora_run_resumed_on_a_data_set_prepared_again_is_refused(lora_tiny, tmp_path):
-    data = Path(shutil.copytree(lora_tiny, tmp_path / "data"))
+def test_a_lora_run_resumed_on_a_data_set_prepared_again_is_refused(lora_data, tmp_path):
+    data = Path(shutil.copytree(lora_data, tmp_path / "data"))
     run_dir = stopped_lora_run(data, tmp_path / "run")
     assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--seed", "5", "--train-samples",
                    "3000", "--force", "--out", data) == 0  # fmt: skip
@@ -324,8 +317,8 @@ def test_a_lora_run_resumed_on_a_data_set_prepared_again_is_refused(lora_tiny, t
     assert code == 2 and "data set changed" in printed and len(error_lines(printed)) == 1, printed
 
 
-def test_a_relative_base_path_is_saved_absolute(lora_tiny, tmp_path, monkeypatch):
-    data = Path(shutil.copytree(lora_tiny, tmp_path / "data"))
+def test_a_relative_base_path_is_saved_absolute(lora_data, tmp_path, monkeypatch):
+    data = Path(shutil.copytree(lora_data, tmp_path / "data"))
     monkeypatch.chdir(tmp_path)
     run_dir = stopped_lora_run(data, tmp_path / "run", "model.base_weights=data/base")
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())

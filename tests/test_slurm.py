@@ -324,10 +324,9 @@ def test_tiny_bert_on_2_x_2_trains_the_losses_of_one_process_and_logs_the_true_s
 
 
 @needs_two_nodes
-def test_tiny_llama_on_two_nodes_trains_the_losses_of_one_process(tmp_path):
+def test_tiny_llama_on_two_nodes_trains_the_losses_of_one_process(llm_data, tmp_path):
     """2 nodes x 1 rank and 2 nodes x 2 ranks (FSDP over 2 and 4 ranks), each against one process at GBS 32."""
-    data = tmp_path / "data"
-    assert run_cli("prepare", "llama31_8b", "--synthetic", "--preset", "tiny", "--out", data) == 0
+    data = llm_data
     short = [f"data.dir={data}", "log_every_steps=1", "schedule.max_samples=320", "eval.every_samples=320",
              "eval_samples=64", "telemetry_hz=0"]  # fmt: skip
     assert run_cli("run", "llama31_8b", *short, f"output.results_dir={tmp_path / 'one'}", "progress=false") == 1
@@ -346,9 +345,8 @@ def test_tiny_llama_on_two_nodes_trains_the_losses_of_one_process(tmp_path):
 
 
 @needs_two_nodes
-def test_tiny_lora_on_two_nodes_reaches_the_mlperf_target(tmp_path, capsys):
-    data = tmp_path / "data"
-    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", data) == 0
+def test_tiny_lora_on_two_nodes_reaches_the_mlperf_target(lora_data, tmp_path, capsys):
+    data = lora_data
     code = run_cli("submit", "llama2_70b_lora", "--preset", "tiny", "--system", "local_cpu_2x1", f"data.dir={data}",
                    f"output.results_dir={tmp_path / 'results'}")  # fmt: skip
     assert code == 0 and "submitted job" in capsys.readouterr().out

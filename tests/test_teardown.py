@@ -133,14 +133,13 @@ def test_the_slurm_job_of_a_run_whose_log_holds_run_stop_completes_whatever_a_ra
 
 
 @pytest.mark.full
-def test_two_rank_lora_runs_end_cleanly_with_the_cpu_loaded(tmp_path):
+def test_two_rank_lora_runs_end_cleanly_with_the_cpu_loaded(lora_data, tmp_path):
     """The case that lost its result under load: a 2-rank FSDP LoRA run on the CPU ends at its last eval while its
     prefetcher is mid-batch. Repeated with two busy processes competing for the cores."""
-    data = tmp_path / "lora"
-    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", data) == 0
+    data = lora_data
     load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        for attempt in range(4):
+        for attempt in range(3):
             out = tmp_path / f"r{attempt}"
             proc = subprocess.run(
                 [sys.executable, "-m", "trainbench", "run", "llama2_70b_lora", "--nproc", "2", f"data.dir={data}",
