@@ -54,6 +54,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != CLUSTER_GROUP)
 
 
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under --dist loadgroup every test's id ends in its group (each has one: its module's, or the cluster's);
+    where one does not, the groups were lost (a pytest that pytest-xdist does not support) and the cluster's tests
+    would run on several workers at once: stop before any test runs."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    lost = [i for i in ids if "@" not in i.rsplit("::", 1)[-1]]
+    if lost:
+        pytest.exit(
+            f"--dist loadgroup did not group {len(lost)} test(s) (e.g. {lost[0]}): this pytest and "
+            "pytest-xdist do not work together; install the versions pyproject.toml pins",
+            returncode=4,
+        )
+
+
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
     """``build(folder)`` once for the whole test session, parallel workers included: the first worker to ask builds
     while the others wait for it, then all read the same folder. Built on failure again by the next that asks."""
