@@ -337,7 +337,7 @@ def test_an_mlperf_name_the_ruleset_does_not_know_is_refused_before_training(tmp
         out = capsys.readouterr().out
         assert (
             code == 2
-            and "logs submission_benchmark 'gpt2_tiny_lm', which mlperf-logging's ruleset 5.1.0 does not know" in out
+            and "logs submission_benchmark 'gpt2_tiny_lm', which mlperf-logging's ruleset 6.1.0 does not know" in out
             and "mlperf = False" in out
         ), out
         assert not (tmp_path / "r").exists()

@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import only_run_dir, read_metrics, run_cli
 from trainbench.data.indexed import IndexedDataset, IndexedWriter, PackedSamples
 from trainbench.errors import DataError
-from trainbench.mlperf import check_compliance
+from trainbench.mlperf import DISCLOSURE_KEYS, check_compliance, read_log
 
 
 def write_docs(prefix, docs, dtype=np.uint16):
@@ -143,16 +143,24 @@ def test_tiny_llama_reaches_its_target_with_a_compliant_log(llm_data, tmp_path):
     evals = [r["log_perplexity"] for r in read_metrics(run_dir) if "log_perplexity" in r]
     assert evals[-1] <= 1.6 and evals[-1] > 1.2  # above the synthetic language's floor (1.264)
     # mlperf-logging's checker, closed rules: only the checks of the full-size shape fail, and they are waived.
-    result = check_compliance(run_dir / "result_0.txt", "5.1.0")
-    assert not result.passed and result.failed_checks() == FULL_SIZE_CHECKS, result.output[-3000:]
-    assert not result.other_errors()
-    waived = check_compliance(run_dir / "result_0.txt", "5.1.0", waived=frozenset(FULL_SIZE_CHECKS))
-    assert waived.ok and "except the full-size checks" in waived.reason()
+    # Under the run's ruleset (6.1.0: every key it requires, none missing) and the older 5.1.0 alike.
+    for ruleset in ("6.1.0", "5.1.0"):
+        result = check_compliance(run_dir / "result_0.txt", ruleset)
+        assert not result.passed and result.failed_checks() == FULL_SIZE_CHECKS, result.output[-3000:]
+        assert not result.other_errors(), result.other_errors()
+        waived = check_compliance(run_dir / "result_0.txt", ruleset, waived=frozenset(FULL_SIZE_CHECKS))
+        assert waived.ok and "except the full-size checks" in waived.reason()
+    assert json.loads((run_dir / "summary.json").read_text())["ruleset"] == "6.1.0"
     events = [json.loads(line.split(":::MLLOG ")[1]) for line in (run_dir / "result_0.txt").read_text().splitlines()]
     keys = {e["key"]: e for e in events}
     assert keys["submission_benchmark"]["value"] == "llama31_8b" and keys["opt_name"]["value"] == "adamw"
     assert keys["eval_accuracy"]["metadata"]["samples_count"] > 0
     assert keys["run_stop"]["metadata"]["status"] == "success"
+    disclosed = {k: keys[k]["value"] for k in DISCLOSURE_KEYS}
+    assert disclosed == {"lowest_numerical_precision_in_linear": "fp32", "lowest_numerical_precision_in_attn": "fp32",
+                         "lowest_numerical_precision_in_comm": "fp32", "tensor_parallelism": 1,
+                         "pipeline_parallelism": 1, "context_parallelism": 1, "expert_parallelism": 1,
+                         "micro_batch_size": 32, "config_filename": "tiny"}  # fmt: skip
 
 
 @pytest.mark.full
@@ -174,6 +182,12 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_p
         evals[name] = [r["log_perplexity"] for r in rows if "log_perplexity" in r]
     console = (only_run_dir(tmp_path / "fsdp_recompute") / "console.log").read_text()
     assert "activation checkpointing on the last 1 of 2 blocks" in console
+    # The log says how each run was laid out (ruleset 6.1.0's keys), as it was placed.
+    layout = {name: {e["key"]: e["value"] for e in read_log(only_run_dir(tmp_path / name) / "result_0.txt")}
+              for name in runs}  # fmt: skip
+    assert [(layout[n]["tensor_parallelism"], layout[n]["micro_batch_size"]) for n in ("one", "fsdp", "tp")] == [
+        (1, 32), (1, 16), (2, 32)]  # fmt: skip
+    assert {layout[n]["lowest_numerical_precision_in_comm"] for n in runs} == {"fp32"}  # fp32 FSDP on the CPU
     assert len(losses["one"]) == 8 and losses["one"][-1] < losses["one"][0]
     for name in ("fsdp", "tp", "fsdp_recompute"):
         assert max(abs(a - b) for a, b in zip(losses["one"], losses[name], strict=True)) <= 1e-5, (name, losses)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -97,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--nproc", type=int, help="processes on this node (GPUs or CPU ranks); >1 uses torchrun")
     run.add_argument("--nexp", type=int, default=1, help="experiments to run, seeds seed..seed+K-1 (default 1)")
+    run.add_argument(
+        "--ruleset", help="mlperf-logging ruleset the log follows (default: the benchmark's newest; output.ruleset)"
+    )
     run.add_argument("--help-config", action="store_true", help="print every config key with its value and exit")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
@@ -127,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="K",
         help="submit K jobs of one name (--dependency=singleton), each continuing the run from the last one's "
         "checkpoint until it ends: a run longer than the partition's time limit (default 1, at most 100)",
+    )
+    subm.add_argument(
+        "--ruleset", help="mlperf-logging ruleset the log follows (default: the benchmark's newest; output.ruleset)"
     )
     subm.add_argument("--dry-run", action="store_true", help="write and print the script; do not submit")
     subm.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
@@ -163,6 +170,12 @@ def _parser() -> argparse.ArgumentParser:
     pkg.add_argument("--org", required=True, help="submitting organisation (a folder name)")
     pkg.add_argument("--system", required=True, help="system name (a folder name)")
     pkg.add_argument("--out", default="submission", help="where to write the package (default ./submission)")
+    pkg.add_argument("--ruleset", help="ruleset of the package checker (default: the one the runs followed)")
+    pkg.add_argument(
+        "--system-desc",
+        metavar="FILE.json",
+        help="the system description's fields (systems/<system>.json) to use over what the runs recorded",
+    )
 
     conv = sub.add_parser(
         "convert",
@@ -180,7 +193,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Check MLPerf logs with mlperf-logging's compliance checker.",
     )
     check.add_argument("path", help="a results folder (checks every result_*.txt) or one log file")
-    check.add_argument("--ruleset", help="compliance ruleset (default: the benchmark's)")
+    check.add_argument("--ruleset", help="compliance ruleset (default: the one the runs followed)")
     return p
 
 
@@ -191,8 +204,10 @@ def _registry() -> dict:
 
 
 def cmd_list(_args) -> int:
-    rows = [[b.name, b.mlperf_name, ", ".join(b.presets), b.description] for b in _registry().values()]
-    _print_table("trainbench benchmarks", ["benchmark", "MLPerf name", "presets", "description"], rows)
+    rows = [[b.name, b.mlperf_name, ", ".join(b.presets), ", ".join(b.rulesets), b.description]
+            for b in _registry().values()]  # fmt: skip
+    head = ["benchmark", "MLPerf name", "presets", "rulesets (default first)", "description"]
+    _print_table("trainbench benchmarks", head, rows)
     return 0
 
 
@@ -210,6 +225,8 @@ def cmd_run(args) -> int:
     overrides = parse_key_values(args.overrides)
     if args.nproc is not None:
         overrides["distributed.nproc"] = str(args.nproc)
+    if args.ruleset is not None:
+        overrides["output.ruleset"] = args.ruleset
     if args.help_config:
         _, cfg = build_config(args.benchmark, args.preset, args.config, {})
         console.print(f"config keys of {args.benchmark} --preset {args.preset}:\n{describe(cfg)}")
@@ -250,6 +267,8 @@ def cmd_submit(args) -> int:
         system.validate()
     overrides = parse_key_values(args.overrides)
     overrides.setdefault("device", system.device)
+    if args.ruleset is not None:
+        overrides["output.ruleset"] = args.ruleset
     from trainbench.benchmarks import get_benchmark
 
     preset = args.preset or get_benchmark(args.benchmark).full_preset
@@ -338,28 +357,38 @@ def cmd_report(args) -> int:
         return 0
     md, page, score = write_report(Path(args.folders[0]))
     _print_table(str(args.folders[0]), *score_table(score))
+    checked = f"; logs checked under ruleset {score.ruleset}" if score.ruleset else ""
     if score.score_min is not None:
-        console.print(f"score: {score.score_min:.3f} minutes ({score.reason})")
+        console.print(f"score: {score.score_min:.3f} minutes ({score.reason}){checked}")
     else:
-        console.print(f"no valid score: {score.reason}")
+        console.print(f"no valid score: {score.reason}{checked}")
     console.print(f"report: {page}  (and {md.name})")
     return 0
 
 
 def cmd_package(args) -> int:
     from trainbench.console import console
-    from trainbench.report.package import check_package, make_package
+    from trainbench.report.package import check_package, empty_fields, make_package
     from trainbench.report.scoring import folder_benchmark
     from trainbench.runfiles import finished_logs
 
-    root = make_package(Path(args.folder), Path(args.out), args.org, args.system)
-    _, ruleset = folder_benchmark(Path(args.folder), finished_logs(Path(args.folder)))
+    logs = finished_logs(Path(args.folder))
+    if args.ruleset is not None and logs:
+        _check_ruleset_for(logs[0], args.ruleset)
+    root = make_package(Path(args.folder), Path(args.out), args.org, args.system, args.system_desc)
+    _, ruleset = folder_benchmark(Path(args.folder), logs)
+    ruleset = args.ruleset or ruleset
     code, output = check_package(root, ruleset)
     (root / "package_checker.log").write_text(output)
     errors = [ln.removeprefix("ERROR - ").strip() for ln in output.splitlines() if ln.startswith("ERROR")]
     warnings = [ln.removeprefix("WARNING - ").strip() for ln in output.splitlines() if ln.startswith("WARNING")]
     passed = [ln.removeprefix("INFO - ").strip() for ln in output.splitlines() if "checker passed" in ln]
     console.print(f"package: {root}")
+    desc_path = root / "systems" / f"{args.system}.json"
+    empty = empty_fields(json.loads(desc_path.read_text()))
+    if empty:
+        console.print(f"  {desc_path.name}: {len(empty)} field(s) nothing recorded, empty: {', '.join(empty)}; fill "
+                      "them in a copy and pass it as --system-desc", style="yellow", markup=False)  # fmt: skip
     for line in passed:
         console.print(f"  passed: {line}", style="green")
     for line in warnings:
@@ -396,13 +425,15 @@ def cmd_check(args) -> int:
         if config.exists():
             bench, cfg = load_run_config(config)
             waived = bench.waived_checks(cfg)
-        ruleset = args.ruleset or (bench.ruleset if config.exists() else None)
+        ruleset = args.ruleset or (bench.ruleset_of(cfg) if config.exists() else None)
     elif path.is_file():
         logs = [path]
         ruleset = args.ruleset
         waived = frozenset()
     else:
         raise UserError(f"{path} does not exist")
+    if args.ruleset is not None:
+        _check_ruleset_for(logs[0], args.ruleset)
     if ruleset is None:
         ruleset = _ruleset_from_log(logs[0])
     from trainbench.benchmarks import is_own
@@ -415,6 +446,19 @@ def cmd_check(args) -> int:
         failures += not result.ok
         console.print(f"{log}: {result.reason()} (ruleset {ruleset})", style="green" if result.ok else "red")
     return 1 if failures else 0
+
+
+def _check_ruleset_for(log: Path, ruleset: str) -> None:
+    """``--ruleset`` must be one mlperf-logging has and, for a benchmark trainbench knows, one it follows."""
+    from trainbench.benchmarks import by_mlperf_name
+    from trainbench.mlperf import installed_rulesets, read_log, submission_benchmark
+
+    bench = by_mlperf_name(submission_benchmark(read_log(log, errors="replace")) or "")
+    if bench is not None:
+        bench.check_ruleset(ruleset, "--ruleset")
+    elif ruleset not in installed_rulesets():
+        raise UserError(f"--ruleset {ruleset} is not a ruleset of the installed mlperf-logging "
+                        f"({', '.join(installed_rulesets()[-6:])}, ...)")  # fmt: skip
 
 
 def _ruleset_from_log(log: Path) -> str:

@@ -227,6 +227,14 @@ class OutputConfig:
     submission_org: str = option("trainbench", "MLPerf `submission_org`.")
     submission_platform: str = option("", "MLPerf `submission_platform` (empty: derived from the machine).")
     division: str = option("closed", "MLPerf `submission_division`.", choices=("closed", "open"))
+    ruleset: str = option(
+        "",
+        "mlperf-logging ruleset the run's log follows and is checked under (e.g. 6.1.0, 5.1.0; empty: the "
+        "benchmark's newest, as `trainbench list` shows); `--ruleset` sets it.",
+    )
+    config_filename: str = option(
+        "", "MLPerf `config_filename`: the --config files' names (set by --config; empty: the preset's name)."
+    )
     status: str = option("onprem", "MLPerf `submission_status`.", choices=("onprem", "cloud", "preview", "research"))
 
 

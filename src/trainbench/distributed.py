@@ -160,10 +160,13 @@ class Placed:
     module itself, or a DDP or compiled wrapper of it). ``no_sync()`` is entered around every micro-batch but a
     step's last, so gradients are reduced once per step. ``mark_cuda_graph_steps``: the compiled step replays CUDA
     graphs, and each micro-batch must tell it that the previous replay's outputs are used up. ``notes``: lines for
-    the run's console on what placement chose."""
+    the run's console on what placement chose. ``comm_precision``: the lowest precision its collectives carry, in
+    MLPerf's names (``bfloat16`` where FSDP gathers bf16 parameters or DDP reduces bf16 gradients), ``fp32``
+    otherwise and on one rank."""
 
     module: torch.nn.Module
     model: Callable
     no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     mark_cuda_graph_steps: bool = False
     notes: list[str] = field(default_factory=list)
+    comm_precision: str = "fp32"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import tempfile
@@ -184,6 +185,50 @@ def _checker_dir(usage: str, ruleset: str) -> Path:
     from importlib import resources
 
     return Path(str(resources.files("mlperf_logging") / "compliance_checker" / f"{usage}_{ruleset}"))
+
+
+def ruleset_version(ruleset: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in ruleset.split(".") if part.isdigit())
+
+
+def installed_rulesets(usage: str = "training") -> list[str]:
+    """The rulesets the installed mlperf-logging's compliance checker has for ``usage``, oldest first."""
+    from importlib import resources
+
+    root = Path(str(resources.files("mlperf_logging") / "compliance_checker"))
+    found = [p.name.removeprefix(f"{usage}_") for p in root.glob(f"{usage}_*") if p.is_dir()]
+    return sorted((r for r in found if re.fullmatch(r"\d+\.\d+\.\d+", r)), key=ruleset_version)
+
+
+# The keys of what a run ran in and how it was laid out: every log must hold each once from ruleset 6.1.0 (optional
+# in 6.0.0, unknown before); a run under an older ruleset does not write them.
+DISCLOSURE_SINCE = "6.0.0"
+DISCLOSURE_KEYS = (
+    constants.LOWEST_NUMERICAL_PRECISION_IN_LINEAR,
+    constants.LOWEST_NUMERICAL_PRECISION_IN_ATTN,
+    constants.LOWEST_NUMERICAL_PRECISION_IN_COMM,
+    constants.TENSOR_PARALLELISM,
+    constants.PIPELINE_PARALLELISM,
+    constants.CONTEXT_PARALLELISM,
+    constants.EXPERT_PARALLELISM,
+    constants.MICRO_BATCH_SIZE,
+    constants.CONFIG_FILENAME,
+)
+
+
+def logs_disclosure(ruleset: str) -> bool:
+    return ruleset_version(ruleset) >= ruleset_version(DISCLOSURE_SINCE)
+
+
+def round_benchmarks(ruleset: str, usage: str = "training") -> set[str]:
+    """The benchmarks of the MLPerf round of ``ruleset`` (mlperf-logging's benchmark_meta; a checker may still carry
+    the rules of a benchmark its round dropped, as 5.1.0 does BERT's)."""
+    from mlperf_logging.benchmark_meta import get_allowed_benchmarks
+
+    try:
+        return set(get_allowed_benchmarks(usage, ruleset))
+    except (ValueError, KeyError):
+        return known_mlperf_benchmarks(ruleset, usage)
 
 
 def known_mlperf_benchmarks(ruleset: str, usage: str = "training") -> set[str]:

@@ -51,8 +51,11 @@ class Benchmark(ABC):
     shares_mlperf_name: tuple[str, ...] = ()
     """Registered benchmarks that log the same ``mlperf_name`` on purpose (e.g. another model size of it)."""
     ruleset: str
-    """mlperf-logging's compliance ruleset version (e.g. ``5.1.0``) whose rules check the logs; several
-    benchmarks may share one."""
+    """mlperf-logging's compliance ruleset version (e.g. ``6.1.0``) whose rules a run follows and is checked under
+    unless its config picks one of ``older_rulesets``: the newest that knows the benchmark. Several benchmarks may
+    share one."""
+    older_rulesets: tuple[str, ...] = ()
+    """Older rulesets a run may follow instead (``output.ruleset``, ``--ruleset``), newest first."""
     description: str
     metric_name: str
     """Name of the quality metric in metrics.jsonl and on screen."""
@@ -69,6 +72,30 @@ class Benchmark(ABC):
     cuda_alloc_conf: str | None = None
     """``PYTORCH_CUDA_ALLOC_CONF`` for its processes where the user set none (None: torch's default)."""
 
+    @property
+    def rulesets(self) -> tuple[str, ...]:
+        """Every ruleset a run of this benchmark may follow, the default first."""
+        return (self.ruleset, *self.older_rulesets)
+
+    def ruleset_of(self, cfg: RunConfig | None) -> str:
+        """The ruleset ``cfg``'s run follows: its ``output.ruleset``, else the benchmark's default."""
+        return (cfg.output.ruleset if cfg is not None else "") or self.ruleset
+
+    def check_ruleset(self, ruleset: str, where: str = "output.ruleset") -> None:
+        """One sentence where ``ruleset`` is not one mlperf-logging has, or not one this benchmark follows."""
+        from trainbench.mlperf import installed_rulesets, round_benchmarks
+
+        if ruleset in self.rulesets:
+            return
+        have = installed_rulesets()
+        if ruleset not in have:
+            raise ConfigError(f"{where}={ruleset} is not a ruleset of the installed mlperf-logging (it has "
+                              f"{', '.join(have[-6:])}, ...); {self.name} follows "
+                              f"{', '.join(self.rulesets)}")  # fmt: skip
+        why = (f"the {ruleset} round does not list {self.mlperf_name}" if self.mlperf and self.mlperf_name not in
+               round_benchmarks(ruleset) else "its logs are written for those only")  # fmt: skip
+        raise ConfigError(f"{where}={ruleset}: {self.name} follows ruleset {', '.join(self.rulesets)} ({why})")
+
     # -- config ---------------------------------------------------------------------------------
     def config(self, preset: str) -> RunConfig:
         if preset not in self.presets:
@@ -77,7 +104,8 @@ class Benchmark(ABC):
 
     def validate(self, cfg: RunConfig) -> None:
         """Raise ConfigError for keys this benchmark ignores and for combinations the loop cannot run."""
-        self.check_mlperf_name()
+        self.check_ruleset(self.ruleset_of(cfg))
+        self.check_mlperf_name(self.ruleset_of(cfg))
         self._refuse_unused(cfg)
         if cfg.optimizer.name != self.optimizer_name:
             raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with {self.optimizer_name}")
@@ -123,18 +151,19 @@ class Benchmark(ABC):
                 f"set data.micro_batch_size={per_rank}"
             )
 
-    def check_mlperf_name(self) -> None:
-        """An MLPerf benchmark's name must be one its ruleset's checker knows: else every log it writes fails the
-        check after the training (a benchmark of one's own sets ``mlperf = False``)."""
+    def check_mlperf_name(self, ruleset: str | None = None) -> None:
+        """An MLPerf benchmark's name must be one its ruleset's checker knows (``ruleset``: the default one): else
+        every log it writes fails the check after the training (a benchmark of one's own sets ``mlperf = False``)."""
         from trainbench.mlperf import known_mlperf_benchmarks
 
         if not self.mlperf:
             return
-        known = known_mlperf_benchmarks(self.ruleset)
+        ruleset = ruleset or self.ruleset
+        known = known_mlperf_benchmarks(ruleset)
         if self.mlperf_name not in known:
             raise ConfigError(
                 f"benchmark {self.name} logs submission_benchmark '{self.mlperf_name}', which mlperf-logging's "
-                f"ruleset {self.ruleset} does not know ({', '.join(sorted(known)) or 'no benchmarks'}); a benchmark "
+                f"ruleset {ruleset} does not know ({', '.join(sorted(known)) or 'no benchmarks'}); a benchmark "
                 "of your own sets mlperf = False (docs/extending.md)"
             )
 

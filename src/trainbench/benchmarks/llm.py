@@ -335,7 +335,8 @@ class TokenSteps:
 class Llama31Benchmark(LLMBenchmark):
     name = "llama31_8b"
     mlperf_name = constants.LLAMA31_8B
-    ruleset = "5.1.0"
+    ruleset = "6.1.0"
+    older_rulesets = ("6.0.0", "5.1.0")
     description = "Llama 3.1 8B pretraining on C4 (AdamW, seq 8192), target log perplexity 3.3"
     optimizer_name = "adamw"
     eval_every = 12_288

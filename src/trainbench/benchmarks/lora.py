@@ -75,7 +75,8 @@ def tiny() -> RunConfig:
 class LoraBenchmark(LLMBenchmark):
     name = "llama2_70b_lora"
     mlperf_name = constants.LLAMA2_70B_LORA
-    ruleset = "5.1.0"
+    ruleset = "6.1.0"
+    older_rulesets = ("6.0.0", "5.1.0")
     description = "Llama-2-70B LoRA fine-tuning on GovReport (AdamW, seq 8192), target eval loss 0.925"
     metric_name = "eval_loss"
     optimizer_name = "adamw"

@@ -44,11 +44,14 @@ def build_config(
         values.pop("preset", None)
         explicit |= set(apply_overrides(cfg, values))
     explicit |= set(apply_overrides(cfg, overrides or {}))
+    if yaml_files and "output.config_filename" not in explicit:  # MLPerf's config_filename: what the run read
+        cfg.output.config_filename = ",".join(Path(f).name for f in yaml_files)
     if "data.micro_batch_size" not in explicit:
         replicas = max(1, cfg.distributed.world_size // max(1, cfg.distributed.tp))
         micro = largest_micro_batch(cfg.data.global_batch_size, replicas, cfg.data.micro_batch_size)
         cfg.data.micro_batch_size = micro or cfg.data.micro_batch_size  # None: validate says what does not split
     bench.validate(cfg)
+    cfg.output.ruleset = bench.ruleset_of(cfg)  # named in the saved config: a later default never changes the run's
     return bench, cfg
 
 
@@ -385,7 +388,8 @@ def _collect(
         stopped = outcome.get("reason") if outcome else None
         return RunRecord(index, None, None, stopped or "no run_stop in its log and no run_<i>.json saying why")
     waived = bench.waived_checks(cfg) if cfg is not None else frozenset()
-    compliance = check_compliance(files.log, bench.ruleset, waived=waived, own=not bench.mlperf) if check else None
+    ruleset = bench.ruleset_of(cfg)
+    compliance = check_compliance(files.log, ruleset, waived=waived, own=not bench.mlperf) if check else None
     return RunRecord(index, outcome, compliance)
 
 
@@ -413,7 +417,7 @@ def write_summary(bench: Benchmark, cfg: RunConfig, run_dir: Path, records: list
         "mlperf_benchmark": bench.mlperf_name,
         "is_mlperf_benchmark": bench.mlperf,
         "preset": cfg.preset,
-        "ruleset": bench.ruleset,
+        "ruleset": bench.ruleset_of(cfg),
         "waived_checks": sorted(bench.waived_checks(cfg)),
         "runs": [
             {

@@ -49,6 +49,7 @@ def parallelize_bert(model: torch.nn.Module, info: DistInfo, dist_cfg: Distribut
         no_sync=ddp.no_sync if ddp is not None else contextlib.nullcontext,
         mark_cuda_graph_steps=perf.cuda_graphs,
         notes=notes,
+        comm_precision="bfloat16" if ddp is not None and reduce.bf16 else "fp32",
     )
 
 

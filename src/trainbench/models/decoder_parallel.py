@@ -60,6 +60,12 @@ def apply_tp(model: DecoderLM, mesh: DeviceMesh) -> None:
         parallelize_module(block, mesh, plan)
 
 
+def sharded_comm_precision(world: int, bf16: bool) -> str:
+    """What :func:`apply_fsdp`'s collectives carry: bf16 parameters gathered (gradients reduced in fp32) under
+    ``bf16``; fp32 otherwise and on one rank."""
+    return "bfloat16" if world > 1 and bf16 else "fp32"
+
+
 def apply_fsdp(model: DecoderLM, mesh: DeviceMesh, bf16: bool) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -139,9 +145,9 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         whole = DecoderLM(cfg)
         whole.init_weights(seed)
         full = whole.state_dict()
-    placed = parallelize(model, info.device, info.world_size, tp, bf16 and info.device.type == "cuda", checkpointing,
-                         compile_blocks, full, seed)  # fmt: skip
-    out = Placed(module=placed, model=placed)
+    mixed = bf16 and info.device.type == "cuda"
+    placed = parallelize(model, info.device, info.world_size, tp, mixed, checkpointing, compile_blocks, full, seed)
+    out = Placed(module=placed, model=placed, comm_precision=sharded_comm_precision(info.world_size, mixed))
     if cfg.precision == "fp8":
         from trainbench.models.fp8 import TRAINING_RECIPE
 

@@ -21,7 +21,7 @@ from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError
 from trainbench.models import fp8, lora
 from trainbench.models.decoder import DecoderLM, init_part, lm_loss
-from trainbench.models.decoder_parallel import parallelize, use_flex_for_packed_rows
+from trainbench.models.decoder_parallel import parallelize, sharded_comm_precision, use_flex_for_packed_rows
 from trainbench.models.hf_checkpoint import HFCheckpoint, check_shapes, fill, load_into
 
 
@@ -53,7 +53,7 @@ def place_lora(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, tp: 
 
         module = parallelize(model, info.device, info.world_size, 1, bf16, checkpointing, compile_blocks, None, seed,
                              fill=fill_model)  # fmt: skip
-        placed = Placed(module=module, model=module)
+        placed = Placed(module=module, model=module, comm_precision=sharded_comm_precision(info.world_size, bf16))
     trainable = sum(p.numel() for p in placed.module.parameters() if p.requires_grad)
     layout = "FP8 base on every rank" if cfg.base_precision == "fp8" else "base sharded by FSDP2"
     placed.notes.append(f"LoRA: {trainable:,} trainable parameters (rank {cfg.lora_rank}, on {cfg.lora_targets}); "

@@ -75,7 +75,36 @@ def system_description(org: str, system_name: str, run_dir: Path, division: str,
     }
 
 
-def make_package(run_dir: Path, out: Path, org: str, system_name: str) -> Path:
+STATUSES = ("Available on-premise", "Available cloud", "Research, Development, or Internal (RDI)", "Preview")
+
+
+def read_system_desc(path: Path, required: list[str]) -> dict:
+    """A system description the user wrote (JSON, an object of strings): every field the package checker requires,
+    and a status it accepts; else one sentence naming what is wrong."""
+    try:
+        desc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"--system-desc {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"--system-desc {path} is not a JSON file ({exc})") from None
+    if not isinstance(desc, dict):
+        raise UserError(f"--system-desc {path} should hold one JSON object of fields, not {type(desc).__name__}")
+    missing = [field for field in required if field not in desc]
+    if missing:
+        raise UserError(f"--system-desc {path} lacks {len(missing)} field(s) the package checker requires: "
+                        f"{', '.join(missing)} (start from the systems/<system>.json that package writes)")  # fmt: skip
+    if desc["status"] not in STATUSES:
+        raise UserError(f"--system-desc {path}: status {desc['status']!r} should be one of {', '.join(STATUSES)}")
+    return desc
+
+
+def empty_fields(desc: dict) -> list[str]:
+    """The system description's fields nothing filled (the package checker accepts them empty; a submission
+    should not)."""
+    return [field for field, value in desc.items() if value in ("", None)]
+
+
+def make_package(run_dir: Path, out: Path, org: str, system_name: str, system_desc: str | None = None) -> Path:
     run_dir, out = Path(run_dir), Path(out)
     for name, value in (("--org", org), ("--system", system_name)):
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", value) or set(value) == {"."}:
@@ -93,13 +122,15 @@ def make_package(run_dir: Path, out: Path, org: str, system_name: str) -> Path:
     root = out / org
     if out.resolve() not in root.resolve().parents:
         raise UserError(f"--org {org!r} would write outside {out}")
+    desc = system_description(org, system_name, run_dir, division, status)
+    if system_desc is not None:  # checked before anything is written
+        desc = read_system_desc(Path(system_desc), list(desc)) | {"submitter": org, "system_name": system_name}
     results = root / "results" / system_name / benchmark
     results.mkdir(parents=True, exist_ok=True)
     for i, log in enumerate(logs):
         shutil.copyfile(log, results / RunFiles(results, i).log.name)
     systems = root / "systems"
     systems.mkdir(parents=True, exist_ok=True)
-    desc = system_description(org, system_name, run_dir, division, status)
     (systems / f"{system_name}.json").write_text(json.dumps(desc, indent=2) + "\n")
     return root
 

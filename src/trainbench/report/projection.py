@@ -35,16 +35,18 @@ class Projection:
         return self.train_minutes + self.eval_minutes
 
 
-def project(benchmark: str, global_batch_size: int, samples_per_s: float, eval_seconds: float) -> Projection | None:
+def project(benchmark: str, global_batch_size: int, samples_per_s: float, eval_seconds: float,
+            ruleset: str | None = None) -> Projection | None:  # fmt: skip
     """Minutes to train ``benchmark`` at ``global_batch_size`` on a machine that trains ``samples_per_s`` and takes
-    ``eval_seconds`` per eval; None where mlperf-logging has no reference points around that batch."""
+    ``eval_seconds`` per eval, by the reference convergence points of ``ruleset`` (the benchmark's default where
+    None); None where mlperf-logging has no reference points around that batch."""
     if samples_per_s <= 0 or eval_seconds < 0:
         raise ValueError(f"a projection needs samples_per_s > 0 and eval_seconds >= 0, got {samples_per_s}, "
                          f"{eval_seconds}")  # fmt: skip
     bench = get_benchmark(benchmark)
     if not bench.mlperf:  # a benchmark of one's own has no MLPerf reference runs
         return None
-    point = reference_convergence(bench.mlperf_name, bench.ruleset, global_batch_size)
+    point = reference_convergence(bench.mlperf_name, ruleset or bench.ruleset, global_batch_size)
     if point is None:
         return None
     base = bench.presets[bench.full_preset]()

@@ -233,6 +233,8 @@ def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
         f"**Score: {score.score_min:.3f} minutes** ({score.reason})" if score.score_min is not None
         else f"**No valid score**: {score.reason}"
     )  # fmt: skip
+    if score.ruleset:
+        score_line += f". Logs checked under mlperf-logging's ruleset {score.ruleset}."
     system = system_line(run_dir, job)
     title = f"{summary.get('benchmark', 'benchmark')}/{summary.get('preset', '')} — {run_dir.name}"
 

@@ -48,6 +48,7 @@ class Score:
     reason: str
     required_runs: int | None = None
     counted: list[int] = field(default_factory=list)  # run indices averaged
+    ruleset: str | None = None  # the mlperf-logging ruleset the logs were checked under
 
 
 def score_runs(times: list[float | None], max_dropped: int = MAX_DROPPED) -> tuple[float | None, bool, str, list[int]]:
@@ -121,7 +122,7 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
     score, valid, reason, counted = score_runs([r.time_to_train_min if r.counts else None for r in runs])
     if valid and required and len(runs) < required:
         reason += f"; MLPerf asks for {required} runs of {benchmark}, this folder has {len(runs)}"
-    return Score(runs, score, valid, reason, required, counted)
+    return Score(runs, score, valid, reason, required, counted, ruleset)
 
 
 def one_benchmark(run_dir: Path, logs: list[Path]) -> str | None:

@@ -23,7 +23,7 @@ from trainbench.console import RunConsole, TrainProgress
 from trainbench.data.prefetch import pinned, prefetch
 from trainbench.distributed import DistInfo, all_reduce_sum
 from trainbench.errors import Preempted, TrainingDiverged
-from trainbench.mlperf import constants
+from trainbench.mlperf import constants, logs_disclosure
 from trainbench.runfiles import CONSOLE, METRICS, RunFiles
 from trainbench.telemetry import machine, run_energy
 from trainbench.train import checkpoint
@@ -80,8 +80,9 @@ def train(
     record = MLPerfRecord(files.partial_log if info.is_main else None, fresh=ckpt is None)
     record.header(bench.mlperf_name, cfg.output, platform_name(info.device, info.world_size), bench.mlperf)
     run = build_run(cfg, bench, info, ckpt)
+    disclosure = run.disclosure if logs_disclosure(bench.ruleset_of(cfg)) else {}  # keys an older ruleset lacks
     record.hyperparameters(cfg, run.accumulation, run.data.train_samples, run.data.eval_samples,
-                           bench.hyperparameters(cfg))  # fmt: skip
+                           bench.hyperparameters(cfg), disclosure)  # fmt: skip
     sampler = start_telemetry(cfg.output, run_dir, index, info, out)
     announce(out, cfg, bench, run, index, info)
     if ckpt is None:

@@ -54,8 +54,9 @@ class MLPerfRecord:
         h.event(constants.SUBMISSION_PLATFORM, o.submission_platform or platform)
 
     def hyperparameters(self, cfg: RunConfig, accumulation: int, train_samples: int, eval_samples: int,
-                        benchmark_keys: dict[str, Any]) -> None:  # fmt: skip
-        """The run's sizes and the benchmark's own keys, all from the config and the data."""
+                        benchmark_keys: dict[str, Any], disclosure: dict[str, Any]) -> None:  # fmt: skip
+        """The run's sizes and the benchmark's own keys, all from the config and the data; under a ruleset that
+        has them (6.x), what the run ran in and how it was laid out (``disclosure``, read off the placed model)."""
         h = self._header
         h.event(constants.SEED, cfg.seed)
         h.event(constants.GLOBAL_BATCH_SIZE, cfg.data.global_batch_size)
@@ -63,6 +64,8 @@ class MLPerfRecord:
         h.event(constants.TRAIN_SAMPLES, train_samples)
         h.event(constants.EVAL_SAMPLES, eval_samples)
         for key, value in benchmark_keys.items():
+            h.event(key, value)
+        for key, value in disclosure.items():
             h.event(key, value)
 
     def run_start(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.config import RunConfig
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError
+from trainbench.mlperf import constants
 from trainbench.train import checkpoint
 
 
@@ -27,6 +29,7 @@ class RunSetup:
     first_eval: int  # samples at the first eval (a benchmark may skip the first ones)
     max_samples: int
     bf16: bool
+    disclosure: dict[str, Any]  # what the run ran in and how it was laid out (run_disclosure)
 
 
 def seed_everything(seed: int) -> None:
@@ -37,6 +40,39 @@ def seed_everything(seed: int) -> None:
 
 def uses_bf16(cfg: RunConfig, device: torch.device) -> bool:
     return cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+
+
+# Modules whose matrix products run in FP8: torchao's float8 training, and the FP8 frozen base (models/fp8.py).
+FP8_LINEAR_CLASSES = ("Float8Linear", "Fp8Linear")
+PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bfloat16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def run_disclosure(cfg: RunConfig, placed: Placed, bf16: bool, info: DistInfo) -> dict[str, Any]:
+    """MLPerf's keys of what the run ran in and how it was laid out (ruleset 6.x), read off the placed model: the
+    lowest precision of its linear layers (fp8 where a layer of FP8_LINEAR_CLASSES runs, the autocast type under
+    bf16, else the weights' own), of its attention (the autocast type, else the weights'), of its collectives (what
+    the placement set up; fp32 on one rank); the parallel degrees it was placed with (trainbench has tensor
+    parallelism; no pipeline, context or expert parallelism); the micro-batch each rank trains; the config file."""
+    modules = list(placed.module.modules())
+    weights = {w.dtype for m in modules if isinstance(w := getattr(m, "weight", None), torch.Tensor)
+               and isinstance(m, torch.nn.Linear) and w.is_floating_point()}  # fmt: skip
+    floats = {p.dtype for p in placed.module.parameters() if p.is_floating_point()}
+    lowest = lambda dtypes: PRECISION_NAMES[min(dtypes or {torch.float32}, key=lambda t: t.itemsize)]  # noqa: E731
+    if any(type(m).__name__ in FP8_LINEAR_CLASSES for m in modules):
+        linear = "fp8"
+    else:
+        linear = "bfloat16" if bf16 else lowest(weights)
+    return {
+        constants.LOWEST_NUMERICAL_PRECISION_IN_LINEAR: linear,
+        constants.LOWEST_NUMERICAL_PRECISION_IN_ATTN: "bfloat16" if bf16 else lowest(floats),
+        constants.LOWEST_NUMERICAL_PRECISION_IN_COMM: placed.comm_precision if info.world_size > 1 else "fp32",
+        constants.TENSOR_PARALLELISM: max(1, cfg.distributed.tp) if info.world_size > 1 else 1,
+        constants.PIPELINE_PARALLELISM: 1,
+        constants.CONTEXT_PARALLELISM: 1,
+        constants.EXPERT_PARALLELISM: 1,
+        constants.MICRO_BATCH_SIZE: cfg.data.micro_batch_size,
+        constants.CONFIG_FILENAME: cfg.output.config_filename or cfg.preset,
+    }
 
 
 def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | None) -> RunSetup:
@@ -72,4 +108,5 @@ def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | Non
         if cfg.schedule.max_samples is None
         else cfg.schedule.max_samples,
         bf16=bf16,
+        disclosure=run_disclosure(cfg, placed, bf16, info),
     )
