@@ -204,10 +204,12 @@ def _registry() -> dict:
 
 
 def cmd_list(_args) -> int:
-    rows = [[b.name, b.mlperf_name, ", ".join(b.presets), ", ".join(b.rulesets), b.description]
-            for b in _registry().values()]  # fmt: skip
-    head = ["benchmark", "MLPerf name", "presets", "rulesets (default first)", "description"]
-    _print_table("trainbench benchmarks", head, rows)
+    from trainbench.console import console
+
+    rows = [[b.name, b.mlperf_name, ", ".join(b.presets), b.description] for b in _registry().values()]
+    _print_table("trainbench benchmarks", ["benchmark", "MLPerf name", "presets", "description"], rows)
+    rulesets = "; ".join(f"{b.name} {', '.join(b.rulesets)}" for b in _registry().values())
+    console.print(f"mlperf-logging rulesets, the default first (--ruleset): {rulesets}")
     return 0
 
 
