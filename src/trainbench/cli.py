@@ -453,14 +453,13 @@ def cmd_check(args) -> int:
 def _check_ruleset_for(log: Path, ruleset: str) -> None:
     """``--ruleset`` must be one mlperf-logging has and, for a benchmark trainbench knows, one it follows."""
     from trainbench.benchmarks import by_mlperf_name
-    from trainbench.mlperf import installed_rulesets, read_log, submission_benchmark
+    from trainbench.mlperf import read_log, require_installed, submission_benchmark
 
     bench = by_mlperf_name(submission_benchmark(read_log(log, errors="replace")) or "")
     if bench is not None:
         bench.check_ruleset(ruleset, "--ruleset")
-    elif ruleset not in installed_rulesets():
-        raise UserError(f"--ruleset {ruleset} is not a ruleset of the installed mlperf-logging "
-                        f"({', '.join(installed_rulesets()[-6:])}, ...)")  # fmt: skip
+    else:
+        require_installed(ruleset, "--ruleset")
 
 
 def _ruleset_from_log(log: Path) -> str:

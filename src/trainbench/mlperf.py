@@ -16,6 +16,8 @@ import yaml
 from mlperf_logging.mllog import constants
 from mlperf_logging.mllog import mllog as mllog_impl
 
+from trainbench.errors import ConfigError
+
 __all__ = ["constants", "MLPerfLog", "read_log", "ComplianceResult", "check_compliance"]
 
 PREFIX = ":::MLLOG"
@@ -198,6 +200,15 @@ def installed_rulesets(usage: str = "training") -> list[str]:
     root = Path(str(resources.files("mlperf_logging") / "compliance_checker"))
     found = [p.name.removeprefix(f"{usage}_") for p in root.glob(f"{usage}_*") if p.is_dir()]
     return sorted((r for r in found if re.fullmatch(r"\d+\.\d+\.\d+", r)), key=ruleset_version)
+
+
+def require_installed(ruleset: str, where: str, then: str = "", usage: str = "training") -> None:
+    """One sentence where ``ruleset`` is not one of the installed mlperf-logging's (``where``: the option named;
+    ``then``: what to add, e.g. which rulesets would do)."""
+    have = installed_rulesets(usage)
+    if ruleset not in have:
+        raise ConfigError(f"{where}={ruleset} is not a ruleset of the installed mlperf-logging (it has "
+                          f"{', '.join(have[-6:])} and older){then}")  # fmt: skip
 
 
 # The keys of what a run ran in and how it was laid out: every log must hold each once from ruleset 6.1.0 (optional

@@ -83,15 +83,11 @@ class Benchmark(ABC):
 
     def check_ruleset(self, ruleset: str, where: str = "output.ruleset") -> None:
         """One sentence where ``ruleset`` is not one mlperf-logging has, or not one this benchmark follows."""
-        from trainbench.mlperf import installed_rulesets, round_benchmarks
+        from trainbench.mlperf import require_installed, round_benchmarks
 
         if ruleset in self.rulesets:
             return
-        have = installed_rulesets()
-        if ruleset not in have:
-            raise ConfigError(f"{where}={ruleset} is not a ruleset of the installed mlperf-logging (it has "
-                              f"{', '.join(have[-6:])}, ...); {self.name} follows "
-                              f"{', '.join(self.rulesets)}")  # fmt: skip
+        require_installed(ruleset, where, f"; {self.name} follows {', '.join(self.rulesets)}")
         why = (f"the {ruleset} round does not list {self.mlperf_name}" if self.mlperf and self.mlperf_name not in
                round_benchmarks(ruleset) else "its logs are written for those only")  # fmt: skip
         raise ConfigError(f"{where}={ruleset}: {self.name} follows ruleset {', '.join(self.rulesets)} ({why})")

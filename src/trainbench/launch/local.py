@@ -362,8 +362,8 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
         files.preempted_marker.unlink()
         raise Preempted(f"run {index}: stopped by a signal; checkpoint saved in {run_dir}")
     if code != 0 and files.finished:
-        # Every rank logged past run_stop (it is written after the last collective), so the result is whole; a
-        # rank that crashed on its way out (a library's thread at interpreter exit) does not undo it.
+        # Rank 0 wrote run_stop after the run's last collective, so the result is whole; a rank that crashed on
+        # its way out (a thread of its own at interpreter exit) does not undo it.
         RunConsole(run_dir / CONSOLE).say(
             f"run {index}: torchrun exited with code {code} after the run had ended (its log holds run_stop): a "
             "rank crashed on its way out; the result stands",
