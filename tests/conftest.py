@@ -54,6 +54,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != CLUSTER_GROUP)
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest -p no:xdist runs without it
 def pytest_xdist_node_collection_finished(node, ids):
     """Under --dist loadgroup every test's id ends in its group (each has one: its module's, or the cluster's);
     where one does not, the groups were lost (a pytest that pytest-xdist does not support) and the cluster's tests

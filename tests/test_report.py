@@ -208,15 +208,22 @@ def test_compare_two_folders(converged, tmp_path, capsys):
     assert f"{ratio:.3f}" in out
 
 
-def test_package_layout_and_system_description(converged, tmp_path, capsys):
+def test_package_layout_and_system_description(converged, tmp_path, capsys, monkeypatch):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     assert run_cli("package", converged, "--org", "acme", "--system", "cpu_box", "--out", tmp_path) == 1
+    assert not list(cwd.iterdir())  # the package checker's own log file is not left where the command ran
     out = capsys.readouterr().out
     root = tmp_path / "acme"
     assert (root / "results" / "cpu_box" / "bert" / "result_0.txt").exists()
     desc = json.loads((root / "systems" / "cpu_box.json").read_text())
     assert desc["submitter"] == "acme" and desc["number_of_nodes"] == "1"
     assert "passed: System description checker passed for cpu_box" in out
-    assert "expected 10" in out  # one run, where MLPerf asks for 10 BERT runs
+    assert "expected 10" in out and "runs: 1 finished, of the 10 a bert submission needs (run it with --nexp 10)" in out
+    assert (
+        "Detailed log output" not in (root / "package_checker.log").read_text()
+    )  # its own copy, in a temporary folder
     assert run_cli("package", converged, "--org", "a b", "--system", "x", "--out", tmp_path) == 2
 
 

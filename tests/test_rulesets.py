@@ -16,6 +16,7 @@ from trainbench.benchmarks import get_benchmark
 from trainbench.distributed import DistInfo, Placed
 from trainbench.launch.local import build_config
 from trainbench.mlperf import DISCLOSURE_KEYS, check_compliance, known_mlperf_benchmarks, read_log, round_benchmarks
+from trainbench.report.package import check_package
 from trainbench.train.setup import run_disclosure
 
 ONE = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -165,3 +166,45 @@ def test_a_run_under_an_older_ruleset_writes_none_of_the_newer_keys(lora_data, t
         # Short of the target: the checker's one complaint is the eval target, never a missing key.
         result = check_compliance(run_dir / "result_0.txt", ruleset)
         assert not [e for e in result.other_errors() if "Required" in e], result.output[-2000:]
+
+
+# -- a v6.1 submission package --------------------------------------------------------------------------------------
+
+
+@pytest.mark.full
+def test_a_package_of_ten_tiny_lora_runs_passes_the_6_1_0_package_checker_but_its_rcp_check(lora_data, tmp_path,
+                                                                                             capsys):  # fmt: skip
+    """10 runs (seeds 1 to 10) to the target, laid out as a v6.1 submission: mlperf-logging's package checker passes
+    the system description, the seeds and every result file's compliance; its one error is the RCP check, which
+    compares the tiny model's samples to converge with the 70B model's reference points and is named as such."""
+    results = tmp_path / "results"
+    assert run_cli("run", "llama2_70b_lora", "--nexp", "10", f"data.dir={lora_data}", f"output.results_dir={results}",
+                   "progress=false", "telemetry_hz=0", "seed=1") == 0  # fmt: skip
+    run_dir = only_run_dir(results)
+    assert sorted(logged(run_dir / f"result_{i}.txt")["seed"] for i in range(10)) == list(range(1, 11))
+    capsys.readouterr()
+    assert run_cli("package", run_dir, "--org", "acme", "--system", "cpu_box", "--out", tmp_path / "pkg") == 0
+    out = capsys.readouterr().out
+    log = (tmp_path / "pkg" / "acme" / "package_checker.log").read_text()
+    errors = [ln for ln in log.splitlines() if ln.startswith("ERROR")]
+    assert errors == ["ERROR - RCP Test Failed: RCP found"], log[-3000:]
+    assert "System description checker passed for cpu_box" in log and "Seed checker failed" not in log
+    assert log.count("Running compliance on file") == 10 and "do not comply" not in log and "does not" not in log
+    assert "runs: 10 finished, of the 10 a llama2_70b_lora submission needs\n" in out, out
+    assert "failed, as a scaled-down preset must: RCP Test Failed: RCP found" in out, out
+    assert "(ruleset 6.1.0): SUCCESS except the RCP check a scaled-down preset cannot pass" in out, out
+    # Of a full-size run, nothing excuses the RCP check.
+    full = check_package(tmp_path / "pkg" / "acme", "6.1.0", scaled_down=False)
+    assert full.errors == ["RCP Test Failed: RCP found"] and not full.beyond_scale and not full.ok
+    bench = get_benchmark("llama2_70b_lora")
+    assert bench.scaled_down(build_config("llama2_70b_lora", "tiny")[1])
+    assert not bench.scaled_down(bench.presets["llama2-70b"]())
+    # An edited system description that lacks a required field is refused before anything is written.
+    desc = json.loads((tmp_path / "pkg" / "acme" / "systems" / "cpu_box.json").read_text())
+    del desc["cooling"]
+    edited = tmp_path / "desc.json"
+    edited.write_text(json.dumps(desc))
+    assert run_cli("package", run_dir, "--org", "acme", "--system", "cpu_box", "--out", tmp_path / "pkg2",
+                   "--system-desc", edited) == 2  # fmt: skip
+    assert "lacks 1 field(s) the package checker requires: cooling" in capsys.readouterr().out
+    assert not (tmp_path / "pkg2").exists()

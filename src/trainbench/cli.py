@@ -377,30 +377,43 @@ def cmd_package(args) -> int:
     logs = finished_logs(Path(args.folder))
     if args.ruleset is not None and logs:
         _check_ruleset_for(logs[0], args.ruleset)
-    root = make_package(Path(args.folder), Path(args.out), args.org, args.system, args.system_desc)
+    package = make_package(Path(args.folder), Path(args.out), args.org, args.system, args.system_desc)
+    root = package.root
     _, ruleset = folder_benchmark(Path(args.folder), logs)
     ruleset = args.ruleset or ruleset
-    code, output = check_package(root, ruleset)
-    (root / "package_checker.log").write_text(output)
-    errors = [ln.removeprefix("ERROR - ").strip() for ln in output.splitlines() if ln.startswith("ERROR")]
-    warnings = [ln.removeprefix("WARNING - ").strip() for ln in output.splitlines() if ln.startswith("WARNING")]
-    passed = [ln.removeprefix("INFO - ").strip() for ln in output.splitlines() if "checker passed" in ln]
+    checked = check_package(root, ruleset, package.scaled_down)
+    (root / "package_checker.log").write_text(checked.output)
     console.print(f"package: {root}")
+    if package.required_runs is not None:
+        short = package.runs < package.required_runs
+        console.print(f"  runs: {package.runs} finished, of the {package.required_runs} a {package.benchmark} "
+                      f"submission needs{' (run it with --nexp ' + str(package.required_runs) + ')' if short else ''}",
+                      style="yellow" if short else None)  # fmt: skip
     desc_path = root / "systems" / f"{args.system}.json"
     empty = empty_fields(json.loads(desc_path.read_text()))
     if empty:
         console.print(f"  {desc_path.name}: {len(empty)} field(s) nothing recorded, empty: {', '.join(empty)}; fill "
                       "them in a copy and pass it as --system-desc", style="yellow", markup=False)  # fmt: skip
-    for line in passed:
-        console.print(f"  passed: {line}", style="green")
-    for line in warnings:
+    for line in checked.passed:
+        console.print(f"  passed: {line}", style="green", markup=False)
+    for line in checked.warnings:
         console.print(f"  warning: {line}", style="yellow", markup=False)
-    for line in errors:
+    for line in checked.beyond_scale:
+        console.print(f"  failed, as a scaled-down preset must: {line} (its samples to converge are measured against "
+                      f"the full {package.benchmark} model's reference convergence points)", markup=False)  # fmt: skip
+    for line in checked.errors:
         console.print(f"  error: {line}", style="red", markup=False)
-    verdict = "no errors" if not errors and code == 0 else f"{len(errors)} error(s)"
-    verdict += f", {len(warnings)} warning(s)" if warnings else ""
+    if checked.crashed:
+        console.print("  error: the package checker stopped with an error (see its log)", style="red")
+    if not checked.ok:
+        verdict = f"{len(checked.errors) + checked.crashed} error(s)"
+    elif checked.beyond_scale:
+        verdict = "SUCCESS except the RCP check a scaled-down preset cannot pass"
+    else:
+        verdict = "no errors"
+    verdict += f", {len(checked.warnings)} warning(s)" if checked.warnings else ""
     console.print(f"mlperf-logging package checker (ruleset {ruleset}): {verdict}; log: {root / 'package_checker.log'}")
-    return 0 if not errors and code == 0 else 1
+    return 0 if checked.ok else 1
 
 
 def cmd_convert(args) -> int:

@@ -282,6 +282,11 @@ class Benchmark(ABC):
         shape (sequence length, eval set size, schedule length); none by default."""
         return frozenset()
 
+    def scaled_down(self, cfg: RunConfig) -> bool:
+        """A run of another preset than the full benchmark's: its samples to converge say nothing of the reference
+        convergence points (mlperf-logging's RCP check), which only the full model can meet."""
+        return cfg.preset != self.full_preset
+
     def eval_metadata(self, samples: int) -> dict[str, Any]:
         """Metadata of the eval events: the samples trained so far."""
         return {"epoch_num": samples, "samples_count": samples}

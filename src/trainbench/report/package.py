@@ -10,6 +10,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainbench.errors import UserError
@@ -104,7 +106,18 @@ def empty_fields(desc: dict) -> list[str]:
     return [field for field, value in desc.items() if value in ("", None)]
 
 
-def make_package(run_dir: Path, out: Path, org: str, system_name: str, system_desc: str | None = None) -> Path:
+@dataclass(frozen=True)
+class Package:
+    root: Path
+    benchmark: str
+    runs: int
+    required_runs: int | None
+    """How many runs MLPerf asks of the benchmark (None: not an MLPerf benchmark)."""
+    scaled_down: bool
+    """The runs' preset is not the full benchmark's (unknown counts as full size: nothing is excused)."""
+
+
+def make_package(run_dir: Path, out: Path, org: str, system_name: str, system_desc: str | None = None) -> Package:
     run_dir, out = Path(run_dir), Path(out)
     for name, value in (("--org", org), ("--system", system_name)):
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", value) or set(value) == {"."}:
@@ -132,14 +145,53 @@ def make_package(run_dir: Path, out: Path, org: str, system_name: str, system_de
     systems = root / "systems"
     systems.mkdir(parents=True, exist_ok=True)
     (systems / f"{system_name}.json").write_text(json.dumps(desc, indent=2) + "\n")
-    return root
+    from mlperf_logging.benchmark_meta import get_result_file_counts
+
+    from trainbench.benchmarks import BENCHMARKS
+
+    bench = BENCHMARKS.get(cfg.benchmark) if cfg else None
+    return Package(root, benchmark, len(logs), get_result_file_counts("training").get(benchmark),
+                   scaled_down=bool(bench and bench.scaled_down(cfg)))  # fmt: skip
 
 
-def check_package(root: Path, ruleset: str) -> tuple[int, str]:
-    """mlperf-logging's package checker on the package; (exit code, output)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "mlperf_logging.package_checker", str(root), "training", ruleset],
-        capture_output=True,
-        text=True,
+@dataclass(frozen=True)
+class PackageCheck:
+    """What mlperf-logging's package checker said of a package."""
+
+    output: str
+    passed: list[str]
+    warnings: list[str]
+    errors: list[str]
+    beyond_scale: list[str]
+    """Errors a scaled-down preset cannot avoid (the RCP check compares its samples to converge with the full
+    model's reference convergence points); kept apart from ``errors`` only for such a run."""
+    crashed: bool
+    """The checker exited non-zero (it exits 0 whatever it finds, so only when it broke)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.crashed
+
+
+def check_package(root: Path, ruleset: str, scaled_down: bool) -> PackageCheck:
+    """mlperf-logging's package checker on the package, its lines sorted into passed checks, warnings and errors."""
+    with tempfile.TemporaryDirectory() as tmp:  # it writes a log file of its own, by default in the working folder
+        proc = subprocess.run(
+            [sys.executable, "-m", "mlperf_logging.package_checker", str(root), "training", ruleset,
+             "--log_output", str(Path(tmp) / "package_checker.log")],
+            capture_output=True,
+            text=True,
+        )  # fmt: skip
+    # Less its pointer to the log file, gone with the temporary folder.
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if not ln.startswith("** Detailed log output")]
+    output = "\n".join(lines) + "\n"
+    errors = [ln.removeprefix("ERROR - ").strip() for ln in lines if ln.startswith("ERROR")]
+    beyond = [e for e in errors if e.startswith("RCP Test Failed")] if scaled_down else []
+    return PackageCheck(
+        output=output,
+        passed=[ln.removeprefix("INFO - ").strip() for ln in lines if "checker passed" in ln or "Test Passed" in ln],
+        warnings=[ln.removeprefix("WARNING - ").strip() for ln in lines if ln.startswith("WARNING")],
+        errors=[e for e in errors if e not in beyond],
+        beyond_scale=beyond,
+        crashed=proc.returncode != 0,
     )
-    return proc.returncode, proc.stdout + proc.stderr
