@@ -36,8 +36,8 @@ image:
 	containers/image.sh cpu
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
 
 clean:
 	rm -rf $(VENV) $(DEMO_DATA) $(DEMO_RESULTS)

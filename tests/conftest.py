@@ -16,6 +16,7 @@ import os
 import resource
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,6 +135,21 @@ def lora_data(tmp_path_factory) -> Path:
 def llm_data(tmp_path_factory) -> Path:
     """``prepare llama31_8b --synthetic --preset tiny`` (gpt3's tiny preset reads the same data). Read only."""
     return _prepared(tmp_path_factory, "llama31_8b")
+
+
+@pytest.fixture(scope="session")
+def ctr_site(tmp_path_factory) -> Path:
+    """examples/ctr_benchmark installed by pip, as a package of its own, into a folder of its own (``pip install
+    --target``; put it on PYTHONPATH to use it). Built from a copy, so the checkout gets no build files."""
+
+    def build(out: Path) -> None:
+        source = out.parent / f"{out.name}-source"
+        shutil.rmtree(source, ignore_errors=True)
+        shutil.copytree(REPO / "examples" / "ctr_benchmark", source)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--no-index", "--target", str(out), str(source)], check=True, capture_output=True)  # fmt: skip
+
+    return built_once(tmp_path_factory, "ctr-site", build)
 
 
 @contextlib.contextmanager

@@ -325,7 +325,7 @@ def test_no_two_benchmarks_claim_one_mlperf_name_unless_both_declare_it():
 
 
 def test_an_mlperf_name_the_ruleset_does_not_know_is_refused_before_training(tmp_path, capsys):
-    from trainbench.benchmarks import register
+    from trainbench.benchmarks import register, unregister
     from trainbench.benchmarks.llm import Llama31Benchmark
 
     class Misnamed(Llama31Benchmark):
@@ -342,4 +342,4 @@ def test_an_mlperf_name_the_ruleset_does_not_know_is_refused_before_training(tmp
         ), out
         assert not (tmp_path / "r").exists()
     finally:
-        BENCHMARKS.pop("misnamed_lm")
+        unregister("misnamed_lm")

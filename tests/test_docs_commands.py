@@ -14,12 +14,14 @@ import os
 import re
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import REPO, run_cli
 
 from trainbench import cli
+from trainbench.benchmarks import BENCHMARKS, register, registry, unregister
 
 SHARED = REPO.parent / "shared" / "data"
 
@@ -28,6 +30,7 @@ def documented() -> list[tuple[str, str]]:
     """(where, command line) of every documented command."""
     sources = {p.relative_to(REPO).as_posix(): p.read_text() for p in [REPO / "README.md", *REPO.glob("docs/*.md")]}
     sources |= {f"trainbench {n} --help": getattr(cli, f"EXAMPLES_{n.upper()}") for n in ("run", "submit", "prepare")}
+    sources |= {f"trainbench prepare {b.name} --help": b.prepare_examples for b in BENCHMARKS.values()}
     found = []
     for where, text in sources.items():
         lines = iter(text.replace("\\\\\n", "\\\n").splitlines())
@@ -43,12 +46,30 @@ def documented() -> list[tuple[str, str]]:
 
 
 COMMANDS = documented()
-PLACEHOLDERS = {"DIR": "data/bert-tiny", "<the new run folder>": "finished"}
+# DIR is the data folder of the benchmark the command names: data/<benchmark>-tiny, prepared in the sandbox for bert
+# and for the example package's ctr_tiny (docs/extending.md).
+PLACEHOLDERS = {"<the new run folder>": "finished"}
 NEEDS_DATA_CI_HAS_NOT = ("enwiki-", "results4/", "--source", " ... ")
 
 
 @pytest.fixture(scope="module")
-def sandbox(tmp_path_factory, tiny_data, converged):
+def example_benchmark(ctr_site):
+    """The example package's benchmark (examples/ctr_benchmark), installed and registered in this process as its
+    entry point registers it in a fresh one."""
+    sys.path.insert(0, str(ctr_site))
+    from trainbench_ctr import CtrBenchmark
+
+    registered = "ctr_tiny" not in registry()
+    if registered:
+        register(CtrBenchmark(), origin="trainbench-ctr 0.1.0, entry point ctr_tiny")
+    yield
+    if registered:
+        unregister("ctr_tiny")
+    sys.path.remove(str(ctr_site))
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory, tiny_data, converged, example_benchmark):
     """A working directory holding what the documented commands name, as tiny stand-ins."""
     root = tmp_path_factory.mktemp("docs")
     (root / "data").mkdir()
@@ -71,6 +92,9 @@ def test_the_docs_hold_the_commands_users_copy():
 def test_a_documented_command_runs_as_written(where, command, sandbox, monkeypatch, capsys):
     for placeholder, value in PLACEHOLDERS.items():
         command = command.replace(placeholder, value)
+    words = shlex.split(command)
+    named = words[2] if len(words) > 2 and words[1] in ("prepare", "run", "submit") else "bert"
+    command = command.replace("DIR", f"data/{named}-tiny")
     args = shlex.split(command)[1:]
     monkeypatch.chdir(sandbox)
     launched = []

@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import only_run_dir, run_cli
 
-from trainbench.benchmarks import BENCHMARKS, register
+from trainbench.benchmarks import ORIGINS, register, unregister
 from trainbench.benchmarks.llm import TINY_DATA, TINY_MODEL, LLMBenchmark, run_config
 from trainbench.config import OptimizerConfig, ScheduleConfig
 
@@ -42,12 +42,13 @@ class Gpt2TinyLM(LLMBenchmark):
 def own_benchmark():
     bench = register(Gpt2TinyLM())
     yield bench
-    BENCHMARKS.pop(bench.name)
+    unregister(bench.name)
 
 
 def test_a_benchmark_of_ones_own_trains_to_its_target_and_is_checked_as_not_mlperf(own_benchmark, tmp_path, capsys):
     data, results = tmp_path / "data", tmp_path / "results"
-    assert run_cli("list") == 0 and "gpt2_tiny_lm" in capsys.readouterr().out
+    assert run_cli("list") == 0 and "gpt2_tiny_lm (registered in this process)" in capsys.readouterr().out
+    assert ORIGINS["gpt2_tiny_lm"] == "registered in this process"
     assert run_cli("prepare", "gpt2_tiny_lm", "--synthetic", "--preset", "tiny", "--out", data) == 0
     code = run_cli("run", "gpt2_tiny_lm", "--preset", "tiny", f"data.dir={data}", f"output.results_dir={results}",
                    "progress=false")  # fmt: skip

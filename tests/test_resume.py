@@ -113,6 +113,31 @@ def test_a_stop_signal_checkpoints_and_stops_then_resume_finishes(small_data, tm
     assert json.loads((run_dir / "run_0.json").read_text())["samples"] == 3200
 
 
+@pytest.mark.full
+def test_the_printed_resume_command_works_with_relative_paths(lora_data, tmp_path):
+    """Stopped by a signal, a run started with a relative data.dir and results folder is continued by the command the
+    console prints (the same command plus resume=true, from the same folder) and finishes at its target, compliant:
+    the saved paths are absolute, the given ones are compared resolved."""
+    work = tmp_path / "work"
+    work.mkdir()
+    data = os.path.relpath(lora_data, work)
+    command = [sys.executable, "-m", "trainbench", "run", "llama2_70b_lora", f"data.dir={data}",
+               "output.results_dir=results", "progress=false", "log_every_steps=1", "checkpoint_every_steps=0",
+               "telemetry_hz=0"]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: any(p.read_text().count("\n") >= 3 for p in (work / "results").glob("*/metrics.jsonl")),
+             "three logged steps")  # fmt: skip
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3 and "continue with the same command plus resume=true" in output, output
+    resumed = subprocess.run([*command, "resume=true"], cwd=work, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    run_dir = only_run_dir(work / "results")
+    run = json.loads((run_dir / "summary.json").read_text())["runs"][0]
+    assert run["status"] == "success" and run["compliance"]["passed"], run
+    assert "trainbench_resumed" in (run_dir / "result_0.txt").read_text()
+
+
 def test_resume_with_nothing_to_resume_is_a_clear_error(small_data, tmp_path, capsys):
     code = run_cli("run", "bert", f"data.dir={small_data}", f"output.results_dir={tmp_path / 'none'}", "resume=true")
     assert code == 2

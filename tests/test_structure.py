@@ -6,6 +6,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from trainbench.benchmarks import BENCHMARKS
 
@@ -105,3 +106,28 @@ def test_the_loop_never_asks_which_benchmark_it_runs():
                 assert ".name" not in text and "mlperf_name" not in text, f"{path.name}:{node.lineno}: {text}"
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
                 assert "Benchmark" not in ast.unparse(node), f"{path.name}:{node.lineno}: {ast.unparse(node)}"
+
+
+def test_make_test_fails_on_a_file_ruff_format_would_change(tmp_path):
+    """`make test` runs `make lint` first, and lint checks formatting as well as the rules: run on a copy of the
+    Makefile and the ruff settings, with one file formatted by hand."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed here")
+    planned = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True).stdout
+    assert "ruff format --check src tests examples" in planned and "ruff check src tests examples" in planned
+    for folder in ("src", "tests", "examples"):
+        (tmp_path / folder).mkdir()
+    shutil.copy(REPO / "Makefile", tmp_path)
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    stamp = tmp_path / "installed"
+    stamp.touch()  # newer than pyproject.toml: nothing to install
+    lint = ["make", "-s", "lint", f"VENV={Path(sys.executable).parent.parent}", f"STAMP={stamp}"]
+    (tmp_path / "examples" / "tidy.py").write_text("values = [1, 2, 3]\n")
+    assert subprocess.run(lint, cwd=tmp_path, capture_output=True, text=True).returncode == 0
+    (tmp_path / "examples" / "untidy.py").write_text("values = [1,2,\n    3]\n")  # lint-clean, not formatted
+    failed = subprocess.run(lint, cwd=tmp_path, capture_output=True, text=True)
+    assert failed.returncode != 0 and "untidy.py" in failed.stdout + failed.stderr, failed.stdout + failed.stderr

@@ -30,12 +30,11 @@ systems: the YAML files in ./systems/ and the built-in ones (trainbench submit -
 """
 EXAMPLES_PREPARE = """examples:
   trainbench prepare bert --synthetic --preset tiny --out data/bert-tiny
-  trainbench prepare bert --input enwiki-20200101-pages-articles-multistream.xml.bz2 \\
-      --vocab vocab.txt --out data/bert-wiki
-  trainbench prepare bert --input results4/ --vocab vocab.txt --out data/bert --formats fixed,varlength,packed
   trainbench prepare bert --input wikitext-2/ --train-vocab 8000 --num-shards 16 --eval-samples 1000 --out data/wt2
+  trainbench prepare llama31_8b --source c4/en --tokenizer tokenizer.json --out data/c4
+  trainbench prepare llama2_70b_lora --synthetic --preset tiny --out data/lora-tiny
 
-an interrupted run continues with the same command plus --resume.
+each benchmark's own options: trainbench prepare BENCHMARK --help
 """
 
 
@@ -52,32 +51,38 @@ def _parser() -> argparse.ArgumentParser:
     prep = sub.add_parser(
         "prepare",
         help="write a benchmark's dataset to disk",
-        description="Write a benchmark's dataset in the on-disk format its trainer reads: from raw text "
-        "(--input) or synthetic (--synthetic).",
+        description="Write a benchmark's dataset in the on-disk format its trainer reads: from its source "
+        "(each benchmark's own options: trainbench prepare BENCHMARK --help) or synthetic (--synthetic).",
         epilog=EXAMPLES_PREPARE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    prep.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
-    prep.add_argument("--out", required=True, help="output folder (train/, eval/, vocab.txt, manifest.json)")
-    prep.add_argument("--seed", type=int, default=12345, help="random seed (default 12345, as MLPerf's)")
-    prep.add_argument("--force", action="store_true", help="replace a folder that already holds other data")
-    prep.add_argument("--eval-samples", type=int, help="eval samples (raw text: default 10000; synthetic: by preset)")
-    prep.add_argument(
-        "--num-shards", "--shards", dest="shards", type=int, help="training shards (raw text: default 4320)"
-    )
-    syn = prep.add_argument_group("synthetic")
-    syn.add_argument(
+    # The options every benchmark's preparation takes, documented once; each benchmark adds its own.
+    parent = argparse.ArgumentParser(add_help=False)
+    common = parent.add_argument_group("every benchmark's options")
+    common.add_argument("--out", required=True, help="output folder (its data files and manifest.json)")
+    common.add_argument("--seed", type=int, default=12345, help="random seed (default 12345, as MLPerf's)")
+    common.add_argument("--force", action="store_true", help="replace a folder that already holds other data")
+    common.add_argument("--no-progress", action="store_true", help="no progress bar")
+    common.add_argument(
         "--synthetic",
         action="store_true",
         help="generate seeded synthetic data with learnable structure (no download needed)",
     )
-    syn.add_argument("--preset", default="tiny", help="preset whose shapes (seq length, vocab) the data takes")
-    syn.add_argument("--train-samples", type=int, help="training samples (default: by preset)")
-    seen = []
-    for bench in _registry().values():  # each benchmark's own options (benchmarks of one family share them)
-        if bench.add_prepare_arguments not in seen:
-            seen.append(bench.add_prepare_arguments)
-            bench.add_prepare_arguments(prep)
+    common.add_argument("--preset", default="tiny", help="preset whose shapes (sequence length, vocabulary) the "
+                        "synthetic data takes (default tiny)")  # fmt: skip
+    benches = prep.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    p.prepare_options = {}  # each benchmark's options: one that another benchmark owns is refused by name
+    for bench in _registry().values():
+        own = benches.add_parser(
+            bench.name,
+            parents=[parent],
+            help=bench.description,
+            description=f"trainbench prepare {bench.name}: {bench.description}.",
+            epilog=bench.prepare_examples,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        bench.add_prepare_arguments(own)
+        p.prepare_options[bench.name] = {o for action in own._actions for o in action.option_strings}
 
     run = sub.add_parser(
         "run",
@@ -198,9 +203,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _registry() -> dict:
-    from trainbench.benchmarks import BENCHMARKS
+    from trainbench.benchmarks import registry
 
-    return BENCHMARKS
+    return registry()
 
 
 def cmd_list(_args) -> int:
@@ -209,7 +214,14 @@ def cmd_list(_args) -> int:
     rows = [[b.name, b.mlperf_name, ", ".join(b.presets), b.description] for b in _registry().values()]
     _print_table("trainbench benchmarks", ["benchmark", "MLPerf name", "presets", "description"], rows)
     rulesets = "; ".join(f"{b.name} {', '.join(b.rulesets)}" for b in _registry().values())
-    console.print(f"mlperf-logging rulesets, the default first (--ruleset): {rulesets}")
+    console.print(f"mlperf-logging rulesets, the default first (--ruleset): {rulesets}", markup=False)
+    from trainbench.benchmarks import BUILT_IN, ENTRY_POINTS, ORIGINS, PLUGIN_ERRORS
+
+    origins = "; ".join(f"{name} ({origin})" for name, origin in ORIGINS.items() if origin != BUILT_IN)
+    console.print(f"not built in (installed packages declare them as {ENTRY_POINTS} entry points): {origins or 'none'}",
+                  markup=False)  # fmt: skip
+    for error in PLUGIN_ERRORS:
+        console.print(error, style="yellow", markup=False)
     return 0
 
 
@@ -495,11 +507,28 @@ COMMANDS = {
 }
 
 
+def _not_this_benchmarks(parser: argparse.ArgumentParser, benchmark: str, stray: list[str]) -> str:
+    """One sentence for arguments ``prepare BENCHMARK`` does not take, naming the benchmarks whose option it is."""
+    option = next((a.split("=", 1)[0] for a in stray if a.startswith("-")), None)
+    if option is None:
+        return f"trainbench prepare {benchmark} takes no argument {stray[0]!r} (its options: --help)"
+    owners = [name for name, options in parser.prepare_options.items() if option in options]
+    whose = f"an option of `prepare {' / '.join(owners)}`, not" if owners else "not an option"
+    return f"{option} is {whose} of `trainbench prepare {benchmark}` (`--help` after it lists its options)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # key=value overrides may come before or after options; argparse leaves the later ones unparsed.
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if args.command not in ("run", "submit") or "=" not in a or a.startswith("-")]
+    if stray and args.command == "prepare":
+        from rich.markup import escape
+
+        from trainbench.console import console
+
+        console.print(f"[red]error:[/red] {escape(_not_this_benchmarks(parser, args.benchmark, stray))}")
+        return 2
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:

@@ -1,4 +1,6 @@
-"""The benchmarks trainbench runs, by name."""
+"""The benchmarks trainbench runs, by name: its own, those registered in the process (:func:`register`) and those
+installed packages declare under the entry-point group ``trainbench.benchmarks`` (loaded on the first lookup, in
+every process of a run: a rank started by torchrun or Slurm finds a benchmark of an installed package too)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,52 @@ from trainbench.errors import ConfigError, UserError
 BENCHMARKS: dict[str, Benchmark] = {
     b.name: b for b in (BertBenchmark(), Llama31Benchmark(), Gpt3Benchmark(), LoraBenchmark())
 }
+BUILT_IN = "built in"
+ORIGINS: dict[str, str] = dict.fromkeys(BENCHMARKS, BUILT_IN)
+"""Where each registered benchmark comes from: built in, an installed package, or :func:`register` in this process."""
+ENTRY_POINTS = "trainbench.benchmarks"
+PLUGIN_ERRORS: list[str] = []
+"""One sentence per entry point that did not load (the others still do)."""
+_plugins_loaded = False
 
 
-def register(bench: Benchmark) -> Benchmark:
+def load_plugins() -> list[str]:
+    """Register the benchmarks installed packages declare under the entry-point group ``trainbench.benchmarks``
+    (``name = "module:attr"``: a :class:`Benchmark` subclass or an instance of one), once per process. An entry
+    point that fails to import, names something else, or clashes with a registered benchmark is left out and named
+    in :data:`PLUGIN_ERRORS`; the others still load. Returns those sentences."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return PLUGIN_ERRORS
+    _plugins_loaded = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINTS):
+        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "an installed package"
+        where = f"entry point {ep.name} = {ep.value} of {dist}"
+        try:
+            obj = ep.load()
+            bench = obj() if isinstance(obj, type) and issubclass(obj, Benchmark) else obj
+            if not isinstance(bench, Benchmark):
+                raise ConfigError(f"it names a {type(obj).__name__}, not a Benchmark subclass or instance")
+            if bench.name in BENCHMARKS and ORIGINS.get(bench.name, "").endswith(f"of {dist}"):
+                continue  # one package declaring its benchmark twice
+            register(bench, origin=f"{dist}, entry point {ep.name}")
+        except Exception as e:  # noqa: BLE001 - a broken package must not stop the others, nor trainbench
+            PLUGIN_ERRORS.append(f"benchmark plugin not loaded ({where}): {type(e).__name__}: {e}")
+    return PLUGIN_ERRORS
+
+
+def registry() -> dict[str, Benchmark]:
+    """Every registered benchmark by name, installed packages' included."""
+    load_plugins()
+    return BENCHMARKS
+
+
+def register(bench: Benchmark, origin: str = "registered in this process") -> Benchmark:
     """Add a benchmark (an instance of a :class:`Benchmark` subclass) to the registry that ``trainbench`` commands
     look names up in; refused where its name is taken, or where it claims another benchmark's ``mlperf_name``
-    without both saying so in ``shares_mlperf_name``."""
+    without both saying so in ``shares_mlperf_name``. ``origin`` is what `trainbench list` says it comes from."""
     if bench.name in BENCHMARKS and BENCHMARKS[bench.name] is not bench:
         raise ConfigError(f"a benchmark named {bench.name} is already registered")
     for other in BENCHMARKS.values():
@@ -31,18 +73,27 @@ def register(bench: Benchmark) -> Benchmark:
                               f"{other.name} logs too; give it its own mlperf_name, or list each in the other's "
                               "shares_mlperf_name")  # fmt: skip
     BENCHMARKS[bench.name] = bench
+    ORIGINS[bench.name] = origin
     return bench
 
 
+def unregister(name: str) -> None:
+    """Take a benchmark :func:`register` added out of the registry again."""
+    BENCHMARKS.pop(name, None)
+    ORIGINS.pop(name, None)
+
+
 def get_benchmark(name: str) -> Benchmark:
-    if name not in BENCHMARKS:
-        raise ConfigError(f"unknown benchmark '{name}'; available: {', '.join(BENCHMARKS)} (see `trainbench list`)")
+    if name not in registry():
+        broken = "".join(f"; {e}" for e in PLUGIN_ERRORS)
+        raise ConfigError(f"unknown benchmark '{name}'; available: {', '.join(BENCHMARKS)} (see `trainbench list`)"
+                          f"{broken}")  # fmt: skip
     return BENCHMARKS[name]
 
 
 def by_mlperf_name(mlperf_name: str) -> Benchmark | None:
     """The benchmark whose logs carry ``submission_benchmark`` ``mlperf_name``, if trainbench has it."""
-    return next((b for b in BENCHMARKS.values() if b.mlperf_name == mlperf_name), None)
+    return next((b for b in registry().values() if b.mlperf_name == mlperf_name), None)
 
 
 def is_own(mlperf_name: str | None) -> bool:

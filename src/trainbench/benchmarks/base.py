@@ -59,6 +59,8 @@ class Benchmark(ABC):
     description: str
     metric_name: str
     """Name of the quality metric in metrics.jsonl and on screen."""
+    metric_explanation: str = ""
+    """One sentence the report gives on what the metric is (kept in summary.json, so a report needs no plugin)."""
     higher_is_better: bool
     optimizer_name: str
     """The only ``optimizer.name`` the benchmark trains with."""
@@ -69,6 +71,8 @@ class Benchmark(ABC):
     """Per preset, the size of the data set ``prepare NAME --synthetic --preset P`` writes."""
     unused_keys: dict[str, str] = {}
     """Config keys this benchmark does not read, each with why: setting one away from the preset's value is refused."""
+    prepare_examples: str = ""
+    """The examples ``trainbench prepare NAME --help`` ends with."""
     cuda_alloc_conf: str | None = None
     """``PYTORCH_CUDA_ALLOC_CONF`` for its processes where the user set none (None: torch's default)."""
 
@@ -295,8 +299,9 @@ class Benchmark(ABC):
     @staticmethod
     @abstractmethod
     def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
-        """Add the options of ``trainbench prepare NAME`` that this benchmark's data needs (benchmarks of one family
-        share one function, so each option is added once)."""
+        """Add the options of ``trainbench prepare NAME`` that this benchmark's data needs to its own parser (``--out``,
+        ``--seed``, ``--force``, ``--no-progress``, ``--synthetic`` and ``--preset`` are every benchmark's;
+        ``benchmarks/prepare_common.py`` has the helpers a preparation shares)."""
 
     @abstractmethod
     def prepare(self, args: argparse.Namespace) -> int:

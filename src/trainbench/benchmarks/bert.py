@@ -31,7 +31,7 @@ from trainbench.models.bert import (
     from_hf_state_dict,
     packed_kernel_unavailable,
 )
-from trainbench.models.bert_parallel import parallelize_bert
+from trainbench.models.data_parallel import place_data_parallel
 from trainbench.optim.lamb import Lamb, param_groups
 from trainbench.optim.schedules import poly_warmup_lr
 
@@ -115,6 +115,8 @@ class BertBenchmark(Benchmark):
     ruleset = "5.0.0"
     description = "BERT-large pretraining (LAMB, seq 512, 76 predictions), target masked-LM accuracy 0.720"
     metric_name = "masked_lm_accuracy"
+    metric_explanation = ("masked_lm_accuracy is the share of the eval set's masked tokens whose most likely "
+                          "prediction is the original token; higher is better.")  # fmt: skip
     higher_is_better = True
     optimizer_name = "lamb"
     full_preset = "large"
@@ -240,7 +242,7 @@ class BertBenchmark(Benchmark):
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         bucket_clip = cfg.optimizer.max_grad_norm if cfg.optimizer.clip == "bucket" else None
-        return parallelize_bert(model, info, cfg.distributed, cfg.perf, bucket_clip)
+        return place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip)
 
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
         o = cfg.optimizer
@@ -332,6 +334,7 @@ class BertBenchmark(Benchmark):
 
     # -- the command line -----------------------------------------------------------------------
     add_prepare_arguments = staticmethod(bert_prepare.add_arguments)
+    prepare_examples = bert_prepare.EXAMPLES
 
     def prepare(self, args) -> int:
         return bert_prepare.prepare(args, self)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from trainbench.data.text import WIKI_DUMP_URL
@@ -12,8 +11,24 @@ from trainbench.errors import UserError
 WIKI_DUMP = "enwiki-*-pages-articles*.xml.bz2; the latest is at " + WIKI_DUMP_URL
 
 
+EXAMPLES = """examples:
+  trainbench prepare bert --synthetic --preset tiny --out data/bert-tiny
+  trainbench prepare bert --input enwiki-20200101-pages-articles-multistream.xml.bz2 \\
+      --vocab vocab.txt --out data/bert-wiki
+  trainbench prepare bert --input results4/ --vocab vocab.txt --out data/bert --formats fixed,varlength,packed
+  trainbench prepare bert --input wikitext-2/ --train-vocab 8000 --num-shards 16 --eval-samples 1000 --out data/wt2
+
+an interrupted preparation from raw text continues with the same command plus --resume.
+"""
+
+
 def add_arguments(prep: argparse.ArgumentParser) -> None:
-    """The options of `prepare bert` from raw text."""
+    """The options of `prepare bert`."""
+    sizes = prep.add_argument_group("sizes")
+    sizes.add_argument("--eval-samples", type=int, help="eval samples (raw text: default 10000; synthetic: by preset)")
+    sizes.add_argument("--num-shards", "--shards", dest="shards", type=int,
+                       help="training shards (raw text: default 4320; synthetic: by preset)")  # fmt: skip
+    sizes.add_argument("--train-samples", type=int, help="synthetic: training samples (default: by preset)")
     raw = prep.add_argument_group("from raw text")
     raw.add_argument(
         "--input",
@@ -41,7 +56,6 @@ def add_arguments(prep: argparse.ArgumentParser) -> None:
     raw.add_argument("--max-per-pack", type=int, default=3, help="sequences per packed row at most (default 3)")
     raw.add_argument("--resume", action="store_true", help="continue an interrupted preparation in --out")
     raw.add_argument("--keep-work", action="store_true", help="keep the intermediate files (OUT/.work)")
-    raw.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def prepare(args, bench) -> int:
@@ -95,22 +109,13 @@ def prepare_text(args) -> int:
 
 
 def prepare_synthetic_data(args, bench) -> int:
-    from rich.progress import Progress
-
+    from trainbench.benchmarks.prepare_common import claim, progress_bar, synthetic_sizes
     from trainbench.console import console
     from trainbench.data.synthetic_bert import SyntheticSpec, prepare_synthetic
 
     cfg = bench.config(args.preset)
-    sizes = dict(bench.synthetic_sizes[args.preset])
-    for key, value in (
-        ("num_train_samples", args.train_samples),
-        ("num_eval_samples", args.eval_samples),
-        ("num_shards", args.shards),
-    ):
-        if value is not None:
-            if value < 1:
-                raise UserError(f"--{key.removeprefix('num_').replace('_', '-')} must be at least 1, got {value}")
-            sizes[key] = value
+    sizes = synthetic_sizes(bench, args, {"num_train_samples": "train_samples", "num_eval_samples": "eval_samples",
+                                          "num_shards": "shards"})  # fmt: skip
     spec = SyntheticSpec(
         seq_length=cfg.data.seq_length,
         max_predictions=cfg.data.max_predictions,
@@ -119,17 +124,10 @@ def prepare_synthetic_data(args, bench) -> int:
         **sizes,
     )
     out = Path(args.out)
-    manifest = out / "manifest.json"
-    if manifest.exists():
-        existing = json.loads(manifest.read_text()).get("spec")
-        if existing == spec.__dict__:
-            console.print(f"{out} already holds this data set (manifest.json matches); nothing to do")
-            return 0
-        if not args.force:
-            raise UserError(f"{out} already holds a different data set; choose another --out or add --force")
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"writing {spec.num_shards} shards", total=spec.num_shards + 1)
-        written = prepare_synthetic(out, spec, progress=lambda done, total: progress.update(task, completed=done))
+    if claim(out, spec.__dict__, args.force):
+        return 0
+    with progress_bar(f"writing {spec.num_shards} shards", spec.num_shards + 1, args.no_progress) as update:
+        written = prepare_synthetic(out, spec, progress=update)
     console.print(
         f"wrote {written['train_samples']:,} training samples in {spec.num_shards} shards and "
         f"{written['eval_samples']:,} eval samples to {out} (seq {spec.seq_length}, "

@@ -135,8 +135,9 @@ class LLMBenchmark(Benchmark):
     """The decoder-only language-model family (llama or gpt3 architecture): a new member subclasses it and gives its
     name, presets and target; model, placement, data, optimizer, loss and eval come from here (docs/extending.md)."""
 
-    # log_perplexity: the mean next-token cross entropy over the eval tokens, in nats (the log of the perplexity).
     metric_name = "log_perplexity"
+    metric_explanation = ("log_perplexity is the mean next-token cross entropy over the eval tokens, in nats (the "
+                          "log of the perplexity); lower is better.")  # fmt: skip
     higher_is_better = False
     eval_every: int
     unused_keys = {
@@ -310,6 +311,10 @@ class LLMBenchmark(Benchmark):
 
     # -- the command line -----------------------------------------------------------------------
     add_prepare_arguments = staticmethod(llm_prepare.add_arguments)
+
+    @property
+    def prepare_examples(self) -> str:
+        return llm_prepare.EXAMPLES.format(name=self.name)
 
     def prepare(self, args) -> int:
         return llm_prepare.prepare(args, self)

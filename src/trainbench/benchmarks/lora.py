@@ -79,6 +79,8 @@ class LoraBenchmark(LLMBenchmark):
     older_rulesets = ("6.0.0", "5.1.0")
     description = "Llama-2-70B LoRA fine-tuning on GovReport (AdamW, seq 8192), target eval loss 0.925"
     metric_name = "eval_loss"
+    metric_explanation = ("eval_loss is the mean over the validation sequences of each sequence's mean cross entropy "
+                          "on its answer tokens, in nats (as the reference evaluates); lower is better.")  # fmt: skip
     optimizer_name = "adamw"
     full_preset = "llama2-70b"
     presets = {
@@ -255,6 +257,9 @@ class LoraBenchmark(LLMBenchmark):
         }
 
     # -- the command line -----------------------------------------------------------------------
+    add_prepare_arguments = staticmethod(lora_prepare.add_arguments)
+    prepare_examples = lora_prepare.EXAMPLES
+
     def prepare(self, args) -> int:
         return lora_prepare.prepare(args, self)
 

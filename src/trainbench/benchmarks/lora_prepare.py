@@ -2,35 +2,36 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
-import json
-import shutil
 from pathlib import Path
 
+from trainbench.benchmarks.prepare_common import claim, synthetic_sizes
 from trainbench.errors import DataError, UserError
 
 # The tiny base is written in shards this small, so tiny runs read several shards as 70B runs do.
 TINY_SHARD_BYTES = 100_000
+# What --force replaces of another data set in --out.
+REPLACED = ("train", "eval", "base")
 
 
-def _claim(out: Path, spec: dict, force: bool) -> bool:
-    """True when ``out`` already holds this data set; refuses another one unless ``force``."""
-    manifest = out / "manifest.json"
-    if manifest.exists():
-        try:
-            same = json.loads(manifest.read_text()).get("spec") == spec
-        except ValueError:
-            same = False
-        if same:
-            return True
-        if not force:
-            raise UserError(f"{out} already holds a different data set; choose another --out or add --force")
-    if out.exists() and force:
-        for name in ("train", "eval", "base", "manifest.json"):
-            path = out / name
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    return False
+EXAMPLES = """examples:
+  trainbench prepare llama2_70b_lora --synthetic --preset tiny --out data/lora-tiny
+  trainbench prepare llama2_70b_lora --source gov_report/ --tokenizer tokenizer.model --out data/govreport
+  trainbench prepare llama2_70b_lora --source mlperf_llama2_70b_lora/data/ --out data/govreport
+"""
+
+
+def add_arguments(prep: argparse.ArgumentParser) -> None:
+    """The options of `prepare llama2_70b_lora`."""
+    gov = prep.add_argument_group("from GovReport")
+    gov.add_argument("--source", metavar="DIR", help="GovReport as SCROLLS parquet (input, output), MLPerf's "
+                     "tokenised parquet (input_ids, labels) or NVIDIA's train.npy/validation.npy")  # fmt: skip
+    gov.add_argument("--tokenizer", metavar="FILE", help="for text in --source: HF tokenizer.json or SentencePiece "
+                     "tokenizer.model")  # fmt: skip
+    syn = prep.add_argument_group("synthetic")
+    syn.add_argument("--train-samples", type=int, help="training sequences (default: by preset)")
+    syn.add_argument("--eval-samples", type=int, help="eval sequences (default: by preset)")
 
 
 def prepare(args, bench) -> int:
@@ -64,13 +65,10 @@ def _prepare(args, bench) -> int:
     row, vocab = cfg.data.seq_length, cfg.model.vocab_size
     out = Path(args.out)
     if args.synthetic:
-        sizes = bench.synthetic_sizes.get(args.preset)
-        if sizes is None:
-            raise UserError(f"--synthetic writes data for the presets {', '.join(bench.synthetic_sizes)} only")
-        spec = {"synthetic": True, "preset": args.preset, "seed": args.seed,
-                "train": args.train_samples or sizes["train"], "eval": args.eval_samples or sizes["eval"]}  # fmt: skip
-        if _claim(out, spec, args.force):
-            console.print(f"{out} already holds this data set (manifest.json matches); nothing to do")
+        sizes = synthetic_sizes(bench, args, {"train": "train_samples", "eval": "eval_samples"})
+        spec = {"synthetic": True, "preset": args.preset, "seed": args.seed, "train": sizes["train"],
+                "eval": sizes["eval"]}  # fmt: skip
+        if claim(out, spec, args.force, REPLACED):
             return 0
         from trainbench.benchmarks.lora import TINY_TOPICS
 
@@ -81,8 +79,7 @@ def _prepare(args, bench) -> int:
     else:
         src = Path(args.source)
         spec = {"source": str(src.resolve()), "tokenizer": args.tokenizer, "preset": args.preset}
-        if _claim(out, spec, args.force):
-            console.print(f"{out} already holds this data set (manifest.json matches); nothing to do")
+        if claim(out, spec, args.force, REPLACED):
             return 0
         columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} files")]
         with Progress(*columns, console=console, transient=True, disable=args.no_progress) as progress:

@@ -318,11 +318,12 @@ class Options:
     progress: bool = True
 
 
+def _recipe_files(files: list[Path]) -> list[dict]:
+    return [{"path": str(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in files]
+
+
 def _recipe(spec: PrepareSpec, files: list[Path]) -> dict:
-    return {
-        "spec": dataclasses.asdict(spec),
-        "files": [{"path": str(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in files],
-    }
+    return {"spec": dataclasses.asdict(spec), "files": _recipe_files(files)}
 
 
 def _plan_workers(opts: Options, spec: PrepareSpec) -> int:
@@ -407,6 +408,27 @@ def _progress(enabled: bool):
     )
 
 
+def _trained_vocab(files: list[Path], kind: str, size: int, folder: Path, force: bool) -> Path:
+    """A WordPiece vocabulary of ``size`` tokens trained on ``files``, kept in ``folder`` with what it was trained
+    on: the same command again (or --resume) reuses it, as the trainer does not give the same vocabulary twice (its
+    ties are broken in hash-map order), and another vocabulary would make another data set."""
+    from trainbench.console import console
+
+    made_of = {"size": size, "kind": kind, "files": _recipe_files(files)}
+    record = folder / "trained_on.json"
+    if not force and record.is_file() and (folder / "vocab.txt").is_file():
+        try:
+            if json.loads(record.read_text()) == made_of:
+                return folder / "vocab.txt"
+        except ValueError:
+            pass
+    console.print(f"training a {size:,}-token WordPiece vocabulary on the input ...")
+    record.unlink(missing_ok=True)
+    vocab = train_vocab(files, kind, size, folder)
+    record.write_text(json.dumps(made_of))
+    return vocab
+
+
 def prepare(
     input_paths: list[str],
     out: str | Path,
@@ -438,9 +460,7 @@ def prepare(
         raise UserError("give either --vocab or --train-vocab, not both")
     out.mkdir(parents=True, exist_ok=True)
     if train_vocab_size is not None:
-        console.print(f"training a {train_vocab_size:,}-token WordPiece vocabulary on the input ...")
-        trained = out.parent / f".{out.name}.vocab"
-        vocab = train_vocab(files, kind, train_vocab_size, trained)
+        vocab = _trained_vocab(files, kind, train_vocab_size, out.parent / f".{out.name}.vocab", opts.force)
     words = read_vocab(vocab)
     vocab_md5 = md5sum(Path(vocab))
     spec = PrepareSpec(inputs=[str(p) for p in files], input_format=kind, vocab_md5=vocab_md5, **spec_args)

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from trainbench.data.indexed import IndexedWriter, token_dtype
+from trainbench.data.sft import write_manifest
 from trainbench.errors import DataError, UserError
 
 SUCCESSOR_PROBS = np.array([0.5, 0.25, 0.15, 0.1])
@@ -78,7 +79,7 @@ def prepare_synthetic_lm(out: Path, spec: SyntheticLMSpec, progress: Callable[[i
         if progress:
             progress(done, total)
     manifest = {"source": "synthetic", "spec": asdict(spec), "loss_floor_nats": synthetic_floor(spec)}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_manifest(out, manifest)
     return manifest
 
 
@@ -177,7 +178,7 @@ def prepare_c4(source: Path, out: Path, tokenizer_path: Path, workers: int, eod_
                 progress(done, total)
     manifest = {"source": str(source), "tokenizer": str(tokenizer_path), "eod_id": eod,
                 "vocab_size": tok.get_vocab_size(), "workers": workers} | stats  # fmt: skip
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_manifest(out, manifest)
     return manifest
 
 

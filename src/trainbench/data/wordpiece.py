@@ -102,8 +102,10 @@ def train_vocab(files: list[Path], kind: str, size: int, out: Path) -> Path:
     tok.train_from_iterator(sentences(), vocab_size=size, special_tokens=list(SPECIAL), show_progress=False)
     out.mkdir(parents=True, exist_ok=True)
     vocab = out / "vocab.txt"
-    words = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    # The trainer numbers its alphabet in hash-map order, different from one process to the next: the special
+    # tokens first, then the rest in string order, so the same input always gives the same vocab.txt (and data).
+    learned = sorted(set(tok.get_vocab()) - set(SPECIAL))
     tmp = vocab.with_name("vocab.txt.tmp")
-    tmp.write_text("".join(w + "\n" for w, _ in words), encoding="utf-8")
+    tmp.write_text("".join(w + "\n" for w in [*SPECIAL, *learned]), encoding="utf-8")
     os.replace(tmp, vocab)
     return vocab

@@ -297,7 +297,12 @@ def _refuse_changes_on_resume(saved: RunConfig, given_cfg: RunConfig, given: lis
         if key in RESUME_KEYS:
             continue
         value = getattr(ours[key].owner, ours[key].field.name)
-        if value != getattr(table[key].owner, table[key].field.name):
+        saved_value = getattr(table[key].owner, table[key].field.name)
+        if key in PATH_KEYS and value and saved_value:  # saved absolute; given as typed, relative or not
+            same = os.path.realpath(Path(value).expanduser()) == os.path.realpath(saved_value)
+        else:
+            same = value == saved_value
+        if not same:
             raise ConfigError(
                 f"resume=true continues {run_dir} with the settings in its {CONFIG}, so {key}={value} cannot apply; "
                 f"drop it (resume takes only {', '.join(RESUME_KEYS)}), or start a new run"
@@ -417,6 +422,7 @@ def write_summary(bench: Benchmark, cfg: RunConfig, run_dir: Path, records: list
         "mlperf_benchmark": bench.mlperf_name,
         "is_mlperf_benchmark": bench.mlperf,
         "preset": cfg.preset,
+        "metric_explanation": bench.metric_explanation,
         "ruleset": bench.ruleset_of(cfg),
         "waived_checks": sorted(bench.waived_checks(cfg)),
         "runs": [

@@ -147,9 +147,9 @@ def make_package(run_dir: Path, out: Path, org: str, system_name: str, system_de
     (systems / f"{system_name}.json").write_text(json.dumps(desc, indent=2) + "\n")
     from mlperf_logging.benchmark_meta import get_result_file_counts
 
-    from trainbench.benchmarks import BENCHMARKS
+    from trainbench.benchmarks import registry
 
-    bench = BENCHMARKS.get(cfg.benchmark) if cfg else None
+    bench = registry().get(cfg.benchmark) if cfg else None
     return Package(root, benchmark, len(logs), get_result_file_counts("training").get(benchmark),
                    scaled_down=bool(bench and bench.scaled_down(cfg)))  # fmt: skip
 

@@ -240,9 +240,9 @@ def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
 
     layout = f", layout {job['layout']}" if "layout" in job else ""
     extra = notes(score, summary.get("mlperf_benchmark")) + preflight_lines(run_dir)
-    if metric == "log_perplexity":
-        extra.append("log_perplexity is the mean next-token cross entropy over the eval tokens, in nats (the log of "
-                     "the perplexity); lower is better.")  # fmt: skip
+    explanation = summary.get("metric_explanation") or _metric_explanation(summary.get("benchmark"))
+    if explanation:
+        extra.append(explanation)
     md = [f"# {title}", "", score_line, "", f"System: {system}{layout}", ""]
     md += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     md += ["| " + " | ".join(row) + " |" for row in body]
@@ -320,3 +320,11 @@ def compare(a: Path, b: Path) -> tuple[list[str], list[list[str]]]:
         ratio = vb / va if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va else None
         rows.append([name, _fmt(va, 4), _fmt(vb, 4), _fmt(ratio, 3)])
     return ["", f"A: {Path(a).name}", f"B: {Path(b).name}", "B/A"], rows
+
+
+def _metric_explanation(benchmark: str | None) -> str:
+    """What the metric of a folder written before summary.json kept it is, from the registered benchmark."""
+    from trainbench.benchmarks import registry
+
+    bench = registry().get(benchmark or "")
+    return bench.metric_explanation if bench is not None else ""

@@ -1,6 +1,7 @@
-"""Data parallelism and compilation for BERT, applied from outside the model (models/bert.py keeps the architecture).
+"""Data parallelism and compilation for a model every rank holds whole (BERT's, or a benchmark's of one's own that
+fits on one device), applied from outside the model: the model's module keeps the architecture only.
 
-:func:`parallelize_bert` moves the model to its rank's device, wraps it in DDP where there are several ranks
+:func:`place_data_parallel` moves the model to its rank's device, wraps it in DDP where there are several ranks
 (buckets of ``distributed.bucket_cap_mb``, bucket-wise clipping or a bf16 all-reduce through a comm hook) and compiles
 it: one graph that all-reduces after backward, or the graph split at the buckets so each all-reduce overlaps
 backward (``distributed.overlap_compiled``), with CUDA graphs on request (``perf.cuda_graphs``).
@@ -20,7 +21,7 @@ from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError
 
 
-def parallelize_bert(model: torch.nn.Module, info: DistInfo, dist_cfg: DistributedConfig, perf: PerfConfig,
+def place_data_parallel(model: torch.nn.Module, info: DistInfo, dist_cfg: DistributedConfig, perf: PerfConfig,
                      bucket_clip_norm: float | None) -> Placed:  # fmt: skip
     """``model`` (on the CPU) placed on ``info``'s device, DDP-wrapped across ranks and compiled as ``perf`` asks.
     ``bucket_clip_norm``: clip each DDP bucket to this norm before its all-reduce (None: the optimizer clips)."""
