@@ -657,10 +657,10 @@ def test_fixed_rows_turn_back_into_the_instances_they_were_written_from():
     """instances_from_fixed inverts fixed_arrays: the synthetic generator's rows (short ones included) go to
     Instances and back unchanged, so packing them packs exactly these samples."""
     from trainbench.data.packing import instances_from_fixed
-    from trainbench.data.synthetic_bert import _Language, make_samples
+    from trainbench.data.synthetic_bert import Language, make_samples
 
     rng = np.random.default_rng(0)
-    fixed = make_samples(_Language(1024, 0), rng, 300, 128, 20, short_seq_prob=0.5)
+    fixed = make_samples(Language(1024, 0), rng, 300, 128, 20, short_seq_prob=0.5)
     inst = instances_from_fixed(fixed)
     assert len(inst) == 300 and int(inst.lengths.min()) < 64  # short samples are there
     again = fixed_arrays(inst, 128, 20)

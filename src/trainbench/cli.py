@@ -28,6 +28,11 @@ EXAMPLES_SUBMIT = """examples:
 
 systems: the YAML files in ./systems/ and the built-in ones (trainbench submit --system ? lists them).
 """
+EXAMPLES_BENCH = """examples:
+  trainbench bench llama2_70b_lora --preset llama2-70b model.base_precision=fp8 perf.offload_blocks=40
+  trainbench bench llama31_8b --preset llama31-8b model.precision=fp8 --blocks 2,6
+  trainbench bench bert --preset tiny --steps 5 --warmup 2
+"""
 EXAMPLES_PREPARE = """examples:
   trainbench prepare bert --synthetic --preset tiny --out data/bert-tiny
   trainbench prepare bert --input wikitext-2/ --train-vocab 8000 --num-shards 16 --eval-samples 1000 --out data/wt2
@@ -108,6 +113,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--help-config", action="store_true", help="print every config key with its value and exit")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+    bench = sub.add_parser(
+        "bench",
+        help="measure the machine's training throughput on a benchmark (not a time-to-train result)",
+        description="Train BENCH's model, placed as `trainbench run` places it, on rows made in memory and shaped "
+        "like its data: time --steps optimizer steps after --warmup, and one eval batch. Prints and writes "
+        "bench.json: samples and tokens per second (per rank too), MFU, peak memory, energy per token, and the "
+        "time to train projected from the ruleset's reference convergence points. No MLPerf log is written.",
+        epilog=EXAMPLES_BENCH,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
+    bench.add_argument("--preset", help="starting config (default: the benchmark's MLPerf shape)")
+    bench.add_argument("--config", action="append", default=[], metavar="FILE.yaml", help="YAML overrides; may repeat")
+    bench.add_argument("--steps", type=int, default=10, help="timed optimizer steps (default 10)")
+    bench.add_argument("--warmup", type=int, default=3, help="optimizer steps before the timing (default 3)")
+    bench.add_argument("--nproc", type=int, help="processes on this node (GPUs or CPU ranks); >1 uses torchrun")
+    bench.add_argument("--blocks", metavar="N,M", help="measure these truncated depths and extrapolate to the "
+                       "model's (a model that does not fit); every figure is then labelled extrapolated")  # fmt: skip
+    bench.add_argument("--ruleset", help="ruleset whose reference convergence points the projection uses")
+    bench.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
     subm = sub.add_parser(
         "submit",
@@ -257,6 +283,53 @@ def cmd_run(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_bench(args) -> int:
+    from trainbench.benchmarks import get_benchmark
+    from trainbench.config import parse_key_values
+    from trainbench.console import console
+    from trainbench.launch.bench import run_bench
+    from trainbench.launch.local import build_config
+    from trainbench.report import bench_report
+
+    overrides = parse_key_values(args.overrides)
+    if args.nproc is not None:
+        overrides["distributed.nproc"] = str(args.nproc)
+    if args.ruleset is not None:
+        overrides["output.ruleset"] = args.ruleset
+    preset = args.preset or get_benchmark(args.benchmark).full_preset
+    bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
+    run_dir, raws, layers, depths = run_bench(bench, cfg, args.steps, args.warmup, args.blocks)
+    result = bench_report.summarise(bench, cfg, raws, layers, depths)
+    bench_report.save(run_dir, result)
+    console.print(bench_summary(result), markup=False)
+    console.print(f"results: {run_dir}  ({run_dir / 'bench.json'})")
+    return 0
+
+
+def bench_summary(r: dict) -> str:
+    """bench.json in a few lines."""
+    how = r["figures"] + (f" from {', '.join(map(str, r['blocks_measured']))} of {r['blocks']} blocks"
+                          if r["blocks_measured"] else "")  # fmt: skip
+    lines = [f"{r['benchmark']}/{r['preset']} on {r['ranks']} x {r['device']} ({how}; {r['kind']}):",
+             f"  {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_per_rank']:,.0f} per rank), "
+             f"{r['samples_per_s']:,.2f} samples/s, {r['step_seconds']:.3f} s a step of {r['global_batch_size']} "
+             "samples"]  # fmt: skip
+    extra = []
+    if r["mfu"] is not None:
+        extra.append(f"MFU {r['mfu']:.1%}")
+    if r["peak_memory_gib"] is not None:
+        extra.append(f"peak memory {r['peak_memory_gib']:.1f} GiB")
+    if r["energy_joules_per_token"] is not None:
+        extra.append(f"{r['energy_joules_per_token'] * 1e3:.2f} mJ per token")
+    if extra:
+        lines.append("  " + ", ".join(extra))
+    p = r["projection"]
+    if p:
+        lines.append(f"  projected time to train ({r['figures']}, ruleset {r['ruleset']}): {p['minutes']:.1f} min "
+                     f"({p['samples_to_target']:,.0f} samples to target, {p['evals']} evals)")  # fmt: skip
+    return "\n".join(lines)
+
+
 def cmd_submit(args) -> int:
     import dataclasses
 
@@ -366,8 +439,20 @@ def cmd_report(args) -> int:
     for folder in args.folders:
         if not Path(folder).is_dir():
             raise UserError(f"results folder {folder} does not exist")
+    from trainbench.report import bench_report
+
+    measured = [bench_report.is_bench(Path(f)) for f in args.folders]
+    if len(args.folders) == 2 and measured[0] != measured[1]:
+        raise UserError("compare a throughput measurement (trainbench bench) with another one, and runs with runs: "
+                        f"{args.folders[measured.index(True)]} is a measurement, the other a run")  # fmt: skip
     if len(args.folders) == 2:
-        _print_table("comparison", *compare(Path(args.folders[0]), Path(args.folders[1])))
+        table = (bench_report.compare if measured[0] else compare)(Path(args.folders[0]), Path(args.folders[1]))
+        _print_table("comparison" + (" of throughput measurements" if measured[0] else ""), *table)
+        return 0
+    if measured[0]:
+        md, page, result = bench_report.write(Path(args.folders[0]))
+        _print_table(bench_report.heading(result), ["figure", "value"], bench_report.rows(result))
+        console.print(f"report: {page}  (and {md.name})")
         return 0
     md, page, score = write_report(Path(args.folders[0]))
     _print_table(str(args.folders[0]), *score_table(score))
@@ -382,10 +467,12 @@ def cmd_report(args) -> int:
 
 def cmd_package(args) -> int:
     from trainbench.console import console
+    from trainbench.report.bench_report import refuse
     from trainbench.report.package import check_package, empty_fields, make_package
     from trainbench.report.scoring import folder_benchmark
     from trainbench.runfiles import finished_logs
 
+    refuse(Path(args.folder), "package")
     logs = finished_logs(Path(args.folder))
     if args.ruleset is not None and logs:
         _check_ruleset_for(logs[0], args.ruleset)
@@ -442,6 +529,9 @@ def cmd_check(args) -> int:
 
     path = Path(args.path)
     if path.is_dir():
+        from trainbench.report.bench_report import refuse
+
+        refuse(path, "check")
         logs = finished_logs(path)
         for p in partial_logs(path):
             console.print(f"{p.name}: run did not finish (no run_stop); not checked", style="yellow")
@@ -502,6 +592,7 @@ COMMANDS = {
     "resubmit": cmd_resubmit,
     "report": cmd_report,
     "package": cmd_package,
+    "bench": cmd_bench,
     "convert": cmd_convert,
     "check": cmd_check,
 }
@@ -521,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # key=value overrides may come before or after options; argparse leaves the later ones unparsed.
     args, extra = parser.parse_known_args(argv)
-    stray = [a for a in extra if args.command not in ("run", "submit") or "=" not in a or a.startswith("-")]
+    stray = [a for a in extra if args.command not in ("run", "submit", "bench") or "=" not in a or a.startswith("-")]
     if stray and args.command == "prepare":
         from rich.markup import escape
 

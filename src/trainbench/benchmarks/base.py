@@ -276,6 +276,22 @@ class Benchmark(ABC):
         """Lines for the run's console on choices made for this machine (e.g. which kernel ``auto`` picked)."""
         return []
 
+    # -- throughput (trainbench bench) ----------------------------------------------------------
+    def bench_data(self, cfg: RunConfig, rank: int, world_size: int) -> BenchmarkData:
+        """Rows shaped like the benchmark's data, made in memory from the seed (no data set needed): what `trainbench
+        bench` trains on, through the same placement, step and eval as a run. ``eval`` holds one eval batch of this
+        rank (the eval's time per sample is measured on it); ``eval_samples`` is the full eval set's size."""
+        raise UserError(f"`trainbench bench` has no synthetic rows for {self.name} yet")
+
+    def tokens_per_sample(self, cfg: RunConfig) -> int:
+        """Tokens one sample of the global batch counts (a row of the sequence length by default)."""
+        return cfg.data.seq_length
+
+    def flops_per_sample(self, cfg: RunConfig) -> float | None:
+        """Floating-point operations of one sample's forward and backward as NVIDIA counts them for its MLPerf
+        submissions (recompute excluded), for the MFU; None where no count is defined."""
+        return None
+
     # -- MLPerf ---------------------------------------------------------------------------------
     @abstractmethod
     def hyperparameters(self, cfg: RunConfig) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from trainbench.benchmarks import bert_prepare
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data.bert_hdf5 import TrainBatches, eval_batches, find_shards
+from trainbench.data.steps import CycledSteps
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
@@ -306,6 +307,32 @@ class BertBenchmark(Benchmark):
 
     def eval_metric(self, sums: torch.Tensor) -> float:
         return float(sums[0] / sums[1].clamp(min=1))
+
+    # -- throughput -----------------------------------------------------------------------------
+    def bench_data(self, cfg: RunConfig, rank: int, world_size: int) -> BenchmarkData:
+        """Fixed rows of the synthetic language's samples (sentence pairs, MLPerf's masking), padded to seq_length:
+        fixed rows cost the same whatever their real length."""
+        from trainbench.data.synthetic_bert import Language, make_samples
+
+        d = cfg.data
+        if d.layout != "fixed":
+            raise ConfigError("trainbench bench measures bert on fixed rows (data.layout=fixed) only, for now")
+        lang, rng = Language(cfg.model.vocab_size, cfg.seed), np.random.default_rng(cfg.seed)
+        sample = lambda n: make_samples(lang, rng, n, d.seq_length, d.max_predictions)  # noqa: E731
+        return BenchmarkData(train=CycledSteps([sample(d.global_batch_size)], d.global_batch_size, d.micro_batch_size,
+                                               rank, world_size),
+                             eval=[sample(d.eval_batch_size)], train_samples=0,
+                             eval_samples=d.eval_samples or 10_000)  # fmt: skip
+
+    def flops_per_sample(self, cfg: RunConfig) -> float | None:
+        """Forward and backward of the encoder on a full row (fixed rows pay for their padding), the MLM head at
+        max_predictions positions and the NSP head: 3 x the forward's 2 x multiply-adds."""
+        m, s = cfg.model, cfg.data.seq_length
+        h, layers = m.hidden_size, m.num_layers
+        dense = 2 * s * layers * (4 * h * h + 2 * h * m.intermediate_size)
+        attention = 2 * layers * 2 * h * s * s
+        heads = 2 * cfg.data.max_predictions * (h * h + h * m.vocab_size)
+        return 3.0 * (dense + attention + heads)
 
     def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
         if cfg.data.layout != "packed":

@@ -28,7 +28,7 @@ from trainbench.benchmarks import llm_prepare
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data.indexed import IndexedDataset, PackedSamples, find_prefixes
-from trainbench.data.steps import Step, batched, eval_share, rank_share
+from trainbench.data.steps import CycledSteps, Step, batched, eval_share, rank_share
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
@@ -129,6 +129,17 @@ def kept_blocks(cfg: RunConfig) -> int:
     if not cfg.perf.activation_checkpointing:
         return cfg.model.num_layers
     return cfg.model.num_layers - (cfg.perf.recompute_blocks or cfg.model.num_layers)
+
+
+EVAL_SEQUENCES = 1024  # MLPerf's C4 validation sequences (llama31_8b; a throughput run's eval set where none is set)
+
+
+def decoder_flops_per_token(model: DecoderConfig, seq: int) -> float:
+    """Forward and backward FLOPs per token of a decoder trained in full: 6 x the parameters in matrix products (the
+    output layer's included) plus the causal attention's QK^T and AV (half the positions on average) x 3."""
+    matmul_params = model.num_params(embeddings=False) + model.vocab_size * model.hidden_size
+    attention = 2 * 2 * model.num_layers * model.hidden_size * seq / 2
+    return 6 * matmul_params + 3 * attention
 
 
 class LLMBenchmark(Benchmark):
@@ -290,6 +301,21 @@ class LLMBenchmark(Benchmark):
 
     def eval_metric(self, sums: torch.Tensor) -> float:
         return float(sums[0] / sums[1].clamp(min=1))
+
+    # -- throughput -----------------------------------------------------------------------------
+    def bench_data(self, cfg: RunConfig, rank: int, world_size: int) -> BenchmarkData:
+        """Windows of seq_length + 1 random token ids (C4's windows are full: every token counts)."""
+        d = cfg.data
+        rng = np.random.default_rng(cfg.seed)
+        pool = [{"tokens": rng.integers(0, cfg.model.vocab_size, (d.global_batch_size, d.seq_length + 1))}
+                for _ in range(2)]  # fmt: skip
+        evals = rng.integers(0, cfg.model.vocab_size, (d.eval_batch_size, d.seq_length + 1))
+        return BenchmarkData(train=CycledSteps(pool, d.global_batch_size, d.micro_batch_size, rank, world_size),
+                             eval=[{"tokens": evals}], train_samples=0,
+                             eval_samples=d.eval_samples or EVAL_SEQUENCES)  # fmt: skip
+
+    def flops_per_sample(self, cfg: RunConfig) -> float | None:
+        return decoder_flops_per_token(cfg.model, cfg.data.seq_length) * cfg.data.seq_length
 
     # -- MLPerf ---------------------------------------------------------------------------------
     @abstractmethod

@@ -22,6 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,7 +31,7 @@ from trainbench.benchmarks.base import BenchmarkData
 from trainbench.benchmarks.llm import LLMBenchmark, recompute_fewer
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data import sft
-from trainbench.data.steps import batched, eval_share
+from trainbench.data.steps import CycledSteps, batched, eval_share
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
@@ -38,6 +39,9 @@ from trainbench.models.decoder import DecoderLM
 from trainbench.models.hf_checkpoint import HFCheckpoint, check_shapes
 from trainbench.models.lora import LoraModelConfig
 from trainbench.models.lora_parallel import place_lora
+
+ANSWER_SHARE = 0.1  # of a GovReport row's tokens, the summary's (where the loss is): about a tenth
+GOVREPORT_EVAL = 173  # validation sequences MLPerf's runs log
 
 LLAMA2_70B = LoraModelConfig(
     vocab_size=32000, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, intermediate_size=28672,
@@ -131,10 +135,13 @@ class LoraBenchmark(LLMBenchmark):
                             f"--synthetic --preset {cfg.preset} --out DIR` or `--source GOVREPORT_DIR`")  # fmt: skip
         return Path(cfg.data.dir)
 
-    def base_weights(self, cfg: RunConfig) -> str:
-        """The base model's folder: model.base_weights, else the one the data set was prepared with."""
+    def base_weights(self, cfg: RunConfig) -> str | None:
+        """The base model's folder: model.base_weights, else the one the data set was prepared with; None for a
+        throughput run on no data set (`trainbench bench`: the base is initialised from the seed)."""
         if cfg.model.base_weights:
             return cfg.model.base_weights
+        if not cfg.data.dir:
+            return None
         root = self._root(cfg)
         base = sft.read_manifest(root, self.name).get("base_weights")
         if not base:
@@ -187,6 +194,33 @@ class LoraBenchmark(LLMBenchmark):
             eval_samples=evals.sequences,
         )  # fmt: skip
 
+    # -- throughput -----------------------------------------------------------------------------
+    def bench_data(self, cfg: RunConfig, rank: int, world_size: int) -> BenchmarkData:
+        """Rows of one sequence each, as MLPerf's pre-packed GovReport rows come, with the loss on the answer's
+        share of the row (the last ANSWER_SHARE of its tokens)."""
+        d = cfg.data
+        rng = np.random.default_rng(cfg.seed)
+
+        def rows(n: int) -> dict[str, np.ndarray]:
+            tokens = rng.integers(0, cfg.model.vocab_size, (n, d.seq_length))
+            targets = np.roll(tokens, -1, axis=1)
+            targets[:, : int(d.seq_length * (1 - ANSWER_SHARE))] = sft.IGNORE
+            targets[:, -1] = sft.IGNORE
+            return {"tokens": tokens, "targets": targets, "seq_ids": np.repeat(np.arange(n)[:, None], d.seq_length, 1)}
+
+        return BenchmarkData(train=CycledSteps([rows(d.global_batch_size)], d.global_batch_size, d.micro_batch_size,
+                                               rank, world_size),
+                             eval=[rows(d.eval_batch_size)], train_samples=0, eval_samples=GOVREPORT_EVAL)  # fmt: skip
+
+    def flops_per_sample(self, cfg: RunConfig) -> float | None:
+        """NVIDIA's count for a row of the 70B model (forward and backward of the frozen base and the adapters,
+        recompute excluded): 2,598 TFLOP at 80 blocks of the 70B width and 8192 tokens; per block for fewer."""
+        m = cfg.model
+        if (m.hidden_size, m.intermediate_size, m.vocab_size, cfg.data.seq_length) != (
+                LLAMA2_70B.hidden_size, LLAMA2_70B.intermediate_size, LLAMA2_70B.vocab_size, 8192):  # fmt: skip
+            return None
+        return 2598e12 * m.num_layers / LLAMA2_70B.num_layers
+
     # -- model ----------------------------------------------------------------------------------
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
         with torch.device("meta"):
@@ -203,6 +237,8 @@ class LoraBenchmark(LLMBenchmark):
         from trainbench.models.hf_checkpoint import FLOAT_TYPES
 
         folder = self.base_weights(cfg)
+        if folder is None:
+            return [f"base weights: random, from seed {cfg.seed} (a throughput measurement)"]
         with HFCheckpoint(folder) as ckpt:
             stored = sorted({FLOAT_TYPES.get(ckpt.dtype(n), ckpt.dtype(n)) for n in ckpt.where})
         if cfg.model.base_precision == "fp8":

@@ -42,3 +42,21 @@ def eval_share(total: int, rank: int, world_size: int) -> range:
 def batched(indices: Sequence[int], batch_size: int) -> list[range]:
     """``indices`` (a range) in consecutive batches of ``batch_size``, the last one shorter."""
     return [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+
+
+class CycledSteps:
+    """Optimizer steps forever over a few global batches made up front (``pool``: arrays of ``global_batch`` rows
+    each), taken in turn: the throughput measurement's data, shaped like the benchmark's and cut like every reader's
+    (this rank's share, in micro-batches), with no reading from disk in the timed steps."""
+
+    def __init__(self, pool: list[dict[str, Any]], global_batch: int, micro_batch: int, rank: int, world_size: int,
+                 samples_per_row: int = 1) -> None:  # fmt: skip
+        share = rank_share(global_batch, rank, world_size)
+        self.pool = [{k: v[share.start : share.stop] for k, v in batch.items()} for batch in pool]
+        self.micro_batch, self.samples = micro_batch, global_batch * samples_per_row
+
+    def __iter__(self):
+        k = 0
+        while True:
+            yield Step.split(self.pool[k % len(self.pool)], self.micro_batch, self.samples)
+            k += 1

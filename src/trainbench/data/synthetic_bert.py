@@ -69,7 +69,7 @@ def vocabulary(vocab_size: int) -> list[str]:
     return SPECIALS + [word(i) for i in range(vocab_size - len(SPECIALS))]
 
 
-class _Language:
+class Language:
     """The Markov chain: per-topic word ranges and each word's two likely successors."""
 
     def __init__(self, vocab_size: int, seed: int):
@@ -100,7 +100,7 @@ class _Language:
 
 
 def make_samples(
-    lang: _Language,
+    lang: Language,
     rng: np.random.Generator,
     n: int,
     seq_length: int,
@@ -176,7 +176,7 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, progress=None) -> di
     out = Path(out)
     (out / "train").mkdir(parents=True, exist_ok=True)
     (out / "eval").mkdir(parents=True, exist_ok=True)
-    lang = _Language(spec.vocab_size, spec.seed)
+    lang = Language(spec.vocab_size, spec.seed)
     vocab_path = out / "vocab.txt"
     vocab_path.write_text("\n".join(vocabulary(spec.vocab_size)) + "\n")
 

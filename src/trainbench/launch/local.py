@@ -87,6 +87,13 @@ def experiment_config(cfg: RunConfig, index: int) -> RunConfig:
 def preflight(bench: Benchmark, cfg: RunConfig) -> str:
     """Fail before creating anything for what can be checked up front; returns the device kind."""
     allocator_settings(bench)
+    device = preflight_device(cfg)
+    bench.check_data(cfg)
+    return device
+
+
+def preflight_device(cfg: RunConfig) -> str:
+    """The device kind the config asks for, where this machine has enough of it for distributed.nproc processes."""
     device = resolve_device(cfg.device)
     slots = available_slots(device)
     nproc = cfg.distributed.nproc
@@ -98,7 +105,6 @@ def preflight(bench: Benchmark, cfg: RunConfig) -> str:
             f"--nproc {nproc} asks for {nproc} processes but this machine has {slots} {what} (device={device}); "
             f"use --nproc {slots} or fewer"
         )
-    bench.check_data(cfg)
     return device
 
 

@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     StopSignal.install_early()
     argv = sys.argv[1:] if argv is None else argv
     run_dir, index, resume = Path(argv[0]), int(argv[1]), "--resume" in argv[2:]
+    if "--bench" in argv[2:]:
+        return bench_rank(run_dir)
     bench, saved = load_run_config(run_dir / CONFIG)
     allocator_settings(bench)  # a rank that srun started: before its first CUDA allocation
     cfg = experiment_config(saved, index)
@@ -64,6 +66,36 @@ def main(argv: list[str] | None = None) -> int:
         shutdown(drain=ended)
         if lock is not None:
             lock.release()
+    return 0
+
+
+def bench_rank(run_dir: Path) -> int:
+    """One rank of a throughput measurement (`trainbench bench`): the depth its request names; rank 0 writes the
+    figures."""
+    import json
+
+    from trainbench.launch.bench import RAW, REQUEST
+    from trainbench.train.bench import measure
+
+    request = json.loads((run_dir / REQUEST).read_text())
+    depth = request["depth"]
+    config = run_dir / f"config_{depth}_blocks.yaml"
+    bench, cfg = load_run_config(config if config.exists() else run_dir / CONFIG)
+    allocator_settings(bench)
+    info = init_distributed(resolve_device(cfg.device), cfg.distributed.backend, cfg.distributed.timeout_s)
+    ended = False
+    try:
+        bind_cpus(info)
+        raw = measure(cfg, bench, run_dir, info, request["steps"], request["warmup"])
+        if info.is_main:
+            (run_dir / RAW.format(depth=depth)).write_text(json.dumps(raw, indent=2))
+        ended = True
+    except UserError as exc:
+        if info.is_main:
+            console.print(f"[red]error:[/red] {escape(str(exc))}")
+        return 1
+    finally:
+        shutdown(drain=ended)
     return 0
 
 

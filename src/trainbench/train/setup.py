@@ -75,8 +75,9 @@ def run_disclosure(cfg: RunConfig, placed: Placed, bf16: bool, info: DistInfo) -
     }
 
 
-def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | None) -> RunSetup:
-    """Everything a run trains with, from the config (and the checkpoint ``ckpt`` it continues, if any)."""
+def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | None, synthetic: bool = False) -> RunSetup:
+    """Everything a run trains with, from the config (and the checkpoint ``ckpt`` it continues, if any);
+    ``synthetic``: on the benchmark's rows made in memory (``bench_data``, a throughput measurement's)."""
     if info.world_size != cfg.distributed.world_size:
         d = cfg.distributed
         raise ConfigError(
@@ -95,7 +96,10 @@ def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | Non
         state.resumed += 1
     # The data stream is in rows: step x GBS of them were consumed (a packed row holds several samples).
     data_rank, data_ranks = bench.data_rank(cfg, info)
-    data = bench.build_data(cfg, data_rank, data_ranks, start_sample=state.step * cfg.data.global_batch_size)
+    if synthetic:
+        data = bench.bench_data(cfg, data_rank, data_ranks)
+    else:
+        data = bench.build_data(cfg, data_rank, data_ranks, start_sample=state.step * cfg.data.global_batch_size)
     return RunSetup(
         placed=placed,
         optimizer=optimizer,

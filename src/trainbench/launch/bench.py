@@ -1,0 +1,94 @@
+"""`trainbench bench`: lay out a throughput measurement's folder and run it in this process or under torchrun, at the
+model's depth or (``--blocks``) at truncated ones; report/bench_report.py turns rank 0's figures into bench.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from trainbench.benchmarks.base import Benchmark
+from trainbench.config import RunConfig, save_config
+from trainbench.console import RunConsole
+from trainbench.errors import ConfigError, UserError
+from trainbench.launch.local import allocator_settings, new_run_dir, preflight_device
+from trainbench.runfiles import CONFIG, CONSOLE
+
+REQUEST = "bench_request.json"
+RAW = "bench_raw_{depth}.json"
+KIND = "throughput measurement (trainbench bench): not a time-to-train result"
+
+
+def parse_blocks(text: str | None, layers: int) -> list[int] | None:
+    """``--blocks 2,6``: two or more truncated depths, each below the model's ``layers``."""
+    if text is None:
+        return None
+    try:
+        depths = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise UserError(f"--blocks {text}: give block counts as integers, e.g. --blocks 2,6") from None
+    if len(depths) < 2 or depths[0] < 1:
+        raise UserError(f"--blocks {text}: give at least two different depths of 1 block or more, e.g. --blocks 2,6")
+    if depths[-1] > layers:
+        raise UserError(f"--blocks {text}: the model has {layers} blocks; give depths of at most {layers}")
+    return depths
+
+
+def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int,
+              blocks: str | None) -> tuple[Path, dict[int, dict], int | None, list[int] | None]:  # fmt: skip
+    """Measure, into a new results folder; returns the folder, rank 0's figures by depth measured, the model's depth
+    and the truncated depths measured (None: the model's own)."""
+    if steps < 1:
+        raise UserError(f"--steps must be at least 1, got {steps}")
+    if warmup < 0:
+        raise UserError(f"--warmup must be 0 or more, got {warmup}")
+    if cfg.resume:
+        raise ConfigError("resume=true does not apply to trainbench bench: a measurement starts afresh")
+    layers = getattr(cfg.model, "num_layers", None)
+    depths = parse_blocks(blocks, layers) if layers is not None else None
+    if blocks is not None and layers is None:
+        raise UserError(f"--blocks: {bench.name}'s model has no blocks to truncate")
+    allocator_settings(bench)
+    device = preflight_device(cfg)
+    run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-bench")
+    save_config(cfg, run_dir / CONFIG)
+    out = RunConsole(run_dir / CONSOLE)
+    out.say(f"results folder: {run_dir} ({KIND})")
+    raws = {}
+    for depth in depths or [layers]:
+        run_cfg = (
+            cfg if depth == layers else dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth))
+        )
+        if depths:
+            out.say(f"measuring {depth} of {layers} blocks")
+        (run_dir / REQUEST).write_text(json.dumps({"steps": steps, "warmup": warmup, "depth": depth}))
+        if depth != layers:
+            save_config(run_cfg, run_dir / f"config_{depth}_blocks.yaml")
+        if cfg.distributed.nproc == 1:
+            from trainbench.distributed import init_distributed
+            from trainbench.train.bench import measure
+
+            info = init_distributed(device, cfg.distributed.backend, cfg.distributed.timeout_s)
+            raw = measure(run_cfg, bench, run_dir, info, steps, warmup)
+            (run_dir / RAW.format(depth=depth)).write_text(json.dumps(raw, indent=2))
+        else:
+            _torchrun(run_cfg, run_dir, depth)
+        raws[depth] = json.loads((run_dir / RAW.format(depth=depth)).read_text())
+    return run_dir, raws, layers, depths
+
+
+def _torchrun(cfg: RunConfig, run_dir: Path, depth: int) -> None:
+    from trainbench.distributed import available_slots
+
+    nproc = cfg.distributed.nproc
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, available_slots("cpu") // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
+           "-m", "trainbench.launch.worker", str(run_dir), "0", "--bench"]  # fmt: skip
+    code = subprocess.run(cmd, env=env).returncode
+    if code != 0 or not (run_dir / RAW.format(depth=depth)).exists():
+        raise UserError(f"the measurement failed under torchrun (exit code {code}); see the messages above and "
+                        f"{run_dir / CONSOLE}")  # fmt: skip

@@ -1,0 +1,187 @@
+"""The report of a throughput measurement's folder (`trainbench bench`): its figures, plainly labelled as a throughput
+measurement, never a time-to-train result; two such folders side by side. `check` and `package` refuse one."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from trainbench.benchmarks.base import Benchmark
+from trainbench.config import RunConfig
+from trainbench.errors import UserError
+from trainbench.runfiles import CONFIG
+
+BENCH = "bench.json"
+
+
+def is_bench(folder: Path) -> bool:
+    return (Path(folder) / BENCH).is_file()
+
+
+def refuse(folder: Path, what: str) -> None:
+    """One sentence where ``folder`` is a throughput measurement's, which ``what`` (check, package) cannot take."""
+    if is_bench(folder):
+        raise UserError(f"{folder} is a throughput measurement (trainbench bench), not a run: it has no MLPerf log to "
+                        f"{what}")  # fmt: skip
+
+
+def read(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(folder) / BENCH).read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{Path(folder) / BENCH} cannot be read ({exc})") from None
+
+
+def _num(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+FIGURES = (
+    ("tokens/s", "tokens_per_s"),
+    ("tokens/s per rank", "tokens_per_s_per_rank"),
+    ("samples/s", "samples_per_s"),
+    ("step (s)", "step_seconds"),
+    ("MFU", "mfu"),
+    ("peak memory (GiB)", "peak_memory_gib"),
+    ("energy per token (J)", "energy_joules_per_token"),
+    ("eval (s per sample)", "eval_seconds_per_sample"),
+)
+
+
+def rows(result: dict[str, Any]) -> list[list[str]]:
+    out = [[label, _num(result.get(key))] for label, key in FIGURES]
+    p = result.get("projection")
+    out.append(["projected time to train (min)", _num(p["minutes"]) if p else "-"])
+    return out
+
+
+def heading(result: dict[str, Any]) -> str:
+    blocks = result.get("blocks_measured")
+    how = result["figures"] + (f" from {', '.join(map(str, blocks))} of {result['blocks']} blocks" if blocks else "")
+    return (f"{result['benchmark']}/{result['preset']} on {result['ranks']} x {result['device']}: "
+            f"{result['kind']}; figures {how}")  # fmt: skip
+
+
+def write(folder: Path) -> tuple[Path, Path, dict[str, Any]]:
+    """report.md and report.html of a measurement's folder."""
+    folder = Path(folder)
+    result = read(folder)
+    config = (folder / CONFIG).read_text(errors="replace") if (folder / CONFIG).exists() else ""
+    body = rows(result)
+    projection = result.get("projection")
+    if projection:
+        notes = [
+            f"Projection: the reference convergence points of ruleset {result['ruleset']} at global batch "
+            f"{result['global_batch_size']}, the measured rate and eval time; a projection, not a result."
+        ]
+    else:
+        notes = ["No projection: a scaled-down preset, or no reference convergence points at this batch."]
+    md = [f"# {heading(result)}", "", "| figure | value |", "| --- | --- |"]
+    md += [f"| {a} | {b} |" for a, b in body] + ["", *notes, "", "## Config", "", "```yaml", config.rstrip(), "```", ""]
+    md_path = folder / "report.md"
+    md_path.write_text("\n".join(md))
+    esc = html.escape
+    table = "".join(f"<tr><td>{esc(a)}</td><td>{esc(b)}</td></tr>" for a, b in body)
+    paragraphs = "".join(f"<p>{esc(n)}</p>" for n in notes)
+    page = (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(heading(result))}</title>'
+            "<style>body{font-family:sans-serif;margin:2em 3%}td{border:1px solid #bbb;padding:3px 8px}</style>"
+            f"</head><body><h1>{esc(heading(result))}</h1><table>{table}</table>{paragraphs}"
+            f"<h2>Config</h2><pre>{esc(config)}</pre></body></html>\n")  # fmt: skip
+    html_path = folder / "report.html"
+    html_path.write_text(page)
+    return md_path, html_path, result
+
+
+def compare(a: Path, b: Path) -> tuple[list[str], list[list[str]]]:
+    """Two measurements side by side, with the ratio B/A of each figure."""
+    ra, rb = read(a), read(b)
+    out = []
+    for label, key in FIGURES:
+        va, vb = ra.get(key), rb.get(key)
+        ratio = vb / va if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va else None
+        out.append([label, _num(va), _num(vb), _num(ratio, 3)])
+    return ["", f"A: {Path(a).name}", f"B: {Path(b).name}", "B/A"], out
+
+
+# Dense bf16 peak TFLOP/s of one GPU by its name, the MFU denominator NVIDIA uses for its MLPerf figures.
+BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "GH200": 989.4, "B200": 2250.0, "A100": 312.0}
+
+
+def peak_tflops(gpu_name: str | None) -> float | None:
+    for key, value in BF16_PEAK_TFLOPS.items():
+        if gpu_name and key in gpu_name:
+            return value
+    return None
+
+
+def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: int | None,
+              depths: list[int] | None) -> dict[str, Any]:  # fmt: skip
+    """bench.json: the figures at the model's depth, measured or (``depths``) extrapolated from the truncated ones by
+    a straight line of step time against blocks."""
+    from trainbench.launch.bench import KIND
+    from trainbench.report.projection import project
+    from trainbench.telemetry import gpus
+
+    gpu_count, gpu_name, _ = gpus()
+    ranks = cfg.distributed.world_size
+    per_sample = bench.tokens_per_sample(cfg)
+    gbs = cfg.data.global_batch_size
+    if depths:
+        xs = sorted(raws)
+        secs = [raws[d]["seconds"] / raws[d]["steps"] for d in xs]
+        slope = (secs[-1] - secs[0]) / (xs[-1] - xs[0])
+        step_s = secs[0] + slope * (layers - xs[0])
+        evals = [raws[d]["eval_seconds_per_sample"] for d in xs]
+        eval_s = evals[0] + (evals[-1] - evals[0]) / (xs[-1] - xs[0]) * (layers - xs[0])
+        measured = "extrapolated"
+    else:
+        raw = raws[layers]
+        step_s, eval_s, measured = raw["seconds"] / raw["steps"], raw["eval_seconds_per_sample"], "measured"
+    samples_per_s = gbs / step_s
+    flops = bench.flops_per_sample(cfg)
+    peak = peak_tflops(gpu_name) if cfg.device != "cpu" and gpu_count else None
+    last = raws[max(raws)]
+    result: dict[str, Any] = {
+        "kind": KIND,
+        "benchmark": bench.name,
+        "preset": cfg.preset,
+        "figures": measured,
+        "blocks": layers,
+        "blocks_measured": sorted(raws) if depths else None,
+        "ranks": ranks,
+        "device": gpu_name if cfg.device != "cpu" and gpu_count else "cpu",
+        "global_batch_size": gbs,
+        "step_seconds": step_s,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * per_sample,
+        "samples_per_s_per_rank": samples_per_s / ranks,
+        "tokens_per_s_per_rank": samples_per_s * per_sample / ranks,
+        "mfu": flops * samples_per_s / ranks / (peak * 1e12) if flops and peak else None,
+        "peak_memory_gib": last["peak_memory_gib"],
+        "eval_seconds_per_sample": eval_s,
+        "energy_joules_per_token": None,
+        "steps": last["steps"],
+        "warmup": last["warmup"],
+        "raw": {str(d): r for d, r in sorted(raws.items())},
+    }
+    if not depths and "energy_joules" in last:
+        result["energy_joules_per_token"] = last["energy_joules"] / (gbs * last["steps"] * per_sample)
+    ruleset = bench.ruleset_of(cfg)
+    # Only the full model's rate says anything of the reference convergence points' samples to target.
+    full_size = bench.mlperf and not bench.scaled_down(cfg)
+    projection = project(bench.name, gbs, samples_per_s, eval_s * last["eval_samples"], ruleset) if full_size \
+        else None  # fmt: skip
+    result["ruleset"] = ruleset
+    result["projection"] = dataclasses.asdict(projection) | {"minutes": projection.minutes} if projection else None
+    return result
+
+
+def save(folder: Path, result: dict[str, Any]) -> None:
+    (Path(folder) / BENCH).write_text(json.dumps(result, indent=2) + "\n")

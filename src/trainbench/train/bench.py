@@ -1,0 +1,100 @@
+"""A throughput measurement (`trainbench bench`): the run's own model, placement, optimizer, step and eval on rows
+made in memory, timed after a warm-up. Never a time-to-train result: no MLPerf log is written."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainbench.benchmarks.base import Benchmark
+from trainbench.config import RunConfig
+from trainbench.console import RunConsole
+from trainbench.data.prefetch import pinned, prefetch
+from trainbench.distributed import DistInfo, all_reduce_sum
+from trainbench.runfiles import CONSOLE
+from trainbench.telemetry import run_energy
+from trainbench.train.duties import start_telemetry
+from trainbench.train.evaluate import evaluate
+from trainbench.train.loop import announce
+from trainbench.train.record import MLPerfRecord
+from trainbench.train.setup import build_run
+from trainbench.train.step import StepTotals, train_step
+
+
+def _sync(info: DistInfo) -> None:
+    if info.device.type == "cuda":
+        torch.cuda.synchronize(info.device)
+    if info.world_size > 1:
+        torch.distributed.barrier()
+
+
+def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, steps: int, warmup: int) -> dict[str, Any]:
+    """``warmup`` optimizer steps, then ``steps`` timed ones, then one eval batch timed (after one untimed); every
+    rank's figures summed. Returns rank 0's record of it (the same dict on every rank)."""
+    out = RunConsole(run_dir / CONSOLE, enabled=info.is_main)
+    run = build_run(cfg, bench, info, None, synthetic=True)
+    announce(out, cfg, bench, run, 0, info)
+    autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=run.bf16)
+    sampler = start_telemetry(cfg.output, run_dir, 0, info, out)
+    seconds, start_ms, stop_ms, loss = _timed_steps(cfg, bench, run, info, autocast, steps, warmup, out)
+    peak = torch.cuda.max_memory_allocated(info.device) / 2**30 if info.device.type == "cuda" else None
+    eval_seconds_per_row = _eval_seconds_per_row(bench, run, info, autocast)
+    if sampler is not None:
+        sampler.stop()
+    samples = cfg.data.global_batch_size * steps
+    result = {
+        "steps": steps,
+        "warmup": warmup,
+        "seconds": seconds,
+        "samples_per_s": samples / seconds,
+        "tokens_per_s": samples * bench.tokens_per_sample(cfg) / seconds,
+        "mean_loss": loss,
+        "peak_memory_gib": peak,
+        "eval_seconds_per_sample": eval_seconds_per_row / info.world_size,  # each rank its own rows, side by side
+        "eval_samples": run.data.eval_samples,
+        "notes": run.placed.notes + bench.model_notes(cfg, info.device, run.bf16),
+    }
+    if info.is_main:
+        energy = run_energy(run_dir, start_ms, stop_ms)
+        if energy is not None:
+            result["energy_joules"] = energy["total_joules"]
+    return result
+
+
+def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, out) -> tuple[float, float, float, float]:
+    """(seconds of the timed steps, their start and stop in ms since the epoch, the mean loss of every step)."""
+    totals = StepTotals(info.device)
+    source = pinned(run.data.train, info.device) if info.device.type == "cuda" else run.data.train
+    batches = prefetch(source, cfg.data.prefetch)
+    run.placed.model.train()
+    try:
+        for i, step_batches in enumerate(batches):
+            if i == warmup:
+                _sync(info)
+                if info.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(info.device)
+                start, start_ms = time.perf_counter(), time.time() * 1000
+            if i == warmup + steps:
+                break
+            train_step(bench, run.placed, run.optimizer, step_batches, bench.lr_at(cfg, i), info, autocast, totals)
+            out.say(f"  step {i + 1} of {warmup + steps}{' (warm-up)' if i < warmup else ''}")
+        _sync(info)
+        seconds, stop_ms = time.perf_counter() - start, time.time() * 1000
+    finally:
+        batches.close()
+    return seconds, start_ms, stop_ms, float(all_reduce_sum(totals.loss_sum.clone(), info)) / (warmup + steps)
+
+
+def _eval_seconds_per_row(bench, run, info, autocast) -> float:
+    """The eval's seconds per row of this rank, timed on its eval batch after one untimed pass (which compiles)."""
+    record = MLPerfRecord(None, fresh=True)  # the eval's events go nowhere: no MLPerf log
+    rows = sum(len(next(iter(b.values()))) for b in run.data.eval)
+    evaluate(bench, run.placed.model, run.data.eval, info, autocast, record, 0)
+    _sync(info)
+    t = time.perf_counter()
+    evaluate(bench, run.placed.model, run.data.eval, info, autocast, record, 0)
+    _sync(info)
+    return (time.perf_counter() - t) / rows

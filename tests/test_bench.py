@@ -1,0 +1,92 @@
+"""`trainbench bench`: the throughput of each benchmark's tiny preset through the run's own code (placement, step,
+eval) on rows made in memory; bench.json's fields; --blocks extrapolation, labelled so; the report of a measurement's
+folder; check and package refusing one; bad input in one sentence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import only_run_dir, run_cli
+
+QUICK = ["--steps", "2", "--warmup", "1", "progress=false", "telemetry_hz=0"]
+FIELDS = {"kind", "benchmark", "preset", "figures", "blocks", "blocks_measured", "ranks", "device", "global_batch_size",
+          "step_seconds", "samples_per_s", "tokens_per_s", "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu",
+          "peak_memory_gib", "eval_seconds_per_sample", "energy_joules_per_token", "steps", "warmup", "raw", "ruleset",
+          "projection"}  # fmt: skip
+
+
+def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:
+    assert run_cli("bench", benchmark, "--preset", "tiny", *QUICK, f"output.results_dir={results}", *extra) == 0
+    folder = only_run_dir(results)
+    return folder, json.loads((folder / "bench.json").read_text())
+
+
+@pytest.mark.parametrize("benchmark", ["bert", "llama31_8b", "gpt3", "llama2_70b_lora"])
+def test_each_tiny_preset_is_measured_on_one_rank(benchmark, tmp_path, capsys):
+    folder, result = measured(benchmark, tmp_path / "r")
+    printed = capsys.readouterr().out
+    assert set(result) == FIELDS
+    assert result["kind"].startswith("throughput measurement") and "not a time-to-train result" in result["kind"]
+    assert result["figures"] == "measured" and result["ranks"] == 1 and result["device"] == "cpu"
+    assert result["steps"] == 2 and result["warmup"] == 1
+    raw = next(iter(result["raw"].values()))
+    assert result["samples_per_s"] == pytest.approx(result["global_batch_size"] * 2 / raw["seconds"])
+    assert result["tokens_per_s"] > result["samples_per_s"] > 0 and result["eval_seconds_per_sample"] > 0
+    assert result["projection"] is None  # a scaled-down preset's rate says nothing of the reference's samples
+    assert raw["mean_loss"] > 0 and not (folder / "result_0.txt").exists()  # trained; no MLPerf log written
+    assert "not a time-to-train result" in printed and "tokens/s" in printed
+
+
+def test_a_measurement_is_reported_and_compared_but_never_checked_or_packaged(tmp_path, capsys):
+    a, _ = measured("llama31_8b", tmp_path / "a")
+    b, _ = measured("llama31_8b", tmp_path / "b")
+    capsys.readouterr()
+    assert run_cli("report", a) == 0
+    report = (a / "report.md").read_text()
+    assert "throughput measurement (trainbench bench): not a time-to-train result" in report
+    assert "tokens/s" in report and "No projection" in report and (a / "report.html").exists()
+    assert run_cli("report", a, b) == 0 and "B/A" in capsys.readouterr().out
+    for command in (("check", a), ("package", a, "--org", "o", "--system", "s", "--out", tmp_path / "pkg")):
+        assert run_cli(*command) == 2
+        assert "is a throughput measurement (trainbench bench), not a run" in capsys.readouterr().out
+    assert not (tmp_path / "pkg").exists()
+
+
+def test_truncated_depths_are_extrapolated_and_labelled_so(tmp_path, capsys):
+    folder, result = measured("llama31_8b", tmp_path / "r", "--blocks", "1,2", "model.num_layers=4")
+    printed = capsys.readouterr().out
+    assert result["figures"] == "extrapolated" and result["blocks_measured"] == [1, 2] and result["blocks"] == 4
+    one, two = (result["raw"][d]["seconds"] / result["raw"][d]["steps"] for d in ("1", "2"))
+    assert result["step_seconds"] == pytest.approx(one + (two - one) * 3)  # a straight line through both, at 4
+    assert "(extrapolated from 1, 2 of 4 blocks" in printed
+    assert run_cli("report", folder) == 0 and "figures extrapolated from 1, 2 of 4 blocks" in (
+        folder / "report.md").read_text()  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["nope"], "unknown benchmark 'nope'"),
+        (["bert", "--preset", "huge"], "has no preset 'huge'"),
+        (["bert", "--preset", "tiny", "--steps", "0"], "--steps must be at least 1"),
+        (["llama31_8b", "--preset", "tiny", "--blocks", "1,9"], "the model has 2 blocks"),
+        (["llama31_8b", "--preset", "tiny", "--blocks", "2"], "give at least two different depths"),
+        (["llama31_8b", "--preset", "tiny", "--blocks", "a,b"], "give block counts as integers"),
+        (["bert", "--preset", "tiny", "--warmup", "-1"], "--warmup must be 0 or more"),
+    ],
+)
+def test_bad_input_is_one_sentence_and_exit_2_before_any_folder(args, says, tmp_path, capsys):
+    assert run_cli("bench", *args, f"output.results_dir={tmp_path / 'r'}") == 2
+    out = capsys.readouterr().out
+    assert says in out and "Traceback" not in out, out
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("benchmark", ["bert", "llama31_8b", "llama2_70b_lora"])
+def test_each_tiny_preset_is_measured_on_two_ranks(benchmark, tmp_path):
+    _, result = measured(benchmark, tmp_path / "r", "--nproc", "2")
+    assert result["ranks"] == 2 and result["figures"] == "measured"
+    assert result["samples_per_s_per_rank"] == pytest.approx(result["samples_per_s"] / 2)
