@@ -29,7 +29,9 @@ SHARED = REPO.parent / "shared" / "data"
 def documented() -> list[tuple[str, str]]:
     """(where, command line) of every documented command."""
     sources = {p.relative_to(REPO).as_posix(): p.read_text() for p in [REPO / "README.md", *REPO.glob("docs/*.md")]}
-    sources |= {f"trainbench {n} --help": getattr(cli, f"EXAMPLES_{n.upper()}") for n in ("run", "submit", "prepare")}
+    sources |= {
+        f"trainbench {n} --help": getattr(cli, f"EXAMPLES_{n.upper()}") for n in ("run", "submit", "prepare", "bench")
+    }
     sources |= {f"trainbench prepare {b.name} --help": b.prepare_examples for b in BENCHMARKS.values()}
     found = []
     for where, text in sources.items():
@@ -125,6 +127,16 @@ def test_a_documented_command_runs_as_written(where, command, sandbox, monkeypat
         args = shlex.split(command.replace(" ... ", " --input corpus --out data/out "))[1:]
         parsed, extra = cli._parser().parse_known_args(args)
         assert parsed.command == "prepare" and not extra, extra
+        return
+    if args[0] == "bench":  # a GPU's measurement at full size: its options and config are built and checked only
+        from trainbench.config import parse_key_values
+        from trainbench.launch.local import build_config
+
+        parsed, extra = cli._parser().parse_known_args(args)
+        preset = parsed.preset or registry()[parsed.benchmark].full_preset
+        bench, cfg = build_config(parsed.benchmark, preset, parsed.config,
+                                  parse_key_values([*parsed.overrides, *extra]))  # fmt: skip
+        assert parsed.steps >= 1 and bench.name == parsed.benchmark
         return
     if "wikitext-2" in command and not (sandbox / "wikitext-2").exists():
         pytest.skip("WikiText-2 is read from ../shared/data, absent here")

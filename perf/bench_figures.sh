@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# `trainbench bench` at full size on the GPU machine, each bench.json copied to $OUT/<name>.json with its console.
+#   perf/bench_figures.sh lora      the 70B LoRA, FP8 base, 40 blocks' activations offloaded, none recomputed
+#   perf/bench_figures.sh lora-perf the same configuration through perf/lora_throughput.py, for comparison
+#   perf/bench_figures.sh llm       Llama 3.1 8B in FP8, 2 and 6 blocks measured, extrapolated to 32
+#   perf/bench_figures.sh llm-row   the same with an optimizer step per row (global batch 1)
+#   perf/bench_figures.sh bert      BERT-large at MLPerf's batch (768 = 48 x 16 accumulation on one GPU)
+# Run from the repository root with trainbench importable (pip install -e . or PYTHONPATH=src).
+set -euo pipefail
+OUT=${OUT:-/tmp/bench_out}
+RESULTS=${RESULTS:-/tmp/bench_results}
+mkdir -p "$OUT" "$RESULTS"
+export PYTHONUNBUFFERED=1
+
+bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT
+    local name=$1
+    shift
+    python3 -m trainbench bench "$@" output.results_dir="$RESULTS/$name" progress=false 2>&1 | tee "$OUT/$name.log"
+    local folder
+    folder=$(ls -d "$RESULTS/$name"/*/ | tail -n 1)
+    cp "$folder/bench.json" "$OUT/$name.json"
+}
+
+for what in "$@"; do
+    case $what in
+    lora) bench lora llama2_70b_lora --preset llama2-70b model.base_precision=fp8 perf.compile=true \
+        perf.offload_blocks=40 --steps 2 --warmup 1 ;;
+    lora-perf) python3 perf/lora_throughput.py --mode fp8-one --checkpointed 0 --offloaded 40 --steps 5 --warmup 2 \
+        --out "$OUT/lora_perf.json" 2>&1 | tee "$OUT/lora_perf.log" ;;
+    llm) bench llm llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
+        --steps 3 --warmup 2 ;;
+    llm-row) bench llm_row llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
+        data.global_batch_size=1 --steps 8 --warmup 3 ;;  # an optimizer step per row, as perf/llm_throughput.py
+    bert) bench bert bert --preset large perf.compile=true --steps 5 --warmup 3 ;;
+    *) echo "unknown measurement $what (lora, lora-perf, llm, llm-row, bert)" >&2; exit 2 ;;
+    esac
+done
