@@ -95,9 +95,10 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
         *(f"export {k}={q(v)}" for k, v in env.items() if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)),
-        "state() {  # the job's state, for whoever reads the results folder",
+        "state() {  # the job's state, for whoever reads the results folder (written whole, then renamed)",
         '  printf \'{"job_id": "%s", "index": %s, "state": "%s", "exit_code": %s}\\n\' '
-        '"$SLURM_JOB_ID" "$INDEX" "$1" "$2" > "$RUN_DIR/slurm_$INDEX.json"',
+        '"$SLURM_JOB_ID" "$INDEX" "$1" "$2" > "$RUN_DIR/.slurm_$INDEX.json.$$" && '
+        'mv -f "$RUN_DIR/.slurm_$INDEX.json.$$" "$RUN_DIR/slurm_$INDEX.json"',
         "}",
         "on_term() {  # scancel or the time limit (the ranks checkpoint and stop too): record which",
         '  s=$(scontrol show job "$SLURM_JOB_ID" -o 2>/dev/null | grep -o "JobState=[A-Z_]*" | cut -d= -f2)',
@@ -488,9 +489,7 @@ def _resubmit(run_dir: Path, path: Path, time_limit: str | None) -> tuple[list[i
         command.append(f"--time={time_limit}")
     job_id = _run([*command, str(path)]).strip().split(";")[0]
     for i in left:  # until the job starts: no FAILED or CANCELLED of the last attempt left looking current
-        (run_dir / f"slurm_{i}.json").write_text(
-            json.dumps({"job_id": job_id, "index": i, "state": "PENDING", "exit_code": None}) + "\n"
-        )
+        write_state(run_dir, i, {"job_id": job_id, "index": i, "state": "PENDING", "exit_code": None})
     job["job_ids"] = [*ids, job_id]
     job["job_id"] = job_id
     write_job(run_dir, job)
@@ -508,10 +507,18 @@ def finish(run_dir: Path, index: int, rc: int) -> int:
     write_summary(bench, cfg, run_dir, records)
     # A log that holds run_stop is a whole result, even if a rank crashed on its way out after it.
     state = "COMPLETED" if rc == 0 or RunFiles(run_dir, index).finished else "FAILED"
-    (run_dir / f"slurm_{index}.json").write_text(
-        json.dumps({"index": index, "state": state, "exit_code": rc, "job_id": os.environ.get("SLURM_JOB_ID")}) + "\n"
+    write_state(
+        run_dir, index, {"index": index, "state": state, "exit_code": rc, "job_id": os.environ.get("SLURM_JOB_ID")}
     )
     return 0 if state == "COMPLETED" else rc
+
+
+def write_state(run_dir: Path, index: int, state: dict) -> None:
+    """``slurm_<index>.json``, written whole beside it and renamed over it: a reader never sees it half written."""
+    path = run_dir / f"slurm_{index}.json"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(state) + "\n")
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
