@@ -14,7 +14,7 @@ QUICK = ["--steps", "2", "--warmup", "1", "progress=false", "telemetry_hz=0"]
 FIELDS = {"kind", "benchmark", "preset", "figures", "blocks", "blocks_measured", "ranks", "device", "global_batch_size",
           "step_seconds", "samples_per_s", "tokens_per_s", "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu",
           "peak_memory_gib", "eval_seconds_per_sample", "energy_joules_per_token", "steps", "warmup", "raw", "ruleset",
-          "projection"}  # fmt: skip
+          "projection", "gpus"}  # fmt: skip
 
 
 def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:
@@ -35,6 +35,7 @@ def test_each_tiny_preset_is_measured_on_one_rank(benchmark, tmp_path, capsys):
     assert result["samples_per_s"] == pytest.approx(result["global_batch_size"] * 2 / raw["seconds"])
     assert result["tokens_per_s"] > result["samples_per_s"] > 0 and result["eval_seconds_per_sample"] > 0
     assert result["projection"] is None  # a scaled-down preset's rate says nothing of the reference's samples
+    assert result["gpus"] is None  # no GPU telemetry on a CPU
     assert raw["mean_loss"] > 0 and not (folder / "result_0.txt").exists()  # trained; no MLPerf log written
     assert "not a time-to-train result" in printed and "tokens/s" in printed
 
@@ -90,3 +91,22 @@ def test_each_tiny_preset_is_measured_on_two_ranks(benchmark, tmp_path):
     _, result = measured(benchmark, tmp_path / "r", "--nproc", "2")
     assert result["ranks"] == 2 and result["figures"] == "measured"
     assert result["samples_per_s_per_rank"] == pytest.approx(result["samples_per_s"] / 2)
+
+
+def test_a_model_that_does_not_fit_is_one_sentence_naming_what_would(tmp_path, capsys, monkeypatch):
+    """Out of GPU memory in the timed steps (stood in for here: the CPU has none to run out of)."""
+    import types
+
+    import torch
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 448.00 MiB.")
+
+    monkeypatch.setattr("trainbench.train.bench._timed_steps", out_of_memory)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=80 << 30)
+    )
+    assert run_cli("bench", "llama31_8b", "--preset", "tiny", *QUICK, f"output.results_dir={tmp_path}") == 2
+    out = capsys.readouterr().out
+    assert "llama31_8b/tiny does not fit in this GPU's 80 GiB at 2 blocks; measure fewer blocks" in out, out
+    assert "Traceback" not in out

@@ -321,6 +321,9 @@ def bench_summary(r: dict) -> str:
         extra.append(f"peak memory {r['peak_memory_gib']:.1f} GiB")
     if r["energy_joules_per_token"] is not None:
         extra.append(f"{r['energy_joules_per_token'] * 1e3:.2f} mJ per token")
+    for name, g in (r.get("gpus") or {}).items():
+        extra.append(f"{name}: {g['power_w']:.0f} W, SM {g['sm_clock_mhz']:.0f} MHz (medians), throttled by "
+                     f"{', '.join(g['throttle_reasons']) or 'nothing'}")  # fmt: skip
     if extra:
         lines.append("  " + ", ".join(extra))
     p = r["projection"]

@@ -169,6 +169,7 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "energy_joules_per_token": None,
         "steps": last["steps"],
         "warmup": last["warmup"],
+        "gpus": last.get("gpus") or None,  # the deepest measured depth's: power, SM clock, throttle reasons
         "raw": {str(d): r for d, r in sorted(raws.items())},
     }
     if not depths and "energy_joules" in last:

@@ -14,8 +14,9 @@ from trainbench.config import RunConfig
 from trainbench.console import RunConsole
 from trainbench.data.prefetch import pinned, prefetch
 from trainbench.distributed import DistInfo, all_reduce_sum
+from trainbench.errors import UserError
 from trainbench.runfiles import CONSOLE
-from trainbench.telemetry import run_energy
+from trainbench.telemetry import window_summary
 from trainbench.train.duties import start_telemetry
 from trainbench.train.evaluate import evaluate
 from trainbench.train.loop import announce
@@ -39,7 +40,15 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     announce(out, cfg, bench, run, 0, info)
     autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=run.bf16)
     sampler = start_telemetry(cfg.output, run_dir, 0, info, out)
-    seconds, start_ms, stop_ms, loss = _timed_steps(cfg, bench, run, info, autocast, steps, warmup, out)
+    try:
+        seconds, start_ms, stop_ms, loss = _timed_steps(cfg, bench, run, info, autocast, steps, warmup, out)
+    except torch.OutOfMemoryError:
+        gib = torch.cuda.get_device_properties(info.device).total_memory / 2**30
+        layers = getattr(cfg.model, "num_layers", None)
+        at = f" at {layers} blocks" if layers else ""
+        raise UserError(f"{bench.name}/{cfg.preset} does not fit in this GPU's {gib:.0f} GiB{at}; measure fewer "
+                        "blocks (--blocks 2,4), recompute or offload more (perf.*), or use more GPUs (--nproc)") \
+            from None  # fmt: skip
     peak = torch.cuda.max_memory_allocated(info.device) / 2**30 if info.device.type == "cuda" else None
     eval_seconds_per_row = _eval_seconds_per_row(bench, run, info, autocast)
     if sampler is not None:
@@ -57,10 +66,11 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         "eval_samples": run.data.eval_samples,
         "notes": run.placed.notes + bench.model_notes(cfg, info.device, run.bf16),
     }
-    if info.is_main:
-        energy = run_energy(run_dir, start_ms, stop_ms)
-        if energy is not None:
-            result["energy_joules"] = energy["total_joules"]
+    if info.is_main:  # this node's GPUs over the timed steps: median power and SM clock, throttle reasons, energy
+        result["gpus"] = window_summary(run_dir, start_ms, stop_ms)
+        energies = [g["energy_j"] for g in result["gpus"].values() if g["energy_j"] is not None]
+        if energies:
+            result["energy_joules"] = sum(energies)
     return result
 
 
