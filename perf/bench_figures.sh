@@ -5,6 +5,7 @@
 #   perf/bench_figures.sh llm       Llama 3.1 8B in FP8, 2 and 6 blocks measured, extrapolated to 32
 #   perf/bench_figures.sh llm-row   the same with an optimizer step per row (global batch 1)
 #   perf/bench_figures.sh bert      BERT-large at MLPerf's batch (768 = 48 x 16 accumulation on one GPU)
+#   perf/bench_figures.sh llm-hf bert-hf lora-hf   the same with HF transformers (+ peft) beside, --compare hf
 # Run from the repository root with trainbench importable (pip install -e . or PYTHONPATH=src).
 set -euo pipefail
 OUT=${OUT:-/tmp/bench_out}
@@ -32,6 +33,11 @@ for what in "$@"; do
     llm-row) bench llm_row llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
         data.global_batch_size=1 --steps 8 --warmup 3 ;;  # an optimizer step per row, as perf/llm_throughput.py
     bert) bench bert bert --preset large perf.compile=true --steps 5 --warmup 3 ;;
-    *) echo "unknown measurement $what (lora, lora-perf, llm, llm-row, bert)" >&2; exit 2 ;;
+    llm-hf) bench llm_hf llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
+        --steps 3 --warmup 2 --compare hf ;;
+    bert-hf) bench bert_hf bert --preset large perf.compile=true --steps 2 --warmup 1 --compare hf ;;
+    lora-hf) bench lora_hf llama2_70b_lora --preset llama2-70b model.base_precision=fp8 perf.compile=true \
+        --blocks 4,8 --steps 2 --warmup 1 --compare hf ;;
+    *) echo "unknown measurement $what (lora, lora-perf, llm, llm-row, bert, llm-hf, bert-hf, lora-hf)" >&2; exit 2 ;;
     esac
 done

@@ -14,7 +14,7 @@ QUICK = ["--steps", "2", "--warmup", "1", "progress=false", "telemetry_hz=0"]
 FIELDS = {"kind", "benchmark", "preset", "figures", "blocks", "blocks_measured", "ranks", "device", "global_batch_size",
           "step_seconds", "samples_per_s", "tokens_per_s", "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu",
           "peak_memory_gib", "eval_seconds_per_sample", "energy_joules_per_token", "steps", "warmup", "raw", "ruleset",
-          "projection", "gpus"}  # fmt: skip
+          "projection", "gpus", "compare"}  # fmt: skip
 
 
 def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:
@@ -110,3 +110,68 @@ def test_a_model_that_does_not_fit_is_one_sentence_naming_what_would(tmp_path, c
     out = capsys.readouterr().out
     assert "llama31_8b/tiny does not fit in this GPU's 80 GiB at 2 blocks; measure fewer blocks" in out, out
     assert "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["gpt3"], "transformers has no model of gpt3's architecture"),
+        (["llama31_8b", "--nproc", "2"], "--compare hf runs in one process"),
+    ],
+)
+def test_compare_hf_where_it_cannot_run_is_one_sentence(args, says, tmp_path, capsys):
+    assert run_cli("bench", *args, "--preset", "tiny", "--compare", "hf", f"output.results_dir={tmp_path / 'r'}") == 2
+    assert says in capsys.readouterr().out
+    assert not (tmp_path / "r").exists()
+
+
+def test_compare_hf_without_transformers_installed_says_what_to_install(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    assert run_cli("bench", "llama2_70b_lora", "--preset", "tiny", "--compare", "hf",
+                   f"output.results_dir={tmp_path / 'r'}") == 2  # fmt: skip
+    assert "--compare hf needs peft: pip install peft" in capsys.readouterr().out
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.full
+def test_compare_hf_times_transformers_and_peft_beside_ours(tmp_path, capsys):
+    """HF's model of the same config with peft's adapters, eager and compiled, on the same rows: its rate and ours
+    over it."""
+    _, result = measured("llama2_70b_lora", tmp_path / "r", "--compare", "hf")
+    assert set(result["compare"]) == {"hf_eager", "hf_compiled"}
+    for peer in result["compare"].values():
+        assert "error" not in peer, peer
+        assert peer["tokens_per_s"] > 0 and peer["ours_over_it"] == pytest.approx(
+            peer["step_seconds"] / result["step_seconds"])  # fmt: skip
+    assert "hf_compiled: " in capsys.readouterr().out
+
+
+def test_our_rows_become_the_inputs_hf_trains_on_with_the_same_loss_positions():
+    """HF shifts its labels itself: the tokens HF is asked to predict are those our loss counts."""
+    import torch
+
+    from trainbench.benchmarks import get_benchmark
+    from trainbench.train.compare_hf import IGNORE, inputs
+
+    cpu = torch.device("cpu")
+    for name, family in (("llama2_70b_lora", "llama_lora"), ("llama31_8b", "llama"), ("bert", "bert")):
+        bench = get_benchmark(name)
+        cfg = bench.config("tiny")
+        batch = next(iter(bench.bench_data(cfg, 0, 1).train))[0]
+        hf = inputs(family, batch, cpu)
+        if family == "bert":
+            valid = batch["masked_lm_positions"] > 0
+            rows, cols = valid.nonzero()
+            picked = hf["labels"][rows, batch["masked_lm_positions"][rows, cols]]
+            assert picked.tolist() == batch["masked_lm_ids"][rows, cols].tolist()
+            assert int((hf["labels"] != IGNORE).sum()) == int(valid.sum())
+        elif family == "llama":
+            assert hf["input_ids"].shape == (len(batch["tokens"]), cfg.data.seq_length)
+        else:  # our targets[t] is token t+1 where the loss counts; HF's label at t+1 is that token
+            ours = batch["targets"][:, :-1] != IGNORE
+            assert (hf["labels"][:, 1:] != IGNORE).numpy().tolist() == ours.tolist()
+            assert int(ours.sum()) > 0 and (hf["labels"][:, 1:][torch.as_tensor(ours)] ==
+                                            torch.as_tensor(batch["tokens"][:, 1:][ours])).all()  # fmt: skip

@@ -133,6 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--blocks", metavar="N,M", help="measure these truncated depths and extrapolate to the "
                        "model's (a model that does not fit); every figure is then labelled extrapolated")  # fmt: skip
     bench.add_argument("--ruleset", help="ruleset whose reference convergence points the projection uses")
+    bench.add_argument("--compare", choices=("hf",), help="hf: also time HF transformers (+ peft for LoRA), eager and "
+                       "compiled, at the same shape and depth, in the same call (one process)")  # fmt: skip
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
     subm = sub.add_parser(
@@ -298,8 +300,8 @@ def cmd_bench(args) -> int:
         overrides["output.ruleset"] = args.ruleset
     preset = args.preset or get_benchmark(args.benchmark).full_preset
     bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
-    run_dir, raws, layers, depths = run_bench(bench, cfg, args.steps, args.warmup, args.blocks)
-    result = bench_report.summarise(bench, cfg, raws, layers, depths)
+    run_dir, raws, layers, depths, peers = run_bench(bench, cfg, args.steps, args.warmup, args.blocks, args.compare)
+    result = bench_report.summarise(bench, cfg, raws, layers, depths, peers)
     bench_report.save(run_dir, result)
     console.print(bench_summary(result), markup=False)
     console.print(f"results: {run_dir}  ({run_dir / 'bench.json'})")
@@ -326,6 +328,9 @@ def bench_summary(r: dict) -> str:
                      f"{', '.join(g['throttle_reasons']) or 'nothing'}")  # fmt: skip
     if extra:
         lines.append("  " + ", ".join(extra))
+    for name, peer in (r.get("compare") or {}).items():
+        lines.append(f"  {name}: " + (peer["error"] if "error" in peer else f"{peer['tokens_per_s']:,.0f} tokens/s; "
+                                      f"ours {peer['ours_over_it']:.2f}x its rate"))  # fmt: skip
     p = r["projection"]
     if p:
         lines.append(f"  projected time to train ({r['figures']}, ruleset {r['ruleset']}): {p['minutes']:.1f} min "

@@ -37,10 +37,11 @@ def parse_blocks(text: str | None, layers: int) -> list[int] | None:
     return depths
 
 
-def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int,
-              blocks: str | None) -> tuple[Path, dict[int, dict], int | None, list[int] | None]:  # fmt: skip
-    """Measure, into a new results folder; returns the folder, rank 0's figures by depth measured, the model's depth
-    and the truncated depths measured (None: the model's own)."""
+def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks: str | None,
+              compare: str | None = None) -> tuple[Path, dict, int | None, list[int] | None, dict]:  # fmt: skip
+    """Measure, into a new results folder; returns the folder, rank 0's figures by depth measured, the model's depth,
+    the truncated depths measured (None: the model's own) and the peers' figures (``compare="hf"``: HF's, eager and
+    compiled, by depth)."""
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
     if warmup < 0:
@@ -51,13 +52,20 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int,
     depths = parse_blocks(blocks, layers) if layers is not None else None
     if blocks is not None and layers is None:
         raise UserError(f"--blocks: {bench.name}'s model has no blocks to truncate")
+    family = None
+    if compare is not None:
+        from trainbench.train import compare_hf
+
+        if compare != "hf":
+            raise UserError(f"--compare {compare}: the one peer trainbench measures is hf (transformers, peft)")
+        family = compare_hf.require(bench, cfg)
     allocator_settings(bench)
     device = preflight_device(cfg)
     run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-bench")
     save_config(cfg, run_dir / CONFIG)
     out = RunConsole(run_dir / CONSOLE)
     out.say(f"results folder: {run_dir} ({KIND})")
-    raws = {}
+    raws, peers = {}, {}
     for depth in depths or [layers]:
         run_cfg = (
             cfg if depth == layers else dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth))
@@ -77,7 +85,28 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int,
         else:
             _torchrun(run_cfg, run_dir, depth)
         raws[depth] = json.loads((run_dir / RAW.format(depth=depth)).read_text())
-    return run_dir, raws, layers, depths
+        if family is not None:
+            _compare_at(bench, run_cfg, family, steps, warmup, device, peers, depth, out)
+    return run_dir, raws, layers, depths, peers
+
+
+def _compare_at(bench, cfg, family, steps, warmup, device, peers, depth, out) -> None:
+    """HF's eager and compiled steps at ``depth``, after ours has let go of the GPU."""
+    import gc
+
+    import torch
+
+    from trainbench.train import compare_hf
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    for compiled in (False, True):
+        name = f"hf_{'compiled' if compiled else 'eager'}"
+        out.say(f"measuring {name} ({family}){f' at {depth} blocks' if depth else ''}")
+        peers.setdefault(name, {})[depth] = compare_hf.measure(bench, cfg, family, compiled, steps, warmup,
+                                                               torch.device(device, 0) if device == "cuda"
+                                                               else torch.device("cpu"))  # fmt: skip
 
 
 def _torchrun(cfg: RunConfig, run_dir: Path, depth: int) -> None:

@@ -121,8 +121,32 @@ def peak_tflops(gpu_name: str | None) -> float | None:
     return None
 
 
+def at_depth(values: dict[int | None, float], layers: int | None) -> float:
+    """The value at the model's depth: measured there, or on the straight line through the shallowest and the
+    deepest truncated depths measured."""
+    if layers in values:
+        return values[layers]
+    lo, hi = min(values), max(values)
+    return values[lo] + (values[hi] - values[lo]) / (hi - lo) * (layers - lo)
+
+
+def compared(peers: dict[str, dict[int | None, dict]], layers: int | None, gbs: int, per_sample: int,
+             ours_step_s: float) -> dict[str, Any]:  # fmt: skip
+    """Each peer's (HF's) figures at the model's depth, as ours are taken, and ours over its rate."""
+    out = {}
+    for name, by_depth in peers.items():
+        failed = next((r["error"] for r in by_depth.values() if "error" in r), None)
+        if failed:
+            out[name] = {"error": failed}
+            continue
+        step_s = at_depth({d: r["seconds"] / r["steps"] for d, r in by_depth.items()}, layers)
+        out[name] = {"step_seconds": step_s, "tokens_per_s": gbs / step_s * per_sample, "ours_over_it": step_s /
+                     ours_step_s, "peak_memory_gib": by_depth[max(by_depth)]["peak_memory_gib"]}  # fmt: skip
+    return out
+
+
 def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: int | None,
-              depths: list[int] | None) -> dict[str, Any]:  # fmt: skip
+              depths: list[int] | None, peers: dict[str, dict] | None = None) -> dict[str, Any]:  # fmt: skip
     """bench.json: the figures at the model's depth, measured or (``depths``) extrapolated from the truncated ones by
     a straight line of step time against blocks."""
     from trainbench.launch.bench import KIND
@@ -133,17 +157,9 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
     ranks = cfg.distributed.world_size
     per_sample = bench.tokens_per_sample(cfg)
     gbs = cfg.data.global_batch_size
-    if depths:
-        xs = sorted(raws)
-        secs = [raws[d]["seconds"] / raws[d]["steps"] for d in xs]
-        slope = (secs[-1] - secs[0]) / (xs[-1] - xs[0])
-        step_s = secs[0] + slope * (layers - xs[0])
-        evals = [raws[d]["eval_seconds_per_sample"] for d in xs]
-        eval_s = evals[0] + (evals[-1] - evals[0]) / (xs[-1] - xs[0]) * (layers - xs[0])
-        measured = "extrapolated"
-    else:
-        raw = raws[layers]
-        step_s, eval_s, measured = raw["seconds"] / raw["steps"], raw["eval_seconds_per_sample"], "measured"
+    step_s = at_depth({d: r["seconds"] / r["steps"] for d, r in raws.items()}, layers)
+    eval_s = at_depth({d: r["eval_seconds_per_sample"] for d, r in raws.items()}, layers)
+    measured = "extrapolated" if depths else "measured"
     samples_per_s = gbs / step_s
     flops = bench.flops_per_sample(cfg)
     peak = peak_tflops(gpu_name) if cfg.device != "cpu" and gpu_count else None
@@ -169,6 +185,7 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "energy_joules_per_token": None,
         "steps": last["steps"],
         "warmup": last["warmup"],
+        "compare": compared(peers, layers, gbs, per_sample, step_s) if peers else None,
         "gpus": last.get("gpus") or None,  # the deepest measured depth's: power, SM clock, throttle reasons
         "raw": {str(d): r for d, r in sorted(raws.items())},
     }

@@ -1,0 +1,149 @@
+"""What users would run instead, timed the way `trainbench bench` times ours (``--compare hf``): HF `transformers`
+(`LlamaForCausalLM`, `BertForPreTraining`), with `peft`'s LoRA for the fine-tuning benchmark, built from the same
+config at the same depth, fed the same rows cut into the same micro-batches, trained with AdamW under bf16 autocast
+and the same gradient clip, eager and compiled. One process only; transformers and peft are optional."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainbench.benchmarks.base import Benchmark
+from trainbench.config import RunConfig
+from trainbench.errors import UserError
+
+IGNORE = -100
+
+
+def hf_family(bench: Benchmark, cfg: RunConfig) -> str | None:
+    """Which HF model stands beside ours: llama (a llama-architecture decoder), llama_lora, bert; None for none."""
+    model = cfg.model
+    if hasattr(model, "lora_rank"):
+        return "llama_lora" if model.arch == "llama" else None
+    if hasattr(model, "arch"):
+        return "llama" if model.arch == "llama" else None
+    if hasattr(model, "type_vocab_size"):
+        return "bert"
+    return None
+
+
+def require(bench: Benchmark, cfg: RunConfig) -> str:
+    """The HF family to compare with, or one sentence why none can run here."""
+    family = hf_family(bench, cfg)
+    if family is None:
+        raise UserError(f"--compare hf: transformers has no model of {bench.name}'s architecture to compare with")
+    needed = ["transformers"] + (["peft"] if family == "llama_lora" else [])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(f"--compare hf needs {' and '.join(missing)}: pip install {' '.join(missing)} "
+                        "(or pip install 'trainbench[test]')")  # fmt: skip
+    if cfg.distributed.world_size > 1:
+        raise UserError("--compare hf runs in one process: drop --nproc")
+    return family
+
+
+def build(family: str, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
+    import transformers
+
+    m = cfg.model
+    if family == "bert":
+        hf_cfg = transformers.BertConfig(
+            vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_heads, intermediate_size=m.intermediate_size,
+            max_position_embeddings=m.max_position_embeddings, type_vocab_size=m.type_vocab_size,
+            hidden_dropout_prob=m.hidden_dropout, attention_probs_dropout_prob=m.attention_dropout,
+            layer_norm_eps=m.layer_norm_eps, attn_implementation="sdpa",
+        )  # fmt: skip
+        return transformers.BertForPreTraining(hf_cfg).to(device).train()
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads, num_key_value_heads=m.kv_heads, intermediate_size=m.intermediate_size,
+        max_position_embeddings=cfg.data.seq_length, rope_theta=m.rope_theta, rms_norm_eps=m.norm_eps,
+        tie_word_embeddings=m.tie_embeddings, attn_implementation="sdpa",
+    )  # fmt: skip
+    if family == "llama":
+        return transformers.LlamaForCausalLM(hf_cfg).to(device).train()
+    import peft
+
+    # The frozen base in bf16 on a GPU (as users load it for LoRA), adapters on q, k, v and o (peft keeps them
+    # apart), gradient checkpointing on every block: how a 70B LoRA fits for HF users.
+    model = transformers.LlamaForCausalLM(hf_cfg).to(device=device, dtype=torch.bfloat16 if device.type == "cuda"
+                                                     else torch.float32)  # fmt: skip
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    targets = sorted({"q_proj", "k_proj", "v_proj"} if "qkv_proj" in m.targets else set()) + \
+        [t for t in m.targets if t != "qkv_proj"]  # fmt: skip
+    lora = peft.LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, bias="none",
+                           target_modules=targets)  # fmt: skip
+    model = peft.get_peft_model(model, lora)
+    for p in model.parameters():  # adapters in fp32, as ours
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model.train()
+
+
+def inputs(family: str, batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Our micro-batch as HF's keyword arguments (HF shifts the labels itself)."""
+    t = {k: torch.as_tensor(v).to(device) for k, v in batch.items()}
+    if family == "bert":
+        labels = torch.full_like(t["input_ids"], IGNORE).long()
+        valid = t["masked_lm_positions"] > 0
+        labels.scatter_(1, t["masked_lm_positions"].long() * valid, torch.where(valid, t["masked_lm_ids"].long(),
+                                                                                 IGNORE))  # fmt: skip
+        labels[:, 0] = IGNORE
+        return {"input_ids": t["input_ids"].long(), "token_type_ids": t["segment_ids"].long(),
+                "attention_mask": t["input_mask"].long(), "labels": labels,
+                "next_sentence_label": t["next_sentence_labels"].long()}  # fmt: skip
+    if family == "llama":
+        tokens = t["tokens"].long()[:, :-1]
+        return {"input_ids": tokens, "labels": tokens}
+    tokens, targets = t["tokens"].long(), t["targets"].long()
+    labels = torch.full_like(tokens, IGNORE)
+    labels[:, 1:] = torch.where(targets[:, :-1] != IGNORE, tokens[:, 1:], IGNORE)
+    return {"input_ids": tokens, "labels": labels}
+
+
+def measure(bench: Benchmark, cfg: RunConfig, family: str, compiled: bool, steps: int, warmup: int,
+            device: torch.device) -> dict[str, Any]:  # fmt: skip
+    """HF's seconds for ``steps`` optimizer steps of the global batch after ``warmup``; an out-of-memory is recorded
+    as such (HF's peer does not fit where ours does), not raised."""
+    torch.manual_seed(cfg.seed)
+    model = None
+    try:
+        model = build(family, cfg, device)
+        called = torch.compile(model) if compiled else model
+        params = [p for p in model.parameters() if p.requires_grad]
+        o = cfg.optimizer
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.epsilon, weight_decay=o.weight_decay,
+                                fused=device.type == "cuda")  # fmt: skip
+        data = bench.bench_data(cfg, 0, 1)
+        source = iter(data.train)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for i in range(warmup + steps):
+            if i == warmup:
+                torch.cuda.synchronize(device) if device.type == "cuda" else None
+                start = time.perf_counter()
+            micro = next(source)
+            for batch in micro:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                    loss = called(**inputs(family, batch, device)).loss / len(micro)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        return {"steps": steps, "warmup": warmup, "seconds": seconds, "peak_memory_gib": peak}
+    except torch.OutOfMemoryError as exc:
+        return {"error": f"out of memory: {str(exc).splitlines()[0]}"}
+    finally:
+        del model
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
