@@ -157,18 +157,18 @@ def test_our_rows_become_the_inputs_hf_trains_on_with_the_same_loss_positions():
     from trainbench.train.compare_hf import IGNORE, inputs
 
     cpu = torch.device("cpu")
-    for name, family in (("llama2_70b_lora", "llama_lora"), ("llama31_8b", "llama"), ("bert", "bert")):
+    for name, family in (("llama2_70b_lora", "decoder_lora"), ("llama31_8b", "decoder"), ("bert", "encoder")):
         bench = get_benchmark(name)
         cfg = bench.config("tiny")
         batch = next(iter(bench.bench_data(cfg, 0, 1).train))[0]
         hf = inputs(family, batch, cpu)
-        if family == "bert":
+        if family == "encoder":
             valid = batch["masked_lm_positions"] > 0
             rows, cols = valid.nonzero()
             picked = hf["labels"][rows, batch["masked_lm_positions"][rows, cols]]
             assert picked.tolist() == batch["masked_lm_ids"][rows, cols].tolist()
             assert int((hf["labels"] != IGNORE).sum()) == int(valid.sum())
-        elif family == "llama":
+        elif family == "decoder":
             assert hf["input_ids"].shape == (len(batch["tokens"]), cfg.data.seq_length)
         else:  # our targets[t] is token t+1 where the loss counts; HF's label at t+1 is that token
             ours = batch["targets"][:, :-1] != IGNORE

@@ -20,14 +20,15 @@ IGNORE = -100
 
 
 def hf_family(bench: Benchmark, cfg: RunConfig) -> str | None:
-    """Which HF model stands beside ours: llama (a llama-architecture decoder), llama_lora, bert; None for none."""
+    """Which HF model stands beside ours: decoder (a llama-architecture decoder), decoder_lora, encoder (BERT); None
+    for none."""
     model = cfg.model
     if hasattr(model, "lora_rank"):
-        return "llama_lora" if model.arch == "llama" else None
+        return "decoder_lora" if model.arch == "llama" else None
     if hasattr(model, "arch"):
-        return "llama" if model.arch == "llama" else None
+        return "decoder" if model.arch == "llama" else None
     if hasattr(model, "type_vocab_size"):
-        return "bert"
+        return "encoder"
     return None
 
 
@@ -36,7 +37,7 @@ def require(bench: Benchmark, cfg: RunConfig) -> str:
     family = hf_family(bench, cfg)
     if family is None:
         raise UserError(f"--compare hf: transformers has no model of {bench.name}'s architecture to compare with")
-    needed = ["transformers"] + (["peft"] if family == "llama_lora" else [])
+    needed = ["transformers"] + (["peft"] if family == "decoder_lora" else [])
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         raise UserError(f"--compare hf needs {' and '.join(missing)}: pip install {' '.join(missing)} "
@@ -50,7 +51,7 @@ def build(family: str, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     import transformers
 
     m = cfg.model
-    if family == "bert":
+    if family == "encoder":
         hf_cfg = transformers.BertConfig(
             vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
             num_attention_heads=m.num_heads, intermediate_size=m.intermediate_size,
@@ -65,7 +66,7 @@ def build(family: str, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
         max_position_embeddings=cfg.data.seq_length, rope_theta=m.rope_theta, rms_norm_eps=m.norm_eps,
         tie_word_embeddings=m.tie_embeddings, attn_implementation="sdpa",
     )  # fmt: skip
-    if family == "llama":
+    if family == "decoder":
         return transformers.LlamaForCausalLM(hf_cfg).to(device).train()
     import peft
 
@@ -89,7 +90,7 @@ def build(family: str, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
 def inputs(family: str, batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """Our micro-batch as HF's keyword arguments (HF shifts the labels itself)."""
     t = {k: torch.as_tensor(v).to(device) for k, v in batch.items()}
-    if family == "bert":
+    if family == "encoder":
         labels = torch.full_like(t["input_ids"], IGNORE).long()
         valid = t["masked_lm_positions"] > 0
         labels.scatter_(1, t["masked_lm_positions"].long() * valid, torch.where(valid, t["masked_lm_ids"].long(),
@@ -98,7 +99,7 @@ def inputs(family: str, batch: dict[str, np.ndarray], device: torch.device) -> d
         return {"input_ids": t["input_ids"].long(), "token_type_ids": t["segment_ids"].long(),
                 "attention_mask": t["input_mask"].long(), "labels": labels,
                 "next_sentence_label": t["next_sentence_labels"].long()}  # fmt: skip
-    if family == "llama":
+    if family == "decoder":
         tokens = t["tokens"].long()[:, :-1]
         return {"input_ids": tokens, "labels": tokens}
     tokens, targets = t["tokens"].long(), t["targets"].long()
