@@ -259,16 +259,24 @@ def cmd_prepare(args) -> int:
     return get_benchmark(args.benchmark).prepare(args)
 
 
-def cmd_run(args) -> int:
-    from trainbench.config import apply_overrides, describe, parse_key_values
-    from trainbench.console import console
-    from trainbench.launch.local import build_config, run_experiments
+def _overrides(args) -> dict[str, str]:
+    """The key=value overrides of `run` or `bench`, with what --nproc and --ruleset set."""
+    from trainbench.config import parse_key_values
 
     overrides = parse_key_values(args.overrides)
     if args.nproc is not None:
         overrides["distributed.nproc"] = str(args.nproc)
     if args.ruleset is not None:
         overrides["output.ruleset"] = args.ruleset
+    return overrides
+
+
+def cmd_run(args) -> int:
+    from trainbench.config import apply_overrides, describe
+    from trainbench.console import console
+    from trainbench.launch.local import build_config, run_experiments
+
+    overrides = _overrides(args)
     if args.help_config:
         _, cfg = build_config(args.benchmark, args.preset, args.config, {})
         console.print(f"config keys of {args.benchmark} --preset {args.preset}:\n{describe(cfg)}")
@@ -287,17 +295,12 @@ def cmd_run(args) -> int:
 
 def cmd_bench(args) -> int:
     from trainbench.benchmarks import get_benchmark
-    from trainbench.config import parse_key_values
     from trainbench.console import console
     from trainbench.launch.bench import run_bench
     from trainbench.launch.local import build_config
     from trainbench.report import bench_report
 
-    overrides = parse_key_values(args.overrides)
-    if args.nproc is not None:
-        overrides["distributed.nproc"] = str(args.nproc)
-    if args.ruleset is not None:
-        overrides["output.ruleset"] = args.ruleset
+    overrides = _overrides(args)
     preset = args.preset or get_benchmark(args.benchmark).full_preset
     bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
     run_dir, raws, layers, depths, peers = run_bench(bench, cfg, args.steps, args.warmup, args.blocks, args.compare)

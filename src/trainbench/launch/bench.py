@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, save_config
 from trainbench.console import RunConsole
 from trainbench.errors import ConfigError, UserError
-from trainbench.launch.local import allocator_settings, new_run_dir, preflight_device
+from trainbench.launch.local import allocator_settings, new_run_dir, preflight_device, torchrun_worker
 from trainbench.runfiles import CONFIG, CONSOLE
 
 REQUEST = "bench_request.json"
@@ -110,13 +108,7 @@ def _compare_at(bench, cfg, family, steps, warmup, device, peers, depth, out) ->
 
 
 def _torchrun(cfg: RunConfig, run_dir: Path, depth: int) -> None:
-    from trainbench.distributed import available_slots
-
-    nproc = cfg.distributed.nproc
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, available_slots("cpu") // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
-           "-m", "trainbench.launch.worker", str(run_dir), "0", "--bench"]  # fmt: skip
+    cmd, env = torchrun_worker(cfg.distributed.nproc, str(run_dir), "0", "--bench")
     code = subprocess.run(cmd, env=env).returncode
     if code != 0 or not (run_dir / RAW.format(depth=depth)).exists():
         raise UserError(f"the measurement failed under torchrun (exit code {code}); see the messages above and "

@@ -341,24 +341,19 @@ def _run_in_process(bench: Benchmark, cfg: RunConfig, run_dir: Path, index: int,
     train(cfg, bench, run_dir, index, info, resume=cfg.resume)
 
 
-def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
-    nproc = cfg.distributed.nproc
+def torchrun_worker(nproc: int, *worker_args: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that start ``nproc`` ranks of ``trainbench.launch.worker WORKER_ARGS`` on this
+    node under torchrun, the cores shared out among them."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, available_slots("cpu") // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
+           "-m", "trainbench.launch.worker", *worker_args]  # fmt: skip
+    return cmd, env
+
+
+def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
+    cmd, env = torchrun_worker(cfg.distributed.nproc, str(run_dir), str(index), *(["--resume"] if cfg.resume else []))
     env[RUN_LOCKED] = "1"  # this process holds the run's lock for its ranks
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes=1",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "trainbench.launch.worker",
-        str(run_dir),
-        str(index),
-        *(["--resume"] if cfg.resume else []),
-    ]
     files = RunFiles(run_dir, index)
     files.preempted_marker.unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, env=env)
