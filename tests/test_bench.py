@@ -14,7 +14,7 @@ QUICK = ["--steps", "2", "--warmup", "1", "progress=false", "telemetry_hz=0"]
 FIELDS = {"kind", "benchmark", "preset", "figures", "blocks", "blocks_measured", "ranks", "device", "global_batch_size",
           "step_seconds", "samples_per_s", "tokens_per_s", "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu",
           "peak_memory_gib", "eval_seconds_per_sample", "energy_joules_per_token", "steps", "warmup", "raw", "ruleset",
-          "projection", "gpus", "compare"}  # fmt: skip
+          "projection", "gpus", "compare", "samples_per_step", "profile"}  # fmt: skip
 
 
 def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:
@@ -35,7 +35,8 @@ def test_each_tiny_preset_is_measured_on_one_rank(benchmark, tmp_path, capsys):
     assert result["samples_per_s"] == pytest.approx(result["global_batch_size"] * 2 / raw["seconds"])
     assert result["tokens_per_s"] > result["samples_per_s"] > 0 and result["eval_seconds_per_sample"] > 0
     assert result["projection"] is None  # a scaled-down preset's rate says nothing of the reference's samples
-    assert result["gpus"] is None  # no GPU telemetry on a CPU
+    assert result["gpus"] is None and result["profile"] is None  # no GPU telemetry or kernel profile on a CPU
+    assert result["samples_per_step"] == result["global_batch_size"]  # a row is a sample (no packed rows here)
     assert raw["mean_loss"] > 0 and not (folder / "result_0.txt").exists()  # trained; no MLPerf log written
     assert "not a time-to-train result" in printed and "tokens/s" in printed
 
@@ -76,6 +77,7 @@ def test_truncated_depths_are_extrapolated_and_labelled_so(tmp_path, capsys):
         (["llama31_8b", "--preset", "tiny", "--blocks", "2"], "give at least two different depths"),
         (["llama31_8b", "--preset", "tiny", "--blocks", "a,b"], "give block counts as integers"),
         (["bert", "--preset", "tiny", "--warmup", "-1"], "--warmup must be 0 or more"),
+        (["bert", "--preset", "tiny", "--profile-steps", "-2"], "--profile-steps must be 0 or more"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2_before_any_folder(args, says, tmp_path, capsys):
@@ -175,3 +177,40 @@ def test_our_rows_become_the_inputs_hf_trains_on_with_the_same_loss_positions():
             assert (hf["labels"][:, 1:] != IGNORE).numpy().tolist() == ours.tolist()
             assert int(ours.sum()) > 0 and (hf["labels"][:, 1:][torch.as_tensor(ours)] ==
                                             torch.as_tensor(batch["tokens"][:, 1:][ours])).all()  # fmt: skip
+
+
+def _trace(kernels: list[tuple[str, float, float]]) -> dict:
+    """A Chrome trace of GPU kernels: (name, start us, duration us)."""
+    return {"traceEvents": [{"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d} for n, t, d in kernels]}
+
+
+def test_a_profiled_step_is_split_and_its_kernels_grouped_by_kind():
+    from trainbench.report.bench_report import profile_at_depth
+    from trainbench.train.profiling import kernels_by_kind, timeline
+
+    def profiled(blocks: int) -> dict:
+        # 2 steps of: `blocks` FP8 GEMMs of 1 ms and attention of 0.5 ms, an AdamW kernel of 2 ms, an all-reduce of
+        # 1 ms that half overlaps the last GEMM, then 1 ms with nothing running
+        events, t = [], 0.0
+        for _ in range(2):
+            for _ in range(blocks):
+                events += [("sm90_xmma_gemm_e4m3", t, 1000), ("cudnn_flash_fprop", t + 1000, 500)]
+                t += 1500
+            events += [("ncclDevKernel_AllReduce", t - 500, 1000), ("multi_tensor_apply_adam", t + 500, 2000)]
+            t += 3500
+        trace = _trace(events)
+        return {"trace": f"profile_{blocks}_trace.json", "split": timeline(trace, 2)} | kernels_by_kind(trace, 2)
+
+    p2 = profiled(2)
+    assert p2["by_kind_ms"] == pytest.approx({"fp8 gemm": 2.0, "attention": 1.0, "optimizer": 2.0, "nccl": 1.0})
+    assert p2["kernels"][0]["kind"] in ("fp8 gemm", "optimizer") and p2["kernels"][0]["calls"] in (2, 1)
+    split = p2["split"]
+    assert split["comm_exposed_ms"] == pytest.approx(0.5)  # half the all-reduce ran beside the GEMM
+    assert split["compute_ms"] == pytest.approx(5.0) and split["idle_ms"] == pytest.approx(0.5)
+    raws = {2: {"profile": p2}, 6: {"profile": profiled(6)}}
+    at = profile_at_depth(raws, 32, [2, 6])
+    assert at["figures"] == "extrapolated" and at["traces"] == ["profile_2_trace.json", "profile_6_trace.json"]
+    assert at["block_by_kind_ms"] == pytest.approx({"fp8 gemm": 1.0, "attention": 0.5, "optimizer": 0, "nccl": 0})
+    assert at["by_kind_ms"]["fp8 gemm"] == pytest.approx(32.0) and at["split_ms"]["compute_ms"] == pytest.approx(50)
+    assert list(at["by_kind_ms"])[0] == "fp8 gemm"  # largest first
+    assert profile_at_depth({2: {"profile": None}}, 32, None) is None

@@ -132,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--nproc", type=int, help="processes on this node (GPUs or CPU ranks); >1 uses torchrun")
     bench.add_argument("--blocks", metavar="N,M", help="measure these truncated depths and extrapolate to the "
                        "model's (a model that does not fit); every figure is then labelled extrapolated")  # fmt: skip
+    bench.add_argument("--profile-steps", type=int, default=2, metavar="N",
+                       help="on a GPU, profile N more steps after the timed ones: the step's split (compute, exposed "
+                       "communication, idle) and its GPU time by kind of kernel (default 2; 0: none)")
     bench.add_argument("--ruleset", help="ruleset whose reference convergence points the projection uses")
     bench.add_argument("--compare", choices=("hf",), help="hf: also time HF transformers (+ peft for LoRA), eager and "
                        "compiled, at the same shape and depth, in the same call (one process)")  # fmt: skip
@@ -303,7 +306,8 @@ def cmd_bench(args) -> int:
     overrides = _overrides(args)
     preset = args.preset or get_benchmark(args.benchmark).full_preset
     bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
-    run_dir, raws, layers, depths, peers = run_bench(bench, cfg, args.steps, args.warmup, args.blocks, args.compare)
+    run_dir, raws, layers, depths, peers = run_bench(bench, cfg, args.steps, args.warmup, args.blocks, args.compare,
+                                                     args.profile_steps)
     result = bench_report.summarise(bench, cfg, raws, layers, depths, peers)
     bench_report.save(run_dir, result)
     console.print(bench_summary(result), markup=False)
@@ -334,6 +338,10 @@ def bench_summary(r: dict) -> str:
     for name, peer in (r.get("compare") or {}).items():
         lines.append(f"  {name}: " + (peer["error"] if "error" in peer else f"{peer['tokens_per_s']:,.0f} tokens/s; "
                                       f"ours {peer['ours_over_it']:.2f}x its rate"))  # fmt: skip
+    if r.get("profile"):
+        from trainbench.report.bench_report import split_line
+
+        lines.append("  " + split_line(r["profile"]))
     p = r["projection"]
     if p:
         lines.append(f"  projected time to train ({r['figures']}, ruleset {r['ruleset']}): {p['minutes']:.1f} min "

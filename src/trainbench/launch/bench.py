@@ -36,7 +36,8 @@ def parse_blocks(text: str | None, layers: int) -> list[int] | None:
 
 
 def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks: str | None,
-              compare: str | None = None) -> tuple[Path, dict, int | None, list[int] | None, dict]:  # fmt: skip
+              compare: str | None = None, profile_steps: int = 2
+              ) -> tuple[Path, dict, int | None, list[int] | None, dict]:  # fmt: skip
     """Measure, into a new results folder; returns the folder, rank 0's figures by depth measured, the model's depth,
     the truncated depths measured (None: the model's own) and the peers' figures (``compare="hf"``: HF's, eager and
     compiled, by depth)."""
@@ -44,6 +45,8 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         raise UserError(f"--steps must be at least 1, got {steps}")
     if warmup < 0:
         raise UserError(f"--warmup must be 0 or more, got {warmup}")
+    if profile_steps < 0:
+        raise UserError(f"--profile-steps must be 0 or more, got {profile_steps}")
     if cfg.resume:
         raise ConfigError("resume=true does not apply to trainbench bench: a measurement starts afresh")
     layers = getattr(cfg.model, "num_layers", None)
@@ -70,7 +73,8 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         )
         if depths:
             out.say(f"measuring {depth} of {layers} blocks")
-        (run_dir / REQUEST).write_text(json.dumps({"steps": steps, "warmup": warmup, "depth": depth}))
+        (run_dir / REQUEST).write_text(json.dumps({"steps": steps, "warmup": warmup, "depth": depth,
+                                                         "profile_steps": profile_steps}))
         if depth != layers:
             save_config(run_cfg, run_dir / f"config_{depth}_blocks.yaml")
         if cfg.distributed.nproc == 1:
@@ -78,7 +82,7 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
             from trainbench.train.bench import measure
 
             info = init_distributed(device, cfg.distributed.backend, cfg.distributed.timeout_s)
-            raw = measure(run_cfg, bench, run_dir, info, steps, warmup)
+            raw = measure(run_cfg, bench, run_dir, info, steps, warmup, profile_steps)
             (run_dir / RAW.format(depth=depth)).write_text(json.dumps(raw, indent=2))
         else:
             _torchrun(run_cfg, run_dir, depth)

@@ -59,7 +59,22 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     out = [[label, _num(result.get(key))] for label, key in FIGURES]
     p = result.get("projection")
     out.append(["projected time to train (min)", _num(p["minutes"]) if p else "-"])
+    prof = result.get("profile")
+    if prof:
+        out += [[f"step: {name} (ms, profiled)", _num(prof["split_ms"].get(f"{key}_ms"))] for name, key in SPLIT]
+        out += [[f"GPU time: {kind} (ms a step)", _num(ms)] for kind, ms in prof["by_kind_ms"].items()]
     return out
+
+
+# The step's split from the profiled steps (train/profiling.timeline): what the console and the report show.
+SPLIT = (("window", "window"), ("compute", "compute"), ("exposed communication", "comm_exposed"), ("idle", "idle"))
+
+
+def split_line(prof: dict[str, Any]) -> str:
+    """One line of the profiled step: its split and its largest kinds of GPU time."""
+    split = ", ".join(f"{name} {prof['split_ms'][f'{key}_ms']:.1f}" for name, key in SPLIT)
+    kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in list(prof["by_kind_ms"].items())[:5])
+    return f"step ({prof['figures']}, ms): {split}; GPU time by kind: {kinds}"
 
 
 def heading(result: dict[str, Any]) -> str:
@@ -130,7 +145,7 @@ def at_depth(values: dict[int | None, float], layers: int | None) -> float:
     return values[lo] + (values[hi] - values[lo]) / (hi - lo) * (layers - lo)
 
 
-def compared(peers: dict[str, dict[int | None, dict]], layers: int | None, gbs: int, per_sample: int,
+def compared(peers: dict[str, dict[int | None, dict]], layers: int | None, samples_per_step: float, per_sample: int,
              ours_step_s: float) -> dict[str, Any]:  # fmt: skip
     """Each peer's (HF's) figures at the model's depth, as ours are taken, and ours over its rate."""
     out = {}
@@ -140,8 +155,34 @@ def compared(peers: dict[str, dict[int | None, dict]], layers: int | None, gbs: 
             out[name] = {"error": failed}
             continue
         step_s = at_depth({d: r["seconds"] / r["steps"] for d, r in by_depth.items()}, layers)
-        out[name] = {"step_seconds": step_s, "tokens_per_s": gbs / step_s * per_sample, "ours_over_it": step_s /
+        out[name] = {"step_seconds": step_s, "tokens_per_s": samples_per_step / step_s * per_sample, "ours_over_it": step_s /
                      ours_step_s, "peak_memory_gib": by_depth[max(by_depth)]["peak_memory_gib"]}  # fmt: skip
+    return out
+
+
+def profile_at_depth(raws: dict[int, dict], layers: int | None, depths: list[int] | None) -> dict[str, Any] | None:
+    """The profiled steps' split (compute, exposed communication, idle) and GPU time by kind of kernel, ms a step, at
+    the model's depth (``depths``: extrapolated, and a block's share of each kind beside it); None where a depth
+    was not profiled (a CPU, or --profile-steps 0)."""
+    profiles = {d: r.get("profile") for d, r in raws.items()}
+    if not profiles or any(p is None for p in profiles.values()):
+        return None
+    split_keys = [k for k in profiles[max(profiles)]["split"] if k.endswith("_ms")]
+    kinds = sorted({k for p in profiles.values() for k in p["by_kind_ms"]})
+    deepest = profiles[max(profiles)]
+    out: dict[str, Any] = {
+        "figures": "extrapolated" if depths else "measured",
+        "split_ms": {k: at_depth({d: p["split"][k] for d, p in profiles.items()}, layers) for k in split_keys},
+        "by_kind_ms": dict(sorted(((k, at_depth({d: p["by_kind_ms"].get(k, 0.0) for d, p in profiles.items()}, layers))
+                                   for k in kinds), key=lambda kv: -kv[1])),  # fmt: skip
+        "kernels": deepest["kernels"],
+        "kernels_at_blocks": max(profiles) if depths else layers,
+        "traces": [p["trace"] for _, p in sorted(profiles.items())],
+    }
+    if depths:
+        lo, hi = min(profiles), max(profiles)
+        out["block_by_kind_ms"] = {k: (profiles[hi]["by_kind_ms"].get(k, 0.0) - profiles[lo]["by_kind_ms"].get(k, 0.0))
+                                   / (hi - lo) for k in kinds}  # fmt: skip
     return out
 
 
@@ -160,10 +201,11 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
     step_s = at_depth({d: r["seconds"] / r["steps"] for d, r in raws.items()}, layers)
     eval_s = at_depth({d: r["eval_seconds_per_sample"] for d, r in raws.items()}, layers)
     measured = "extrapolated" if depths else "measured"
-    samples_per_s = gbs / step_s
+    last = raws[max(raws)]
+    samples_per_step = last.get("samples_per_step", gbs)  # a packed row holds several samples
+    samples_per_s = samples_per_step / step_s
     flops = bench.flops_per_sample(cfg)
     peak = peak_tflops(gpu_name) if cfg.device != "cpu" and gpu_count else None
-    last = raws[max(raws)]
     result: dict[str, Any] = {
         "kind": KIND,
         "benchmark": bench.name,
@@ -174,6 +216,7 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "ranks": ranks,
         "device": gpu_name if cfg.device != "cpu" and gpu_count else "cpu",
         "global_batch_size": gbs,
+        "samples_per_step": samples_per_step,
         "step_seconds": step_s,
         "samples_per_s": samples_per_s,
         "tokens_per_s": samples_per_s * per_sample,
@@ -185,12 +228,13 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "energy_joules_per_token": None,
         "steps": last["steps"],
         "warmup": last["warmup"],
-        "compare": compared(peers, layers, gbs, per_sample, step_s) if peers else None,
+        "compare": compared(peers, layers, samples_per_step, per_sample, step_s) if peers else None,
+        "profile": profile_at_depth(raws, layers, depths),
         "gpus": last.get("gpus") or None,  # the deepest measured depth's: power, SM clock, throttle reasons
         "raw": {str(d): r for d, r in sorted(raws.items())},
     }
     if not depths and "energy_joules" in last:
-        result["energy_joules_per_token"] = last["energy_joules"] / (gbs * last["steps"] * per_sample)
+        result["energy_joules_per_token"] = last["energy_joules"] / (samples_per_step * last["steps"] * per_sample)
     ruleset = bench.ruleset_of(cfg)
     # Only the full model's rate says anything of the reference convergence points' samples to target.
     full_size = bench.mlperf and not bench.scaled_down(cfg)

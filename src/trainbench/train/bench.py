@@ -3,6 +3,7 @@ made in memory, timed after a warm-up. Never a time-to-train result: no MLPerf l
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -32,16 +33,18 @@ def _sync(info: DistInfo) -> None:
         torch.distributed.barrier()
 
 
-def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, steps: int, warmup: int) -> dict[str, Any]:
-    """``warmup`` optimizer steps, then ``steps`` timed ones, then one eval batch timed (after one untimed); every
-    rank's figures summed. Returns rank 0's record of it (the same dict on every rank)."""
+def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, steps: int, warmup: int,
+            profile_steps: int = 0) -> dict[str, Any]:  # fmt: skip
+    """``warmup`` optimizer steps, then ``steps`` timed ones, then (on a GPU) ``profile_steps`` profiled ones, then one
+    eval batch timed (after one untimed); every rank's figures summed. Returns rank 0's record of it (the same dict
+    on every rank, but for ``profile``, which is rank 0's)."""
     out = RunConsole(run_dir / CONSOLE, enabled=info.is_main)
     run = build_run(cfg, bench, info, None, synthetic=True)
     announce(out, cfg, bench, run, 0, info)
     autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=run.bf16)
     sampler = start_telemetry(cfg.output, run_dir, 0, info, out)
     try:
-        seconds, start_ms, stop_ms, loss = _timed_steps(cfg, bench, run, info, autocast, steps, warmup, out)
+        timed = _timed_steps(cfg, bench, run, info, autocast, steps, warmup, profile_steps, run_dir, out)
     except torch.OutOfMemoryError:
         gib = torch.cuda.get_device_properties(info.device).total_memory / 2**30
         layers = getattr(cfg.model, "num_layers", None)
@@ -53,18 +56,20 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     eval_seconds_per_row = _eval_seconds_per_row(bench, run, info, autocast)
     if sampler is not None:
         sampler.stop()
-    samples = cfg.data.global_batch_size * steps
+    seconds, start_ms, stop_ms = timed.seconds, timed.start_ms, timed.stop_ms
     result = {
         "steps": steps,
         "warmup": warmup,
         "seconds": seconds,
-        "samples_per_s": samples / seconds,
-        "tokens_per_s": samples * bench.tokens_per_sample(cfg) / seconds,
-        "mean_loss": loss,
+        "samples_per_step": timed.samples / steps,
+        "samples_per_s": timed.samples / seconds,
+        "tokens_per_s": timed.samples * bench.tokens_per_sample(cfg) / seconds,
+        "mean_loss": timed.loss,
         "peak_memory_gib": peak,
         "eval_seconds_per_sample": eval_seconds_per_row / info.world_size,  # each rank its own rows, side by side
         "eval_samples": run.data.eval_samples,
         "notes": run.placed.notes + bench.model_notes(cfg, info.device, run.bf16),
+        "profile": timed.profile,
     }
     if info.is_main:  # this node's GPUs over the timed steps: median power and SM clock, throttle reasons, energy
         result["gpus"] = window_summary(run_dir, start_ms, stop_ms)
@@ -74,28 +79,74 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     return result
 
 
-def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, out) -> tuple[float, float, float, float]:
-    """(seconds of the timed steps, their start and stop in ms since the epoch, the mean loss of every step)."""
+@dataclasses.dataclass
+class Timed:
+    seconds: float  # of the timed steps
+    start_ms: float  # their start and stop, ms since the epoch (the telemetry's clock)
+    stop_ms: float
+    samples: int  # samples the timed steps trained on (a packed row holds several)
+    loss: float  # the mean loss of every step
+    profile: dict | None  # rank 0's profiled steps: where a step's GPU time went
+
+
+def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, profile_steps: int, run_dir: Path,
+                 out) -> Timed:  # fmt: skip
     totals = StepTotals(info.device)
     source = pinned(run.data.train, info.device) if info.device.type == "cuda" else run.data.train
     batches = prefetch(source, cfg.data.prefetch)
     run.placed.model.train()
+    profile_steps = profile_steps if info.device.type == "cuda" else 0
+    samples, profile = 0, None
+
+    def one(i: int, step_batches) -> None:
+        train_step(bench, run.placed, run.optimizer, step_batches, bench.lr_at(cfg, i), info, autocast, totals)
+
     try:
-        for i, step_batches in enumerate(batches):
+        it = iter(batches)
+        for i in range(warmup + steps):
             if i == warmup:
                 _sync(info)
                 if info.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(info.device)
                 start, start_ms = time.perf_counter(), time.time() * 1000
-            if i == warmup + steps:
-                break
-            train_step(bench, run.placed, run.optimizer, step_batches, bench.lr_at(cfg, i), info, autocast, totals)
+            step_batches = next(it)
+            one(i, step_batches)
+            if i >= warmup:
+                samples += step_batches.samples
             out.say(f"  step {i + 1} of {warmup + steps}{' (warm-up)' if i < warmup else ''}")
         _sync(info)
         seconds, stop_ms = time.perf_counter() - start, time.time() * 1000
+        if profile_steps:
+            out.say(f"  profiling {profile_steps} more steps")
+            profile = _profiled(lambda k: one(warmup + steps + k, next(it)), profile_steps, run_dir, info, cfg)
     finally:
         batches.close()
-    return seconds, start_ms, stop_ms, float(all_reduce_sum(totals.loss_sum.clone(), info)) / (warmup + steps)
+    loss = float(all_reduce_sum(totals.loss_sum.clone(), info)) / (warmup + steps + profile_steps)
+    return Timed(seconds, start_ms, stop_ms, samples, loss, profile)
+
+
+def _profiled(step, steps: int, run_dir: Path, info: DistInfo, cfg: RunConfig) -> dict | None:
+    """``steps`` steps under torch.profiler (after the timed ones, so the timing never pays for it). Rank 0 keeps the
+    trace (``profile_<blocks>_trace.json``) and returns a step's split (compute, exposed communication, idle: see
+    :func:`~trainbench.train.profiling.timeline`) and its GPU time by kind of kernel."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainbench.train.profiling import kernels_by_kind, timeline
+
+    _sync(info)
+    with profile(activities=[ProfilerActivity.CUDA], record_shapes=False) as prof:
+        for k in range(steps):
+            step(k)
+        _sync(info)
+    if not info.is_main:
+        return None
+    layers = getattr(cfg.model, "num_layers", None)
+    trace = run_dir / f"profile_{layers if layers is not None else 'model'}_trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())
+    return {"steps": steps, "trace": trace.name, "split": timeline(events, steps)} | kernels_by_kind(events, steps)
 
 
 def _eval_seconds_per_row(bench, run, info, autocast) -> float:

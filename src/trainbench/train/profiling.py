@@ -147,6 +147,44 @@ def timeline(trace: dict, steps: int) -> dict:
     }
 
 
+KERNEL_KINDS = (  # first match wins: (kind, substrings of the lower-cased kernel name)
+    ("nccl", ("nccl",)),
+    ("compiled elementwise", ("triton_",)),  # Inductor's kernels, named after the ops they fuse
+    ("attention", ("flash", "fmha", "attn", "attention", "sdpa", "cudnn")),
+    ("fp8 gemm", ("e4m3", "f8f8", "fp8", "qgmma", "_qq", "_qr", "_rq")),  # cuBLAS's nvjet: q = e4m3, r = e5m2
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "sm90")),
+    ("optimizer", ("adam", "lamb", "multi_tensor", "foreach", "norm_kernel")),
+    ("copy", ("memcpy", "memset", "copy")),
+    ("other", ("",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel by its name: FP8 or bf16 GEMM, attention, compiled elementwise work, ..."""
+    low = name.lower()
+    return next(kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys))
+
+
+def kernels_by_kind(trace: dict, steps: int, top: int = 40) -> dict:
+    """GPU time a step by kind of kernel and the ``top`` longest kernels (ms a step, calls a step), from a Chrome
+    trace of ``steps`` steps."""
+    per_name: dict[str, list[float]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in _GPU_CATEGORIES:
+            entry = per_name.setdefault(e.get("name", "?"), [0.0, 0])
+            entry[0] += float(e.get("dur", 0)) / 1e3 / steps
+            entry[1] += 1
+    kinds: dict[str, float] = {}
+    for name, (ms, _) in per_name.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    longest = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "kernels": [{"name": n[:160], "kind": kernel_kind(n), "ms": ms, "calls": c / steps}
+                    for n, (ms, c) in longest],  # fmt: skip
+    }
+
+
 def bf16_matmul_peak_tflops(n: int = 8192, reps: int = 30) -> float:
     """Measured bf16 matmul throughput of this GPU (n^3 GEMMs): the denominator of the MFU we report."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
