@@ -147,7 +147,8 @@ def test_compare_hf_times_transformers_and_peft_beside_ours(tmp_path, capsys):
     for peer in result["compare"].values():
         assert "error" not in peer, peer
         assert peer["tokens_per_s"] > 0 and peer["ours_over_it"] == pytest.approx(
-            peer["step_seconds"] / result["step_seconds"])  # fmt: skip
+            peer["step_seconds"] / result["step_seconds"]
+        )  # the same rows: the ratio of the step times
     assert "hf_compiled: " in capsys.readouterr().out
 
 
@@ -214,3 +215,33 @@ def test_a_profiled_step_is_split_and_its_kernels_grouped_by_kind():
     assert at["by_kind_ms"]["fp8 gemm"] == pytest.approx(32.0) and at["split_ms"]["compute_ms"] == pytest.approx(50)
     assert list(at["by_kind_ms"])[0] == "fp8 gemm"  # largest first
     assert profile_at_depth({2: {"profile": None}}, 32, None) is None
+
+
+def test_bert_is_measured_on_packed_rows_with_mlperfs_length_mix(tmp_path, capsys):
+    import numpy as np
+
+    from trainbench.data.synthetic_bert import mlperf_like_lengths
+
+    lengths = mlperf_like_lengths(np.random.default_rng(0), 50_000, 512)
+    assert 0.48 < lengths.mean() / 512 < 0.56 and lengths.min() >= 5 and lengths.max() == 512  # about half padding
+    assert 0.22 < (lengths >= 0.92 * 512).mean() < 0.28
+    _, fixed = measured("bert", tmp_path / "f")
+    _, packed = measured("bert", tmp_path / "p", "data.layout=packed")
+    gbs = packed["global_batch_size"]
+    # at most 3 samples a row, about 2 on this mix; each counted as a sample
+    assert 1.5 * gbs < packed["samples_per_step"] <= 3 * gbs and fixed["samples_per_step"] == gbs
+    raw = next(iter(packed["raw"].values()))
+    assert packed["samples_per_s"] == pytest.approx(packed["samples_per_step"] * 2 / raw["seconds"])
+    # a packed sample counts its real tokens (about half a row), a fixed one the whole row it occupies
+    assert packed["tokens_per_s"] / packed["samples_per_s"] < 0.6 * fixed["tokens_per_s"] / fixed["samples_per_s"]
+    assert f"in {gbs} packed rows" in capsys.readouterr().out
+
+
+def test_a_peer_on_fixed_rows_is_compared_with_ours_on_packed_rows_by_samples_a_second():
+    from trainbench.report.bench_report import compared
+
+    # ours: 2 s a step of 96 packed rows holding 200 samples; HF: 1 s a step of 96 fixed rows (96 samples)
+    peers = {"hf_eager": {None: {"steps": 4, "seconds": 4.0, "samples_per_step": 96, "peak_memory_gib": 3.0}}}
+    hf = compared(peers, None, 200, 270, 2.0)["hf_eager"]
+    assert hf["samples_per_s"] == 96 and hf["tokens_per_s"] == 96 * 270
+    assert hf["ours_over_it"] == pytest.approx(100 / 96)  # 100 samples/s against 96, though our step is twice as long

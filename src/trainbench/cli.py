@@ -132,9 +132,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--nproc", type=int, help="processes on this node (GPUs or CPU ranks); >1 uses torchrun")
     bench.add_argument("--blocks", metavar="N,M", help="measure these truncated depths and extrapolate to the "
                        "model's (a model that does not fit); every figure is then labelled extrapolated")  # fmt: skip
-    bench.add_argument("--profile-steps", type=int, default=2, metavar="N",
-                       help="on a GPU, profile N more steps after the timed ones: the step's split (compute, exposed "
-                       "communication, idle) and its GPU time by kind of kernel (default 2; 0: none)")
+    bench.add_argument(
+        "--profile-steps",
+        type=int,
+        default=2,
+        metavar="N",
+        help="on a GPU, profile N more steps after the timed ones: the step's split (compute, exposed "
+        "communication, idle) and its GPU time by kind of kernel (default 2; 0: none)",
+    )
     bench.add_argument("--ruleset", help="ruleset whose reference convergence points the projection uses")
     bench.add_argument("--compare", choices=("hf",), help="hf: also time HF transformers (+ peft for LoRA), eager and "
                        "compiled, at the same shape and depth, in the same call (one process)")  # fmt: skip
@@ -306,8 +311,9 @@ def cmd_bench(args) -> int:
     overrides = _overrides(args)
     preset = args.preset or get_benchmark(args.benchmark).full_preset
     bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
-    run_dir, raws, layers, depths, peers = run_bench(bench, cfg, args.steps, args.warmup, args.blocks, args.compare,
-                                                     args.profile_steps)
+    run_dir, raws, layers, depths, peers = run_bench(
+        bench, cfg, args.steps, args.warmup, args.blocks, args.compare, args.profile_steps
+    )
     result = bench_report.summarise(bench, cfg, raws, layers, depths, peers)
     bench_report.save(run_dir, result)
     console.print(bench_summary(result), markup=False)
@@ -321,8 +327,10 @@ def bench_summary(r: dict) -> str:
                           if r["blocks_measured"] else "")  # fmt: skip
     lines = [f"{r['benchmark']}/{r['preset']} on {r['ranks']} x {r['device']} ({how}; {r['kind']}):",
              f"  {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_per_rank']:,.0f} per rank), "
-             f"{r['samples_per_s']:,.2f} samples/s, {r['step_seconds']:.3f} s a step of {r['global_batch_size']} "
-             "samples"]  # fmt: skip
+             f"{r['samples_per_s']:,.2f} samples/s, {r['step_seconds']:.3f} s a step of "
+             f"{r['samples_per_step']:,.0f} samples"
+             + (f" in {r['global_batch_size']} packed rows" if r["samples_per_step"] != r["global_batch_size"]
+                else "")]  # fmt: skip
     extra = []
     if r["mfu"] is not None:
         extra.append(f"MFU {r['mfu']:.1%}")

@@ -309,28 +309,62 @@ class BertBenchmark(Benchmark):
         return float(sums[0] / sums[1].clamp(min=1))
 
     # -- throughput -----------------------------------------------------------------------------
+    # Sequences per packed row at most in bench's rows: `prepare bert`'s default (--max-per-pack).
+    BENCH_PER_PACK = 3
+
     def bench_data(self, cfg: RunConfig, rank: int, world_size: int) -> BenchmarkData:
-        """Fixed rows of the synthetic language's samples (sentence pairs, MLPerf's masking), padded to seq_length:
-        fixed rows cost the same whatever their real length."""
-        from trainbench.data.synthetic_bert import Language, make_samples
+        """The synthetic language's samples (sentence pairs, MLPerf's masking) with MLPerf's length mix
+        (synthetic_bert.mlperf_like_lengths): fixed rows padded to seq_length (which cost the same whatever their
+        length, unless data.length_bins cuts them), or with data.layout=packed, rows packed as `prepare bert`
+        packs them (at most 3 a row), each holding about 2 samples. Eval: fixed rows, as MLPerf's eval set."""
+        from trainbench.data.packing import instances_from_fixed, pack, packed_predictions
+        from trainbench.data.synthetic_bert import MASKED_LM_PROB, Language, make_samples, mlperf_like_lengths
 
         d = cfg.data
-        if d.layout != "fixed":
-            raise ConfigError("trainbench bench measures bert on fixed rows (data.layout=fixed) only, for now")
         lang, rng = Language(cfg.model.vocab_size, cfg.seed), np.random.default_rng(cfg.seed)
-        sample = lambda n: make_samples(lang, rng, n, d.seq_length, d.max_predictions)  # noqa: E731
-        return BenchmarkData(train=CycledSteps([sample(d.global_batch_size)], d.global_batch_size, d.micro_batch_size,
-                                               rank, world_size),
+
+        def sample(n: int) -> dict[str, np.ndarray]:
+            return make_samples(lang, rng, n, d.seq_length, d.max_predictions,
+                                lengths=mlperf_like_lengths(rng, n, d.seq_length))  # fmt: skip
+
+        gbs, samples = d.global_batch_size, d.global_batch_size
+        rows = sample(gbs)
+        if d.layout == "packed":
+            per_pack = self.BENCH_PER_PACK
+            columns = packed_predictions(d.seq_length, d.max_predictions, MASKED_LM_PROB, per_pack)
+            rows = pack(instances_from_fixed(sample(per_pack * gbs)), d.seq_length, per_pack, columns, rng)
+            # more rows than a batch: the pack's order is random; int64 as the reader gives them
+            rows = {k: v[:gbs].astype(np.int64) for k, v in rows.items()}
+            samples = int((rows["next_sentence_labels"] >= 0).sum())
+        return BenchmarkData(train=CycledSteps([rows], gbs, d.micro_batch_size, rank, world_size,
+                                               samples=samples),
                              eval=[sample(d.eval_batch_size)], train_samples=0,
                              eval_samples=d.eval_samples or 10_000)  # fmt: skip
 
+    def _bench_lengths(self, cfg: RunConfig) -> np.ndarray:
+        from trainbench.data.synthetic_bert import mlperf_like_lengths
+
+        return mlperf_like_lengths(np.random.default_rng(0), 65_536, cfg.data.seq_length).astype(np.float64)
+
+    def tokens_per_sample(self, cfg: RunConfig) -> int:
+        """A fixed row's positions (padding is computed); on packed rows, a sample's mean real length."""
+        if cfg.data.layout == "packed":
+            return round(float(self._bench_lengths(cfg).mean()))
+        return cfg.data.seq_length
+
     def flops_per_sample(self, cfg: RunConfig) -> float | None:
-        """Forward and backward of the encoder on a full row (fixed rows pay for their padding), the MLM head at
+        """Forward and backward of the encoder on a sample's row positions (a fixed row pays for its padding; on
+        packed rows, the mean over MLPerf's length mix, attention within each sequence), the MLM head at
         max_predictions positions and the NSP head: 3 x the forward's 2 x multiply-adds."""
         m, s = cfg.model, cfg.data.seq_length
         h, layers = m.hidden_size, m.num_layers
-        dense = 2 * s * layers * (4 * h * h + 2 * h * m.intermediate_size)
-        attention = 2 * layers * 2 * h * s * s
+        if cfg.data.layout == "packed":
+            lengths = self._bench_lengths(cfg)
+            tokens, squares = float(lengths.mean()), float((lengths**2).mean())
+        else:
+            tokens, squares = float(s), float(s * s)
+        dense = 2 * tokens * layers * (4 * h * h + 2 * h * m.intermediate_size)
+        attention = 2 * layers * 2 * h * squares
         heads = 2 * cfg.data.max_predictions * (h * h + h * m.vocab_size)
         return 3.0 * (dense + attention + heads)
 

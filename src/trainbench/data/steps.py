@@ -47,13 +47,14 @@ def batched(indices: Sequence[int], batch_size: int) -> list[range]:
 class CycledSteps:
     """Optimizer steps forever over a few global batches made up front (``pool``: arrays of ``global_batch`` rows
     each), taken in turn: the throughput measurement's data, shaped like the benchmark's and cut like every reader's
-    (this rank's share, in micro-batches), with no reading from disk in the timed steps."""
+    (this rank's share, in micro-batches), with no reading from disk in the timed steps. ``samples``: the samples a
+    global batch holds (default: one a row; a packed row holds several)."""
 
     def __init__(self, pool: list[dict[str, Any]], global_batch: int, micro_batch: int, rank: int, world_size: int,
-                 samples_per_row: int = 1) -> None:  # fmt: skip
+                 samples: int | None = None) -> None:  # fmt: skip
         share = rank_share(global_batch, rank, world_size)
         self.pool = [{k: v[share.start : share.stop] for k, v in batch.items()} for batch in pool]
-        self.micro_batch, self.samples = micro_batch, global_batch * samples_per_row
+        self.micro_batch, self.samples = micro_batch, global_batch if samples is None else samples
 
     def __iter__(self):
         k = 0

@@ -73,8 +73,9 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         )
         if depths:
             out.say(f"measuring {depth} of {layers} blocks")
-        (run_dir / REQUEST).write_text(json.dumps({"steps": steps, "warmup": warmup, "depth": depth,
-                                                         "profile_steps": profile_steps}))
+        (run_dir / REQUEST).write_text(
+            json.dumps({"steps": steps, "warmup": warmup, "depth": depth, "profile_steps": profile_steps})
+        )
         if depth != layers:
             save_config(run_cfg, run_dir / f"config_{depth}_blocks.yaml")
         if cfg.distributed.nproc == 1:

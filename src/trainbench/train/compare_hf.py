@@ -5,6 +5,7 @@ and the same gradient clip, eager and compiled. One process only; transformers a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 from typing import Any
@@ -111,7 +112,11 @@ def inputs(family: str, batch: dict[str, np.ndarray], device: torch.device) -> d
 def measure(bench: Benchmark, cfg: RunConfig, family: str, compiled: bool, steps: int, warmup: int,
             device: torch.device) -> dict[str, Any]:  # fmt: skip
     """HF's seconds for ``steps`` optimizer steps of the global batch after ``warmup``; an out-of-memory is recorded
-    as such (HF's peer does not fit where ours does), not raised."""
+    as such (HF's peer does not fit where ours does), not raised. HF's BERT has no packed rows: where ours trains on
+    packed rows, HF trains on fixed rows of the same length mix (padded, as its users train), and the two are
+    compared by samples per second."""
+    if cfg.data.layout == "packed":
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, layout="fixed"))
     torch.manual_seed(cfg.seed)
     model = None
     try:
@@ -130,6 +135,7 @@ def measure(bench: Benchmark, cfg: RunConfig, family: str, compiled: bool, steps
                 torch.cuda.synchronize(device) if device.type == "cuda" else None
                 start = time.perf_counter()
             micro = next(source)
+            samples = micro.samples
             for batch in micro:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                     loss = called(**inputs(family, batch, device)).loss / len(micro)
@@ -140,7 +146,13 @@ def measure(bench: Benchmark, cfg: RunConfig, family: str, compiled: bool, steps
         torch.cuda.synchronize(device) if device.type == "cuda" else None
         seconds = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        return {"steps": steps, "warmup": warmup, "seconds": seconds, "peak_memory_gib": peak}
+        return {
+            "steps": steps,
+            "warmup": warmup,
+            "seconds": seconds,
+            "samples_per_step": samples,
+            "peak_memory_gib": peak,
+        }
     except torch.OutOfMemoryError as exc:
         return {"error": f"out of memory: {str(exc).splitlines()[0]}"}
     finally:

@@ -180,8 +180,9 @@ def kernels_by_kind(trace: dict, steps: int, top: int = 40) -> dict:
     longest = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-        "kernels": [{"name": n[:160], "kind": kernel_kind(n), "ms": ms, "calls": c / steps}
-                    for n, (ms, c) in longest],  # fmt: skip
+        "kernels": [
+            {"name": n[:160], "kind": kernel_kind(n), "ms": ms, "calls": c / steps} for n, (ms, c) in longest
+        ],  # fmt: skip
     }
 
 
