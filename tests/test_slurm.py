@@ -706,3 +706,52 @@ def test_an_mpi_plugin_the_cluster_has_not_got_is_caught_before_submit(tmp_path,
     with pytest.raises(UserError, match=r"asks for srun --mpi=pmix but this cluster's srun offers cray_shasta, none, "
                                         r"pmi2 \(srun --mpi=list\); set mpi: in the system file"):  # fmt: skip
         slurm.check_mpi(dataclasses.replace(system, mpi="pmix"))
+
+
+# -- a throughput measurement on a system (trainbench bench --system) ---------------------------------------------
+
+
+def test_a_measurements_job_script_runs_each_rank_of_the_system_once_with_no_requeue(tmp_path):
+    from trainbench.launch.local import build_config
+
+    system = load_system("dgxh100_1x8")
+    _, cfg = build_config("llama31_8b", "llama31-8b", [], {"device": "cuda"})
+    run_dir = tmp_path / "a b; $(touch x)"
+    script = slurm.render_bench_script(system, cfg, run_dir, ["trainbench", "bench", "llama31_8b"], "/venv/python")
+    assert "#SBATCH --nodes=1" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "--requeue" not in script and "--signal" not in script and "--array" not in script
+    sruns = [line for line in script.splitlines() if line.startswith("srun ")]
+    worker = next(line for line in sruns if "trainbench.launch.worker" in line)
+    assert worker.endswith('-m trainbench.launch.worker "$RUN_DIR" 0 --bench') and "--ntasks-per-node=8" in worker
+    assert f"RUN_DIR='{run_dir}'" in script  # quoted: data, never code
+    assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--system", "local_cpu_2x1", "--nproc", "2"], "--nproc and --system both say how many ranks"),
+        (["--system", "local_cpu_2x1", "--compare", "hf"], "--compare hf runs in this process: drop --system"),
+        (["--system", "no_such_system"], "no_such_system"),
+    ],
+)
+def test_a_measurement_on_a_system_refuses_what_it_cannot_do_in_one_sentence(args, says, tmp_path, capsys):
+    assert run_cli("bench", "llama31_8b", "--preset", "tiny", *args, f"output.results_dir={tmp_path / 'r'}") == 2
+    assert says in _error(capsys)
+    assert not (tmp_path / "r").exists()
+
+
+@needs_two_nodes
+def test_a_measurement_runs_as_one_job_a_depth_on_two_nodes(tmp_path, capsys):
+    assert run_cli("bench", "llama31_8b", "--preset", "tiny", "--system", "local_cpu_2x1", "--steps", "2", "--warmup",
+                   "1", "--blocks", "1,2", f"output.results_dir={tmp_path}", "telemetry_hz=0") == 0  # fmt: skip
+    folder = next(tmp_path.iterdir())
+    result = json.loads((folder / "bench.json").read_text())
+    assert result["ranks"] == 2 and result["figures"] == "extrapolated" and result["device"] == "cpu"
+    assert result["samples_per_s_per_rank"] == pytest.approx(result["samples_per_s"] / 2)
+    assert sorted(result["raw"]) == ["1", "2"] and all(r["mean_loss"] > 0 for r in result["raw"].values())
+    outputs = sorted(folder.glob("slurm-bench-*.out"))
+    assert len(outputs) == 2  # one job a depth
+    printed = capsys.readouterr().out
+    assert "submitted job" in printed and "not a time-to-train result" in printed
+    assert "--bench" in (folder / "bench.sbatch").read_text()

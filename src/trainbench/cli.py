@@ -130,6 +130,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=10, help="timed optimizer steps (default 10)")
     bench.add_argument("--warmup", type=int, default=3, help="optimizer steps before the timing (default 3)")
     bench.add_argument("--nproc", type=int, help="processes on this node (GPUs or CPU ranks); >1 uses torchrun")
+    bench.add_argument(
+        "--system",
+        help="measure as a Slurm job on this system (systems/NAME.yaml, built in, or a YAML "
+        "path; ? lists them): its nodes and ranks, its container",
+    )
     bench.add_argument("--blocks", metavar="N,M", help="measure these truncated depths and extrapolate to the "
                        "model's (a model that does not fit); every figure is then labelled extrapolated")  # fmt: skip
     bench.add_argument(
@@ -309,11 +314,19 @@ def cmd_bench(args) -> int:
     from trainbench.report import bench_report
 
     overrides = _overrides(args)
-    preset = args.preset or get_benchmark(args.benchmark).full_preset
-    bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
-    run_dir, raws, layers, depths, peers = run_bench(
-        bench, cfg, args.steps, args.warmup, args.blocks, args.compare, args.profile_steps
-    )
+    system = None
+    if args.system == "?":
+        return _list_systems()
+    if args.system is not None:
+        if args.nproc is not None:
+            raise UserError("--nproc and --system both say how many ranks: the system's file says it for --system")
+        system, cfg, bench = _on_system(args.benchmark, args.preset, args.config, overrides, args.system)
+    else:
+        preset = args.preset or get_benchmark(args.benchmark).full_preset
+        bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
+    command = ["trainbench", *sys.argv[1:]]
+    run_dir, raws, layers, depths, peers = run_bench(bench, cfg, args.steps, args.warmup, args.blocks, args.compare,
+                                                     args.profile_steps, system, command)  # fmt: skip
     result = bench_report.summarise(bench, cfg, raws, layers, depths, peers)
     bench_report.save(run_dir, result)
     console.print(bench_summary(result), markup=False)
@@ -357,37 +370,43 @@ def bench_summary(r: dict) -> str:
     return "\n".join(lines)
 
 
-def cmd_submit(args) -> int:
+def _on_system(benchmark: str, preset: str | None, configs: list[str], overrides: dict, name: str,
+               nodes: int | None = None, time: str | None = None):  # fmt: skip
+    """(system, config, benchmark) of a job on system ``name``: the system's device, nodes and ranks, and the
+    micro-batch its layout fits."""
     import dataclasses
 
+    from trainbench.benchmarks import get_benchmark
+    from trainbench.launch.local import build_config
+    from trainbench.launch.systems import fit_micro_batch, load_system
+
+    system = load_system(name)
+    changes = {k: v for k, v in (("nodes", nodes), ("time", time)) if v is not None}
+    if changes:
+        system = dataclasses.replace(system, **changes)
+        system.validate()
+    overrides.setdefault("device", system.device)
+    bench, cfg = build_config(benchmark, preset or get_benchmark(benchmark).full_preset, configs, overrides)
+    cfg = fit_micro_batch(cfg, system)
+    cfg = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, nproc=system.ranks_per_node,
+                                                                   nodes=system.nodes))  # fmt: skip
+    return system, cfg, bench
+
+
+def cmd_submit(args) -> int:
     from trainbench.config import parse_key_values
     from trainbench.console import console
-    from trainbench.launch.local import build_config
     from trainbench.launch.slurm import submit
-    from trainbench.launch.systems import fit_micro_batch, load_system
 
     if args.system == "?":
         return _list_systems()
     if args.benchmark is None:
         raise UserError("name the benchmark to submit: trainbench submit BENCH --system NAME (see `trainbench list`)")
-    system = load_system(args.system)
-    changes = {}
-    if args.nodes is not None:
-        changes["nodes"] = args.nodes
-    if args.time is not None:
-        changes["time"] = args.time
-    if changes:
-        system = dataclasses.replace(system, **changes)
-        system.validate()
     overrides = parse_key_values(args.overrides)
-    overrides.setdefault("device", system.device)
     if args.ruleset is not None:
         overrides["output.ruleset"] = args.ruleset
-    from trainbench.benchmarks import get_benchmark
-
-    preset = args.preset or get_benchmark(args.benchmark).full_preset
-    bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
-    cfg = fit_micro_batch(cfg, system)
+    system, cfg, bench = _on_system(args.benchmark, args.preset, args.config, overrides, args.system, args.nodes,
+                                    args.time)  # fmt: skip
     command = ["trainbench", *(sys.argv[1:] if sys.argv[1:2] == ["submit"] else ["submit", args.benchmark])]
     run_dir, script, job_id = submit(bench, cfg, system, args.nexp, args.dry_run, command, chain=args.chain)
     layout = system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)

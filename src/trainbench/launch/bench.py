@@ -13,6 +13,7 @@ from trainbench.config import RunConfig, save_config
 from trainbench.console import RunConsole
 from trainbench.errors import ConfigError, UserError
 from trainbench.launch.local import allocator_settings, new_run_dir, preflight_device, torchrun_worker
+from trainbench.launch.systems import System
 from trainbench.runfiles import CONFIG, CONSOLE
 
 REQUEST = "bench_request.json"
@@ -36,11 +37,12 @@ def parse_blocks(text: str | None, layers: int) -> list[int] | None:
 
 
 def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks: str | None,
-              compare: str | None = None, profile_steps: int = 2
-              ) -> tuple[Path, dict, int | None, list[int] | None, dict]:  # fmt: skip
-    """Measure, into a new results folder; returns the folder, rank 0's figures by depth measured, the model's depth,
-    the truncated depths measured (None: the model's own) and the peers' figures (``compare="hf"``: HF's, eager and
-    compiled, by depth)."""
+              compare: str | None = None, profile_steps: int = 2, system: System | None = None,
+              command: list[str] | None = None) -> tuple[Path, dict, int | None, list[int] | None, dict]:  # fmt: skip
+    """Measure, into a new results folder: in this process, under torchrun (``--nproc``), or as one Slurm job a depth
+    on ``system`` (``command``: what the user typed, recorded in the job script). Returns the folder, rank 0's
+    figures by depth measured, the model's depth, the truncated depths measured (None: the model's own) and the
+    peers' figures (``compare="hf"``: HF's, eager and compiled, by depth)."""
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
     if warmup < 0:
@@ -59,7 +61,11 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
 
         if compare != "hf":
             raise UserError(f"--compare {compare}: the one peer trainbench measures is hf (transformers, peft)")
+        if system is not None:
+            raise UserError("--compare hf runs in this process: drop --system")
         family = compare_hf.require(bench, cfg)
+    if system is not None:
+        return _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system, command or [])
     allocator_settings(bench)
     device = preflight_device(cfg)
     run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-bench")
@@ -68,16 +74,10 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
     out.say(f"results folder: {run_dir} ({KIND})")
     raws, peers = {}, {}
     for depth in depths or [layers]:
-        run_cfg = (
-            cfg if depth == layers else dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth))
-        )
         if depths:
             out.say(f"measuring {depth} of {layers} blocks")
-        (run_dir / REQUEST).write_text(
-            json.dumps({"steps": steps, "warmup": warmup, "depth": depth, "profile_steps": profile_steps})
-        )
-        if depth != layers:
-            save_config(run_cfg, run_dir / f"config_{depth}_blocks.yaml")
+        _request(run_dir, steps, warmup, depth, profile_steps)
+        run_cfg = _truncated(cfg, depth, layers, run_dir)
         if cfg.distributed.nproc == 1:
             from trainbench.distributed import init_distributed
             from trainbench.train.bench import measure
@@ -91,6 +91,58 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         if family is not None:
             _compare_at(bench, run_cfg, family, steps, warmup, device, peers, depth, out)
     return run_dir, raws, layers, depths, peers
+
+
+def _request(run_dir: Path, steps: int, warmup: int, depth: int | None, profile_steps: int) -> None:
+    """What every rank of the next measurement reads (launch/worker.bench_rank)."""
+    request = {"steps": steps, "warmup": warmup, "depth": depth, "profile_steps": profile_steps}
+    (run_dir / REQUEST).write_text(json.dumps(request))
+
+
+def _truncated(cfg: RunConfig, depth: int | None, layers: int | None, run_dir: Path) -> RunConfig:
+    """The config measured at ``depth`` blocks, saved beside the folder's own where it is not the model's depth."""
+    if depth == layers:
+        return cfg
+    truncated = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth))
+    save_config(truncated, run_dir / f"config_{depth}_blocks.yaml")
+    return truncated
+
+
+def _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system, command):
+    """Each depth as one Slurm job of ``system``'s nodes and ranks, one after the other."""
+    from trainbench.launch.local import absolute_paths
+    from trainbench.launch.slurm import bench_job, check_cluster, check_container, check_mpi
+
+    check_container(system)
+    check_cluster(system)
+    check_mpi(system)
+    run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-bench-{system.name}").resolve()
+    cfg = absolute_paths(cfg)
+    cfg = dataclasses.replace(
+        cfg,
+        device=system.device,
+        distributed=dataclasses.replace(cfg.distributed, nproc=system.ranks_per_node, nodes=system.nodes),
+        output=dataclasses.replace(cfg.output, run_dir=str(run_dir), progress=False),
+    )
+    bench.validate(cfg)  # at the job's world size
+    save_config(cfg, run_dir / CONFIG)
+    out = RunConsole(run_dir / CONSOLE)
+    out.say(f"results folder: {run_dir} ({KIND}) on {system.name}: {system.nodes} x {system.ranks_per_node} ranks")
+    raws = {}
+    for depth in depths or [layers]:
+        if depths:
+            out.say(f"measuring {depth} of {layers} blocks")
+        _request(run_dir, steps, warmup, depth, profile_steps)
+        run_cfg = _truncated(cfg, depth, layers, run_dir)
+        bench_job(system, run_cfg, run_dir, command, out.say)
+        raw = run_dir / RAW.format(depth=depth)
+        if not raw.exists():
+            logs = sorted(run_dir.glob("slurm-bench-*.out"), key=lambda p: p.stat().st_mtime)
+            tail = logs[-1].read_text(errors="replace").strip().splitlines()[-3:] if logs else []
+            raise UserError(f"the measurement's job ended without figures{f' ({logs[-1]})' if logs else ''}"
+                            + (": " + " / ".join(tail) if tail else ""))  # fmt: skip
+        raws[depth] = json.loads(raw.read_text())
+    return run_dir, raws, layers, depths, {}
 
 
 def _compare_at(bench, cfg, family, steps, warmup, device, peers, depth, out) -> None:

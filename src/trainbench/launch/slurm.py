@@ -50,51 +50,17 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
     its checkpoint, and on the time-limit warning leaves the rest to the next one instead of requeueing itself, when
     a next one is queued; with none (the chain's last, or a resubmitted job) it requeues itself. A requeue Slurm
     refuses leaves the state STOPPED and a line saying how to continue."""
-    ranks = system.ranks_per_node
-    sb = [
-        f"--job-name={_job_name(cfg.benchmark, cfg.preset, system.name)}",
-        f"--nodes={system.nodes}",
-        f"--ntasks-per-node={ranks}",
-        f"--time={system.time}",
-        f"--output={run_dir}/{'slurm-%A_%a.out' if nexp > 1 else 'slurm-%j.out'}",
-        "--requeue",
-        "--signal=USR1@120",
-    ]
-    if system.gpus_per_node:
-        sb.append(f"--gpus-per-node={system.gpus_per_node}")
-    if system.partition:
-        sb.append(f"--partition={system.partition}")
-    if system.account:
-        sb.append(f"--account={system.account}")
-    if system.exclusive:
-        sb.append("--exclusive")
+    job = _job_parts(system, cfg, run_dir, command, python, "slurm-%A_%a.out" if nexp > 1 else "slurm-%j.out",
+                     requeue=True)  # fmt: skip
+    sb, box = job.sbatch, job.box
     if nexp > 1:
         sb.append(f"--array=0-{nexp - 1}")
     if chain > 1:
         sb.append("--dependency=singleton")
-    srun = ["srun", f"--mpi={system.mpi}", f"--ntasks-per-node={ranks}", "--kill-on-bad-exit=1"]
-    if system.cpu_bind:
-        srun.append(f"--cpu-bind={system.cpu_bind}")
-    if system.srun_gres:
-        srun.append(f"--gres={system.srun_gres}")  # repeated on srun: some Slurm versions drop it otherwise
-    env = dict(system.env)
-    box = container_parts(system, mounts_for(system, cfg, run_dir), env)
-    if system.numa:
-        env["TRAINBENCH_CPU_MAP"] = ";".join(system.cpu_map())
-    recorded = "".join(" " if has_control_character(c) else c for c in " ".join(q(a) for a in command))  # one line
     lines = [
-        "#!/bin/bash",
-        *(f"#SBATCH {q(opt)}" for opt in sb),
-        f"# written by: {recorded}",
-        f"# layout {system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)}"
-        " (nodes x ranks per node x micro-batch x accumulation)",
-        "set -uo pipefail",
-        f"RUN_DIR={q(str(run_dir))}",
-        f"PYTHON={q(python)}",
+        *job.head(sb),
         "INDEX=${SLURM_ARRAY_TASK_ID:-0}",
-        'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
-        *(f"export {k}={q(v)}" for k, v in env.items() if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)),
+        *job.environment,
         "state() {  # the job's state, for whoever reads the results folder (written whole, then renamed)",
         '  printf \'{"job_id": "%s", "index": %s, "state": "%s", "exit_code": %s}\\n\' '
         '"$SLURM_JOB_ID" "$INDEX" "$1" "$2" > "$RUN_DIR/.slurm_$INDEX.json.$$" && '
@@ -122,8 +88,7 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         "# preflight: on every node the container starts, sees the data and this folder, the GPUs are there, and an",
         "# all-reduce over the job's ranks measures the bus bandwidth (preflight_$INDEX.json); else no run starts",
         'rm -rf "$RUN_DIR/preflight" && mkdir -p "$RUN_DIR/preflight"',
-        " ".join([*map(q, srun), *box.srun_flags, box.command])
-        + ' -m trainbench.launch.preflight "$RUN_DIR" "$INDEX"; prc=$?',
+        job.each_rank('trainbench.launch.preflight "$RUN_DIR" "$INDEX"') + "; prc=$?",
         "bad=0",
         'for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do',
         '  why=$(cat "$RUN_DIR/preflight/$node".*.failed 2>/dev/null | head -n 1)',
@@ -136,8 +101,7 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         'if [ "$bad" = 0 ] && [ "$prc" != 0 ]; then echo "preflight failed: the all-reduce step exited with $prc"; '
         "bad=1; fi",
         'if [ "$bad" = 1 ]; then state PREFLIGHT_FAILED "$prc"; exit 1; fi',
-        " ".join([*map(q, srun), *box.srun_flags, box.command])
-        + ' -m trainbench.launch.worker "$RUN_DIR" "$INDEX" --resume &',
+        job.each_rank('trainbench.launch.worker "$RUN_DIR" "$INDEX" --resume') + " &",
         "wait $!; rc=$?",
         "while kill -0 $! 2>/dev/null; do wait $!; rc=$?; done  # a trapped signal interrupts the first wait",
         'if [ "$STOPPED" = 1 ]; then exit "$rc"; fi',
@@ -162,12 +126,99 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         box.finish + ' -m trainbench.launch.slurm finish "$RUN_DIR" "$INDEX" "$rc"',
         "exit $?  # the run's exit code, or 0 where its log holds run_stop",
     ]
-    script = "\n".join(lines) + "\n"
-    # The last guard: every value above is quoted, but no quoting keeps a line break from ending a line.
-    for value in (str(run_dir), python, *sb, *srun, *env.values(), *env, *box.prefix):
-        if has_control_character(value):
-            raise UserError(f"{value!r} holds a control character; it cannot go into a job script")
-    return script
+    return job.script(lines, sb)
+
+
+@dataclasses.dataclass
+class JobParts:
+    """What every job script of a system has: its #SBATCH options, the srun of one process per rank, the
+    environment and the container (the run's script and the throughput measurement's build on these)."""
+
+    sbatch: list[str]
+    srun: list[str]
+    env: dict[str, str]
+    box: ContainerParts
+    run_dir: Path
+    python: str
+    recorded: str  # the command that wrote the script, on one line
+    layout: str
+
+    def head(self, sb: list[str]) -> list[str]:
+        return [
+            "#!/bin/bash",
+            *(f"#SBATCH {q(opt)}" for opt in sb),
+            f"# written by: {self.recorded}",
+            f"# layout {self.layout} (nodes x ranks per node x micro-batch x accumulation)",
+            "set -uo pipefail",
+            f"RUN_DIR={q(str(self.run_dir))}",
+            f"PYTHON={q(self.python)}",
+        ]
+
+    @property
+    def environment(self) -> list[str]:
+        return [
+            'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+            *(f"export {k}={q(v)}" for k, v in self.env.items() if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)),
+        ]
+
+    def each_rank(self, module_args: str) -> str:
+        """The srun line starting ``python -m <module_args>`` on every rank (in the container, if any)."""
+        return " ".join([*map(q, self.srun), *self.box.srun_flags, self.box.command]) + f" -m {module_args}"
+
+    def script(self, lines: list[str], sb: list[str]) -> str:
+        script = "\n".join(lines) + "\n"
+        # The last guard: every value above is quoted, but no quoting keeps a line break from ending a line.
+        for value in (str(self.run_dir), self.python, *sb, *self.srun, *self.env.values(), *self.env, *self.box.prefix):
+            if has_control_character(value):
+                raise UserError(f"{value!r} holds a control character; it cannot go into a job script")
+        return script
+
+
+def _job_parts(system: System, cfg: RunConfig, run_dir: Path, command: list[str], python: str, output: str,
+               requeue: bool = False) -> JobParts:  # fmt: skip
+    ranks = system.ranks_per_node
+    sb = [
+        f"--job-name={_job_name(cfg.benchmark, cfg.preset, system.name)}",
+        f"--nodes={system.nodes}",
+        f"--ntasks-per-node={ranks}",
+        f"--time={system.time}",
+        f"--output={run_dir}/{output}",
+        *(["--requeue", "--signal=USR1@120"] if requeue else []),
+    ]
+    if system.gpus_per_node:
+        sb.append(f"--gpus-per-node={system.gpus_per_node}")
+    if system.partition:
+        sb.append(f"--partition={system.partition}")
+    if system.account:
+        sb.append(f"--account={system.account}")
+    if system.exclusive:
+        sb.append("--exclusive")
+    srun = ["srun", f"--mpi={system.mpi}", f"--ntasks-per-node={ranks}", "--kill-on-bad-exit=1"]
+    if system.cpu_bind:
+        srun.append(f"--cpu-bind={system.cpu_bind}")
+    if system.srun_gres:
+        srun.append(f"--gres={system.srun_gres}")  # repeated on srun: some Slurm versions drop it otherwise
+    env = dict(system.env)
+    box = container_parts(system, mounts_for(system, cfg, run_dir), env)
+    if system.numa:
+        env["TRAINBENCH_CPU_MAP"] = ";".join(system.cpu_map())
+    recorded = "".join(" " if has_control_character(c) else c for c in " ".join(q(a) for a in command))
+    layout = system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)
+    return JobParts(sb, srun, env, box, run_dir, python, recorded, layout)
+
+
+def render_bench_script(system: System, cfg: RunConfig, run_dir: Path, command: list[str], python: str) -> str:
+    """The sbatch script of a throughput measurement (`trainbench bench --system`): every rank measures the depth
+    that bench_request.json names; no requeue (a measurement that is stopped is measured again)."""
+    job = _job_parts(system, cfg, run_dir, command, python, "slurm-bench-%j.out")
+    lines = [
+        *job.head(job.sbatch),
+        *job.environment,
+        *job.box.start_lines,
+        job.each_rank('trainbench.launch.worker "$RUN_DIR" 0 --bench'),
+    ]
+    return job.script(lines, job.sbatch)
 
 
 # -- containers -------------------------------------------------------------------------------------------
@@ -406,6 +457,32 @@ def submit(
                     write_job(run_dir, job | {"job_id": ids[0], "job_ids": ids})
         job["job_id"], job["job_ids"] = ids[0], ids
     return run_dir, script, job["job_id"]
+
+
+def bench_job(system: System, cfg: RunConfig, run_dir: Path, command: list[str], say) -> None:
+    """One depth of a throughput measurement as a Slurm job (``trainbench bench --system``): the script written to
+    bench.sbatch, submitted with ``sbatch --wait``; returns when the job has ended. Ctrl-C cancels the job."""
+    python = system.container.python if system.container else sys.executable
+    path = run_dir / "bench.sbatch"
+    path.write_text(render_bench_script(system, cfg, run_dir, command, python))
+    try:
+        proc = subprocess.Popen(["sbatch", "--wait", "--parsable", str(path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+    except FileNotFoundError:
+        raise UserError("`sbatch` was not found: Slurm's client tools must be on PATH to measure on a system") from None
+    job_id = None
+    try:
+        job_id = proc.stdout.readline().strip().split(";")[0] or None  # --parsable prints the id at submission
+        if job_id:
+            say(f"submitted job {job_id}; waiting for it to end (its output: {run_dir}/slurm-bench-{job_id}.out)")
+        _, err = proc.communicate()
+    except KeyboardInterrupt:
+        if job_id:
+            subprocess.run(["scancel", job_id], capture_output=True)
+        raise
+    if job_id is None:
+        said = "; ".join(line.strip() for line in err.splitlines() if line.strip())
+        raise UserError(f"sbatch refused the measurement's job: {said[:300]}")
 
 
 # The most jobs one `submit --chain` queues: a chain of a week at a two-hour limit, and a typo's million refused.

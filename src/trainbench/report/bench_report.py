@@ -199,20 +199,19 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
     a straight line of step time against blocks."""
     from trainbench.launch.bench import KIND
     from trainbench.report.projection import project
-    from trainbench.telemetry import gpus
 
-    gpu_count, gpu_name, _ = gpus()
+    last = raws[max(raws)]
+    device = last["device"]  # as rank 0 saw it: a Slurm job's GPUs are not those where bench started
     ranks = cfg.distributed.world_size
     per_sample = bench.tokens_per_sample(cfg)
     gbs = cfg.data.global_batch_size
     step_s = at_depth({d: r["seconds"] / r["steps"] for d, r in raws.items()}, layers)
     eval_s = at_depth({d: r["eval_seconds_per_sample"] for d, r in raws.items()}, layers)
     measured = "extrapolated" if depths else "measured"
-    last = raws[max(raws)]
     samples_per_step = last.get("samples_per_step", gbs)  # a packed row holds several samples
     samples_per_s = samples_per_step / step_s
     flops = bench.flops_per_sample(cfg)
-    peak = peak_tflops(gpu_name) if cfg.device != "cpu" and gpu_count else None
+    peak = peak_tflops(device)
     result: dict[str, Any] = {
         "kind": KIND,
         "benchmark": bench.name,
@@ -221,7 +220,7 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "blocks": layers,
         "blocks_measured": sorted(raws) if depths else None,
         "ranks": ranks,
-        "device": gpu_name if cfg.device != "cpu" and gpu_count else "cpu",
+        "device": device,
         "global_batch_size": gbs,
         "samples_per_step": samples_per_step,
         "step_seconds": step_s,

@@ -70,6 +70,7 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         "eval_samples": run.data.eval_samples,
         "notes": run.placed.notes + bench.model_notes(cfg, info.device, run.bf16),
         "profile": timed.profile,
+        "device": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
     }
     if info.is_main:  # this node's GPUs over the timed steps: median power and SM clock, throttle reasons, energy
         result["gpus"] = window_summary(run_dir, start_ms, stop_ms)
