@@ -1,6 +1,6 @@
 """Attention kernels for BERT-large's packed rows on this GPU: forward and backward time, and agreement.
 
-Packed rows are built from the synthetic MLPerf-like length mix of `bert_throughput.py` (25 % of samples
+Packed rows are built from a synthetic MLPerf-like length mix (25 % of samples
 uniform in [470, 512] tokens, 75 % uniform in [16, 370]) with the project's packer (LPFHP) at 3 and at 6
 sequences per row at most. 48 rows of 512 tokens, 16 heads of 64, bf16. For each packing, times one
 attention call of a BERT-large layer, forward and forward + backward (median of CUDA-event timings). Every

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # `trainbench bench` at full size on the GPU machine, each bench.json copied to $OUT/<name>.json with its console.
 #   perf/bench_figures.sh lora      the 70B LoRA, FP8 base, 40 blocks' activations offloaded, none recomputed
-#   perf/bench_figures.sh lora-perf the same configuration through perf/lora_throughput.py, for comparison
 #   perf/bench_figures.sh llm       Llama 3.1 8B in FP8, 2 and 6 blocks measured, extrapolated to 32
 #   perf/bench_figures.sh llm-row   the same with an optimizer step per row (global batch 1)
-#   perf/bench_figures.sh bert      BERT-large at MLPerf's batch (768 = 48 x 16 accumulation on one GPU)
+#   perf/bench_figures.sh bert      BERT-large at MLPerf's batch (768 = 48 x 16 accumulation on one GPU), fixed rows
+#   perf/bench_figures.sh bert-packed  the same on packed rows (about 2 samples a row), as the run trains
 #   perf/bench_figures.sh llm-hf bert-hf lora-hf   the same with HF transformers (+ peft) beside, --compare hf
 # Run from the repository root with trainbench importable (pip install -e . or PYTHONPATH=src).
 set -euo pipefail
@@ -26,18 +26,18 @@ for what in "$@"; do
     case $what in
     lora) bench lora llama2_70b_lora --preset llama2-70b model.base_precision=fp8 perf.compile=true \
         perf.offload_blocks=40 --steps 2 --warmup 1 ;;
-    lora-perf) python3 perf/lora_throughput.py --mode fp8-one --checkpointed 0 --offloaded 40 --steps 5 --warmup 2 \
-        --out "$OUT/lora_perf.json" 2>&1 | tee "$OUT/lora_perf.log" ;;
     llm) bench llm llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
         --steps 3 --warmup 2 ;;
     llm-row) bench llm_row llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
-        data.global_batch_size=1 --steps 8 --warmup 3 ;;  # an optimizer step per row, as perf/llm_throughput.py
+        data.global_batch_size=1 --steps 8 --warmup 3 ;;  # an optimizer step per row
     bert) bench bert bert --preset large perf.compile=true --steps 5 --warmup 3 ;;
+    bert-packed) bench bert_packed bert --preset large perf.compile=true data.layout=packed --steps 5 --warmup 3 ;;
     llm-hf) bench llm_hf llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
         --steps 3 --warmup 2 --compare hf ;;
-    bert-hf) bench bert_hf bert --preset large perf.compile=true --steps 2 --warmup 1 --compare hf ;;
+    bert-hf) bench bert_hf bert --preset large perf.compile=true data.layout=packed --steps 2 --warmup 1 \
+        --compare hf ;;  # HF on fixed rows of the same samples (it has no packed rows)
     lora-hf) bench lora_hf llama2_70b_lora --preset llama2-70b model.base_precision=fp8 perf.compile=true \
         --blocks 4,8 --steps 2 --warmup 1 --compare hf ;;
-    *) echo "unknown measurement $what (lora, lora-perf, llm, llm-row, bert, llm-hf, bert-hf, lora-hf)" >&2; exit 2 ;;
+    *) echo "unknown measurement $what (lora, llm, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf)" >&2; exit 2 ;;
     esac
 done

@@ -1,6 +1,6 @@
 """BERT-large data-parallel scaling on one node, through `trainbench run` itself.
 
-Prepares packed data from WikiText-2 with MLPerf's vocab (as bert_throughput.py does), then trains the large preset
+Prepares packed data from WikiText-2 with MLPerf's vocab (`trainbench prepare bert`), then trains the large preset
 on packed rows with the speed switches on (compiled model, fused LAMB), 48 rows per GPU per step (96 in the `_b96`
 configurations) and no accumulation (two micro-batches of 48 per step in the `_48x2` ones): on 1 GPU, then on N GPUs
 with DDP (global batch 48 x N rows): plain (the compiled graph split at the DDP buckets), as one compiled graph that

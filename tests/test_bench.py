@@ -245,3 +245,17 @@ def test_a_peer_on_fixed_rows_is_compared_with_ours_on_packed_rows_by_samples_a_
     hf = compared(peers, None, 200, 270, 2.0)["hf_eager"]
     assert hf["samples_per_s"] == 96 and hf["tokens_per_s"] == 96 * 270
     assert hf["ours_over_it"] == pytest.approx(100 / 96)  # 100 samples/s against 96, though our step is twice as long
+
+
+def test_kernel_kinds_tell_fp8_gemms_attention_and_compiled_casts_apart():
+    from trainbench.train.profiling import kernel_kind as kind
+
+    assert kind("nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT") == "fp8 gemm"  # e4m3 x e5m2
+    assert kind("nvjet_sm90_qqtst_256x128_128x4_1x2_h_bz_coopA_TNT") == "fp8 gemm"
+    assert kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
+    assert kind("triton_per_fused__fused_rms_norm__scaled_mm__to_copy_add_clamp_t_view_20") == "compiled elementwise"
+    assert kind("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>") == "optimizer"
+    assert kind("Memcpy HtoD (Pageable -> Device)") == "copy"
+    assert kind("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>") == "other"
+    assert kind("void lamb_stage_1<float>") == "optimizer"

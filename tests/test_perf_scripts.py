@@ -63,44 +63,6 @@ def test_attention_benchmark_packs_synthetic_rows_in_order_and_within_the_cap():
     assert fills[6] > fills[3]  # more sequences per row fill the rows better
 
 
-def test_throughput_benchmark_packs_every_sample_once_at_six_per_row():
-    bert_throughput = load("bert_throughput")
-    fixed = bert_throughput.synthetic_fixed(300)
-    fill = {}
-    for per_pack in (3, 6):
-        packed = bert_throughput.pack_fixed(fixed, per_pack=per_pack)
-        assert packed["cls_positions"].shape[1] == per_pack
-        assert (packed["next_sentence_labels"] >= 0).sum() == 300  # each sample in exactly one slot
-        assert (packed["sequence_ids"] > 0).sum() == fixed["input_mask"].sum()  # every token kept
-        assert (packed["masked_lm_positions"] > 0).sum() == (fixed["masked_lm_positions"] > 0).sum()
-        fill[per_pack] = (packed["sequence_ids"] > 0).mean()
-    assert fill[6] > fill[3]
-
-
-def test_the_govreport_length_mix_fills_a_row_mostly_with_two_or_three_sequences():
-    lora_throughput = load("lora_throughput")
-    seq, counts = lora_throughput.SEQ, []
-    for seed in range(200):
-        lengths = lora_throughput.mix_lengths(seed)
-        assert seq - 256 < sum(lengths) <= seq and all(n >= 256 for n in lengths), lengths
-        assert all(n >= 1024 for n in lengths[:-1])  # only the last, cut to the room left, may be shorter
-        counts.append(len(lengths))
-    assert 2 <= sorted(counts)[len(counts) // 2] <= 3  # the median row holds two or three
-    assert lora_throughput.mix_lengths(0) == lora_throughput.mix_lengths(0)  # seeded: the row measured is fixed
-
-
-def test_llm_kernel_kinds_tell_fp8_gemms_attention_and_compiled_casts_apart():
-    kind = load("llm_throughput").kernel_kind
-    assert kind("nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT") == "fp8 gemm"  # e4m3 x e5m2
-    assert kind("nvjet_sm90_qqtst_256x128_128x4_1x2_h_bz_coopA_TNT") == "fp8 gemm"
-    assert kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
-    assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
-    assert kind("triton_per_fused__fused_rms_norm__scaled_mm__to_copy_add_clamp_t_view_20") == "compiled elementwise"
-    assert kind("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>") == "optimizer"
-    assert kind("Memcpy HtoD (Pageable -> Device)") == "copy"
-    assert kind("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>") == "other"
-
-
 def test_the_fp8_quality_script_splits_wikitext_into_articles_and_holds_one_in_20_out(tmp_path):
     quality = load("llm_fp8_quality")
     text = "".join(f" = Article {i} = \n\n = = Section = = \n Body {i} . \n\n" for i in range(40))
