@@ -109,6 +109,15 @@ def inputs(family: str, batch: dict[str, np.ndarray], device: torch.device) -> d
     return {"input_ids": tokens, "labels": labels}
 
 
+def _adamw(model: torch.nn.Module, cfg: RunConfig, device: torch.device):
+    """The trainable parameters and the AdamW HF users train them with, at our optimizer's settings."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.epsilon, weight_decay=o.weight_decay,
+                            fused=device.type == "cuda")  # fmt: skip
+    return params, opt
+
+
 def measure(bench: Benchmark, cfg: RunConfig, family: str, compiled: bool, steps: int, warmup: int,
             device: torch.device) -> dict[str, Any]:  # fmt: skip
     """HF's seconds for ``steps`` optimizer steps of the global batch after ``warmup``; an out-of-memory is recorded
@@ -122,10 +131,8 @@ def measure(bench: Benchmark, cfg: RunConfig, family: str, compiled: bool, steps
     try:
         model = build(family, cfg, device)
         called = torch.compile(model) if compiled else model
-        params = [p for p in model.parameters() if p.requires_grad]
+        params, opt = _adamw(model, cfg, device)
         o = cfg.optimizer
-        opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.epsilon, weight_decay=o.weight_decay,
-                                fused=device.type == "cuda")  # fmt: skip
         data = bench.bench_data(cfg, 0, 1)
         source = iter(data.train)
         if device.type == "cuda":
