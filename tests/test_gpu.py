@@ -438,6 +438,76 @@ def test_offloaded_blocks_train_like_kept_ones_with_less_gpu_memory_on_cuda(monk
     assert all(b.saved_to_host is None for b in model.model.layers)
 
 
+def test_recomputed_blocks_with_their_inputs_on_the_host_train_like_kept_ones_on_cuda(monkeypatch):
+    """The last two of four FP8 LoRA blocks recomputed, their inputs in host memory (torch's reentrant checkpoint
+    inside the offload's hooks): the same loss and adapters' gradients as recomputing them with the inputs on the GPU,
+    and the GPU holds less between forward and backward."""
+    import dataclasses
+
+    from trainbench.benchmarks.lora import TINY
+    from trainbench.distributed import DistInfo
+    from trainbench.models import offload
+    from trainbench.models.decoder import DecoderLM, recompute_last
+    from trainbench.models.lora_parallel import place_lora
+
+    monkeypatch.setattr(offload, "MIN_BYTES", 1 << 20)
+    cfg = dataclasses.replace(TINY, hidden_size=1024, num_heads=8, num_kv_heads=2, intermediate_size=2816,
+                              num_layers=4, vocab_size=1000, max_seq_length=2048, base_precision="fp8")  # fmt: skip
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
+    model = place_lora(model, cfg, one, 1, True, False, True, 0).module
+    recompute_last(model, 2)
+    tokens = torch.randint(0, 1000, (2, 2048), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(tokens, targets=tokens)
+        held = torch.cuda.memory_allocated()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads, held
+
+    step()
+    loss, grads, held = step()
+    _, again, _ = step()
+    moved = offload.offload_blocks(model.model.layers, 0, one.device, recomputed_inputs=True)
+    assert moved.offloaded == [2, 3]
+    step()
+    loss_off, grads_off, held_off = step()
+    assert moved.bytes_per_step == 2 * 2 * 2048 * 1024 * 2  # two blocks' inputs, bf16 [2, 2048, 1024]
+    assert torch.equal(loss_off, loss)
+    for name, g in grads.items():
+        noise = float((again[name] - g).abs().max())
+        err = float((grads_off[name] - g).abs().max())
+        assert err <= max(2 * noise, 1e-3 * float(g.abs().max())), (name, err, noise)
+    assert all(float(g.abs().max()) > 0 for n, g in grads_off.items() if "lora_B" in n)
+    assert held - held_off >= 2 * 2048 * 1024 * 2  # at least block 2's input left the GPU during the forward
+    moved.remove()
+
+
+def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_this_gpu(tmp_path, monkeypatch):
+    """The probe (two blocks of a 2048-wide LoRA model through the run's own build) measures what the planner needs,
+    and the plan made from it for a 48-block model of that width fits this GPU by its own account."""
+    import dataclasses
+
+    from trainbench.launch.local import build_config
+    from trainbench.launch.plan import block_probe, resources
+    from trainbench.train import probe
+
+    bench, cfg = build_config("llama2_70b_lora", "llama2-70b", [], {
+        "device": "cuda", "model.hidden_size": "2048", "model.num_heads": "16", "model.num_kv_heads": "4",
+        "model.intermediate_size": "5632", "model.num_layers": "48", "data.seq_length": "4096"})  # fmt: skip
+    data = probe.measure(bench.probe_config(cfg), bench)
+    hidden = 4096 * 2048 * 2
+    assert data["input_bytes"] == hidden and 2 * hidden < data["kept_bytes"] < 40 * hidden
+    assert 0 < data["forward_s"] < data["backward_s"] < 1 and data["to_host_bytes_s"] > 1e9
+    assert data["block_weight_bytes"] > 2048 * 2048 * 4  # FP8 weights of a block: more than its q/k/v/o bytes
+    planned, lines = bench.plan_layout(cfg, resources(cfg, data, here=True), block_probe(data))
+    assert planned.model.base_precision == "fp8" and "predicted:" in lines[1]
+
+
 def test_tiny_lora_reaches_its_target_with_offloaded_blocks_on_cuda(tmp_path, monkeypatch):
     from trainbench.models import offload
 

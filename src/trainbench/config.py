@@ -186,6 +186,18 @@ class PerfConfig:
         "model.base_precision=fp8): more blocks without recompute where the GPU's memory ends (docs/lora.md).",
         at_least=0,
     )
+    offload_recomputed_inputs: bool = option(
+        False,
+        "The input of each recomputed block (all it keeps between forward and backward) waits in pinned host memory "
+        "too (CUDA; llama2_70b_lora with model.base_precision=fp8): 128 MiB a block at the 70B shape.",
+    )
+    layout: str = option(
+        "manual",
+        "How recompute, offload and the base's precision are chosen (llama2_70b_lora): manual (the keys as given) "
+        "or auto (planned from this GPU's memory, host memory and a probe of one block, cached per machine; keys "
+        "given by hand are kept, docs/lora.md).",
+        choices=("manual", "auto"),
+    )
     cuda_graphs: bool = option(
         False, "With compile: replay the compiled forward and backward as CUDA graphs (static shapes; CUDA only)."
     )

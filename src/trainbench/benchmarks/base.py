@@ -276,6 +276,18 @@ class Benchmark(ABC):
         """Lines for the run's console on choices made for this machine (e.g. which kernel ``auto`` picked)."""
         return []
 
+    # -- layout (perf.layout=auto) ----------------------------------------------------------------
+    plans_layout = False  # whether perf.layout=auto chooses this benchmark's layout keys (launch/plan.py)
+
+    def probe_config(self, cfg: RunConfig) -> RunConfig:
+        """The config the layout probe measures (the run's, with what the plan may choose set to be probed)."""
+        return cfg
+
+    def plan_layout(self, cfg: RunConfig, resources, probe) -> tuple[RunConfig, list[str]]:
+        """``cfg`` with its layout keys chosen for ``resources`` (layout.Resources) from ``probe``
+        (layout.BlockProbe), and the console lines saying what and why; ConfigError where nothing fits."""
+        raise ConfigError(f"perf.layout=auto: {self.name} has no layout to plan")
+
     # -- throughput (trainbench bench) ----------------------------------------------------------
     def bench_data(self, cfg: RunConfig, rank: int, world_size: int) -> BenchmarkData:
         """Rows shaped like the benchmark's data, made in memory from the seed (no data set needed): what `trainbench

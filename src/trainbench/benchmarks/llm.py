@@ -117,11 +117,26 @@ def recompute_fewer(placed: Placed, cfg: RunConfig, device: torch.device) -> Pla
     if cfg.perf.activation_checkpointing and count:
         recompute_last(placed.module, count)
         placed.notes.append(f"activation checkpointing on the last {count} of {cfg.model.num_layers} blocks")
-    if cfg.perf.offload_blocks:
-        offload = offload_blocks(placed.module.model.layers, cfg.perf.offload_blocks, device)
-        placed.notes.append(f"saved activations of blocks {', '.join(map(str, offload.offloaded))} kept in host "
-                            "memory between forward and backward")  # fmt: skip
+    if cfg.perf.offload_blocks or cfg.perf.offload_recomputed_inputs:
+        inputs = cfg.perf.offload_recomputed_inputs
+        offload = offload_blocks(placed.module.model.layers, cfg.perf.offload_blocks, device, inputs)
+        which = " (of the recomputed ones, their input)" if inputs else ""
+        placed.notes.append(f"saved activations of blocks {_ranges(offload.offloaded)} kept in host memory between "
+                            f"forward and backward{which}")  # fmt: skip
     return placed
+
+
+def _ranges(indices: list[int]) -> str:
+    """0, 2, 4-9: sorted block indices, runs of consecutive ones as a range."""
+    out: list[str] = []
+    for i in indices:
+        if out and "-" not in out[-1] and int(out[-1]) == i - 1:
+            out[-1] = f"{out[-1]}-{i}"
+        elif out and "-" in out[-1] and int(out[-1].split("-")[1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
 
 
 def kept_blocks(cfg: RunConfig) -> int:
@@ -193,13 +208,20 @@ class LLMBenchmark(Benchmark):
             if importlib.util.find_spec("torchao") is None:
                 raise ConfigError("model.precision=fp8 uses torchao's float8 training, which is not installed: "
                                   "pip install 'trainbench[fp8]'")  # fmt: skip
-        if cfg.perf.offload_blocks:
-            if getattr(m, "base_precision", None) != "fp8":
-                raise ConfigError(f"perf.offload_blocks={cfg.perf.offload_blocks}: activations are offloaded only "
-                                  "for llama2_70b_lora with model.base_precision=fp8 (whole blocks on each GPU, "
-                                  "compiled inside their checkpointing)")  # fmt: skip
+        offloads = [f"perf.offload_blocks={cfg.perf.offload_blocks}"] if cfg.perf.offload_blocks else []
+        offloads += ["perf.offload_recomputed_inputs=true"] if cfg.perf.offload_recomputed_inputs else []
+        if offloads:
+            # (under perf.layout=auto the plan sets the FP8 base before the run starts)
+            if getattr(m, "base_precision", None) != "fp8" and not (cfg.perf.layout == "auto" and
+                                                                    hasattr(m, "base_precision")):  # fmt: skip
+                raise ConfigError(f"{offloads[0]}: activations are offloaded only for llama2_70b_lora with "
+                                  "model.base_precision=fp8 (whole blocks on each GPU, compiled inside their "
+                                  "checkpointing)")  # fmt: skip
             if cfg.device == "cpu":
-                raise ConfigError(f"perf.offload_blocks={cfg.perf.offload_blocks} needs a GPU (device=cuda or auto)")
+                raise ConfigError(f"{offloads[0]} needs a GPU (device=cuda or auto)")
+            if cfg.perf.offload_recomputed_inputs and not cfg.perf.activation_checkpointing:
+                raise ConfigError("perf.offload_recomputed_inputs=true but no block is recomputed "
+                                  "(perf.activation_checkpointing=false)")  # fmt: skip
             if cfg.perf.offload_blocks > kept_blocks(cfg):
                 raise ConfigError(
                     f"perf.offload_blocks={cfg.perf.offload_blocks} but only {kept_blocks(cfg)} "

@@ -68,6 +68,14 @@ def _run(preset: str, model: LoraModelConfig, seq: int, lr: float, target: float
     )  # fmt: skip
 
 
+def _full() -> RunConfig:
+    """MLPerf's shape, compiled, its layout planned for the GPUs it runs on (perf.layout=auto)."""
+    cfg = _run("llama2-70b", LLAMA2_70B, seq=8192, lr=4e-4)
+    cfg.perf.compile = True
+    cfg.perf.layout = "auto"
+    return cfg
+
+
 def tiny() -> RunConfig:
     cfg = _run("tiny", TINY, seq=256, lr=1e-2)
     cfg.data.micro_batch_size = 8
@@ -89,7 +97,7 @@ class LoraBenchmark(LLMBenchmark):
     full_preset = "llama2-70b"
     presets = {
         "tiny": tiny,
-        "llama2-70b": lambda: _run("llama2-70b", LLAMA2_70B, seq=8192, lr=4e-4),
+        "llama2-70b": lambda: _full(),
     }
     synthetic_sizes = {"tiny": {"train": 6000, "eval": 173}}
     # Expandable segments: at 70B on one H200 the caching allocator otherwise strands about 8 GiB between its blocks,
@@ -231,6 +239,60 @@ class LoraBenchmark(LLMBenchmark):
         placed = place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
                             cfg.perf.compile, cfg.seed)  # fmt: skip
         return recompute_fewer(placed, cfg, info.device)
+
+    # -- layout (perf.layout=auto) ----------------------------------------------------------------
+    plans_layout = True
+
+    def probe_config(self, cfg: RunConfig) -> RunConfig:
+        """Probed with the FP8 base, the one a plan picks where the GPU has FP8 (unless the base is given)."""
+        base = cfg.model.base_precision if "model.base_precision" in self._given(cfg) else "fp8"
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, base_precision=base))
+
+    def _given(self, cfg: RunConfig) -> dict:
+        from trainbench.layout import fixed_keys
+
+        return fixed_keys(cfg, self.config(cfg.preset))
+
+    def plan_layout(self, cfg: RunConfig, resources, probe) -> tuple[RunConfig, list[str]]:
+        """The FP8 base on every GPU with the fastest mix of kept, offloaded and recomputed blocks that fits
+        (layout.best); where no FP8 replica fits, the sentence says what would (the bf16 base sharded over GPUs)."""
+        from trainbench.config import apply_overrides
+        from trainbench.layout import best, describe, refusal
+
+        given = self._given(cfg)
+        layers = cfg.model.num_layers
+        base = given.get("model.base_precision", "fp8" if resources.fp8 else "auto")
+        name = f"{self.name}/{cfg.preset}"
+        if base == "fp8" and not resources.fp8:
+            raise ConfigError(f"model.base_precision=fp8 needs FP8 tensor cores (compute capability 8.9 or newer); "
+                              f"{resources.gpu_name} has none: use model.base_precision=auto")  # fmt: skip
+        if base != "fp8":
+            return self._plan_sharded(cfg, resources, given)
+        fastest, smallest = best(layers, probe, resources, given)
+        if fastest is None:
+            raise ConfigError(refusal(name, smallest, layers, resources, probe))
+        keys = {"model.base_precision": "fp8", **fastest.keys()}
+        planned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model), perf=dataclasses.replace(cfg.perf))
+        apply_overrides(planned, {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in keys.items()})
+        self.validate(planned)
+        tokens = cfg.data.micro_batch_size * cfg.data.seq_length
+        return planned, describe(fastest, layers, resources, given, tokens)
+
+    def _plan_sharded(self, cfg: RunConfig, resources, given: dict) -> tuple[RunConfig, list[str]]:
+        """The bf16 base sharded by FSDP2 over the ranks, every block recomputed: where its shards fit."""
+        from trainbench.layout import GIB, gib
+
+        params = cfg.model.num_params()
+        need = 2 * params / resources.gpus + 24 * GIB  # bf16 shards, gathered blocks, inputs, logits
+        if need > resources.gpu_bytes:
+            gpus = math.ceil(2 * params / max(1, resources.gpu_bytes - 24 * GIB))
+            raise ConfigError(f"{self.name}/{cfg.preset} with a bf16 base needs about {gib(need)} a GPU on "
+                              f"{resources.gpus} x {resources.gpu_name} of {gib(resources.gpu_bytes)}: use at least "
+                              f"{gpus} GPUs, or model.base_precision=fp8 on GPUs with FP8")  # fmt: skip
+        planned = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, activation_checkpointing=True,
+                                                                    recompute_blocks=0))  # fmt: skip
+        return planned, [f"layout (perf.layout=auto): the bf16 base sharded by FSDP2 over {resources.gpus} x "
+                         f"{resources.gpu_name}, every block recomputed (about {gib(need)} a GPU)"]  # fmt: skip
 
     def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
         """Which base was read, the type its files store and what the run made of it."""

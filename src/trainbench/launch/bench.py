@@ -64,14 +64,21 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         if system is not None:
             raise UserError("--compare hf runs in this process: drop --system")
         family = compare_hf.require(bench, cfg)
+    from trainbench.console import console
+    from trainbench.launch.plan import planned
+
     if system is not None:
-        return _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system, command or [])
+        cfg, plan = planned(bench, cfg, console.print, here=False)
+        return _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system, command or [], plan)
     allocator_settings(bench)
     device = preflight_device(cfg)
+    cfg, plan = planned(bench, cfg, console.print)  # before any folder: a layout that cannot fit stops here
     run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-bench")
     save_config(cfg, run_dir / CONFIG)
     out = RunConsole(run_dir / CONSOLE)
     out.say(f"results folder: {run_dir} ({KIND})")
+    for line in plan:
+        out.say(line)
     raws, peers = {}, {}
     for depth in depths or [layers]:
         if depths:
@@ -108,7 +115,7 @@ def _truncated(cfg: RunConfig, depth: int | None, layers: int | None, run_dir: P
     return truncated
 
 
-def _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system, command):
+def _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system, command, plan):
     """Each depth as one Slurm job of ``system``'s nodes and ranks, one after the other."""
     from trainbench.launch.local import absolute_paths
     from trainbench.launch.slurm import bench_job, check_cluster, check_container, check_mpi
@@ -128,6 +135,8 @@ def _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system,
     save_config(cfg, run_dir / CONFIG)
     out = RunConsole(run_dir / CONSOLE)
     out.say(f"results folder: {run_dir} ({KIND}) on {system.name}: {system.nodes} x {system.ranks_per_node} ranks")
+    for line in plan:
+        out.say(line)
     raws = {}
     for depth in depths or [layers]:
         if depths:

@@ -18,7 +18,7 @@ from typing import Any
 from trainbench.benchmarks import get_benchmark
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, apply_overrides, leaves, read_yaml_overrides, save_config
-from trainbench.console import RunConsole
+from trainbench.console import RunConsole, console
 from trainbench.distributed import available_slots, init_distributed, resolve_device
 from trainbench.errors import ConfigError, DataError, Preempted, UserError
 from trainbench.launch.systems import largest_micro_batch
@@ -172,6 +172,9 @@ def _run_locked(bench: Benchmark, cfg: RunConfig, nexp: int, lock: FolderLock | 
         if cfg.resume:
             raise DataError(f"resuming {cfg.output.run_dir} with the settings in its {CONFIG}: {exc}") from None
         raise
+    from trainbench.launch.plan import planned
+
+    cfg, plan = planned(bench, cfg, console.print)  # before any folder: a layout that cannot fit stops here
     if cfg.output.run_dir:
         run_dir = Path(cfg.output.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -179,15 +182,18 @@ def _run_locked(bench: Benchmark, cfg: RunConfig, nexp: int, lock: FolderLock | 
         run_dir = new_run_dir(cfg.output.results_dir, bench.name, cfg.preset)
     own = FolderLock(run_dir, "a run").acquire() if lock is None else None
     try:
-        return _train_all(bench, cfg, nexp, run_dir, device)
+        return _train_all(bench, cfg, nexp, run_dir, device, plan)
     finally:
         if own is not None:
             own.release()
 
 
-def _train_all(bench: Benchmark, cfg: RunConfig, nexp: int, run_dir: Path, device: str) -> tuple[Path, list[RunRecord]]:
+def _train_all(bench: Benchmark, cfg: RunConfig, nexp: int, run_dir: Path, device: str,
+               plan: list[str] = ()) -> tuple[Path, list[RunRecord]]:  # fmt: skip
     save_config(cfg, run_dir / CONFIG)
     out = RunConsole(run_dir / CONSOLE)
+    for line in plan:
+        out.say(line)
     if not cfg.resume or not (run_dir / INPUTS).exists():
         if cfg.resume:
             out.say(f"{run_dir} has no {INPUTS} (made by an earlier version): its data and weights are recorded now, "

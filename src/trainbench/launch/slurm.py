@@ -423,6 +423,17 @@ def submit(
         check_cluster(system)
         check_mpi(system)
         bench.check_data(cfg)
+    from trainbench.console import console
+    from trainbench.launch.plan import planned
+
+    try:
+        cfg, plan = planned(bench, cfg, console.print, here=False)  # from the cached probe of the system's GPU
+    except UserError as exc:
+        if not dry_run:
+            raise
+        plan = [f"dry run, layout not planned: {exc}"]
+    for line in plan:
+        console.print(line, markup=False)
     run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-{system.name}").resolve()
     cfg = absolute_paths(cfg)  # the job starts in another directory: data and base weights saved absolute
     cfg = dataclasses.replace(

@@ -223,13 +223,19 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rope=None, mask: torch.Tensor | None = None) -> torch.Tensor:
         # Inside the block's own forward, so a sharding wrapper's hooks (gather, cast) stay outside the
         # recomputed region and run again for the recomputation.
-        if self.checkpointing and torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or (self.saved_to_host is None and not self.checkpointing):
+            return self._forward(x, rope, mask)
+        if self.saved_to_host is None:
             return checkpoint(self._forward, x, rope, mask, use_reentrant=False)
-        if self.saved_to_host is not None and torch.is_grad_enabled():
-            shared = [*(rope or ()), mask if isinstance(mask, torch.Tensor) else None]
-            with self.saved_to_host.saving(self, shared):
+        shared = [*(rope or ()), mask if isinstance(mask, torch.Tensor) else None]
+        with self.saved_to_host.saving(self, shared):
+            if not self.checkpointing:
                 return self._forward(x, rope, mask)
-        return self._forward(x, rope, mask)
+            # A recomputed block keeps only its input, and that waits in host memory too: torch's reentrant
+            # checkpoint saves it through save_for_backward, which the offload's hooks see (the non-reentrant one
+            # holds it in a closure). It needs an input that requires grad to run the backward at all.
+            x = x if x.requires_grad else x.detach().requires_grad_()
+            return checkpoint(self._forward, x, rope, mask, use_reentrant=True)
 
     def _forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask)

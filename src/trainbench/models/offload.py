@@ -228,12 +228,18 @@ def spread(count: int, kept: int) -> list[int]:
     return [k * kept // count for k in range(count)]
 
 
-def offload_blocks(blocks: Sequence[nn.Module], count: int, device: torch.device) -> HostOffload | None:
-    """Offload ``count`` of the blocks that keep their activations (``checkpointing`` off); None for 0."""
-    if not count:
+def offload_blocks(blocks: Sequence[nn.Module], count: int, device: torch.device,
+                   recomputed_inputs: bool = False) -> HostOffload | None:  # fmt: skip
+    """Offload ``count`` of the blocks that keep their activations (``checkpointing`` off), and with
+    ``recomputed_inputs`` the input of every recomputed block (all such a block keeps); None for neither."""
+    if not count and not recomputed_inputs:
         return None
     if device.type != "cuda":
-        raise ConfigError(f"perf.offload_blocks={count} needs a CUDA device (pinned host memory and a copy stream); "
-                          f"this run is on {device.type}")  # fmt: skip
+        what = f"perf.offload_blocks={count}" if count else "perf.offload_recomputed_inputs=true"
+        raise ConfigError(f"{what} needs a CUDA device (pinned host memory and a copy stream); this run is on "
+                          f"{device.type}")  # fmt: skip
     kept = [i for i, b in enumerate(blocks) if not getattr(b, "checkpointing", False)]
-    return HostOffload(blocks, [kept[i] for i in spread(count, len(kept))]).install()
+    chosen = [kept[i] for i in spread(count, len(kept))] if count else []
+    if recomputed_inputs:
+        chosen += [i for i, b in enumerate(blocks) if getattr(b, "checkpointing", False)]
+    return HostOffload(blocks, chosen).install()

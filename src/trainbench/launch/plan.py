@@ -1,0 +1,77 @@
+"""``perf.layout=auto`` before any folder is made: the probe of this GPU (cached, or run in a process of its own) and
+the machine's memory, handed to the benchmark's planner; the config that comes back has the layout keys set."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from trainbench.benchmarks.base import Benchmark
+from trainbench.config import RunConfig, save_config
+from trainbench.distributed import resolve_device
+from trainbench.errors import ConfigError, UserError
+from trainbench.layout import GIB, BlockProbe, Resources, host_available_bytes
+
+
+def probe(bench: Benchmark, cfg: RunConfig, here: bool, say) -> dict:
+    """This shape's probe: cached, else (``here``: this machine has the GPU the run uses) measured now in a process
+    of its own and cached."""
+    from trainbench.train import probe as probing
+
+    found = probing.cached(cfg)
+    if found is not None:
+        return found
+    if not here:
+        raise UserError(f"perf.layout=auto plans from a probe of the GPU the job runs on, and none is cached for "
+                        f"{bench.name}/{cfg.preset} at this shape and software version: run `trainbench bench "
+                        f"{bench.name} --preset {cfg.preset} --steps 1 --warmup 0` once on one of the system's nodes "
+                        f"(it probes and caches in {probing.cache_dir()}), or set perf.layout=manual with the layout "
+                        f"keys")  # fmt: skip
+    say(f"probing {probing.PROBE_BLOCKS} blocks of {bench.name}/{cfg.preset} on this GPU for perf.layout=auto "
+        f"(once per GPU model and software version; cached in {probing.cache_dir()})")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        config, out = Path(tmp) / "config.yaml", Path(tmp) / "probe.json"
+        save_config(cfg, config)
+        code = subprocess.run([sys.executable, "-m", "trainbench.train.probe", str(config), str(out)]).returncode
+        if code != 0 or not out.exists():
+            raise UserError(f"the layout probe of {bench.name}/{cfg.preset} failed (exit code {code}; see above); "
+                            "set perf.layout=manual with the layout keys to run without it")  # fmt: skip
+        data = json.loads(out.read_text())
+    probing.save(cfg, data)
+    return data
+
+
+def block_probe(data: dict) -> BlockProbe:
+    return BlockProbe(**{f.name: data[f.name] for f in dataclasses.fields(BlockProbe)})
+
+
+def resources(cfg: RunConfig, data: dict, here: bool) -> Resources:
+    """One rank's share of the machine: the GPU as the probe found it, the host's memory (a job's: its node's, as the
+    probe found it there) over the ranks of a node."""
+    host = host_available_bytes() if here else data["host_available_bytes"]
+    return Resources(gpu_bytes=int(data["gpu_free_bytes"]), host_bytes=host // cfg.distributed.nproc,
+                     gpus=cfg.distributed.world_size, gpu_name=data["gpu_name"],
+                     fp8=tuple(data["capability"]) >= (8, 9))  # fmt: skip
+
+
+def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[RunConfig, list[str]]:
+    """The config with the layout ``perf.layout=auto`` chose and the lines saying why (nothing to do for
+    ``perf.layout=manual`` or a resumed run, whose saved config holds its plan). ``here``: the run's GPUs are on
+    this machine (else, as for a Slurm job, only a cached probe can be used)."""
+    if cfg.perf.layout != "auto" or cfg.resume:
+        return cfg, []
+    if not bench.plans_layout:
+        raise ConfigError(f"perf.layout=auto: {bench.name} has no layout to plan (its keys are used as given); "
+                          "set perf.layout=manual")  # fmt: skip
+    if (resolve_device(cfg.device) if here else cfg.device) == "cpu":
+        return cfg, [f"perf.layout=auto: no GPU here, nothing to plan ({bench.name}'s layout keys as given)"]
+    data = probe(bench, bench.probe_config(cfg), here, say)
+    planned_cfg, lines = bench.plan_layout(cfg, resources(cfg, data, here), block_probe(data))
+    return planned_cfg, lines + [f"  probe: {data['gpu_name']}, a block keeps {data['kept_bytes'] / GIB:.2f} GiB, "
+                                 f"forward {data['forward_s'] * 1e3:.1f} ms, backward {data['backward_s'] * 1e3:.1f} "
+                                 f"ms; host link {data['to_host_bytes_s'] / 1e9:.0f} GB/s out, "
+                                 f"{data['to_gpu_bytes_s'] / 1e9:.0f} GB/s back"]  # fmt: skip

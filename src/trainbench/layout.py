@@ -1,0 +1,220 @@
+"""Choosing how a model's blocks use the GPU (``perf.layout=auto``): a memory and time model of one step from what a
+probe measured of one block on this GPU (train/probe.py), the GPU's and the host's memory, and a search over the
+layouts the placement can build.
+
+A block of the decoder either keeps what it saved for its backward on the GPU, or keeps it in pinned host memory
+(offloaded: copied out during the forward and back during the backward, on a side stream), or is recomputed (keeps
+only its input, which can wait in host memory too). With ``L`` blocks of which ``R`` are recomputed (the last ones) and
+``O`` offloaded, one micro-batch costs
+
+    time   = head + L x (forward + backward) + R x forward + the copies' stall
+    memory = weights + optimizer + (L - R - O) x kept + (R x input, unless the inputs are offloaded)
+             + in-flight copies + the step's working set + a margin
+
+where the copies stall the step only where their bytes take longer over the host link than the forward (out) or the
+backward (back) they overlap. The search tries every (R, O, inputs offloaded) that fits the GPU and the host, keeps
+what was given by hand, and takes the fastest. Several GPUs each hold a replica of the base where it fits; a sharded
+base is the alternative the plan names where it does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+GIB = 2**30
+# The offload releases an offloaded block's GPU copy two blocks after its forward and fetches two blocks ahead in the
+# backward (models/offload.py): about two blocks' saved tensors are on the GPU besides those kept there.
+IN_FLIGHT_BLOCKS = 2
+# GPU memory left unplanned: the allocator's rounding and stray buffers (expandable segments keep it small).
+MARGIN = 0.03
+# Host memory a plan may pin, of what the host has available: the rest stays for the data, the page cache, the ranks.
+HOST_SHARE = 0.8
+# The layout keys the plan sets; one given by hand (away from the preset's value) is kept as given.
+LAYOUT_KEYS = ("model.base_precision", "perf.activation_checkpointing", "perf.recompute_blocks",
+               "perf.offload_blocks", "perf.offload_recomputed_inputs")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    """What the machine offers each rank."""
+
+    gpu_bytes: int  # usable memory of one GPU (total less what the driver and CUDA context take)
+    host_bytes: int  # host memory available to this rank (the node's available memory / ranks on the node)
+    gpus: int  # ranks in the run
+    gpu_name: str = "GPU"
+    fp8: bool = True  # FP8 tensor cores (compute capability 8.9 or newer)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockProbe:
+    """One block of the model at the run's shape, as measured on this GPU (or given, in tests)."""
+
+    kept_bytes: int  # what a block that is not recomputed saves for its backward
+    input_bytes: int  # a recomputed block's input (all it saves)
+    block_weight_bytes: int  # one block's parameters and buffers (FP8 base and its scales, adapters)
+    other_weight_bytes: int  # everything else the model holds: embedding, output layer, norms
+    optimizer_bytes_per_block: int  # the adapters' gradients and optimizer state of one block
+    working_bytes: int  # the step's peak beyond weights, optimizer and the blocks' saved tensors (output layer, loss)
+    forward_s: float  # one block's forward, per micro-batch
+    backward_s: float  # one block's backward (not recomputing), per micro-batch
+    head_s: float  # the rest of a micro-batch's step: embedding, output layer and loss, optimizer share
+    to_host_bytes_s: float  # pinned copy rate, GPU to host
+    to_gpu_bytes_s: float  # pinned copy rate, host to GPU
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    recompute: int  # the last R blocks recomputed
+    offload: int  # of the others, O keep their saved tensors in host memory
+    offload_inputs: bool  # recomputed blocks' inputs in host memory
+    gpu_bytes: int  # predicted peak of one GPU
+    host_bytes: int  # pinned host memory, per rank
+    seconds: float  # predicted time of one micro-batch
+    account: dict[str, int]  # the GPU's bytes by what holds them
+    stall_s: float  # of ``seconds``, waiting for copies
+
+    def keys(self) -> dict[str, Any]:
+        """The config keys that build this plan."""
+        return {
+            "perf.activation_checkpointing": self.recompute > 0,
+            "perf.recompute_blocks": self.recompute,
+            "perf.offload_blocks": self.offload,
+            "perf.offload_recomputed_inputs": self.offload_inputs and self.recompute > 0,
+        }
+
+
+def evaluate(layers: int, p: BlockProbe, recompute: int, offload: int, inputs: bool) -> Plan:
+    """The memory and time of one layout (see the module's formula)."""
+    kept_here = layers - recompute - offload
+    in_flight = min(offload, IN_FLIGHT_BLOCKS) * p.kept_bytes + (min(recompute, IN_FLIGHT_BLOCKS) * p.input_bytes
+                                                                  if inputs else 0)  # fmt: skip
+    account = {
+        "weights": layers * p.block_weight_bytes + p.other_weight_bytes,
+        "adapters' gradients and optimizer state": layers * p.optimizer_bytes_per_block,
+        f"{kept_here} blocks' saved activations": kept_here * p.kept_bytes,
+        f"{recompute} recomputed blocks' inputs": 0 if inputs else recompute * p.input_bytes,
+        "offload copies in flight": in_flight,
+        "output layer, loss and a block's backward (working set)": p.working_bytes,
+    }
+    to_host = offload * p.kept_bytes + (recompute * p.input_bytes if inputs else 0)
+    forward = layers * p.forward_s
+    backward = layers * p.backward_s + recompute * p.forward_s
+    stall = max(0.0, to_host / p.to_host_bytes_s - forward) + max(0.0, to_host / p.to_gpu_bytes_s - backward)
+    seconds = p.head_s + forward + backward + stall
+    return Plan(recompute, offload, inputs, sum(account.values()), to_host, seconds, account, stall)
+
+
+def best(layers: int, p: BlockProbe, r: Resources, fixed: dict[str, Any]) -> tuple[Plan | None, Plan]:
+    """The fastest layout that fits (None where none does) and the one needing the least GPU memory (what the
+    refusal names). ``fixed``: layout keys given by hand."""
+    usable = int(r.gpu_bytes * (1 - MARGIN))
+    host = int(r.host_bytes * HOST_SHARE)
+    fastest, smallest = None, None
+    for recompute in _choices(fixed, "perf.recompute_blocks", range(layers + 1), layers):
+        for offload in _choices(fixed, "perf.offload_blocks", range(layers - recompute + 1), layers):
+            if offload > layers - recompute:
+                continue
+            for inputs in _choices(fixed, "perf.offload_recomputed_inputs", (False, True), layers):
+                if inputs and not recompute:
+                    continue
+                plan = evaluate(layers, p, recompute, offload, inputs)
+                if smallest is None or (plan.gpu_bytes, plan.seconds) < (smallest.gpu_bytes, smallest.seconds):
+                    smallest = plan
+                if plan.gpu_bytes <= usable and plan.host_bytes <= host:
+                    if fastest is None or plan.seconds < fastest.seconds:
+                        fastest = plan
+    assert smallest is not None
+    return fastest, smallest
+
+
+def _choices(fixed: dict[str, Any], key: str, default, layers: int):
+    if key not in fixed:
+        return default
+    value = fixed[key]
+    if key == "perf.recompute_blocks":
+        if not fixed.get("perf.activation_checkpointing", True):
+            return (0,)
+        return (value or layers,)  # 0 with checkpointing on means every block
+    return (value,)
+
+
+def fixed_keys(cfg, preset) -> dict[str, Any]:
+    """The layout keys of ``cfg`` set away from the preset's config ``preset``: kept as given."""
+    from trainbench.config import leaves
+
+    ours, theirs = leaves(cfg), leaves(preset)
+
+    def value(table, key):
+        return getattr(table[key].owner, table[key].field.name)
+
+    out = {}
+    for key in LAYOUT_KEYS:
+        if key in ours and value(ours, key) != value(theirs, key):
+            out[key] = value(ours, key)
+    if "perf.activation_checkpointing" in out and not out["perf.activation_checkpointing"]:
+        out.setdefault("perf.recompute_blocks", 0)
+        out.setdefault("perf.offload_recomputed_inputs", False)
+    return out
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def describe(plan: Plan, layers: int, r: Resources, fixed: dict[str, Any], tokens: int) -> list[str]:
+    """The plan and the numbers behind it, for the console."""
+    kept = layers - plan.recompute - plan.offload
+    given = f"; kept as given: {', '.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else ""
+    lines = [
+        f"layout (perf.layout=auto) for {r.gpus} x {r.gpu_name} of {gib(r.gpu_bytes)}, {gib(r.host_bytes)} of host "
+        f"memory a rank: {kept} blocks keep their activations on the GPU, {plan.offload} keep them in host memory, "
+        f"{plan.recompute} are recomputed" + (" (their inputs in host memory)" if plan.offload_inputs else "") + given,
+        f"  predicted: {plan.seconds:.2f} s a micro-batch ({tokens / plan.seconds:,.0f} tokens/s a GPU"
+        + (f", {plan.stall_s:.2f} s of it waiting for host copies" if plan.stall_s > 0.005 else "")
+        + f"), {gib(plan.gpu_bytes)} of the GPU's {gib(r.gpu_bytes)}, {gib(plan.host_bytes)} pinned host memory",
+        "  GPU memory: " + ", ".join(f"{what} {gib(n)}" for what, n in plan.account.items() if n),
+    ]
+    return lines
+
+
+def refusal(name: str, smallest: Plan, layers: int, r: Resources, p: BlockProbe) -> str:
+    """One sentence: why nothing fits, and what would."""
+    usable = r.gpu_bytes * (1 - MARGIN)
+    if smallest.gpu_bytes > usable:
+        need = smallest.gpu_bytes / (1 - MARGIN)
+        return (f"{name} does not fit one {r.gpu_name} of {gib(r.gpu_bytes)}: even with every block recomputed and "
+                f"its input in host memory it needs {gib(need)} (weights {gib(smallest.account['weights'])}); use GPUs "
+                f"of at least {gib(need)}, or several GPUs with the base sharded (model.base_precision=auto "
+                f"--nproc N)")  # fmt: skip
+    # The GPU could hold it, but not with the host memory there is: the least host memory a fitting plan needs.
+    need_host = min(evaluate(layers, p, rc, o, i).host_bytes for rc in range(layers + 1) for o in range(layers - rc + 1)
+                    for i in (False, True) if (i is False or rc)
+                    and evaluate(layers, p, rc, o, i).gpu_bytes <= usable)  # fmt: skip
+    return (f"{name} fits one {r.gpu_name} of {gib(r.gpu_bytes)} only with {gib(need_host)} of pinned host memory a "
+            f"rank, and this machine has {gib(r.host_bytes)} available a rank ({HOST_SHARE:.0%} of it may be pinned); "
+            f"free host memory or run fewer ranks a node")  # fmt: skip
+
+
+def host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (or, where absent, the physical memory), capped by a cgroup's limit."""
+    import os
+    from pathlib import Path
+
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            available = min(available, int(text))
+    return available

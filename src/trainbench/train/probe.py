@@ -1,0 +1,221 @@
+"""The probe behind ``perf.layout=auto``: two blocks of the run's model, built and placed by the run's own code
+(``build_run``) at the run's width and sequence length, one micro-batch a step, on this GPU; it measures what
+layout.BlockProbe holds (a block's saved bytes, its forward and backward time, the weights, the working set) and the
+pinned copy rates to and from the host. Run in a process of its own (``python -m trainbench.train.probe CONFIG OUT``),
+so the launcher never holds a CUDA context; its answer is cached per GPU model, software versions and shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROBE_BLOCKS = 2  # block 1 is measured: its input comes from block 0, so it requires grad as every later one does
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TRAINBENCH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "trainbench"
+    )
+    return Path(root) / "probe"
+
+
+def probe_key(cfg) -> str:
+    """What the probe's figures depend on: the model's shape and precision, the sequence, the micro-batch, compile,
+    and the software (torch, trainbench); the GPU model is added where the probe runs."""
+    import trainbench
+
+    m = dataclasses.asdict(cfg.model)
+    m.pop("num_layers", None)
+    m.pop("base_weights", None)
+    shape = {"benchmark": cfg.benchmark, "model": m, "seq": cfg.data.seq_length, "micro": cfg.data.micro_batch_size,
+             "compile": cfg.perf.compile, "torch": torch.__version__, "trainbench": trainbench.__version__}  # fmt: skip
+    return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cached(cfg, gpu_name: str | None = None) -> dict[str, Any] | None:
+    """The newest cached probe of this shape (on ``gpu_name`` where given)."""
+    found = []
+    for path in cache_dir().glob(f"{probe_key(cfg)}-*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if gpu_name is None or data.get("gpu_name") == gpu_name:
+            found.append((path.stat().st_mtime, data))
+    return max(found, key=lambda f: f[0])[1] if found else None
+
+
+def save(cfg, data: dict[str, Any]) -> Path:
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    name = "".join(c if c.isalnum() else "_" for c in data["gpu_name"])
+    path = folder / f"{probe_key(cfg)}-{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def probe_config(cfg):
+    """The run's config cut to the probe's blocks, one micro-batch a step, nothing recomputed or offloaded."""
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, num_layers=PROBE_BLOCKS),
+        data=dataclasses.replace(cfg.data, global_batch_size=cfg.data.micro_batch_size),
+        perf=dataclasses.replace(
+            cfg.perf,
+            activation_checkpointing=False,
+            recompute_blocks=0,
+            offload_blocks=0,
+            offload_recomputed_inputs=False,
+            layout="manual",
+            cuda_graphs=False,
+        ),  # fmt: skip
+        distributed=dataclasses.replace(cfg.distributed, nproc=1, nodes=1),
+        device="cuda",
+    )
+
+
+def _storages(module: torch.nn.Module) -> int:
+    seen = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def link_rates(gib: int = 1, reps: int = 3) -> tuple[float, float]:
+    """Pinned copy rates (bytes/s), GPU to host and host to GPU: the median of ``reps`` copies of ``gib`` GiB."""
+    n = gib << 30
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(n, dtype=torch.uint8, device="cuda")
+    rates = []
+    for src, dst in ((gpu, host), (host, gpu)):
+        times = []
+        for _ in range(reps + 1):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        rates.append(n / sorted(times[1:])[reps // 2])
+    return rates[0], rates[1]
+
+
+def measure(cfg, bench) -> dict[str, Any]:
+    """The probe on this process's GPU (see the module's docstring)."""
+    from trainbench.distributed import DistInfo
+    from trainbench.layout import host_available_bytes
+    from trainbench.train.setup import build_run
+    from trainbench.train.step import StepTotals, train_step
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    free, total = torch.cuda.mem_get_info(device)
+    to_host, to_gpu = link_rates()
+    pcfg = probe_config(cfg)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    run = build_run(pcfg, bench, info, None, synthetic=True)
+    block = run.placed.module.model.layers[1]
+    weights = torch.cuda.memory_allocated(device)
+    block_weights = _storages(block)
+    trainable = sum(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad)
+    marks: dict[str, Any] = {}
+
+    def event(name: str) -> None:
+        marks[name] = torch.cuda.Event(enable_timing=True)
+        marks[name].record()
+
+    def before(module, args):
+        marks["input_bytes"] = args[0].numel() * args[0].element_size()
+        marks["alloc_before"] = torch.cuda.memory_allocated(device)
+        if args[0].requires_grad:
+            args[0].register_hook(lambda g: event("backward_end"))
+        event("forward_start")
+
+    def after(module, args, output):
+        event("forward_end")
+        marks["kept_bytes"] = torch.cuda.memory_allocated(device) - marks["alloc_before"]
+        output.register_hook(lambda g: event("backward_start"))
+
+    hooks = [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.bf16)
+    steps = iter(run.data.train)
+    run.placed.model.train()
+    times = []
+    try:
+        for i in range(4):  # compile, settle, then two measured
+            totals = StepTotals(device)
+            torch.cuda.synchronize(device)
+            if i >= 2:
+                torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            t = time.perf_counter()
+            train_step(bench, run.placed, run.optimizer, next(steps), bench.lr_at(pcfg, i), info, autocast, totals)
+            torch.cuda.synchronize(device)
+            if i >= 2:
+                times.append({"step_s": time.perf_counter() - t,
+                              "forward_s": marks["forward_start"].elapsed_time(marks["forward_end"]) / 1e3,
+                              "backward_s": marks["backward_start"].elapsed_time(marks["backward_end"]) / 1e3,
+                              "peak": torch.cuda.max_memory_allocated(device) - base, "base": base})  # fmt: skip
+    finally:
+        for h in hooks:
+            h.remove()
+    last = min(times, key=lambda x: x["step_s"])
+    kept = marks["kept_bytes"]
+    optimizer = last["base"] - weights  # the optimizer's state, made by the first step (gradients are freed after)
+    return {
+        "gpu_name": torch.cuda.get_device_name(device),
+        "capability": list(torch.cuda.get_device_capability(device)),
+        "gpu_total_bytes": total,
+        "gpu_free_bytes": free,
+        "host_available_bytes": host_available_bytes(),
+        "kept_bytes": kept,
+        "input_bytes": marks["input_bytes"],
+        "block_weight_bytes": block_weights,
+        "other_weight_bytes": weights - PROBE_BLOCKS * block_weights,
+        # state now, gradients during the step: one more copy of the trainable parameters
+        "optimizer_bytes_per_block": max(0, optimizer // PROBE_BLOCKS) + trainable,
+        "working_bytes": max(0, last["peak"] - PROBE_BLOCKS * kept),
+        "forward_s": last["forward_s"],
+        "backward_s": last["backward_s"],
+        "head_s": max(0.0, last["step_s"] - PROBE_BLOCKS * (last["forward_s"] + last["backward_s"])),
+        "to_host_bytes_s": to_host,
+        "to_gpu_bytes_s": to_gpu,
+        "seq": cfg.data.seq_length,
+        "micro_batch": cfg.data.micro_batch_size,
+        "torch": torch.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``CONFIG OUT``: probe the config's model on GPU 0 and write the figures to OUT (JSON)."""
+    from trainbench.console import console
+    from trainbench.errors import UserError
+    from trainbench.launch.local import allocator_settings, load_run_config
+
+    argv = sys.argv[1:] if argv is None else argv
+    bench, cfg = load_run_config(Path(argv[0]))
+    allocator_settings(bench)
+    try:
+        data = measure(cfg, bench)
+    except torch.OutOfMemoryError:
+        console.print(f"error: {PROBE_BLOCKS} blocks of {bench.name}/{cfg.preset} do not fit this GPU at this shape")
+        return 1
+    except UserError as exc:
+        console.print(f"error: {exc}")
+        return 1
+    Path(argv[1]).write_text(json.dumps(data, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
