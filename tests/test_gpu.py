@@ -490,7 +490,6 @@ def test_recomputed_blocks_with_their_inputs_on_the_host_train_like_kept_ones_on
 def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_this_gpu(tmp_path, monkeypatch):
     """The probe (two blocks of a 2048-wide LoRA model through the run's own build) measures what the planner needs,
     and the plan made from it for a 48-block model of that width fits this GPU by its own account."""
-    import dataclasses
 
     from trainbench.launch.local import build_config
     from trainbench.launch.plan import block_probe, resources
