@@ -145,6 +145,13 @@ def _parser() -> argparse.ArgumentParser:
         help="on a GPU, profile N more steps after the timed ones: the step's split (compute, exposed "
         "communication, idle) and its GPU time by kind of kernel (default 2; 0: none)",
     )
+    bench.add_argument(
+        "--memory-snapshot",
+        action="store_true",
+        help="on a GPU, record every allocation: memory_peak.pickle (pytorch.org/memory_viz) and "
+        "memory_peak.txt, the bytes held at the end by the code that allocated them (memory_oom.* where "
+        "an allocation fails)",
+    )
     bench.add_argument("--ruleset", help="ruleset whose reference convergence points the projection uses")
     bench.add_argument("--compare", choices=("hf",), help="hf: also time HF transformers (+ peft for LoRA), eager and "
                        "compiled, at the same shape and depth, in the same call (one process)")  # fmt: skip
@@ -325,8 +332,9 @@ def cmd_bench(args) -> int:
         preset = args.preset or get_benchmark(args.benchmark).full_preset
         bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
     command = ["trainbench", *sys.argv[1:]]
-    run_dir, raws, layers, depths, peers = run_bench(bench, cfg, args.steps, args.warmup, args.blocks, args.compare,
-                                                     args.profile_steps, system, command)  # fmt: skip
+    run_dir, raws, layers, depths, peers = run_bench(
+        bench, cfg, args.steps, args.warmup, args.blocks, args.compare, args.profile_steps, system, command,
+        args.memory_snapshot)  # fmt: skip
     result = bench_report.summarise(bench, cfg, raws, layers, depths, peers)
     bench_report.save(run_dir, result)
     console.print(bench_summary(result), markup=False)

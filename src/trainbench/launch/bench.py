@@ -38,7 +38,8 @@ def parse_blocks(text: str | None, layers: int) -> list[int] | None:
 
 def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks: str | None,
               compare: str | None = None, profile_steps: int = 2, system: System | None = None,
-              command: list[str] | None = None) -> tuple[Path, dict, int | None, list[int] | None, dict]:  # fmt: skip
+              command: list[str] | None = None, snapshot: bool = False
+              ) -> tuple[Path, dict, int | None, list[int] | None, dict]:  # fmt: skip
     """Measure, into a new results folder: in this process, under torchrun (``--nproc``), or as one Slurm job a depth
     on ``system`` (``command``: what the user typed, recorded in the job script). Returns the folder, rank 0's
     figures by depth measured, the model's depth, the truncated depths measured (None: the model's own) and the
@@ -83,14 +84,14 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
     for depth in depths or [layers]:
         if depths:
             out.say(f"measuring {depth} of {layers} blocks")
-        _request(run_dir, steps, warmup, depth, profile_steps)
+        _request(run_dir, steps, warmup, depth, profile_steps, snapshot)
         run_cfg = _truncated(cfg, depth, layers, run_dir)
         if cfg.distributed.nproc == 1:
             from trainbench.distributed import init_distributed
             from trainbench.train.bench import measure
 
             info = init_distributed(device, cfg.distributed.backend, cfg.distributed.timeout_s)
-            raw = measure(run_cfg, bench, run_dir, info, steps, warmup, profile_steps)
+            raw = measure(run_cfg, bench, run_dir, info, steps, warmup, profile_steps, snapshot)
             (run_dir / RAW.format(depth=depth)).write_text(json.dumps(raw, indent=2))
         else:
             _torchrun(run_cfg, run_dir, depth)
@@ -100,9 +101,10 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
     return run_dir, raws, layers, depths, peers
 
 
-def _request(run_dir: Path, steps: int, warmup: int, depth: int | None, profile_steps: int) -> None:
+def _request(run_dir: Path, steps: int, warmup: int, depth: int | None, profile_steps: int,
+             snapshot: bool = False) -> None:  # fmt: skip
     """What every rank of the next measurement reads (launch/worker.bench_rank)."""
-    request = {"steps": steps, "warmup": warmup, "depth": depth, "profile_steps": profile_steps}
+    request = {"steps": steps, "warmup": warmup, "depth": depth, "profile_steps": profile_steps, "snapshot": snapshot}
     (run_dir / REQUEST).write_text(json.dumps(request))
 
 

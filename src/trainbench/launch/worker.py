@@ -86,7 +86,16 @@ def bench_rank(run_dir: Path) -> int:
     ended = False
     try:
         bind_cpus(info)
-        raw = measure(cfg, bench, run_dir, info, request["steps"], request["warmup"], request["profile_steps"])
+        raw = measure(
+            cfg,
+            bench,
+            run_dir,
+            info,
+            request["steps"],
+            request["warmup"],
+            request["profile_steps"],
+            request.get("snapshot", False),
+        )
         if info.is_main:
             (run_dir / RAW.format(depth=depth)).write_text(json.dumps(raw, indent=2))
         ended = True

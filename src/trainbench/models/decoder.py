@@ -231,11 +231,11 @@ class Block(nn.Module):
         with self.saved_to_host.saving(self, shared):
             if not self.checkpointing:
                 return self._forward(x, rope, mask)
-            # A recomputed block keeps only its input, and that waits in host memory too: torch's reentrant
-            # checkpoint saves it through save_for_backward, which the offload's hooks see (the non-reentrant one
-            # holds it in a closure). It needs an input that requires grad to run the backward at all.
-            x = x if x.requires_grad else x.detach().requires_grad_()
-            return checkpoint(self._forward, x, rope, mask, use_reentrant=True)
+            # A recomputed block keeps only its input, and that waits in host memory too (torch's non-reentrant
+            # checkpoint holds it in a closure, out of the offload's reach).
+            from trainbench.models.offload import recompute_from_host
+
+            return recompute_from_host(self._forward, x, rope, mask)
 
     def _forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask)

@@ -67,8 +67,9 @@ def dense(t: torch.Tensor) -> bool:
 
 
 def _movable(t: torch.Tensor) -> bool:
-    """A dense CUDA tensor worth copying."""
-    return t.device.type == "cuda" and t.numel() * t.element_size() >= MIN_BYTES and dense(t)
+    """A CUDA tensor worth copying. A view that does not cover its storage (attention's value, a slice of the fused
+    q/k/v projection's output) is moved too, as a compact copy: kept, it would hold its whole base on the GPU."""
+    return t.device.type == "cuda" and t.numel() * t.element_size() >= MIN_BYTES and 0 not in t.stride()
 
 
 class HostOffload:
@@ -137,7 +138,8 @@ class HostOffload:
         compute = torch.cuda.current_stream()
         self.stream.wait_stream(compute)  # t is written
         with torch.cuda.stream(self.stream):
-            host.copy_(t, non_blocking=True)
+            # a view is made compact on the copy stream first (its memory, from that stream's pool, is freed there)
+            host.copy_(t if dense(t) else t.contiguous(), non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(self.stream)
         saved = _Saved(gpu=t, host=host, copied=copied)
@@ -148,13 +150,13 @@ class HostOffload:
 
     def _host_buffer(self, state: _BlockState, t: torch.Tensor) -> torch.Tensor:
         """The block's pinned buffer for its next saved tensor (shapes repeat step after step); allocated once."""
+        stride = t.stride() if dense(t) else torch.empty(t.shape, device="meta").stride()  # a view: compact
         if state.slot < len(state.host):
             host = state.host[state.slot]
-            if host.shape != t.shape or host.stride() != t.stride() or host.dtype != t.dtype:
-                host = state.host[state.slot] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
-                                                                     pin_memory=True)  # fmt: skip
+            if host.shape != t.shape or host.stride() != stride or host.dtype != t.dtype:
+                host = state.host[state.slot] = torch.empty_strided(t.shape, stride, dtype=t.dtype, pin_memory=True)
         else:
-            host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
+            host = torch.empty_strided(t.shape, stride, dtype=t.dtype, pin_memory=True)
             state.host.append(host)
         state.slot += 1
         return host
@@ -243,3 +245,46 @@ def offload_blocks(blocks: Sequence[nn.Module], count: int, device: torch.device
     if recomputed_inputs:
         chosen += [i for i, b in enumerate(blocks) if getattr(b, "checkpointing", False)]
     return HostOffload(blocks, chosen).install()
+
+
+class _RecomputedFromHost(torch.autograd.Function):
+    """A recomputed block whose input is all it saves (``save_for_backward``, where the offload's hooks send it to
+    host memory). The forward runs the block as the recomputation will, with gradients on, so both give the same
+    values bit for bit (a forward without gradients may run another compiled graph), and keeps nothing of it; the
+    backward restores the RNG (dropout) and autocast state, runs the block again and back-propagates through it."""
+
+    @staticmethod
+    def forward(ctx, x, fn, rope, mask):
+        ctx.fn, ctx.rope, ctx.mask = fn, rope, mask
+        ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device))
+        ctx.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        ctx.save_for_backward(x)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+            out = fn(x.detach().requires_grad_(), rope, mask)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.random.fork_rng(devices=[x.device]):
+            torch.set_rng_state(ctx.rng[0])
+            torch.cuda.set_rng_state(ctx.rng[1], x.device)
+            with torch.enable_grad(), torch.autocast("cuda", dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
+                out = ctx.fn(x, ctx.rope, ctx.mask)
+        torch.autograd.backward(out, grad)
+        return x.grad, None, None, None
+
+
+def _drop(t: torch.Tensor) -> None:
+    return None
+
+
+def _dropped(_: None) -> torch.Tensor:
+    raise RuntimeError("a recomputed block's forward keeps nothing for a backward")
+
+
+def recompute_from_host(fn, x: torch.Tensor, rope, mask) -> torch.Tensor:
+    """``fn(x, rope, mask)`` recomputed in the backward from ``x``, which waits in host memory meanwhile (call it
+    inside :meth:`HostOffload.saving`)."""
+    return _RecomputedFromHost.apply(x, fn, rope, mask)

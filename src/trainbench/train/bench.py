@@ -26,6 +26,33 @@ from trainbench.train.setup import build_run
 from trainbench.train.step import StepTotals, train_step
 
 
+def memory_account(device: torch.device, run_dir: Path, when: str, top: int = 30) -> str:
+    """torch.cuda.memory's snapshot now (``memory_<when>.pickle``, for pytorch.org/memory_viz) and the bytes held,
+    grouped by the innermost frame of trainbench's code that allocated them (``memory_<when>.txt``); returns where
+    the account is, for a message."""
+    snap = torch.cuda.memory._snapshot(device)
+    pickle_path = run_dir / f"memory_{when}.pickle"
+    torch.cuda.memory._dump_snapshot(str(pickle_path))
+    groups: dict[str, int] = {}
+    for segment in snap.get("segments", []):
+        for block in segment.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = block.get("frames") or []
+            ours = [f for f in frames if "trainbench" in f.get("filename", "")][:4] or frames[:1]
+            backward = any("autograd" in f.get("filename", "") and "backward" in f.get("name", "") for f in frames)
+            where = " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in ours) or "(no stack)"
+            where = ("backward: " if backward else "") + where
+            groups[where] = groups.get(where, 0) + block["size"]
+    total = sum(groups.values())
+    lines = [f"{total / 2**30:.2f} GiB allocated ({when}), by the code that allocated it:"]
+    largest = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
+    lines += [f"{size / 2**30:9.3f} GiB  {where}" for where, size in largest]
+    text_path = run_dir / f"memory_{when}.txt"
+    text_path.write_text("\n".join(lines) + "\n")
+    return f"; the account is in {text_path}"
+
+
 def _sync(info: DistInfo) -> None:
     if info.device.type == "cuda":
         torch.cuda.synchronize(info.device)
@@ -34,7 +61,7 @@ def _sync(info: DistInfo) -> None:
 
 
 def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, steps: int, warmup: int,
-            profile_steps: int = 0) -> dict[str, Any]:  # fmt: skip
+            profile_steps: int = 0, snapshot: bool = False) -> dict[str, Any]:  # fmt: skip
     """``warmup`` optimizer steps, then ``steps`` timed ones, then (on a GPU) ``profile_steps`` profiled ones, then one
     eval batch timed (after one untimed); every rank's figures summed. Returns rank 0's record of it (the same dict
     on every rank, but for ``profile``, which is rank 0's)."""
@@ -43,15 +70,22 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     announce(out, cfg, bench, run, 0, info)
     autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=run.bf16)
     sampler = start_telemetry(cfg.output, run_dir, 0, info, out)
+    if snapshot and info.device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    snapshot = snapshot and info.device.type == "cuda" and info.is_main
     try:
         timed = _timed_steps(cfg, bench, run, info, autocast, steps, warmup, profile_steps, run_dir, out)
     except torch.OutOfMemoryError:
         gib = torch.cuda.get_device_properties(info.device).total_memory / 2**30
+        held = torch.cuda.memory_allocated(info.device) / 2**30
+        account = memory_account(info.device, run_dir, "oom") if snapshot else ""
         layers = getattr(cfg.model, "num_layers", None)
         at = f" at {layers} blocks" if layers else ""
-        raise UserError(f"{bench.name}/{cfg.preset} does not fit in this GPU's {gib:.0f} GiB{at}; measure fewer "
-                        "blocks (--blocks 2,4), recompute or offload more (perf.*), or use more GPUs (--nproc)") \
-            from None  # fmt: skip
+        raise UserError(f"{bench.name}/{cfg.preset} does not fit in this GPU's {gib:.0f} GiB{at} ({held:.1f} GiB "
+                        f"held when an allocation failed{account}); measure fewer blocks (--blocks 2,4), recompute or "
+                        "offload more (perf.*), or use more GPUs (--nproc)") from None  # fmt: skip
+    if snapshot:
+        memory_account(info.device, run_dir, "peak")
     peak = torch.cuda.max_memory_allocated(info.device) / 2**30 if info.device.type == "cuda" else None
     eval_seconds_per_row = _eval_seconds_per_row(bench, run, info, autocast)
     if sampler is not None:
