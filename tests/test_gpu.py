@@ -439,7 +439,7 @@ def test_offloaded_blocks_train_like_kept_ones_with_less_gpu_memory_on_cuda(monk
 
 
 def test_recomputed_blocks_with_their_inputs_on_the_host_train_like_kept_ones_on_cuda(monkeypatch):
-    """The last two of four FP8 LoRA blocks recomputed, their inputs in host memory (models/offload.recompute_from_host):
+    """The last two of four FP8 LoRA blocks recomputed, their inputs in host memory (offload.recompute_from_host):
     the same loss and adapters' gradients as recomputing them with the inputs on the GPU, and the GPU holds less
     between forward and backward."""
     import dataclasses
