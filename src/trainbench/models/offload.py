@@ -39,6 +39,7 @@ class _Saved:
     back: torch.Tensor | None = None
     fetched: torch.cuda.Event | None = None
     uses: int = 1  # unpacks still to come; at 0 the fetched copy is autograd's alone
+    view: tuple | None = None  # a view's (stride, storage offset, span): fetched back into a base of its layout
 
 
 @dataclass(eq=False)
@@ -143,6 +144,9 @@ class HostOffload:
         copied = torch.cuda.Event()
         copied.record(self.stream)
         saved = _Saved(gpu=t, host=host, copied=copied)
+        if not dense(t):  # compiled backward graphs check their inputs' strides: the view comes back as it was
+            span = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1
+            saved.view = (t.stride(), t.storage_offset(), span)
         state.saved.append(saved)
         self._dedup[key] = saved
         self.bytes_per_step += t.numel() * t.element_size()
@@ -199,8 +203,13 @@ class HostOffload:
 
     def _fetch_one(self, saved: _Saved) -> None:
         compute = torch.cuda.current_stream()
-        back = torch.empty_strided(saved.host.shape, saved.host.stride(), dtype=saved.host.dtype,
-                                   device=compute.device)  # fmt: skip
+        if saved.view is not None:
+            stride, offset, span = saved.view
+            base = torch.empty(span, dtype=saved.host.dtype, device=compute.device)
+            back = base.as_strided(saved.host.shape, stride, offset)
+        else:
+            back = torch.empty_strided(saved.host.shape, saved.host.stride(), dtype=saved.host.dtype,
+                                       device=compute.device)  # fmt: skip
         self.stream.wait_stream(compute)  # the memory ``back`` reuses is free on the compute stream
         with torch.cuda.stream(self.stream):
             back.copy_(saved.host, non_blocking=True)
