@@ -457,7 +457,7 @@ def test_recomputed_blocks_with_their_inputs_on_the_host_train_like_kept_ones_on
         model = DecoderLM(cfg)
     one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
     model = place_lora(model, cfg, one, 1, True, False, True, 0).module
-    recompute_last(model, 4)  # all four: blocks 0 and 1 are released before the forward ends
+    recompute_last(model, 4)  # all four (the first's input needs no gradient): 0 and 1 are released in the forward
     tokens = torch.randint(0, 1000, (2, 2048), generator=torch.Generator().manual_seed(0)).cuda()
 
     def step():

@@ -296,4 +296,7 @@ def _dropped(_: None) -> torch.Tensor:
 def recompute_from_host(fn, x: torch.Tensor, rope, mask) -> torch.Tensor:
     """``fn(x, rope, mask)`` recomputed in the backward from ``x``, which waits in host memory meanwhile (call it
     inside :meth:`HostOffload.saving`)."""
+    # an input that needs no gradient (the first block's, from a frozen embedding) still must carry the block's
+    # adapters' gradients: the function's output requires grad only where an input does
+    x = x if x.requires_grad else x.detach().requires_grad_()
     return _RecomputedFromHost.apply(x, fn, rope, mask)
