@@ -158,3 +158,14 @@ def test_a_run_on_a_cpu_has_nothing_to_plan():
     bench, cfg = build_config("bert", "tiny", [], {"perf.layout": "auto"})
     with pytest.raises(ConfigError, match="bert has no layout to plan"):
         planned(bench, cfg, print)
+
+
+def test_a_truncated_depth_is_planned_for_its_own_blocks():
+    """bench --blocks under perf.layout=auto: each truncated model gets a plan of its own depth (the full model's
+    recompute count could exceed it)."""
+    bench, cfg = _lora_cfg()
+    full, _ = bench.plan_layout(cfg, H100, P70)
+    shallow = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=4))
+    four, lines = bench.plan_layout(shallow, H100, P70)
+    assert full.perf.recompute_blocks > 4 and four.perf.recompute_blocks <= 4
+    assert four.perf.offload_blocks + four.perf.recompute_blocks <= 4 and "of 79.1 GiB" in lines[0]

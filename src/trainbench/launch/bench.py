@@ -73,6 +73,7 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         return _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system, command or [], plan)
     allocator_settings(bench)
     device = preflight_device(cfg)
+    unplanned = cfg
     cfg, plan = planned(bench, cfg, console.print)  # before any folder: a layout that cannot fit stops here
     run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-bench")
     save_config(cfg, run_dir / CONFIG)
@@ -85,7 +86,7 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         if depths:
             out.say(f"measuring {depth} of {layers} blocks")
         _request(run_dir, steps, warmup, depth, profile_steps, snapshot)
-        run_cfg = _truncated(cfg, depth, layers, run_dir)
+        run_cfg = _truncated(cfg, depth, layers, run_dir, unplanned, out)
         if cfg.distributed.nproc == 1:
             from trainbench.distributed import init_distributed
             from trainbench.train.bench import measure
@@ -101,6 +102,12 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
     return run_dir, raws, layers, depths, peers
 
 
+def bench_of(cfg: RunConfig) -> Benchmark:
+    from trainbench.benchmarks import get_benchmark
+
+    return get_benchmark(cfg.benchmark)
+
+
 def _request(run_dir: Path, steps: int, warmup: int, depth: int | None, profile_steps: int,
              snapshot: bool = False) -> None:  # fmt: skip
     """What every rank of the next measurement reads (launch/worker.bench_rank)."""
@@ -108,11 +115,21 @@ def _request(run_dir: Path, steps: int, warmup: int, depth: int | None, profile_
     (run_dir / REQUEST).write_text(json.dumps(request))
 
 
-def _truncated(cfg: RunConfig, depth: int | None, layers: int | None, run_dir: Path) -> RunConfig:
-    """The config measured at ``depth`` blocks, saved beside the folder's own where it is not the model's depth."""
+def _truncated(cfg: RunConfig, depth: int | None, layers: int | None, run_dir: Path, unplanned: RunConfig | None = None,
+               out: RunConsole | None = None) -> RunConfig:  # fmt: skip
+    """The config measured at ``depth`` blocks, saved beside the folder's own where it is not the model's depth; under
+    perf.layout=auto planned again for that depth (from ``unplanned``, the config before the model's plan)."""
     if depth == layers:
         return cfg
-    truncated = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth))
+    if unplanned is not None and unplanned.perf.layout == "auto" and out is not None:
+        from trainbench.launch.plan import planned
+
+        shallow = dataclasses.replace(unplanned, model=dataclasses.replace(unplanned.model, num_layers=depth))
+        truncated, lines = planned(bench_of(cfg), shallow, out.say)
+        for line in lines[:1]:
+            out.say(f"at {depth} blocks: {line}")
+    else:
+        truncated = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth))
     save_config(truncated, run_dir / f"config_{depth}_blocks.yaml")
     return truncated
 
