@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `trainbench bench` at full size on the GPU machine, each bench.json copied to $OUT/<name>.json with its console.
 #   perf/bench_figures.sh lora      the 70B LoRA, FP8 base, 40 blocks' activations offloaded, none recomputed
+#   perf/bench_figures.sh lora-auto the 70B LoRA with no layout keys: the layout planned for this GPU
 #   perf/bench_figures.sh llm       Llama 3.1 8B in FP8, 2 and 6 blocks measured, extrapolated to 32
 #   perf/bench_figures.sh llm-row   the same with an optimizer step per row (global batch 1)
 #   perf/bench_figures.sh bert      BERT-large at MLPerf's batch (768 = 48 x 16 accumulation on one GPU), fixed rows
@@ -24,8 +25,9 @@ bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT
 
 for what in "$@"; do
     case $what in
-    lora) bench lora llama2_70b_lora --preset llama2-70b model.base_precision=fp8 perf.compile=true \
+    lora) bench lora llama2_70b_lora --preset llama2-70b perf.layout=manual model.base_precision=fp8 \
         perf.offload_blocks=40 --steps 2 --warmup 1 ;;
+    lora-auto) bench lora_auto llama2_70b_lora --preset llama2-70b --steps 2 --warmup 1 --profile-steps 0 ;;
     llm) bench llm llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
         --steps 3 --warmup 2 ;;
     llm-row) bench llm_row llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
@@ -36,8 +38,8 @@ for what in "$@"; do
         --steps 3 --warmup 2 --compare hf ;;
     bert-hf) bench bert_hf bert --preset large perf.compile=true data.layout=packed --steps 2 --warmup 1 \
         --compare hf ;;  # HF on fixed rows of the same samples (it has no packed rows)
-    lora-hf) bench lora_hf llama2_70b_lora --preset llama2-70b model.base_precision=fp8 perf.compile=true \
+    lora-hf) bench lora_hf llama2_70b_lora --preset llama2-70b perf.layout=manual model.base_precision=fp8 \
         --blocks 4,8 --steps 2 --warmup 1 --compare hf ;;
-    *) echo "unknown measurement $what (lora, llm, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf)" >&2; exit 2 ;;
+    *) echo "unknown measurement $what (lora, lora-auto, llm, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf)" >&2; exit 2 ;;
     esac
 done

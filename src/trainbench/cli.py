@@ -29,7 +29,7 @@ EXAMPLES_SUBMIT = """examples:
 systems: the YAML files in ./systems/ and the built-in ones (trainbench submit --system ? lists them).
 """
 EXAMPLES_BENCH = """examples:
-  trainbench bench llama2_70b_lora --preset llama2-70b model.base_precision=fp8 perf.offload_blocks=40
+  trainbench bench llama2_70b_lora --preset llama2-70b      (its layout planned for this GPU: perf.layout=auto)
   trainbench bench llama31_8b --preset llama31-8b model.precision=fp8 --blocks 2,6
   trainbench bench bert --preset tiny --steps 5 --warmup 2
 """
