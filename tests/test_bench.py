@@ -110,7 +110,8 @@ def test_a_model_that_does_not_fit_is_one_sentence_naming_what_would(tmp_path, c
     )
     assert run_cli("bench", "llama31_8b", "--preset", "tiny", *QUICK, f"output.results_dir={tmp_path}") == 2
     out = capsys.readouterr().out
-    assert "llama31_8b/tiny does not fit in this GPU's 80 GiB at 2 blocks; measure fewer blocks" in out, out
+    assert "llama31_8b/tiny does not fit in this GPU's 80 GiB at 2 blocks (" in out, out
+    assert "held when an allocation failed); measure fewer blocks" in out
     assert "Traceback" not in out
 
 

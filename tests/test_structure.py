@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "trainbench"
 LAYERS = [
     {"errors", "config", "console"},  # what everything shares
     {"distributed", "mlperf", "runfiles", "telemetry"},  # process groups, MLPerf log lines, run-file names, sampler
-    {"data", "models", "optim", "convert"},  # on-disk formats and their preparation, architectures, optimizers
+    {"data", "models", "optim", "convert", "layout"},  # on-disk formats, architectures, optimizers, the layout model
     {"benchmarks"},  # the benchmark interface and the definitions
     {"train"},  # the one training loop
     {"launch"},  # in-process, torchrun and Slurm launch

@@ -36,7 +36,7 @@ def probe(bench: Benchmark, cfg: RunConfig, here: bool, say) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         config, out = Path(tmp) / "config.yaml", Path(tmp) / "probe.json"
         save_config(cfg, config)
-        code = subprocess.run([sys.executable, "-m", "trainbench.train.probe", str(config), str(out)]).returncode
+        code = subprocess.run([sys.executable, "-m", "trainbench.launch.plan", str(config), str(out)]).returncode
         if code != 0 or not out.exists():
             raise UserError(f"the layout probe of {bench.name}/{cfg.preset} failed (exit code {code}; see above); "
                             "set perf.layout=manual with the layout keys to run without it")  # fmt: skip
@@ -75,3 +75,30 @@ def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[R
                                  f"forward {data['forward_s'] * 1e3:.1f} ms, backward {data['backward_s'] * 1e3:.1f} "
                                  f"ms; host link {data['to_host_bytes_s'] / 1e9:.0f} GB/s out, "
                                  f"{data['to_gpu_bytes_s'] / 1e9:.0f} GB/s back"]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``CONFIG OUT``: probe the config's model on GPU 0 (train/probe.py) and write the figures to OUT (JSON)."""
+    import torch
+
+    from trainbench.console import console
+    from trainbench.launch.local import allocator_settings, load_run_config
+    from trainbench.train.probe import PROBE_BLOCKS, measure
+
+    argv = sys.argv[1:] if argv is None else argv
+    bench, cfg = load_run_config(Path(argv[0]))
+    allocator_settings(bench)
+    try:
+        data = measure(cfg, bench)
+    except torch.OutOfMemoryError:
+        console.print(f"error: {PROBE_BLOCKS} blocks of {bench.name}/{cfg.preset} do not fit this GPU at this shape")
+        return 1
+    except UserError as exc:
+        console.print(f"error: {exc}")
+        return 1
+    Path(argv[1]).write_text(json.dumps(data, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -70,22 +70,7 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     announce(out, cfg, bench, run, 0, info)
     autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=run.bf16)
     sampler = start_telemetry(cfg.output, run_dir, 0, info, out)
-    if snapshot and info.device.type == "cuda":
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-    snapshot = snapshot and info.device.type == "cuda" and info.is_main
-    try:
-        timed = _timed_steps(cfg, bench, run, info, autocast, steps, warmup, profile_steps, run_dir, out)
-    except torch.OutOfMemoryError:
-        gib = torch.cuda.get_device_properties(info.device).total_memory / 2**30
-        held = torch.cuda.memory_allocated(info.device) / 2**30
-        account = memory_account(info.device, run_dir, "oom") if snapshot else ""
-        layers = getattr(cfg.model, "num_layers", None)
-        at = f" at {layers} blocks" if layers else ""
-        raise UserError(f"{bench.name}/{cfg.preset} does not fit in this GPU's {gib:.0f} GiB{at} ({held:.1f} GiB "
-                        f"held when an allocation failed{account}); measure fewer blocks (--blocks 2,4), recompute or "
-                        "offload more (perf.*), or use more GPUs (--nproc)") from None  # fmt: skip
-    if snapshot:
-        memory_account(info.device, run_dir, "peak")
+    timed = _steps_or_why_not(cfg, bench, run, info, autocast, steps, warmup, profile_steps, run_dir, out, snapshot)
     peak = torch.cuda.max_memory_allocated(info.device) / 2**30 if info.device.type == "cuda" else None
     eval_seconds_per_row = _eval_seconds_per_row(bench, run, info, autocast)
     if sampler is not None:
@@ -112,6 +97,27 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         if energies:
             result["energy_joules"] = sum(energies)
     return result
+
+
+def _steps_or_why_not(cfg, bench, run, info, autocast, steps, warmup, profile_steps, run_dir, out, snapshot) -> Timed:
+    """The timed steps (with every allocation recorded where ``snapshot``), or one sentence where they do not fit."""
+    if snapshot and info.device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    snapshot = snapshot and info.device.type == "cuda" and info.is_main
+    try:
+        timed = _timed_steps(cfg, bench, run, info, autocast, steps, warmup, profile_steps, run_dir, out)
+    except torch.OutOfMemoryError:
+        gib = torch.cuda.get_device_properties(info.device).total_memory / 2**30
+        held = torch.cuda.memory_allocated(info.device) / 2**30
+        account = memory_account(info.device, run_dir, "oom") if snapshot else ""
+        layers = getattr(cfg.model, "num_layers", None)
+        at = f" at {layers} blocks" if layers else ""
+        raise UserError(f"{bench.name}/{cfg.preset} does not fit in this GPU's {gib:.0f} GiB{at} ({held:.1f} GiB "
+                        f"held when an allocation failed{account}); measure fewer blocks (--blocks 2,4), recompute or "
+                        "offload more (perf.*), or use more GPUs (--nproc)") from None  # fmt: skip
+    if snapshot:
+        memory_account(info.device, run_dir, "peak")
+    return timed
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """The probe behind ``perf.layout=auto``: two blocks of the run's model, built and placed by the run's own code
 (``build_run``) at the run's width and sequence length, one micro-batch a step, on this GPU; it measures what
 layout.BlockProbe holds (a block's saved bytes, its forward and backward time, the weights, the working set) and the
-pinned copy rates to and from the host. Run in a process of its own (``python -m trainbench.train.probe CONFIG OUT``),
+pinned copy rates to and from the host. Run in a process of its own (``python -m trainbench.launch.plan CONFIG OUT``),
 so the launcher never holds a CUDA context; its answer is cached per GPU model, software versions and shape."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -110,12 +109,68 @@ def link_rates(gib: int = 1, reps: int = 3) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
+class _BlockMarks:
+    """CUDA events and memory counts around one block: its forward (pre- and post-hooks) and its backward (the
+    gradient reaching its output, then its input)."""
+
+    def __init__(self, block: torch.nn.Module, device: torch.device):
+        self.device, self.events, self.kept, self.input_bytes = device, {}, 0, 0
+        self.hooks = [block.register_forward_pre_hook(self._before), block.register_forward_hook(self._after)]
+
+    def _event(self, name: str) -> None:
+        self.events[name] = torch.cuda.Event(enable_timing=True)
+        self.events[name].record()
+
+    def _before(self, module, args) -> None:
+        self.input_bytes = args[0].numel() * args[0].element_size()
+        self._alloc = torch.cuda.memory_allocated(self.device)
+        if args[0].requires_grad:
+            args[0].register_hook(lambda g: self._event("backward_end"))
+        self._event("forward_start")
+
+    def _after(self, module, args, output) -> None:
+        self._event("forward_end")
+        self.kept = torch.cuda.memory_allocated(self.device) - self._alloc  # what its forward left: saved + output
+        output.register_hook(lambda g: self._event("backward_start"))
+
+    def seconds(self, a: str, b: str) -> float:
+        return self.events[a].elapsed_time(self.events[b]) / 1e3
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def _timed_steps(run, bench, pcfg, info, marks: _BlockMarks) -> dict[str, float]:
+    """Four steps (compile, settle, two measured); the faster measured one's times and memory."""
+    from trainbench.train.step import StepTotals, train_step
+
+    device = info.device
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.bf16)
+    steps = iter(run.data.train)
+    run.placed.model.train()
+    times = []
+    for i in range(4):
+        torch.cuda.synchronize(device)
+        if i >= 2:
+            torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        t = time.perf_counter()
+        train_step(bench, run.placed, run.optimizer, next(steps), bench.lr_at(pcfg, i), info, autocast,
+                   StepTotals(device))  # fmt: skip
+        torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append({"step_s": time.perf_counter() - t, "forward_s": marks.seconds("forward_start", "forward_end"),
+                          "backward_s": marks.seconds("backward_start", "backward_end"),
+                          "peak": torch.cuda.max_memory_allocated(device) - base, "base": base})  # fmt: skip
+    return min(times, key=lambda x: x["step_s"])
+
+
 def measure(cfg, bench) -> dict[str, Any]:
     """The probe on this process's GPU (see the module's docstring)."""
     from trainbench.distributed import DistInfo
     from trainbench.layout import host_available_bytes
     from trainbench.train.setup import build_run
-    from trainbench.train.step import StepTotals, train_step
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -128,49 +183,11 @@ def measure(cfg, bench) -> dict[str, Any]:
     weights = torch.cuda.memory_allocated(device)
     block_weights = _storages(block)
     trainable = sum(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad)
-    marks: dict[str, Any] = {}
-
-    def event(name: str) -> None:
-        marks[name] = torch.cuda.Event(enable_timing=True)
-        marks[name].record()
-
-    def before(module, args):
-        marks["input_bytes"] = args[0].numel() * args[0].element_size()
-        marks["alloc_before"] = torch.cuda.memory_allocated(device)
-        if args[0].requires_grad:
-            args[0].register_hook(lambda g: event("backward_end"))
-        event("forward_start")
-
-    def after(module, args, output):
-        event("forward_end")
-        marks["kept_bytes"] = torch.cuda.memory_allocated(device) - marks["alloc_before"]
-        output.register_hook(lambda g: event("backward_start"))
-
-    hooks = [block.register_forward_pre_hook(before), block.register_forward_hook(after)]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.bf16)
-    steps = iter(run.data.train)
-    run.placed.model.train()
-    times = []
+    marks = _BlockMarks(block, device)
     try:
-        for i in range(4):  # compile, settle, then two measured
-            totals = StepTotals(device)
-            torch.cuda.synchronize(device)
-            if i >= 2:
-                torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            t = time.perf_counter()
-            train_step(bench, run.placed, run.optimizer, next(steps), bench.lr_at(pcfg, i), info, autocast, totals)
-            torch.cuda.synchronize(device)
-            if i >= 2:
-                times.append({"step_s": time.perf_counter() - t,
-                              "forward_s": marks["forward_start"].elapsed_time(marks["forward_end"]) / 1e3,
-                              "backward_s": marks["backward_start"].elapsed_time(marks["backward_end"]) / 1e3,
-                              "peak": torch.cuda.max_memory_allocated(device) - base, "base": base})  # fmt: skip
+        last = _timed_steps(run, bench, pcfg, info, marks)
     finally:
-        for h in hooks:
-            h.remove()
-    last = min(times, key=lambda x: x["step_s"])
-    kept = marks["kept_bytes"]
+        marks.remove()
     optimizer = last["base"] - weights  # the optimizer's state, made by the first step (gradients are freed after)
     return {
         "gpu_name": torch.cuda.get_device_name(device),
@@ -178,13 +195,13 @@ def measure(cfg, bench) -> dict[str, Any]:
         "gpu_total_bytes": total,
         "gpu_free_bytes": free,
         "host_available_bytes": host_available_bytes(),
-        "kept_bytes": kept,
-        "input_bytes": marks["input_bytes"],
+        "kept_bytes": marks.kept,
+        "input_bytes": marks.input_bytes,
         "block_weight_bytes": block_weights,
         "other_weight_bytes": weights - PROBE_BLOCKS * block_weights,
         # state now, gradients during the step: one more copy of the trainable parameters
         "optimizer_bytes_per_block": max(0, optimizer // PROBE_BLOCKS) + trainable,
-        "working_bytes": max(0, last["peak"] - PROBE_BLOCKS * kept),
+        "working_bytes": max(0, last["peak"] - PROBE_BLOCKS * marks.kept),
         "forward_s": last["forward_s"],
         "backward_s": last["backward_s"],
         "head_s": max(0.0, last["step_s"] - PROBE_BLOCKS * (last["forward_s"] + last["backward_s"])),
@@ -194,28 +211,3 @@ def measure(cfg, bench) -> dict[str, Any]:
         "micro_batch": cfg.data.micro_batch_size,
         "torch": torch.__version__,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``CONFIG OUT``: probe the config's model on GPU 0 and write the figures to OUT (JSON)."""
-    from trainbench.console import console
-    from trainbench.errors import UserError
-    from trainbench.launch.local import allocator_settings, load_run_config
-
-    argv = sys.argv[1:] if argv is None else argv
-    bench, cfg = load_run_config(Path(argv[0]))
-    allocator_settings(bench)
-    try:
-        data = measure(cfg, bench)
-    except torch.OutOfMemoryError:
-        console.print(f"error: {PROBE_BLOCKS} blocks of {bench.name}/{cfg.preset} do not fit this GPU at this shape")
-        return 1
-    except UserError as exc:
-        console.print(f"error: {exc}")
-        return 1
-    Path(argv[1]).write_text(json.dumps(data, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
