@@ -14,7 +14,7 @@ QUICK = ["--steps", "2", "--warmup", "1", "progress=false", "telemetry_hz=0"]
 FIELDS = {"kind", "benchmark", "preset", "figures", "blocks", "blocks_measured", "ranks", "device", "global_batch_size",
           "step_seconds", "samples_per_s", "tokens_per_s", "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu",
           "peak_memory_gib", "eval_seconds_per_sample", "energy_joules_per_token", "steps", "warmup", "raw", "ruleset",
-          "projection", "gpus", "compare", "samples_per_step", "profile"}  # fmt: skip
+          "projection", "gpus", "compare", "samples_per_step", "profile", "nodes", "tokens_per_s_per_node"}  # fmt: skip
 
 
 def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:

@@ -749,6 +749,7 @@ def test_a_measurement_runs_as_one_job_a_depth_on_two_nodes(tmp_path, capsys):
     result = json.loads((folder / "bench.json").read_text())
     assert result["ranks"] == 2 and result["figures"] == "extrapolated" and result["device"] == "cpu"
     assert result["samples_per_s_per_rank"] == pytest.approx(result["samples_per_s"] / 2)
+    assert result["nodes"] == 2 and result["tokens_per_s_per_node"] == pytest.approx(result["tokens_per_s"] / 2)
     assert sorted(result["raw"]) == ["1", "2"] and all(r["mean_loss"] > 0 for r in result["raw"].values())
     outputs = sorted(folder.glob("slurm-bench-*.out"))
     assert len(outputs) == 2  # one job a depth

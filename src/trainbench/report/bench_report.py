@@ -46,6 +46,7 @@ def _num(value: Any, digits: int = 4) -> str:
 FIGURES = (
     ("tokens/s", "tokens_per_s"),
     ("tokens/s per rank", "tokens_per_s_per_rank"),
+    ("tokens/s per node", "tokens_per_s_per_node"),
     ("samples/s", "samples_per_s"),
     ("step (s)", "step_seconds"),
     ("MFU", "mfu"),
@@ -228,6 +229,8 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "tokens_per_s": samples_per_s * per_sample,
         "samples_per_s_per_rank": samples_per_s / ranks,
         "tokens_per_s_per_rank": samples_per_s * per_sample / ranks,
+        "nodes": cfg.distributed.nodes,
+        "tokens_per_s_per_node": samples_per_s * per_sample / cfg.distributed.nodes,
         "mfu": flops * samples_per_s / ranks / (peak * 1e12) if flops and peak else None,
         "peak_memory_gib": last["peak_memory_gib"],
         "eval_seconds_per_sample": eval_s,
