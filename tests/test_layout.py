@@ -169,3 +169,19 @@ def test_a_truncated_depth_is_planned_for_its_own_blocks():
     four, lines = bench.plan_layout(shallow, H100, P70)
     assert full.perf.recompute_blocks > 4 and four.perf.recompute_blocks <= 4
     assert four.perf.offload_blocks + four.perf.recompute_blocks <= 4 and "of 79.1 GiB" in lines[0]
+
+
+def test_where_no_replica_fits_several_gpus_shard_the_fp8_base():
+    bench, cfg = _lora_cfg()
+    small = Resources(gpu_bytes=int(60 * GIB), host_bytes=400 * GIB, gpus=8, gpu_name="GPU-60GB")
+    planned, lines = bench.plan_layout(cfg, small, P70)
+    assert planned.model.base_precision == "fp8" and planned.model.base_sharding == "fsdp"
+    assert planned.perf.activation_checkpointing and planned.perf.offload_blocks == 0
+    assert "sharded by FSDP2 over the 8 GPUs (gathered in FP8" in lines[0]
+    with pytest.raises(ConfigError, match="nor does the FP8 base sharded over 2 GPUs"):
+        bench.plan_layout(cfg, dataclasses.replace(small, gpu_bytes=int(30 * GIB), gpus=2), P70)
+    bench, given = _lora_cfg(**{"model.base_sharding": "fsdp"})  # given by hand: kept, on one GPU too
+    assert bench.plan_layout(given, H200, P70)[0].model.base_sharding == "fsdp"
+    with pytest.raises(ConfigError, match="needs model.base_sharding=replicate"):
+        _lora_cfg(**{"model.base_precision": "fp8", "model.base_sharding": "fsdp", "perf.offload_blocks": "2",
+                     "perf.layout": "manual"})  # fmt: skip

@@ -287,3 +287,43 @@ def test_fp8_base_keeps_outputs_and_input_gradients_close_and_adapters_train():
     y_ref.square().sum().backward()
     assert rel_err(x.grad, x_ref.grad) < 0.1
     assert q.lora_A.weight.grad is not None and not any(b.requires_grad for b in q.buffers())
+
+
+def test_the_sharded_fp8_base_holds_fp8_shards_equal_to_the_replicated_base(tmp_path):
+    """model.base_sharding=fsdp on one rank (FSDP2 over a process group of one): every block's FP8 weight and its
+    scales are sharded parameters in e4m3 and fp32, and gathered they are the replicated placement's, bit for bit
+    (rows quantise alone: a row's scale is its own)."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from trainbench.benchmarks.lora import TINY
+    from trainbench.distributed import DistInfo
+    from trainbench.models.decoder import DecoderLM
+    from trainbench.models.lora_parallel import place_lora
+
+    one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    placed = {}
+    try:
+        for sharding in ("replicate", "fsdp"):
+            cfg = dataclasses.replace(TINY, base_precision="fp8", base_sharding=sharding)
+            with torch.device("meta"):
+                model = DecoderLM(cfg)
+            placed[sharding] = place_lora(model, cfg, one, 1, False, False, False, 7)
+        sharded = dict(placed["fsdp"].module.named_parameters())
+        whole = dict(placed["replicate"].module.named_buffers()) | dict(placed["replicate"].module.named_parameters())
+        fp8_names = [n for n in sharded if n.endswith(("weight_fp8", "weight_scale"))]
+        assert len(fp8_names) == 2 * 5 * TINY.num_layers  # q/k/v fused, o, gate, up, down: weights and scales
+        for name in fp8_names:
+            p = sharded[name]
+            assert isinstance(p, DTensor) and not p.requires_grad
+            assert p.dtype == (torch.float8_e4m3fn if name.endswith("weight_fp8") else torch.float32)
+            assert torch.equal(
+                p.full_tensor().view(torch.uint8) if p.dtype != torch.float32 else p.full_tensor(),
+                whole[name].view(torch.uint8) if p.dtype != torch.float32 else whole[name],
+            )
+        assert "FP8 base sharded by FSDP2, gathered in FP8" in placed["fsdp"].notes[-1]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -414,11 +414,13 @@ def test_the_eval_loss_is_the_mean_over_sequences_of_each_ones_mean(lora_data):
 
 @pytest.mark.full
 def test_fp8_base_on_one_and_two_ranks_tracks_the_full_precision_run(lora_data, no_dropout_one_rank, tmp_path):
-    """The FP8 layout (whole base on every rank, DDP over the adapters) on the CPU, where the product is taken with
-    the dequantised weights: two ranks agree with one to FP8's rounding (a sum in another order can flip an e4m3
-    rounding of the gradient), and both track the full-precision run."""
+    """The FP8 layouts (whole base on every rank with DDP over the adapters, or sharded by FSDP2 and gathered in FP8)
+    on the CPU, where the product is taken with the dequantised weights: two ranks agree with one to FP8's rounding
+    (a sum in another order can flip an e4m3 rounding of the gradient), and all track the full-precision run."""
     common = [f"data.dir={lora_data}", *SHORT, "model.lora_dropout=0"]
-    runs = {"fp8_one": ["--nproc", "1"], "fp8_two": ["--nproc", "2"]}
+    fsdp = "model.base_sharding=fsdp"
+    runs = {"fp8_one": ["--nproc", "1"], "fp8_two": ["--nproc", "2"], "fsdp_one": ["--nproc", "1", fsdp],
+            "fsdp_two": ["--nproc", "2", fsdp]}  # fmt: skip
     got = {"full": losses(no_dropout_one_rank)}
     for name, extra in runs.items():
         assert run_cli("run", "llama2_70b_lora", *extra, *common, "model.base_precision=fp8",
@@ -428,6 +430,9 @@ def test_fp8_base_on_one_and_two_ranks_tracks_the_full_precision_run(lora_data, 
     assert max(abs(got["fp8_one"][s] - got["fp8_two"][s]) / got["fp8_one"][s] for s in steps) <= 5e-3, got
     assert max(abs(got["fp8_one"][s] - got["full"][s]) / got["full"][s] for s in steps) <= 1e-2, got
     assert got["fp8_one"][16] < got["fp8_one"][1] - 1.0  # it learns
+    # the FP8 base sharded by FSDP2 (gathered in FP8) trains what the replicated one does: on one rank the same sums
+    assert max(abs(got["fsdp_one"][s] - got["fp8_one"][s]) / got["fp8_one"][s] for s in steps) <= 1e-5, got
+    assert max(abs(got["fsdp_two"][s] - got["fp8_one"][s]) / got["fp8_one"][s] for s in steps) <= 5e-3, got
 
 
 def test_a_bad_base_checkpoint_stops_the_run_before_any_folder_is_made(lora_data, tmp_path, capsys):

@@ -135,6 +135,14 @@ def init_distributed(device_kind: str, backend: str, timeout_s: float = 600.0) -
     return DistInfo(rank, local_rank, world, device, local_world)
 
 
+def single_rank_group(device: torch.device) -> None:
+    """A process group of this process alone, where none exists: for what needs one on one rank too (FSDP2 over a
+    single rank). The store is in memory; nothing listens on a port."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1, device_id=device if device.type == "cuda" else None)  # fmt: skip
+
+
 def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

@@ -31,7 +31,7 @@ MARGIN = 0.03
 # Host memory a plan may pin, of what the host has available: the rest stays for the data, the page cache, the ranks.
 HOST_SHARE = 0.8
 # The layout keys the plan sets; one given by hand (away from the preset's value) is kept as given.
-LAYOUT_KEYS = ("model.base_precision", "perf.activation_checkpointing", "perf.recompute_blocks",
+LAYOUT_KEYS = ("model.base_precision", "model.base_sharding", "perf.activation_checkpointing", "perf.recompute_blocks",
                "perf.offload_blocks", "perf.offload_recomputed_inputs")  # fmt: skip
 
 

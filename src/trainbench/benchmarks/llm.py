@@ -219,6 +219,9 @@ class LLMBenchmark(Benchmark):
                                   "checkpointing)")  # fmt: skip
             if cfg.device == "cpu":
                 raise ConfigError(f"{offloads[0]} needs a GPU (device=cuda or auto)")
+            if getattr(m, "base_sharding", "replicate") == "fsdp":
+                raise ConfigError(f"{offloads[0]} needs model.base_sharding=replicate: a sharded block's gathered "
+                                  "weights are freed after its forward, which the copies would race")  # fmt: skip
             if cfg.perf.offload_recomputed_inputs and not cfg.perf.activation_checkpointing:
                 raise ConfigError("perf.offload_recomputed_inputs=true but no block is recomputed "
                                   "(perf.activation_checkpointing=false)")  # fmt: skip

@@ -268,7 +268,11 @@ class LoraBenchmark(LLMBenchmark):
                               f"{resources.gpu_name} has none: use model.base_precision=auto")  # fmt: skip
         if base != "fp8":
             return self._plan_sharded(cfg, resources, given)
+        if given.get("model.base_sharding") == "fsdp":
+            return self._plan_fp8_sharded(cfg, resources, probe, "model.base_sharding=fsdp was given")
         fastest, smallest = best(layers, probe, resources, given)
+        if fastest is None and resources.gpus > 1 and "perf.offload_blocks" not in given:
+            return self._plan_fp8_sharded(cfg, resources, probe, refusal(name, smallest, layers, resources, probe))
         if fastest is None:
             raise ConfigError(refusal(name, smallest, layers, resources, probe))
         keys = {"model.base_precision": "fp8", **fastest.keys()}
@@ -277,6 +281,30 @@ class LoraBenchmark(LLMBenchmark):
         self.validate(planned)
         tokens = cfg.data.micro_batch_size * cfg.data.seq_length
         return planned, describe(fastest, layers, resources, given, tokens)
+
+    def _plan_fp8_sharded(self, cfg: RunConfig, resources, probe, why_not: str) -> tuple[RunConfig, list[str]]:
+        """The FP8 base sharded by FSDP2 (gathered in FP8 a block at a time), every block recomputed: where a replica
+        per GPU does not fit. Its memory: the base's shards, two gathered blocks, the inputs, one block's working."""
+        from trainbench.layout import GIB, MARGIN, gib
+
+        layers, world = cfg.model.num_layers, resources.gpus
+        weights = layers * probe.block_weight_bytes + probe.other_weight_bytes
+        need = (weights / world + 2 * probe.block_weight_bytes + layers * probe.input_bytes + probe.kept_bytes
+                + layers * probe.optimizer_bytes_per_block / world + probe.working_bytes)  # fmt: skip
+        if need > resources.gpu_bytes * (1 - MARGIN):
+            raise ConfigError(f"{why_not}; nor does the FP8 base sharded over {world} GPUs ({gib(need)} a GPU)")
+        planned = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, base_precision="fp8", base_sharding="fsdp"),
+            perf=dataclasses.replace(cfg.perf, activation_checkpointing=True, recompute_blocks=0, offload_blocks=0,
+                                     offload_recomputed_inputs=False))  # fmt: skip
+        self.validate(planned)
+        seconds = probe.head_s + layers * (2 * probe.forward_s + probe.backward_s)
+        tokens = cfg.data.micro_batch_size * cfg.data.seq_length
+        return planned, [f"layout (perf.layout=auto) for {world} x {resources.gpu_name} of {gib(resources.gpu_bytes)}: "
+                         f"no FP8 replica fits beside the activations, so the FP8 base is sharded by FSDP2 over the "
+                         f"{world} GPUs (gathered in FP8 a block at a time) and every block is recomputed",
+                         f"  predicted: {seconds:.2f} s a micro-batch ({tokens / seconds:,.0f} tokens/s a GPU before "
+                         f"the gathers' cost, not modelled), about {need / GIB:.1f} GiB a GPU"]  # fmt: skip
 
     def _plan_sharded(self, cfg: RunConfig, resources, given: dict) -> tuple[RunConfig, list[str]]:
         """The bf16 base sharded by FSDP2 over the ranks, every block recomputed: where its shards fit."""

@@ -159,23 +159,29 @@ class Fp8Linear(nn.Linear):
 
 
 @torch.no_grad()
-def quantize_linear(module: nn.Linear) -> None:
-    """Turn a frozen ``nn.Linear`` into an :class:`Fp8Linear` in place (its forward hooks, e.g. LoRA, stay)."""
+def quantize_linear(module: nn.Linear, as_parameters: bool = False) -> None:
+    """Turn a frozen ``nn.Linear`` into an :class:`Fp8Linear` in place (its forward hooks, e.g. LoRA, stay).
+    ``as_parameters``: the FP8 weight and its scales as frozen parameters instead of buffers, which FSDP2 shards."""
     if module.weight.requires_grad:
         raise ValueError("only frozen weights are quantised: a trained weight needs its high-precision copy")
     q, s = quantize_rows(module.weight.detach())
     del module.weight
-    module.register_buffer("weight_fp8", q)
-    module.register_buffer("weight_scale", s)
+    if as_parameters:
+        module.weight_fp8 = nn.Parameter(q, requires_grad=False)
+        module.weight_scale = nn.Parameter(s, requires_grad=False)
+    else:
+        module.register_buffer("weight_fp8", q)
+        module.register_buffer("weight_scale", s)
     module.__class__ = Fp8Linear
 
 
-def quantize_frozen(model: nn.Module, skip: tuple[str, ...] = ("lm_head", "lora_A", "lora_B")) -> int:
+def quantize_frozen(model: nn.Module, skip: tuple[str, ...] = ("lm_head", "lora_A", "lora_B"),
+                    as_parameters: bool = False) -> int:  # fmt: skip
     """Quantise every frozen linear layer of ``model`` whose name ends with none of ``skip``; returns how many."""
     count = 0
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and not name.endswith(skip) and not module.weight.requires_grad:
-            quantize_linear(module)
+            quantize_linear(module, as_parameters)
             count += 1
     return count
 

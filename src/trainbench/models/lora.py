@@ -52,6 +52,13 @@ class LoraModelConfig(DecoderConfig):
         "gradients all-reduced).",
         choices=("auto", "fp8"),
     )
+    base_sharding: str = option(
+        "replicate",
+        "With base_precision=fp8: replicate (the whole FP8 base on every rank, adapters' gradients all-reduced) or "
+        "fsdp (the FP8 base sharded by FSDP2 over the ranks and gathered in FP8 a block at a time: for GPUs that "
+        "cannot hold a replica beside the activations).",
+        choices=("replicate", "fsdp"),
+    )
 
     @property
     def targets(self) -> tuple[str, ...]:

@@ -38,7 +38,10 @@ def place_lora(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, tp: 
             if not p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
     if cfg.base_precision == "fp8":
-        placed = _place_fp8(model, cfg, info, checkpointing, seed)
+        if cfg.base_sharding == "fsdp":
+            placed = _place_fp8_sharded(model, cfg, info, checkpointing, compile_blocks, seed)
+        else:
+            placed = _place_fp8(model, cfg, info, checkpointing, seed)
         if compile_blocks:
             compile_inside_checkpointing(placed.module)
         use_flex_for_packed_rows(placed.module, info.device, compile_blocks)
@@ -55,7 +58,8 @@ def place_lora(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, tp: 
                              fill=fill_model)  # fmt: skip
         placed = Placed(module=module, model=module, comm_precision=sharded_comm_precision(info.world_size, bf16))
     trainable = sum(p.numel() for p in placed.module.parameters() if p.requires_grad)
-    layout = "FP8 base on every rank" if cfg.base_precision == "fp8" else "base sharded by FSDP2"
+    layout = ("base sharded by FSDP2" if cfg.base_precision != "fp8" else "FP8 base on every rank"
+              if cfg.base_sharding == "replicate" else "FP8 base sharded by FSDP2, gathered in FP8")  # fmt: skip
     placed.notes.append(f"LoRA: {trainable:,} trainable parameters (rank {cfg.lora_rank}, on {cfg.lora_targets}); "
                         f"{layout}")  # fmt: skip
     return placed
@@ -103,3 +107,72 @@ def _place_fp8(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, chec
     # Every rank built the same base and adapters from the same files and seed: nothing to broadcast.
     ddp = DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False, init_sync=False)
     return Placed(module=model, model=ddp, no_sync=ddp.no_sync)
+
+
+def _place_fp8_sharded(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, checkpointing: bool,
+                       compile_blocks: bool, seed: int) -> Placed:  # fmt: skip
+    """The FP8 base sharded by FSDP2 over the ranks (one rank too): each block's FP8 weights and their scales are
+    frozen parameters, sharded by rows and gathered in FP8 (FSDP2 gathers mixed dtypes as bytes, never upcast), a
+    block at a time. Every rank makes each part whole from the checkpoint or the seed (in the order and from the
+    RNG of the replicated placement, so the weights are the same), quantises it and keeps its rows: a row's scale
+    is its own, so sharded quantisation equals whole."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from trainbench.distributed import single_rank_group
+    from trainbench.models.decoder_parallel import make_mesh
+
+    single_rank_group(info.device)  # FSDP2 over one rank needs a process group too
+    with torch.device("meta"):
+        template = DecoderLM(cfg)  # full-precision parts to fill and quantise, one at a time
+    lora.attach(template, cfg.targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
+    for block in model.model.layers:
+        fp8.quantize_frozen(block, as_parameters=True)
+        block.checkpointing = checkpointing
+        if block.mlp.swiglu:
+            block.mlp.gated = fp8.silu_mul_fp8_saved
+    mesh = make_mesh(info.device.type, info.world_size, 1)["dp"]
+    mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)  # FP8 stays FP8; adapters reduce in fp32
+    for i, block in enumerate(model.model.layers):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(model.model.layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device=info.device)
+    _fill_shards(model, template, cfg, info.device, seed)
+    lora.load_adapters(model, lora.full_init(model, seed))
+    return Placed(module=model, model=model, comm_precision="fp8")  # the base's gathers move FP8 bytes
+
+
+def _fill_shards(model: DecoderLM, template: DecoderLM, cfg: lora.LoraModelConfig, device: torch.device,
+                 seed: int) -> None:  # fmt: skip
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    ckpt = HFCheckpoint(cfg.base_weights) if cfg.base_weights else None
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    try:
+        if ckpt is not None:
+            check_shapes(template, ckpt, cfg, skip=lora.ADAPTER_KEYS)
+        torch.manual_seed(seed)
+        parts = [(f"model.layers.{i}.", b) for i, b in enumerate(template.model.layers)]
+        parts += [("model.embed_tokens.", template.model.embed_tokens), ("model.norm.", template.model.norm),
+                  ("lm_head.", template.lm_head)]  # fmt: skip
+        for prefix, part in parts:
+            part.to_empty(device=device)
+            if ckpt is not None:
+                fill(part, ckpt, cfg, skip=lora.ADAPTER_KEYS, prefix=prefix)
+            else:
+                init_part(part, cfg)
+            if prefix.startswith("model.layers."):
+                fp8.quantize_frozen(part, as_parameters=True)
+            for name, whole in [*part.named_parameters(), *part.named_buffers()]:
+                if any(k in name for k in lora.ADAPTER_KEYS):
+                    continue
+                target = targets[prefix + name]
+                with torch.no_grad():
+                    if isinstance(target, DTensor):  # every rank has the whole: each keeps its rows, no scatter
+                        target.copy_(distribute_tensor(whole.detach().to(target.dtype), target.device_mesh,
+                                                       target.placements, src_data_rank=None))  # fmt: skip
+                    else:
+                        target.copy_(whole.detach())
+            part.to_empty(device="meta")
+    finally:
+        if ckpt is not None:
+            ckpt.close()

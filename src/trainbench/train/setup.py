@@ -56,7 +56,8 @@ def run_disclosure(cfg: RunConfig, placed: Placed, bf16: bool, info: DistInfo) -
     modules = list(placed.module.modules())
     weights = {w.dtype for m in modules if isinstance(w := getattr(m, "weight", None), torch.Tensor)
                and isinstance(m, torch.nn.Linear) and w.is_floating_point()}  # fmt: skip
-    floats = {p.dtype for p in placed.module.parameters() if p.is_floating_point()}
+    # (an FP8 base's weights are parameters where they are sharded: attention never runs in them)
+    floats = {p.dtype for p in placed.module.parameters() if p.is_floating_point() and p.dtype in PRECISION_NAMES}
     lowest = lambda dtypes: PRECISION_NAMES[min(dtypes or {torch.float32}, key=lambda t: t.itemsize)]  # noqa: E731
     if any(type(m).__name__ in FP8_LINEAR_CLASSES for m in modules):
         linear = "fp8"
