@@ -593,3 +593,18 @@ def test_the_clip_folded_into_the_fused_update_matches_the_separate_pass_on_cuda
             torch.testing.assert_close(b, c, rtol=1e-6, atol=1e-6)
     if max_norm < 1:  # the clip did act, so the comparison above saw it
         assert max((b - c).abs().max() for b, c in zip(folded, unclipped, strict=True)) > 1e-3
+
+
+def test_the_experts_grouped_product_on_cuda_matches_the_padded_batched_one():
+    """models/moe: torch's grouped GEMM (bf16, CUDA) against the padded batched product, groups of uneven sizes
+    (one empty)."""
+    from trainbench.models.moe import _grouped
+
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 17, 42], device="cuda")
+    x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4, 64, 96, device="cuda", dtype=torch.bfloat16)
+    grouped = _grouped(x, w, counts)
+    padded = _grouped(x.float(), w.float(), counts)  # fp32: the padded path
+    assert grouped.shape == (64, 96)
+    assert torch.allclose(grouped.float(), padded, rtol=2e-2, atol=2e-1)

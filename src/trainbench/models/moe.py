@@ -1,0 +1,112 @@
+"""A mixture-of-experts feed-forward layer (gpt_oss_20b's): a top-k router over SwiGLU experts, the experts' matrix
+products grouped (tokens sorted by expert, one grouped product for all experts at once; never a loop over experts).
+
+Two expert activations, by config:
+- ``silu`` (the MLCommons reference's): ``silu(gate) * up``, no biases;
+- ``gpt_oss`` (GPT-OSS's own, as NVIDIA submitted it and as ``transformers`` defines it): gate clamped above at
+  ``limit``, up clamped to [-limit, limit], ``(up + 1) * gate * sigmoid(alpha * gate)``, with biases on the router
+  and the experts.
+
+The router's softmax is taken over the chosen top-k logits (after top-k), as both the reference and GPT-OSS do. The
+expert weights keep ``transformers``' layout (``gate_up_proj`` [experts, hidden, 2 x ffn] with gate and up
+interleaved, ``down_proj`` [experts, ffn, hidden]), so a GPT-OSS checkpoint's tensors load as they are.
+
+The grouped product is torch's ``_grouped_mm`` on CUDA (bf16, Hopper and newer); elsewhere the groups are padded to
+the largest and multiplied as one batched product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    hidden: int
+    ffn: int  # each expert's intermediate width
+    experts: int
+    top_k: int
+    activation: str = "silu"  # silu (the reference's) or gpt_oss
+    bias: bool = False  # router and expert biases (GPT-OSS)
+    alpha: float = 1.702  # gpt_oss: the sigmoid's slope
+    limit: float = 7.0  # gpt_oss: the clamp
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [tokens, k], experts [tokens, k]): the top-k logits' softmax (in fp32 at least) and their experts."""
+    top, experts = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top if top.dtype == torch.float64 else top.float(), dim=-1), experts
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` [n, a], sorted by group with ``counts`` [groups] rows each, times their group's ``w`` [groups,
+    a, b]: [n, b]."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(x, w.to(x.dtype), offs=offsets)
+    groups, width = w.shape[0], int(counts.max()) if counts.numel() else 0
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(x.shape[0], device=x.device) - torch.repeat_interleave(starts, counts)
+    group = torch.repeat_interleave(torch.arange(groups, device=x.device), counts)
+    padded = x.new_zeros(groups, width, x.shape[1])
+    padded[group, slot] = x
+    return torch.bmm(padded, w.to(x.dtype))[group, slot]
+
+
+class MoE(nn.Module):
+    def __init__(self, shape: MoEShape):
+        super().__init__()
+        self.shape = shape
+        s = shape
+        self.router = nn.Linear(s.hidden, s.experts, bias=s.bias)
+        self.gate_up_proj = nn.Parameter(torch.empty(s.experts, s.hidden, 2 * s.ffn))
+        self.down_proj = nn.Parameter(torch.empty(s.experts, s.ffn, s.hidden))
+        if s.bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(s.experts, 2 * s.ffn))
+            self.down_proj_bias = nn.Parameter(torch.empty(s.experts, s.hidden))
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        if self.shape.activation == "silu":
+            return F.silu(gate) * up
+        limit = self.shape.limit
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.shape.alpha)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output like ``x``, the router's logits [tokens, experts] for a load-balancing loss)."""
+        shape, tokens = x.shape, x.reshape(-1, x.shape[-1])
+        logits = self.router(tokens)
+        weights, experts = route(logits, self.shape.top_k)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the (token, choice) pairs sorted by expert
+        counts = torch.bincount(flat, minlength=self.shape.experts)
+        token_of = order // self.shape.top_k
+        rows = tokens[token_of]
+        group = flat[order]
+        h = _grouped(rows, self.gate_up_proj, counts)
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[group].to(h.dtype)
+        out = _grouped(self.activation(h), self.down_proj, counts)
+        if self.down_proj_bias is not None:
+            out = out + self.down_proj_bias[group].to(out.dtype)
+        out = out * weights.reshape(-1)[order, None].to(out.dtype)
+        combined = torch.zeros_like(tokens, dtype=out.dtype).index_add_(0, token_of, out)
+        return combined.to(x.dtype).reshape(shape), logits
+
+
+def load_balancing_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch-style auxiliary loss: experts x sum over experts of (share of tokens routed to it) x (its mean router
+    probability); 1 where routing is uniform (GPT-OSS's optional loss; the reference trains without it)."""
+    experts = logits.shape[-1]
+    probs = torch.softmax(logits.float(), dim=-1)
+    chosen = torch.topk(logits, top_k, dim=-1).indices
+    share = torch.bincount(chosen.reshape(-1), minlength=experts).float() / chosen.numel()
+    return experts * (share * probs.mean(0)).sum()

@@ -1,0 +1,70 @@
+"""The mixture-of-experts layer (models/moe.py): GPT-OSS's block against `transformers`' GptOssMLP with the same
+weights, the reference's SiLU experts against a dense computation of every expert, gradients included; the
+load-balancing loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainbench.models.moe import MoE, MoEShape, load_balancing_loss, route
+
+
+def _random(module: torch.nn.Module) -> None:
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+
+
+def test_gpt_oss_experts_match_transformers_gpt_oss_mlp_with_gradients():
+    transformers = pytest.importorskip("transformers", reason="transformers is the optional extra trainbench[test]")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
+    hf = GptOssMLP(cfg).double()
+    _random(hf)
+    ours = MoE(MoEShape(hidden=64, ffn=48, experts=8, top_k=2, activation="gpt_oss", bias=True)).double()
+    with torch.no_grad():  # the same names and layouts as transformers' (a GPT-OSS checkpoint loads as it is)
+        for name in ("router.weight", "router.bias"):
+            ours.get_parameter(name).copy_(hf.get_parameter(name))
+        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            ours.get_parameter(name).copy_(hf.get_parameter(f"experts.{name}"))
+    x = torch.randn(3, 17, 64, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a, _ = hf(xa)
+    b, logits = ours(xb)
+    assert logits.shape == (51, 8)
+    assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    a.square().sum().backward()
+    b.square().sum().backward()
+    assert torch.allclose(xa.grad, xb.grad, rtol=1e-10, atol=1e-10)
+    assert torch.allclose(hf.experts.gate_up_proj.grad, ours.gate_up_proj.grad, rtol=1e-10, atol=1e-10)
+    assert torch.allclose(hf.router.weight.grad, ours.router.weight.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_the_reference_silu_experts_match_every_expert_computed_densely():
+    """No biases, SiLU SwiGLU, softmax after top-k: against all experts run on all tokens and the chosen ones'
+    outputs mixed by the router's weights; an expert no token chose still gets a (zero) gradient."""
+    torch.manual_seed(1)
+    shape = MoEShape(hidden=32, ffn=24, experts=6, top_k=3)
+    ours = MoE(shape).double()
+    _random(ours)
+    x = torch.randn(40, 32, dtype=torch.float64)
+    out, logits = ours(x)
+    weights, experts = route(logits, 3)
+    gate_up = torch.einsum("th,ehf->tef", x, ours.gate_up_proj)
+    every = torch.einsum("tef,efh->teh", torch.nn.functional.silu(gate_up[..., ::2]) * gate_up[..., 1::2],
+                         ours.down_proj)  # fmt: skip
+    dense = (every.gather(1, experts[..., None].expand(-1, -1, 32)) * weights[..., None]).sum(1)
+    assert torch.allclose(out, dense, rtol=1e-12, atol=1e-12)
+    assert ours.gate_up_proj_bias is None and ours.router.bias is None
+    out.sum().backward()
+    assert ours.down_proj.grad.shape == ours.down_proj.shape
+
+
+def test_the_load_balancing_loss_is_one_when_balanced_and_grows_when_not():
+    balanced = torch.eye(4) * 1e-3  # each token leans to another expert, the probabilities nearly uniform
+    assert load_balancing_loss(balanced, 1).item() == pytest.approx(1.0, abs=1e-2)
+    skewed = torch.zeros(4, 4)
+    skewed[:, 0] = 5.0  # every token to expert 0, with most of the probability
+    assert load_balancing_loss(skewed, 1).item() > 3.5
