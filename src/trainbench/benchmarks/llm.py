@@ -274,14 +274,18 @@ class LLMBenchmark(Benchmark):
         train = PackedSamples(self._split(cfg, "train"), d.seq_length, cfg.seed)
         evals = PackedSamples(self._split(cfg, "eval"), d.seq_length, 0)
         n_eval = min(d.eval_samples or evals.samples_per_epoch, evals.samples_per_epoch)
-        eval_batches = [{"tokens": evals.batch(b)} for b in batched(eval_share(n_eval, rank, world_size),
-                                                                    d.eval_batch_size)]  # fmt: skip
+        rows = self.batch_rows(cfg)
+        eval_batches = [rows(evals.batch(b)) for b in batched(eval_share(n_eval, rank, world_size), d.eval_batch_size)]
         return BenchmarkData(
-            train=TokenSteps(train, d.global_batch_size, d.micro_batch_size, rank, world_size, start_sample),
+            train=TokenSteps(train, d.global_batch_size, d.micro_batch_size, rank, world_size, start_sample, rows),
             eval=eval_batches,
             train_samples=train.samples_per_epoch,
             eval_samples=n_eval,
         )
+
+    def batch_rows(self, cfg: RunConfig):
+        """A batch's arrays from its token windows [rows, seq_length + 1] (here the windows alone)."""
+        return lambda tokens: {"tokens": tokens}
 
     # -- model and optimizer --------------------------------------------------------------------
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
@@ -332,11 +336,12 @@ class LLMBenchmark(Benchmark):
         """Windows of seq_length + 1 random token ids (C4's windows are full: every token counts)."""
         d = cfg.data
         rng = np.random.default_rng(cfg.seed)
-        pool = [{"tokens": rng.integers(0, cfg.model.vocab_size, (d.global_batch_size, d.seq_length + 1))}
+        rows = self.batch_rows(cfg)
+        pool = [rows(rng.integers(0, cfg.model.vocab_size, (d.global_batch_size, d.seq_length + 1)))
                 for _ in range(2)]  # fmt: skip
         evals = rng.integers(0, cfg.model.vocab_size, (d.eval_batch_size, d.seq_length + 1))
         return BenchmarkData(train=CycledSteps(pool, d.global_batch_size, d.micro_batch_size, rank, world_size),
-                             eval=[{"tokens": evals}], train_samples=0,
+                             eval=[rows(evals)], train_samples=0,
                              eval_samples=d.eval_samples or EVAL_SEQUENCES)  # fmt: skip
 
     def flops_per_sample(self, cfg: RunConfig) -> float | None:
@@ -375,16 +380,18 @@ class TokenSteps:
     """Optimizer steps of token windows: global batch k is samples [k*B, (k+1)*B) of the seeded order; data-
     parallel rank r takes its contiguous share, split into micro-batches."""
 
-    def __init__(self, samples: PackedSamples, gbs: int, micro: int, rank: int, world: int, start_sample: int):
+    def __init__(self, samples: PackedSamples, gbs: int, micro: int, rank: int, world: int, start_sample: int,
+                 rows=lambda tokens: {"tokens": tokens}):  # fmt: skip
         self.samples, self.gbs, self.micro = samples, gbs, micro
         self.rank, self.world, self.start = rank, world, start_sample
+        self.rows = rows  # a batch's arrays from its token windows
 
     def __iter__(self):
         k = self.start
         while True:
             share = rank_share(self.gbs, self.rank, self.world)
             tokens = self.samples.batch(range(k + share.start, k + share.stop))
-            yield Step.split({"tokens": tokens}, self.micro, self.gbs)
+            yield Step.split(self.rows(tokens), self.micro, self.gbs)
             k += self.gbs
 
 

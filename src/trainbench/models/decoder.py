@@ -287,10 +287,12 @@ def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -
 
 
 class DecoderLM(nn.Module):
+    body = Body  # the embedding, blocks and final norm; a member of the family with other blocks brings its own
+
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = Body(cfg)
+        self.model = self.body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -336,6 +338,8 @@ def init_part(part: nn.Module, cfg: DecoderConfig) -> None:
             nn.init.normal_(module.weight, std=std)
         elif isinstance(module, (nn.LayerNorm, RMSNorm)):
             module.reset_parameters()
+        elif hasattr(module, "init_parameters"):  # parameters of its own (a mixture of experts' stacked experts)
+            module.init_parameters(std, out_std)
 
 
 def recompute_last(model: DecoderLM, count: int) -> None:

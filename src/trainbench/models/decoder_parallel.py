@@ -142,7 +142,7 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
     """``model`` (built on the meta device) sharded over the ranks, materialised and initialised from ``seed``."""
     full = None
     if cfg.num_params() <= FULL_INIT_MAX_PARAMS:
-        whole = DecoderLM(cfg)
+        whole = type(model)(cfg)
         whole.init_weights(seed)
         full = whole.state_dict()
     mixed = bf16 and info.device.type == "cuda"

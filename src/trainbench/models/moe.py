@@ -71,6 +71,16 @@ class MoE(nn.Module):
         else:
             self.gate_up_proj_bias = self.down_proj_bias = None
 
+    @torch.no_grad()
+    def init_parameters(self, std: float, out_std: float) -> None:
+        """The stacked experts as a decoder's matrices: normal(0, std) into the expert, ``out_std`` for the
+        projection back into the residual stream, zero biases (the router is a Linear the model initialises)."""
+        nn.init.normal_(self.gate_up_proj, std=std)
+        nn.init.normal_(self.down_proj, std=out_std)
+        for bias in (self.gate_up_proj_bias, self.down_proj_bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
+
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         if self.shape.activation == "silu":
@@ -80,10 +90,18 @@ class MoE(nn.Module):
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * gate * torch.sigmoid(gate * self.shape.alpha)
 
+    def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[tokens, experts] in fp32 at least, also under bf16 autocast (the reference's router runs in fp32: its
+        top-k is not left to bf16's rounding)."""
+        wide = torch.promote_types(tokens.dtype, torch.float32)
+        bias = self.router.bias
+        with torch.autocast(tokens.device.type, enabled=False):
+            return F.linear(tokens.to(wide), self.router.weight.to(wide), None if bias is None else bias.to(wide))
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(output like ``x``, the router's logits [tokens, experts] for a load-balancing loss)."""
         shape, tokens = x.shape, x.reshape(-1, x.shape[-1])
-        logits = self.router(tokens)
+        logits = self.router_logits(tokens)
         weights, experts = route(logits, self.shape.top_k)
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, choice) pairs sorted by expert
