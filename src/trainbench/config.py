@@ -140,6 +140,11 @@ class DistributedConfig:
     tp: int = option(
         1, "Tensor-parallel degree (LLM benchmarks): ranks per tensor-parallel group; the rest is FSDP.", at_least=1
     )
+    ep: int = option(
+        1, "Expert-parallel degree (mixture-of-experts benchmarks): each rank holds num_experts / ep of each block's "
+        "experts and sends every token to its experts' ranks by all-to-all; 1 (every rank holds all, sharded by FSDP) "
+        "or the run's number of ranks.", at_least=1
+    )  # fmt: skip
     bucket_cap_mb: float = option(
         25.0, "DDP gradient bucket size (MB): each bucket's all-reduce starts while backward goes on.", above=0
     )

@@ -41,6 +41,7 @@ RUNS = {
     "bert_accumulation4": ("bert", "bert", [*BERT, "micro_batch_size=16"]),
     "llama31_8b": ("llama31_8b", "llm", [*LLM]),
     "gpt3": ("gpt3", "llm", [*LLM]),
+    "gpt_oss_20b": ("gpt_oss_20b", "llm", [*LLM]),
 }
 
 

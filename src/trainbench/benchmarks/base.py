@@ -66,6 +66,7 @@ class Benchmark(ABC):
     """The only ``optimizer.name`` the benchmark trains with."""
     presets: dict[str, Callable[[], RunConfig]]
     full_preset: str
+    has_experts = False  # a mixture of experts that distributed.ep can spread over the ranks
     """The preset of MLPerf's own shape (what `trainbench submit` starts from unless told)."""
     synthetic_sizes: dict[str, dict[str, int]] = {}
     """Per preset, the size of the data set ``prepare NAME --synthetic --preset P`` writes."""
@@ -110,6 +111,8 @@ class Benchmark(ABC):
         if cfg.optimizer.name != self.optimizer_name:
             raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with {self.optimizer_name}")
         ranks, tp = cfg.distributed.world_size, max(1, cfg.distributed.tp)
+        if cfg.distributed.ep > 1 and not self.has_experts:
+            raise ConfigError(f"distributed.ep={cfg.distributed.ep}: {self.name} has no mixture of experts to spread")
         if ranks % tp:
             raise ConfigError(f"distributed.tp={tp} does not divide the {ranks} ranks ({cfg.distributed.nodes} nodes x "
                               f"{cfg.distributed.nproc}); tensor-parallel groups need tp ranks each")  # fmt: skip

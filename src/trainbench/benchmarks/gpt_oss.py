@@ -87,6 +87,7 @@ class GptOssBenchmark(Llama31Benchmark):
     older_rulesets = ("6.0.0",)
     description = "GPT-OSS 20B mixture-of-experts pretraining on C4 (AdamW, seq 8192), target log perplexity 3.34"
     full_preset = "gpt-oss-20b"
+    has_experts = True
     presets = {
         "tiny": lambda: tiny("reference"),
         "tiny-hf": lambda: tiny("gpt_oss"),
@@ -106,6 +107,10 @@ class GptOssBenchmark(Llama31Benchmark):
                               f"{m.num_experts}: a token cannot go to more experts than there are")  # fmt: skip
         if m.arch != "llama":
             raise ConfigError(f"model.arch={m.arch}: gpt_oss_20b's blocks are Llama-shaped (RMSNorm, rotary positions)")
+        ep, ranks = cfg.distributed.ep, cfg.distributed.world_size
+        if ep > 1 and (m.num_experts % ep or ep != ranks):
+            raise ConfigError(f"distributed.ep={ep} must divide the {m.num_experts} experts and equal the run's "
+                              f"{ranks} ranks (expert parallelism spans all of them)")  # fmt: skip
         if cfg.distributed.tp > 1:
             raise ConfigError(f"distributed.tp={cfg.distributed.tp}: gpt_oss_20b has no tensor-parallel plan (its "
                               "experts are stacked tensors); use more data-parallel ranks")  # fmt: skip
@@ -164,8 +169,10 @@ class GptOssBenchmark(Llama31Benchmark):
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         placed = super().place(model, cfg, info, bf16)
         m = cfg.model
+        ep = cfg.distributed.ep if info.world_size > 1 else 1
+        spread = f"; {m.num_experts // ep} experts on each of {ep} ranks (all-to-all)" if ep > 1 else ""
         placed.notes.append(f"{m.block} block: {m.num_experts} experts, {m.experts_per_token} a token; a "
-                            f"{m.sliding_window}-token window on every {m.window_every} blocks")  # fmt: skip
+                            f"{m.sliding_window}-token window on every {m.window_every} blocks{spread}")  # fmt: skip
         return placed
 
     def flops_per_sample(self, cfg: RunConfig) -> float | None:

@@ -294,7 +294,7 @@ class LLMBenchmark(Benchmark):
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         placed = place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
-                               cfg.perf.compile, cfg.seed)  # fmt: skip
+                               cfg.perf.compile, cfg.seed, cfg.distributed.ep)  # fmt: skip
         return recompute_fewer(placed, cfg, info.device)
 
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

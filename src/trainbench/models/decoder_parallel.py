@@ -66,11 +66,37 @@ def sharded_comm_precision(world: int, bf16: bool) -> str:
     return "bfloat16" if world > 1 and bf16 else "fp32"
 
 
-def apply_fsdp(model: DecoderLM, mesh: DeviceMesh, bf16: bool) -> None:
+def apply_expert_parallel(model: DecoderLM, device_type: str, ep: int, world: int) -> set[nn.Parameter]:
+    """Every mixture of experts' stacked expert tensors cut by expert over the ``ep`` ranks (all of them: a 1-d mesh
+    ``("ep",)``), as DTensors sharded on dim 0, on the meta device; returns them, for FSDP to leave alone. Tokens
+    then travel to their experts' ranks by all-to-all (:meth:`MoE._experts_parallel`)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from trainbench.models.moe import MoE
+
+    if ep != world:
+        raise ConfigError(f"distributed.ep={ep}: expert parallelism spans all {world} ranks of the run (or none)")
+    mesh = init_device_mesh(device_type, (ep,), mesh_dim_names=("ep",))
+    rank, spread = mesh.get_local_rank(), set()
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        if moe.shape.experts % ep:
+            raise ConfigError(f"distributed.ep={ep} does not divide the {moe.shape.experts} experts")
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            full = getattr(moe, name)
+            if full is None:
+                continue
+            mine = DTensor.from_local(full.chunk(ep, dim=0)[rank], mesh, [Shard(0)], run_check=False)
+            setattr(moe, name, nn.Parameter(mine, requires_grad=full.requires_grad))
+            spread.add(getattr(moe, name))
+        moe.ep_group, moe.expert_grad_scale = mesh.get_group(), 1.0 / world
+    return spread
+
+
+def apply_fsdp(model: DecoderLM, mesh: DeviceMesh, bf16: bool, ignored: set[nn.Parameter] | None = None) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
+    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {}) | ({"ignored_params": ignored} if ignored else {})
     for i, block in enumerate(model.model.layers):
         # The last block's parameters are needed at once by the backward: no point resharding them.
         fully_shard(block, reshard_after_forward=i < len(model.model.layers) - 1, **kwargs)
@@ -98,7 +124,7 @@ def use_flex_for_packed_rows(model: DecoderLM, device: torch.device, compiled: b
 
 def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf16: bool, checkpointing: bool,
                 compile_blocks: bool, full_state: dict[str, torch.Tensor] | None, seed: int,
-                fill: Callable[[DecoderLM], None] | None = None) -> nn.Module:  # fmt: skip
+                fill: Callable[[DecoderLM], None] | None = None, ep: int = 1) -> nn.Module:  # fmt: skip
     """Shard ``model`` (built on the meta device) over ``world`` ranks and materialise it on ``device``.
 
     With ``full_state`` (an unsharded state dict on CPU, the same on every rank) the shards are cut from it,
@@ -119,7 +145,8 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
     wrap_blocks(model, checkpointing, compile_blocks)
     use_flex_for_packed_rows(model, device, compile_blocks)
     if world > 1:
-        apply_fsdp(model, mesh["dp"], bf16)
+        experts = apply_expert_parallel(model, device.type, ep, world) if ep > 1 else None
+        apply_fsdp(model, mesh["dp"], bf16, experts)
     model.to_empty(device=device)
     if model.cfg.tie_embeddings:  # to_empty gives every module its own tensor: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -138,7 +165,7 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
 
 
 def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int, bf16: bool, checkpointing: bool,
-                  compile_blocks: bool, seed: int) -> Placed:  # fmt: skip
+                  compile_blocks: bool, seed: int, ep: int = 1) -> Placed:  # fmt: skip
     """``model`` (built on the meta device) sharded over the ranks, materialised and initialised from ``seed``."""
     full = None
     if cfg.num_params() <= FULL_INIT_MAX_PARAMS:
@@ -146,7 +173,8 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         whole.init_weights(seed)
         full = whole.state_dict()
     mixed = bf16 and info.device.type == "cuda"
-    placed = parallelize(model, info.device, info.world_size, tp, mixed, checkpointing, compile_blocks, full, seed)
+    placed = parallelize(model, info.device, info.world_size, tp, mixed, checkpointing, compile_blocks, full, seed,
+                         ep=ep)  # fmt: skip
     out = Placed(module=placed, model=placed, comm_precision=sharded_comm_precision(info.world_size, mixed))
     if cfg.precision == "fp8":
         from trainbench.models.fp8 import TRAINING_RECIPE

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -65,6 +66,11 @@ class MoE(nn.Module):
         self.router = nn.Linear(s.hidden, s.experts, bias=s.bias)
         self.gate_up_proj = nn.Parameter(torch.empty(s.experts, s.hidden, 2 * s.ffn))
         self.down_proj = nn.Parameter(torch.empty(s.experts, s.ffn, s.hidden))
+        # Expert parallelism (models/decoder_parallel.apply_expert_parallel): the ranks that share the experts,
+        # and the scale of the experts' gradients (1 / ranks: the loop scales each rank's loss by the ranks, which
+        # FSDP's mean undoes for the other parameters but nothing undoes for these).
+        self.ep_group: dist.ProcessGroup | None = None
+        self.expert_grad_scale = 1.0
         if s.bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(s.experts, 2 * s.ffn))
             self.down_proj_bias = nn.Parameter(torch.empty(s.experts, s.hidden))
@@ -98,6 +104,40 @@ class MoE(nn.Module):
         with torch.autocast(tokens.device.type, enabled=False):
             return F.linear(tokens.to(wide), self.router.weight.to(wide), None if bias is None else bias.to(wide))
 
+    def _experts(self, rows, group, counts, gate_up, down, gate_up_bias, down_bias) -> torch.Tensor:
+        """Each row of ``rows`` (sorted by expert, ``counts`` a group; ``group`` its expert among those of the
+        weights given) through its expert."""
+        h = _grouped(rows, gate_up, counts)
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[group].to(h.dtype)
+        out = _grouped(self.activation(h), down, counts)
+        if down_bias is not None:
+            out = out + down_bias[group].to(out.dtype)
+        return out
+
+    def _experts_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """:meth:`_experts` with the experts spread over the ranks of ``ep_group`` (rank j holds the j-th contiguous
+        share, as DTensors sharded by expert): each row goes to its expert's rank by all-to-all, through the expert,
+        and back, in the order it left."""
+        from torch.distributed.nn.functional import all_to_all_single
+
+        ranks = dist.get_world_size(self.ep_group)
+        local = self.shape.experts // ranks
+        send = counts.view(ranks, local)  # rows for [rank, its expert]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)  # rows from [rank, my expert]
+        sent, received = send.sum(1).tolist(), recv.sum(1).tolist()
+        arrived = all_to_all_single(rows.new_empty(sum(received), rows.shape[1]), rows, received, sent,
+                                    group=self.ep_group)  # fmt: skip
+        # Arrived by rank, then expert: sorted by expert (stable), through the experts, and back into that order.
+        expert_of = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ranks), recv.reshape(-1))
+        by_expert = torch.argsort(expert_of, stable=True)
+        mine = (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias)
+        mine = [None if w is None else _ScaleGrad.apply(w.to_local(), self.expert_grad_scale) for w in mine]
+        out = self._experts(arrived[by_expert], expert_of[by_expert], recv.sum(0), *mine)
+        out = out[torch.argsort(by_expert)]
+        return all_to_all_single(out.new_empty(sum(sent), out.shape[1]), out, sent, received, group=self.ep_group)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(output like ``x``, the router's logits [tokens, experts] for a load-balancing loss)."""
         shape, tokens = x.shape, x.reshape(-1, x.shape[-1])
@@ -108,16 +148,27 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.shape.experts)
         token_of = order // self.shape.top_k
         rows = tokens[token_of]
-        group = flat[order]
-        h = _grouped(rows, self.gate_up_proj, counts)
-        if self.gate_up_proj_bias is not None:
-            h = h + self.gate_up_proj_bias[group].to(h.dtype)
-        out = _grouped(self.activation(h), self.down_proj, counts)
-        if self.down_proj_bias is not None:
-            out = out + self.down_proj_bias[group].to(out.dtype)
+        if self.ep_group is None:
+            out = self._experts(rows, flat[order], counts, self.gate_up_proj, self.down_proj, self.gate_up_proj_bias,
+                                self.down_proj_bias)  # fmt: skip
+        else:
+            out = self._experts_parallel(rows, counts)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         combined = torch.zeros_like(tokens, dtype=out.dtype).index_add_(0, token_of, out)
         return combined.to(x.dtype).reshape(shape), logits
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, its gradient scaled by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 def load_balancing_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -52,7 +52,7 @@ def run_disclosure(cfg: RunConfig, placed: Placed, bf16: bool, info: DistInfo) -
     lowest precision of its linear layers (fp8 where a layer of FP8_LINEAR_CLASSES runs, the autocast type under
     bf16, else the weights' own), of its attention (the autocast type, else the weights'), of its collectives (what
     the placement set up; fp32 on one rank); the parallel degrees it was placed with (trainbench has tensor
-    parallelism; no pipeline, context or expert parallelism); the micro-batch each rank trains; the config file."""
+    and expert parallelism; no pipeline or context parallelism); the micro-batch each rank trains; the config file."""
     modules = list(placed.module.modules())
     weights = {w.dtype for m in modules if isinstance(w := getattr(m, "weight", None), torch.Tensor)
                and isinstance(m, torch.nn.Linear) and w.is_floating_point()}  # fmt: skip
@@ -70,7 +70,7 @@ def run_disclosure(cfg: RunConfig, placed: Placed, bf16: bool, info: DistInfo) -
         constants.TENSOR_PARALLELISM: max(1, cfg.distributed.tp) if info.world_size > 1 else 1,
         constants.PIPELINE_PARALLELISM: 1,
         constants.CONTEXT_PARALLELISM: 1,
-        constants.EXPERT_PARALLELISM: 1,
+        constants.EXPERT_PARALLELISM: cfg.distributed.ep if info.world_size > 1 else 1,
         constants.MICRO_BATCH_SIZE: cfg.data.micro_batch_size,
         constants.CONFIG_FILENAME: cfg.output.config_filename or cfg.preset,
     }
