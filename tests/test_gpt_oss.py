@@ -163,6 +163,7 @@ def test_tokens_after_an_end_of_document_token_are_not_predicted():
             "distributed.ep=8 must divide the 4 experts",
         ),
         ({"distributed.ep": "2", "distributed.nproc": "4"}, "equal the run's 4 ranks"),
+        ({"model.block": "gpt_oss", "data.seq_length": "8192"}, "needs perf.compile=true: uncompiled, its sink"),
     ],
 )
 def test_bad_layouts_are_one_sentence(overrides, says):

@@ -111,6 +111,11 @@ class GptOssBenchmark(Llama31Benchmark):
         if ep > 1 and (m.num_experts % ep or ep != ranks):
             raise ConfigError(f"distributed.ep={ep} must divide the {m.num_experts} experts and equal the run's "
                               f"{ranks} ranks (expert parallelism spans all of them)")  # fmt: skip
+        scores = cfg.data.micro_batch_size * m.num_heads * cfg.data.seq_length**2 * 4
+        if m.gpt_oss_block and not cfg.perf.compile and scores > 4 << 30:
+            raise ConfigError(f"model.block=gpt_oss at seq {cfg.data.seq_length} needs perf.compile=true: uncompiled, "
+                              f"its sink attention holds every score ({scores / 2**30:.0f} GiB a micro-batch); "
+                              "compiled on a GPU it runs through FlexAttention")  # fmt: skip
         if cfg.distributed.tp > 1:
             raise ConfigError(f"distributed.tp={cfg.distributed.tp}: gpt_oss_20b has no tensor-parallel plan (its "
                               "experts are stacked tensors); use more data-parallel ranks")  # fmt: skip

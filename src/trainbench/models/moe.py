@@ -148,6 +148,8 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.shape.experts)
         token_of = order // self.shape.top_k
         rows = tokens[token_of]
+        if torch.is_autocast_enabled(rows.device.type):  # the grouped product is on no autocast list: cast here
+            rows = rows.to(torch.get_autocast_dtype(rows.device.type))
         if self.ep_group is None:
             out = self._experts(rows, flat[order], counts, self.gate_up_proj, self.down_proj, self.gate_up_proj_bias,
                                 self.down_proj_bias)  # fmt: skip
