@@ -14,7 +14,8 @@ QUICK = ["--steps", "2", "--warmup", "1", "progress=false", "telemetry_hz=0"]
 FIELDS = {"kind", "benchmark", "preset", "figures", "blocks", "blocks_measured", "ranks", "device", "global_batch_size",
           "step_seconds", "samples_per_s", "tokens_per_s", "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu",
           "peak_memory_gib", "eval_seconds_per_sample", "energy_joules_per_token", "steps", "warmup", "raw", "ruleset",
-          "projection", "gpus", "compare", "samples_per_step", "profile", "nodes", "tokens_per_s_per_node"}  # fmt: skip
+          "projection", "gpus", "compare", "samples_per_step", "profile", "nodes", "tokens_per_s_per_node",
+          "router"}  # fmt: skip
 
 
 def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:
@@ -39,6 +40,14 @@ def test_each_tiny_preset_is_measured_on_one_rank(benchmark, tmp_path, capsys):
     assert result["samples_per_step"] == result["global_batch_size"]  # a row is a sample (no packed rows here)
     assert raw["mean_loss"] > 0 and not (folder / "result_0.txt").exists()  # trained; no MLPerf log written
     assert "not a time-to-train result" in printed and "tokens/s" in printed
+    router = result["router"]  # a mixture of experts: how evenly its routers spread the eval pass's tokens
+    if benchmark == "gpt_oss_20b":
+        assert router["experts"] == 4 and len(router["busiest_over_mean"]) == 2 and "router: the busiest" in printed
+        assert router["tokens_routed"] == 2 * 64 * 128  # top 2 of every token of the eval batch
+        spread = zip(router["idlest_over_mean"], router["busiest_over_mean"], strict=True)
+        assert all(lo <= 1 <= hi for lo, hi in spread)
+    else:
+        assert router is None
 
 
 def test_a_measurement_is_reported_and_compared_but_never_checked_or_packaged(tmp_path, capsys):

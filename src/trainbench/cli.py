@@ -367,6 +367,11 @@ def bench_summary(r: dict) -> str:
     for name, peer in (r.get("compare") or {}).items():
         lines.append(f"  {name}: " + (peer["error"] if "error" in peer else f"{peer['tokens_per_s']:,.0f} tokens/s; "
                                       f"ours {peer['ours_over_it']:.2f}x its rate"))  # fmt: skip
+    if r.get("router"):
+        busiest = r["router"]["busiest_over_mean"]
+        worst, median = max(range(len(busiest)), key=busiest.__getitem__), sorted(busiest)[len(busiest) // 2]
+        lines.append(f"  router: the busiest of {r['router']['experts']} experts gets {max(busiest):.2f}x the mean "
+                     f"tokens (block {worst}), {median:.2f}x in the median block")  # fmt: skip
     if r.get("profile"):
         from trainbench.report.bench_report import split_line
 

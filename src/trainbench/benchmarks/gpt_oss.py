@@ -45,7 +45,7 @@ def tiny(block: str) -> RunConfig:
     opt = OptimizerConfig(name="adamw", lr=3e-3, beta1=0.9, beta2=0.95, epsilon=1e-5, weight_decay=0.1,
                           max_grad_norm=1.0)  # fmt: skip
     sched = ScheduleConfig(warmup_steps=20, total_steps=1000)
-    return run_config("gpt_oss_20b", "tiny", model, dataclasses.replace(TINY_DATA), opt, sched, target=1.6, every=3200)
+    return run_config("gpt_oss_20b", "tiny", model, dataclasses.replace(TINY_DATA), opt, sched, target=1.6, every=1600)
 
 
 def full(preset: str, model: GptOssConfig) -> RunConfig:

@@ -239,6 +239,7 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "warmup": last["warmup"],
         "compare": compared(peers, layers, samples_per_step, per_sample, step_s) if peers else None,
         "profile": profile_at_depth(raws, layers, depths),
+        "router": last.get("router"),  # a mixture of experts' tokens per expert (the deepest measured depth's)
         "gpus": last.get("gpus") or None,  # the deepest measured depth's: power, SM clock, throttle reasons
         "raw": {str(d): r for d, r in sorted(raws.items())},
     }

@@ -16,6 +16,7 @@ from trainbench.console import RunConsole
 from trainbench.data.prefetch import pinned, prefetch
 from trainbench.distributed import DistInfo, all_reduce_sum
 from trainbench.errors import UserError
+from trainbench.models.moe import MoE
 from trainbench.runfiles import CONSOLE
 from trainbench.telemetry import window_summary
 from trainbench.train.duties import start_telemetry
@@ -72,7 +73,7 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     sampler = start_telemetry(cfg.output, run_dir, 0, info, out)
     timed = _steps_or_why_not(cfg, bench, run, info, autocast, steps, warmup, profile_steps, run_dir, out, snapshot)
     peak = torch.cuda.max_memory_allocated(info.device) / 2**30 if info.device.type == "cuda" else None
-    eval_seconds_per_row = _eval_seconds_per_row(bench, run, info, autocast)
+    eval_seconds_per_row, router = _eval_seconds_per_row(bench, run, info, autocast)
     if sampler is not None:
         sampler.stop()
     seconds, start_ms, stop_ms = timed.seconds, timed.start_ms, timed.stop_ms
@@ -89,6 +90,7 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         "eval_samples": run.data.eval_samples,
         "notes": run.placed.notes + bench.model_notes(cfg, info.device, run.bf16),
         "profile": timed.profile,
+        "router": router,
         "device": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
     }
     if info.is_main:  # this node's GPUs over the timed steps: median power and SM clock, throttle reasons, energy
@@ -190,13 +192,49 @@ def _profiled(step, steps: int, run_dir: Path, info: DistInfo, cfg: RunConfig) -
     return {"steps": steps, "trace": trace.name, "split": timeline(events, steps)} | kernels_by_kind(events, steps)
 
 
-def _eval_seconds_per_row(bench, run, info, autocast) -> float:
-    """The eval's seconds per row of this rank, timed on its eval batch after one untimed pass (which compiles)."""
+def _eval_seconds_per_row(bench, run, info, autocast) -> tuple[float, dict | None]:
+    """The eval's seconds per row of this rank, timed on its eval batch after one untimed pass (which compiles), and
+    where the model has a mixture of experts, how evenly its routers spread the untimed pass's tokens."""
     record = MLPerfRecord(None, fresh=True)  # the eval's events go nowhere: no MLPerf log
     rows = sum(len(next(iter(b.values()))) for b in run.data.eval)
-    evaluate(bench, run.placed.model, run.data.eval, info, autocast, record, 0)
+    with RouterLoads(run.placed.module) as loads:
+        evaluate(bench, run.placed.model, run.data.eval, info, autocast, record, 0)
     _sync(info)
     t = time.perf_counter()
     evaluate(bench, run.placed.model, run.data.eval, info, autocast, record, 0)
     _sync(info)
-    return (time.perf_counter() - t) / rows
+    return (time.perf_counter() - t) / rows, loads.balance(info)
+
+
+class RouterLoads:
+    """Tokens routed to each expert of each mixture of experts in ``model`` while in the ``with`` block."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.moes = [m for m in model.modules() if isinstance(m, MoE)]
+        self.counts: list[torch.Tensor | int] = [0] * len(self.moes)
+
+    def __enter__(self) -> RouterLoads:
+        def count(i: int, moe: MoE):
+            def hook(_module, _inputs, output) -> None:
+                chosen = output[1].topk(moe.shape.top_k, dim=-1).indices.flatten()
+                self.counts[i] = self.counts[i] + torch.bincount(chosen, minlength=moe.shape.experts)
+
+            return hook
+
+        self.hooks = [moe.register_forward_hook(count(i, moe)) for i, moe in enumerate(self.moes)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    def balance(self, info: DistInfo) -> dict | None:
+        """Each block's busiest and idlest expert against the mean (1: every expert got as many tokens), over the
+        tokens of every rank; None without experts."""
+        if not self.moes or any(isinstance(c, int) for c in self.counts):
+            return None
+        loads = all_reduce_sum(torch.stack(self.counts).double(), info)  # [blocks, experts]
+        mean = loads.mean(dim=1)
+        busiest, idlest = (loads.max(dim=1).values / mean).tolist(), (loads.min(dim=1).values / mean).tolist()
+        return {"experts": loads.shape[1], "tokens_routed": int(loads[0].sum()), "busiest_over_mean": busiest,
+                "idlest_over_mean": idlest, "worst_busiest_over_mean": max(busiest)}  # fmt: skip
