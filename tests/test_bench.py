@@ -162,6 +162,28 @@ def test_compare_hf_times_transformers_and_peft_beside_ours(tmp_path, capsys):
     assert "hf_compiled: " in capsys.readouterr().out
 
 
+def test_compare_hf_times_transformers_gpt_oss_beside_our_mixture_of_experts(tmp_path):
+    """GPT-OSS's block and transformers' GptOss at the same shape and parameters, timed eager on the CPU (its
+    compiled form and ours beside it: the device's figures, docs/gpt_oss.md)."""
+    pytest.importorskip("transformers", reason="transformers is the optional extra trainbench[test]")
+    import torch
+
+    from trainbench.benchmarks import get_benchmark
+    from trainbench.models.gpt_oss import GptOssLM
+    from trainbench.train import compare_hf
+
+    bench = get_benchmark("gpt_oss_20b")
+    cfg = bench.config("tiny-hf")
+    assert compare_hf.require(bench, cfg) == "moe"
+    model = compare_hf.build("moe", cfg, torch.device("cpu"))
+    assert type(model).__name__ == "GptOssForCausalLM"
+    ours = {n.replace(".mlp.", ".mlp.experts.") if n.split(".")[-1].startswith(("gate_up", "down_proj")) else n
+            for n, _ in GptOssLM(cfg.model).named_parameters()}  # fmt: skip
+    assert ours == {n for n, _ in model.named_parameters()}  # the same parameters: the same work
+    result = compare_hf.measure(bench, cfg, "moe", False, 1, 1, torch.device("cpu"))
+    assert "error" not in result and result["seconds"] > 0 and result["samples_per_step"] == 32
+
+
 def test_our_rows_become_the_inputs_hf_trains_on_with_the_same_loss_positions():
     """HF shifts its labels itself: the tokens HF is asked to predict are those our loss counts."""
     import torch

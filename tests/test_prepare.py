@@ -525,7 +525,7 @@ def test_each_benchmark_prepares_with_its_own_options_and_another_ones_is_named(
     assert "--vocab is an option of `prepare bert`, not of `trainbench prepare llama2_70b_lora`" in _error_line(capsys)
     assert not out.exists()
     assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--workers=9", "--out", out) == 2
-    assert "--workers is an option of `prepare bert / llama31_8b / gpt3`" in _error_line(capsys)
+    assert "--workers is an option of `prepare bert / llama31_8b / gpt3 / gpt_oss_20b`" in _error_line(capsys)
     assert run_cli("prepare", "bert", "--synthetic", "--bogus", "--out", out) == 2
     assert "--bogus is not an option of `trainbench prepare bert`" in _error_line(capsys)
     helps = {}

@@ -1,7 +1,8 @@
 """What users would run instead, timed the way `trainbench bench` times ours (``--compare hf``): HF `transformers`
-(`LlamaForCausalLM`, `BertForPreTraining`), with `peft`'s LoRA for the fine-tuning benchmark, built from the same
-config at the same depth, fed the same rows cut into the same micro-batches, trained with AdamW under bf16 autocast
-and the same gradient clip, eager and compiled. One process only; transformers and peft are optional."""
+(`LlamaForCausalLM`, `GptOssForCausalLM`, `BertForPreTraining`), with `peft`'s LoRA for the fine-tuning benchmark,
+built from the same config at the same depth, fed the same rows cut into the same micro-batches, trained with AdamW
+under bf16 autocast and the same gradient clip, eager and compiled. One process only; transformers and peft are
+optional."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ IGNORE = -100
 
 
 def hf_family(bench: Benchmark, cfg: RunConfig) -> str | None:
-    """Which HF model stands beside ours: decoder (a llama-architecture decoder), decoder_lora, encoder (BERT); None
-    for none."""
+    """Which HF model stands beside ours: decoder (a llama-architecture decoder), decoder_lora, moe (GPT-OSS),
+    encoder (BERT); None for none."""
     model = cfg.model
+    if hasattr(model, "num_experts"):
+        return "moe"
     if hasattr(model, "lora_rank"):
         return "decoder_lora" if model.arch == "llama" else None
     if hasattr(model, "arch"):
@@ -61,6 +64,8 @@ def build(family: str, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
             layer_norm_eps=m.layer_norm_eps, attn_implementation="sdpa",
         )  # fmt: skip
         return transformers.BertForPreTraining(hf_cfg).to(device).train()
+    if family == "moe":
+        return _gpt_oss(transformers, cfg, device)
     hf_cfg = transformers.LlamaConfig(
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_heads, num_key_value_heads=m.kv_heads, intermediate_size=m.intermediate_size,
@@ -88,6 +93,30 @@ def build(family: str, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     return model.train()
 
 
+def _gpt_oss(transformers, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
+    """transformers' GPT-OSS at our shape, always with its own block (sinks, biases, clamped SwiGLU; its rotary
+    positions YaRN-scaled where ours are), the experts through its grouped GEMM and attention through FlexAttention
+    on a GPU (its fastest trainable kernels for the window and the sinks), eager on the CPU; its load-balancing loss
+    where ours has one."""
+    m = cfg.model
+    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.yarn_factor != 1:
+        rope = {"rope_type": "yarn", "rope_theta": m.rope_theta, "factor": m.yarn_factor, "beta_fast": m.yarn_beta_fast,
+                "beta_slow": m.yarn_beta_slow, "truncate": False,
+                "original_max_position_embeddings": m.yarn_original_positions}  # fmt: skip
+    cuda = device.type == "cuda"
+    hf_cfg = transformers.GptOssConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads, num_key_value_heads=m.kv_heads, head_dim=m.head_dim,
+        intermediate_size=m.intermediate_size, num_local_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
+        sliding_window=m.sliding_window or None, rms_norm_eps=m.norm_eps, rope_parameters=rope,
+        max_position_embeddings=cfg.data.seq_length, router_aux_loss_coef=m.aux_loss_coeff,
+        output_router_logits=m.aux_loss_coeff > 0, attn_implementation="flex_attention" if cuda else "eager",
+        experts_implementation="grouped_mm" if cuda else "eager",
+    )  # fmt: skip
+    return transformers.GptOssForCausalLM(hf_cfg).to(device).train()
+
+
 def inputs(family: str, batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """Our micro-batch as HF's keyword arguments (HF shifts the labels itself)."""
     t = {k: torch.as_tensor(v).to(device) for k, v in batch.items()}
@@ -100,7 +129,7 @@ def inputs(family: str, batch: dict[str, np.ndarray], device: torch.device) -> d
         return {"input_ids": t["input_ids"].long(), "token_type_ids": t["segment_ids"].long(),
                 "attention_mask": t["input_mask"].long(), "labels": labels,
                 "next_sentence_label": t["next_sentence_labels"].long()}  # fmt: skip
-    if family == "decoder":
+    if family in ("decoder", "moe"):  # (GPT-OSS: every token counted, ours leaves out those after a document's end)
         tokens = t["tokens"].long()[:, :-1]
         return {"input_ids": tokens, "labels": tokens}
     tokens, targets = t["tokens"].long(), t["targets"].long()
