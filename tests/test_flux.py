@@ -1,0 +1,103 @@
+"""flux1's model (models/flux.py) against diffusers' FluxTransformer2DModel on the same random weights: the predicted
+velocity and the gradients, on the CPU; its parameter count and rotary positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainbench.models.flux import Flux, FluxConfig, image_ids
+
+SMALL = FluxConfig(in_channels=16, hidden_size=64, num_heads=2, double_blocks=2, single_blocks=2, context_dim=24,
+                   vector_dim=12, axes_dim=(8, 12, 12))  # fmt: skip
+
+
+def ours_from_diffusers(theirs: torch.nn.Module, cfg: FluxConfig) -> dict[str, torch.Tensor]:
+    """diffusers' state dict in our names: q, k and v (and the single blocks' MLP input) in one projection, the final
+    modulation's halves as (shift, scale)."""
+    t = theirs.state_dict()
+    out = {
+        "img_in.weight": t["x_embedder.weight"], "img_in.bias": t["x_embedder.bias"],
+        "txt_in.weight": t["context_embedder.weight"], "txt_in.bias": t["context_embedder.bias"],
+        "final_layer.linear.weight": t["proj_out.weight"], "final_layer.linear.bias": t["proj_out.bias"],
+    }  # fmt: skip
+    for ours, their in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder")):
+        for a, b in (("in_layer", "linear_1"), ("out_layer", "linear_2")):
+            for p in ("weight", "bias"):
+                out[f"{ours}.{a}.{p}"] = t[f"time_text_embed.{their}.{b}.{p}"]
+    for p in ("weight", "bias"):
+        scale, shift = t[f"norm_out.linear.{p}"].chunk(2)
+        out[f"final_layer.adaLN_modulation.1.{p}"] = torch.cat([shift, scale])
+    for i in range(cfg.double_blocks):
+        a, b = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        for stream, mod, q, k, v, proj, nq, nk, ff in (
+            ("img", "norm1", "to_q", "to_k", "to_v", "to_out.0", "norm_q", "norm_k", "ff"),
+            ("txt", "norm1_context", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "norm_added_q",
+             "norm_added_k", "ff_context"),
+        ):  # fmt: skip
+            for p in ("weight", "bias"):
+                out[f"{a}.{stream}_mod.lin.{p}"] = t[f"{b}.{mod}.linear.{p}"]
+                out[f"{a}.{stream}_attn.qkv.{p}"] = torch.cat([t[f"{b}.attn.{x}.{p}"] for x in (q, k, v)])
+                out[f"{a}.{stream}_attn.proj.{p}"] = t[f"{b}.attn.{proj}.{p}"]
+                out[f"{a}.{stream}_mlp.0.{p}"] = t[f"{b}.{ff}.net.0.proj.{p}"]
+                out[f"{a}.{stream}_mlp.2.{p}"] = t[f"{b}.{ff}.net.2.{p}"]
+            out[f"{a}.{stream}_attn.norm.query_norm.weight"] = t[f"{b}.attn.{nq}.weight"]
+            out[f"{a}.{stream}_attn.norm.key_norm.weight"] = t[f"{b}.attn.{nk}.weight"]
+    for i in range(cfg.single_blocks):
+        a, b = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
+        for p in ("weight", "bias"):
+            out[f"{a}.modulation.lin.{p}"] = t[f"{b}.norm.linear.{p}"]
+            out[f"{a}.linear1.{p}"] = torch.cat([t[f"{b}.attn.to_{x}.{p}"] for x in "qkv"] + [t[f"{b}.proj_mlp.{p}"]])
+            out[f"{a}.linear2.{p}"] = t[f"{b}.proj_out.{p}"]
+        out[f"{a}.norm.query_norm.weight"] = t[f"{b}.attn.norm_q.weight"]
+        out[f"{a}.norm.key_norm.weight"] = t[f"{b}.attn.norm_k.weight"]
+    return out
+
+
+def test_the_mmdit_matches_diffusers_flux_transformer_with_gradients():
+    diffusers = pytest.importorskip("diffusers", reason="diffusers is the optional extra trainbench[test]")
+    torch.manual_seed(0)
+    theirs = diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=32, num_attention_heads=2,
+        joint_attention_dim=24, pooled_projection_dim=12, guidance_embeds=False, axes_dims_rope=(8, 12, 12),
+    ).double()  # fmt: skip
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(std=0.1)
+    ours = Flux(SMALL).double()
+    state = ours_from_diffusers(theirs, SMALL)
+    assert set(state) == set(ours.state_dict())
+    ours.load_state_dict(state)
+    assert SMALL.num_params() == sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in
+                                                                                    theirs.parameters())  # fmt: skip
+
+    img = torch.randn(2, 12, 16, dtype=torch.float64)  # a 3 x 4 latent of 2 x 2 patches
+    txt = torch.randn(2, 5, 24, dtype=torch.float64)
+    vec = torch.randn(2, 12, dtype=torch.float64)
+    t = torch.tensor([0.25, 0.875], dtype=torch.float64)
+    img_ids, txt_ids = image_ids(3, 4).double(), torch.zeros(5, 3, dtype=torch.float64)
+    a = theirs(hidden_states=img, encoder_hidden_states=txt, pooled_projections=vec, timestep=t, img_ids=img_ids,
+               txt_ids=txt_ids, return_dict=False)[0]  # fmt: skip
+    b = ours(img, txt, vec, t, img_ids, txt_ids)
+    # both take the timestep embedding and the rotary tables in float32, whatever the model's type
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    a.square().sum().backward()
+    b.square().sum().backward()
+    pairs = {"single_blocks.1.linear2.weight": "single_transformer_blocks.1.proj_out.weight",
+             "double_blocks.0.txt_mlp.2.weight": "transformer_blocks.0.ff_context.net.2.weight",
+             "double_blocks.1.img_attn.norm.key_norm.weight": "transformer_blocks.1.attn.norm_k.weight",
+             "time_in.in_layer.weight": "time_text_embed.timestep_embedder.linear_1.weight"}  # fmt: skip
+    for mine, their in pairs.items():
+        assert torch.allclose(ours.get_parameter(mine).grad, theirs.get_parameter(their).grad, rtol=1e-4,
+                              atol=1e-6), mine  # fmt: skip
+
+
+def test_image_positions_are_rows_and_columns_of_the_latent_patches():
+    ids = image_ids(2, 3)
+    assert ids.tolist() == [[0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 1, 2]]
+
+
+def test_the_full_shape_has_flux1_schnells_parameter_count():
+    cfg = FluxConfig()
+    assert cfg.head_dim == 128 and sum(cfg.axes_dim) == 128
+    assert 11.8e9 < cfg.num_params() < 12.0e9  # FLUX.1-schnell: about 11.9 B
