@@ -183,6 +183,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def losses_and_evals(common: list[str], runs: dict[str, list[str]], results: Path, metric: str) -> tuple[dict, dict]:
+    """Each run of ``common`` plus its own arguments into ``results / name`` (a short run may stop before the target:
+    its exit code is not asked): its losses and its evals' ``metric``, by name."""
+    losses, evals = {}, {}
+    for name, extra in runs.items():
+        run_cli(*common, *extra, f"output.results_dir={results / name}")
+        rows = read_metrics(only_run_dir(results / name))
+        losses[name] = [r["loss"] for r in rows if "loss" in r]
+        evals[name] = [r[metric] for r in rows if metric in r]
+    return losses, evals
+
+
 @pytest.fixture(scope="session")
 def converged(tiny_data, tmp_path_factory) -> Path:
     """One tiny run to its target (``run bert --preset tiny``), with telemetry at 4 Hz: a finished, compliant results

@@ -24,7 +24,7 @@ def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:
     return folder, json.loads((folder / "bench.json").read_text())
 
 
-@pytest.mark.parametrize("benchmark", ["bert", "llama31_8b", "gpt3", "llama2_70b_lora", "gpt_oss_20b"])
+@pytest.mark.parametrize("benchmark", ["bert", "llama31_8b", "gpt3", "llama2_70b_lora", "gpt_oss_20b", "flux1"])
 def test_each_tiny_preset_is_measured_on_one_rank(benchmark, tmp_path, capsys):
     folder, result = measured(benchmark, tmp_path / "r")
     printed = capsys.readouterr().out

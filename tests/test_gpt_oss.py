@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import only_run_dir, read_metrics, run_cli
+from tests.conftest import losses_and_evals, only_run_dir, read_metrics, run_cli
 from trainbench.benchmarks import get_benchmark
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import DISCLOSURE_KEYS, check_compliance, read_log
@@ -231,12 +231,7 @@ def test_expert_parallelism_and_fsdp_on_two_ranks_give_the_losses_of_one(llm_dat
               "eval_samples=64"]  # fmt: skip
     runs = {"one": ["--nproc", "1"], "fsdp": ["--nproc", "2", "micro_batch_size=8"],
             "ep": ["--nproc", "2", "distributed.ep=2", "micro_batch_size=8"]}  # fmt: skip
-    losses, evals = {}, {}
-    for name, extra in runs.items():
-        run_cli(*common, *extra, f"output.results_dir={tmp_path / name}")  # exit 1: stops before the target
-        rows = read_metrics(only_run_dir(tmp_path / name))
-        losses[name] = [r["loss"] for r in rows if "loss" in r]
-        evals[name] = [r["log_perplexity"] for r in rows if "log_perplexity" in r]
+    losses, evals = losses_and_evals(common, runs, tmp_path, "log_perplexity")
     assert len(losses["one"]) == 8 and losses["one"][-1] < losses["one"][0] and len(evals["one"]) == 2
     for name in ("fsdp", "ep"):
         assert max(abs(a - b) for a, b in zip(losses["one"], losses[name], strict=True)) <= 1e-5, (name, losses)

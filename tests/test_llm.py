@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import only_run_dir, read_metrics, run_cli
+from tests.conftest import losses_and_evals, only_run_dir, read_metrics, run_cli
 from trainbench.data.indexed import IndexedDataset, IndexedWriter, PackedSamples
 from trainbench.errors import DataError
 from trainbench.mlperf import DISCLOSURE_KEYS, check_compliance, read_log
@@ -174,12 +174,7 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_p
         # activation checkpointing on the last of the 2 blocks only: the same arithmetic, recomputed
         "fsdp_recompute": ["--nproc", "2", "micro_batch_size=16", "activation_checkpointing=1", "recompute_blocks=1"],
     }
-    losses, evals = {}, {}
-    for name, extra in runs.items():
-        run_cli(*common, *extra, f"output.results_dir={tmp_path / name}")  # exit 1: stops before the target
-        rows = read_metrics(only_run_dir(tmp_path / name))
-        losses[name] = [r["loss"] for r in rows if "loss" in r]
-        evals[name] = [r["log_perplexity"] for r in rows if "log_perplexity" in r]
+    losses, evals = losses_and_evals(common, runs, tmp_path, "log_perplexity")
     console = (only_run_dir(tmp_path / "fsdp_recompute") / "console.log").read_text()
     assert "activation checkpointing on the last 1 of 2 blocks" in console
     # The log says how each run was laid out (ruleset 6.1.0's keys), as it was placed.

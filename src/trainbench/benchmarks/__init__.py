@@ -8,13 +8,22 @@ from pathlib import Path
 
 from trainbench.benchmarks.base import Benchmark
 from trainbench.benchmarks.bert import BertBenchmark
+from trainbench.benchmarks.flux1 import Flux1Benchmark
 from trainbench.benchmarks.gpt_oss import GptOssBenchmark
 from trainbench.benchmarks.llm import Gpt3Benchmark, Llama31Benchmark
 from trainbench.benchmarks.lora import LoraBenchmark
 from trainbench.errors import ConfigError, UserError
 
 BENCHMARKS: dict[str, Benchmark] = {
-    b.name: b for b in (BertBenchmark(), Llama31Benchmark(), Gpt3Benchmark(), LoraBenchmark(), GptOssBenchmark())
+    b.name: b
+    for b in (
+        BertBenchmark(),
+        Llama31Benchmark(),
+        Gpt3Benchmark(),
+        LoraBenchmark(),
+        GptOssBenchmark(),
+        Flux1Benchmark(),
+    )
 }
 BUILT_IN = "built in"
 ORIGINS: dict[str, str] = dict.fromkeys(BENCHMARKS, BUILT_IN)

@@ -40,13 +40,20 @@ class FluxConfig:
     mlp_ratio: float = option(4.0, "MLP width / model width.", above=0)
     context_dim: int = option(4096, "Width of a prompt token's encoding (T5-XXL).", at_least=1)
     vector_dim: int = option(768, "Width of the pooled prompt vector (CLIP).", at_least=1)
-    axes_dim: tuple[int, ...] = option((16, 56, 56), "Channels of a head each rotary axis turns (their sum is the "
-                                       "head's width).")  # fmt: skip
+    rope_axes: str = option("16,56,56", "Channels of a head each rotary axis turns (text, latent row, latent column), "
+                            "comma-separated; their sum is a head's width.")  # fmt: skip
     rope_theta: float = option(10000.0, "RoPE base.", above=0)
+    text_tokens: int = option(256, "Prompt tokens a sample's T5 encoding holds (must match the data).", at_least=1)
+    latent_size: int = option(32, "Height and width of a sample's latent (must match the data; 256 px images).",
+                              at_least=2)  # fmt: skip
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def axes_dim(self) -> tuple[int, ...]:
+        return tuple(int(a) for a in self.rope_axes.split(","))
 
     @property
     def mlp_width(self) -> int:
