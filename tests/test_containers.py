@@ -139,6 +139,9 @@ def test_the_tiny_preset_trains_to_its_target_inside_the_image(image, tmp_path, 
     listed = podman("run", "--rm", image, "trainbench", "list")
     assert listed.returncode == 0 and bench in listed.stdout, listed.stderr
     mounts = ["-v", f"{data}:{data}", "-v", f"{results}:{results}"]
+    # This worker's share of the cores, as the ranks it starts outside a container inherit it (tests/conftest.py): a
+    # container's torch would otherwise take a thread per core beside the other workers' and run several times slower.
+    mounts += [f"--env=OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"] if "OMP_NUM_THREADS" in os.environ else []
     data.mkdir()
     prep = podman("run", "--rm", *mounts, image, "trainbench", "prepare", bench, "--synthetic", "--preset", "tiny",
                   "--out", data)  # fmt: skip
