@@ -66,8 +66,9 @@ class Benchmark(ABC):
     """The only ``optimizer.name`` the benchmark trains with."""
     presets: dict[str, Callable[[], RunConfig]]
     full_preset: str
-    has_experts = False  # a mixture of experts that distributed.ep can spread over the ranks
     """The preset of MLPerf's own shape (what `trainbench submit` starts from unless told)."""
+    has_experts = False
+    """Whether its model has a mixture of experts that ``distributed.ep`` can spread over the ranks."""
     synthetic_sizes: dict[str, dict[str, int]] = {}
     """Per preset, the size of the data set ``prepare NAME --synthetic --preset P`` writes."""
     unused_keys: dict[str, str] = {}
