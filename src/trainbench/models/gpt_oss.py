@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 from trainbench.config import option
 from trainbench.models.decoder import Block, Body, DecoderConfig, DecoderLM, RMSNorm, apply_rope, norm
@@ -184,8 +184,8 @@ class GptOssAttention(nn.Module):
             if self.sinks is None:
                 out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
             else:  # the sinks from the kernel's log-sum-exp: one scale of its output (models/sink_attention.py)
-                out, lse = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, return_lse=True)
-                out = with_sinks(out, lse, self.sinks)
+                out, aux = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+                out = with_sinks(out, aux.lse, self.sinks)
         elif self.sinks is not None:
             out = sink_attention(q, k, v, self.sinks, self.window)
         elif self.window is None:
