@@ -123,6 +123,10 @@ class Flux1Benchmark(Benchmark):
         gbs = cfg.data.global_batch_size
         return math.ceil(EVAL_EVERY / gbs) * gbs
 
+    def evaluation_frequency(self, cfg: RunConfig) -> int:
+        """The eval cadence the run keeps (and logs): the config's, else the rules'."""
+        return cfg.eval.every_samples or self.eval_every_samples(cfg)
+
     # -- data -----------------------------------------------------------------------------------
     def _root(self, cfg: RunConfig) -> Path:
         if not cfg.data.dir:
@@ -259,12 +263,11 @@ class Flux1Benchmark(Benchmark):
             "opt_adamw_weight_decay": o.weight_decay,
             "opt_learning_rate_warmup_steps": s.warmup_steps,
             "opt_gradient_clip_norm": o.max_grad_norm,
-            "evaluation_frequency": cfg.eval.every_samples or self.eval_every_samples(cfg),
+            "evaluation_frequency": self.evaluation_frequency(cfg),
         }
 
     def waived_checks(self, cfg: RunConfig) -> frozenset[str]:
-        every = cfg.eval.every_samples or self.eval_every_samples(cfg)
-        return frozenset({"evaluation_frequency"} if every != EVAL_EVERY else ())
+        return frozenset({"evaluation_frequency"} if self.evaluation_frequency(cfg) != EVAL_EVERY else ())
 
     # -- the command line -----------------------------------------------------------------------
     @staticmethod

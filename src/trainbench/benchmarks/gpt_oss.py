@@ -59,24 +59,32 @@ def full(preset: str, model: GptOssConfig) -> RunConfig:
     )  # fmt: skip
 
 
-def eod_id(data_dir: str) -> int:
-    """The end-of-document token of a folder made by `prepare`: its manifest's (C4), the synthetic language's."""
-    manifest = Path(data_dir) / "manifest.json"
+def read_manifest(data_dir: str) -> dict:
+    """The manifest of a folder made by `prepare` (read once: the end-of-document token and the vocabulary come
+    from it)."""
+    path = Path(data_dir) / "manifest.json"
     try:
-        m = json.loads(manifest.read_text())
+        manifest = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise DataError(f"{manifest}: cannot read it ({e}); make the folder with `trainbench prepare`") from None
-    if m.get("source") == "synthetic":
+        raise DataError(f"{path}: cannot read it ({e}); make the folder with `trainbench prepare`") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path} is not a data set's manifest; make the folder with `trainbench prepare`")
+    return manifest | {"path": str(path)}
+
+
+def eod_id(manifest: dict) -> int:
+    """The end-of-document token: the manifest's (C4), the synthetic language's."""
+    if manifest.get("source") == "synthetic":
         return prepare_llm.EOD
-    if not isinstance(m.get("eod_id"), int):
-        raise DataError(f"{manifest} names no end-of-document token (eod_id); prepare the data again")
-    return m["eod_id"]
+    if not isinstance(manifest.get("eod_id"), int):
+        raise DataError(f"{manifest['path']} names no end-of-document token (eod_id); prepare the data again")
+    return manifest["eod_id"]
 
 
-def data_vocab(data_dir: str) -> int | None:
+def data_vocab(manifest: dict) -> int | None:
     """The vocabulary the folder's tokens were made with, where its manifest says."""
-    m = json.loads((Path(data_dir) / "manifest.json").read_text())
-    vocab = m.get("vocab_size", m.get("spec", {}).get("vocab_size"))
+    spec = manifest.get("spec")
+    vocab = manifest.get("vocab_size", spec.get("vocab_size") if isinstance(spec, dict) else None)
     return vocab if isinstance(vocab, int) else None
 
 
@@ -129,8 +137,11 @@ class GptOssBenchmark(Llama31Benchmark):
         return math.ceil(self.eval_every / gbs) * gbs
 
     def check_data(self, cfg: RunConfig) -> None:
-        eod_id(cfg.data.dir or "")
-        vocab = data_vocab(cfg.data.dir)
+        if not cfg.data.dir:
+            super().check_data(cfg)  # its one sentence: which folder to give
+        manifest = read_manifest(cfg.data.dir)
+        eod_id(manifest)
+        vocab = data_vocab(manifest)
         if vocab is not None and vocab != cfg.model.vocab_size:
             raise DataError(f"{cfg.data.dir} was tokenised with a vocabulary of {vocab:,} but model.vocab_size="
                             f"{cfg.model.vocab_size:,}: data prepared for another tokenizer (the reference's is "
@@ -139,7 +150,7 @@ class GptOssBenchmark(Llama31Benchmark):
 
     # -- data: the end-of-document token rides with each row --------------------------------------
     def batch_rows(self, cfg: RunConfig):
-        eod = eod_id(cfg.data.dir) if cfg.data.dir else prepare_llm.EOD
+        eod = eod_id(read_manifest(cfg.data.dir)) if cfg.data.dir else prepare_llm.EOD
         return lambda tokens: {"tokens": tokens, "eod": np.full(len(tokens), eod, dtype=np.int64)}
 
     def _targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
