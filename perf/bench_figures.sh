@@ -7,6 +7,9 @@
 #   perf/bench_figures.sh bert      BERT-large at MLPerf's batch (768 = 48 x 16 accumulation on one GPU), fixed rows
 #   perf/bench_figures.sh bert-packed  the same on packed rows (about 2 samples a row), as the run trains
 #   perf/bench_figures.sh llm-hf bert-hf lora-hf   the same with HF transformers (+ peft) beside, --compare hf
+#   perf/bench_figures.sh gpt-oss-hf  gpt_oss_20b with GPT-OSS's block and vocabulary, 2 and 4 blocks to 24, with
+#                                     transformers' GptOssForCausalLM beside (--compare hf)
+#   perf/bench_figures.sh gpt-oss     gpt_oss_20b with the reference's block, 2 and 4 blocks to 24
 # Run from the repository root with trainbench importable (pip install -e . or PYTHONPATH=src).
 set -euo pipefail
 OUT=${OUT:-/tmp/bench_out}
@@ -40,6 +43,10 @@ for what in "$@"; do
         --compare hf ;;  # HF on fixed rows of the same samples (it has no packed rows)
     lora-hf) bench lora_hf llama2_70b_lora --preset llama2-70b perf.layout=manual model.base_precision=fp8 \
         --blocks 4,8 --steps 2 --warmup 1 --compare hf ;;
-    *) echo "unknown measurement $what (lora, lora-auto, llm, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf)" >&2; exit 2 ;;
+    gpt-oss-hf) bench gpt_oss_hf gpt_oss_20b --preset gpt-oss-20b-hf perf.compile=true --blocks 2,4 \
+        --steps 3 --warmup 2 --compare hf ;;
+    gpt-oss) bench gpt_oss gpt_oss_20b --preset gpt-oss-20b perf.compile=true --blocks 2,4 --steps 3 --warmup 2 ;;
+    *) echo "unknown measurement $what (lora, lora-auto, llm, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
+        "gpt-oss-hf, gpt-oss)" >&2; exit 2 ;;
     esac
 done

@@ -97,9 +97,20 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         else:
             _torchrun(run_cfg, run_dir, depth)
         raws[depth] = json.loads((run_dir / RAW.format(depth=depth)).read_text())
+        out.say(_depth_line(raws[depth], depth))
         if family is not None:
             _compare_at(bench, run_cfg, family, steps, warmup, device, peers, depth, out)
     return run_dir, raws, layers, depths, peers
+
+
+def _depth_line(raw: dict, depth: int | None, name: str = "ours") -> str:
+    """One measured depth's figures as they come in (the summary extrapolates once every depth is measured)."""
+    at = f" at {depth} blocks" if depth else ""
+    if "error" in raw:
+        return f"  {name}{at}: {raw['error']}"
+    step = raw["seconds"] / raw["steps"]
+    peak = f", peak {raw['peak_memory_gib']:.1f} GiB" if raw.get("peak_memory_gib") is not None else ""
+    return f"  {name}{at}: {step:.3f} s a step of {raw['samples_per_step']:g} samples{peak}"
 
 
 def bench_of(cfg: RunConfig) -> Benchmark:
@@ -190,6 +201,7 @@ def _compare_at(bench, cfg, family, steps, warmup, device, peers, depth, out) ->
         peers.setdefault(name, {})[depth] = compare_hf.measure(bench, cfg, family, compiled, steps, warmup,
                                                                torch.device(device, 0) if device == "cuda"
                                                                else torch.device("cpu"))  # fmt: skip
+        out.say(_depth_line(peers[name][depth], depth, name))
 
 
 def _torchrun(cfg: RunConfig, run_dir: Path, depth: int) -> None:

@@ -96,8 +96,8 @@ def build(family: str, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
 def _gpt_oss(transformers, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
     """transformers' GPT-OSS at our shape, always with its own block (sinks, biases, clamped SwiGLU; its rotary
     positions YaRN-scaled where ours are), the experts through its grouped GEMM and attention through FlexAttention
-    on a GPU (its fastest trainable kernels for the window and the sinks), eager on the CPU; its load-balancing loss
-    where ours has one."""
+    on a GPU (its fastest trainable kernels for the window and the sinks) with bf16 weights and AdamW state, eager on
+    the CPU; its load-balancing loss where ours has one."""
     m = cfg.model
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.yarn_factor != 1:
@@ -114,7 +114,9 @@ def _gpt_oss(transformers, cfg: RunConfig, device: torch.device) -> torch.nn.Mod
         output_router_logits=m.aux_loss_coeff > 0, attn_implementation="flex_attention" if cuda else "eager",
         experts_implementation="grouped_mm" if cuda else "eager",
     )  # fmt: skip
-    return transformers.GptOssForCausalLM(hf_cfg).to(device).train()
+    # bf16 weights on a GPU, as its users load it: its grouped GEMM takes bf16 only, and compiled with fp32 weights
+    # it falls back to a product per expert.
+    return transformers.GptOssForCausalLM(hf_cfg).to(device=device, dtype=torch.bfloat16 if cuda else None).train()
 
 
 def inputs(family: str, batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
