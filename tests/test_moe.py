@@ -68,3 +68,22 @@ def test_the_load_balancing_loss_is_one_when_balanced_and_grows_when_not():
     skewed = torch.zeros(4, 4)
     skewed[:, 0] = 5.0  # every token to expert 0, with most of the probability
     assert load_balancing_loss(skewed, 1).item() > 3.5
+
+
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("gpt_oss", True)])
+def test_rows_dispatched_and_combined_by_gathers_equal_indexing_and_index_add(activation, bias):
+    """The CUDA path's gathers (no atomic scatter either way) against the indexing and index_add_ the CPU takes:
+    the same output and the same gradients of the input, the router and the experts."""
+    shape = MoEShape(hidden=32, ffn=24, experts=6, top_k=3, activation=activation, bias=bias)
+    results = []
+    for gather in (False, True):
+        torch.manual_seed(2)
+        layer = MoE(shape).double()
+        _random(layer)
+        layer.gather_rows = gather
+        x = torch.randn(50, 32, dtype=torch.float64, requires_grad=True)
+        out, _ = layer(x)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
+        results.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)

@@ -71,6 +71,10 @@ class MoE(nn.Module):
         # FSDP's mean undoes for the other parameters but nothing undoes for these).
         self.ep_group: dist.ProcessGroup | None = None
         self.expert_grad_scale = 1.0
+        # How rows go to their experts and back: by gathers both ways (_Dispatch, _Combine: no atomic scatter in the
+        # forward or the backward), or by indexing and index_add_ (the CPU's, whose sums the golden runs keep).
+        # None: gathers on CUDA.
+        self.gather_rows: bool | None = None
         if s.bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(s.experts, 2 * s.ffn))
             self.down_proj_bias = nn.Parameter(torch.empty(s.experts, s.hidden))
@@ -147,7 +151,12 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # the (token, choice) pairs sorted by expert
         counts = torch.bincount(flat, minlength=self.shape.experts)
         token_of = order // self.shape.top_k
-        rows = tokens[token_of]
+        gather = tokens.is_cuda if self.gather_rows is None else self.gather_rows
+        if gather:
+            position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+            rows = _Dispatch.apply(tokens, token_of, position, self.shape.top_k)
+        else:
+            rows = tokens[token_of]
         if torch.is_autocast_enabled(rows.device.type):  # the grouped product is on no autocast list: cast here
             rows = rows.to(torch.get_autocast_dtype(rows.device.type))
         if self.ep_group is None:
@@ -156,8 +165,44 @@ class MoE(nn.Module):
         else:
             out = self._experts_parallel(rows, counts)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
-        combined = torch.zeros_like(tokens, dtype=out.dtype).index_add_(0, token_of, out)
+        if gather:
+            combined = _Combine.apply(out, position, token_of, self.shape.top_k)
+        else:
+            combined = torch.zeros_like(tokens, dtype=out.dtype).index_add_(0, token_of, out)
         return combined.to(x.dtype).reshape(shape), logits
+
+
+class _Dispatch(torch.autograd.Function):
+    """``tokens[token_of]``: each (token, choice) pair's row, in the experts' order. Its gradient is a gather too:
+    each pair's gradient read back at its ``position`` in that order and summed over the token's k choices, where
+    indexing's own backward scatters with atomic adds."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, token_of: torch.Tensor, position: torch.Tensor, top_k: int):
+        ctx.save_for_backward(position)
+        ctx.top_k = top_k
+        return tokens[token_of]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (position,) = ctx.saved_tensors
+        return grad[position].view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Each token's k weighted expert outputs (``out`` in the experts' order) summed: a gather at each pair's
+    ``position`` and a sum over the k choices; the gradient is each pair's token's gradient, gathered by
+    ``token_of``."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, position: torch.Tensor, token_of: torch.Tensor, top_k: int):
+        ctx.save_for_backward(token_of)
+        return out[position].view(-1, top_k, out.shape[-1]).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (token_of,) = ctx.saved_tensors
+        return grad[token_of], None, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):
