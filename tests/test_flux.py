@@ -134,9 +134,25 @@ def test_tiny_flux_reaches_its_target_with_a_compliant_log(flux_data, tmp_path):
     assert all(k in keys for k in DISCLOSURE_KEYS)
 
 
+def test_recomputed_blocks_train_the_losses_of_kept_ones(flux_data, tmp_path):
+    """perf.activation_checkpointing (each block's forward run again in its backward, placed block by block) changes
+    where the activations live, not the numbers."""
+    from tests.conftest import losses_and_evals, only_run_dir
+
+    common = ["run", "flux1", f"data.dir={flux_data}", "progress=false", "log_every_steps=1", "telemetry_hz=0",
+              "schedule.max_samples=128", "eval.every_samples=64", "eval_samples=64"]  # fmt: skip
+    runs = {"kept": [], "recomputed": ["perf.activation_checkpointing=true"]}
+    losses, evals = losses_and_evals(common, runs, tmp_path, "eval_loss")
+    assert len(losses["kept"]) == 4 and len(evals["kept"]) == 2
+    assert losses["kept"] == losses["recomputed"] and evals["kept"] == evals["recomputed"]
+    console = (only_run_dir(tmp_path / "recomputed") / "console.log").read_text()
+    assert "activation checkpointing on all 4 blocks" in console
+
+
 @pytest.mark.full
 def test_two_ranks_train_the_losses_of_one(flux_data, tmp_path):
-    """Each sample's timestep, noise, latent draw and empty-prompt draw depend on the seed and its place alone."""
+    """Each sample's timestep, noise, latent draw and empty-prompt draw depend on the seed and its place alone; two
+    ranks shard the model with FSDP2 (every block's parameters gathered as it runs, its gradients reduce-scattered)."""
     from tests.conftest import losses_and_evals
 
     common = ["run", "flux1", f"data.dir={flux_data}", "progress=false", "log_every_steps=1", "telemetry_hz=0",

@@ -27,8 +27,8 @@ from trainbench.data import flux_data
 from trainbench.data.steps import CycledSteps
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError, UserError
-from trainbench.models.data_parallel import place_data_parallel
 from trainbench.models.flux import Flux, FluxConfig, image_ids
+from trainbench.models.flux_parallel import place_flux
 from trainbench.optim.adamw import AdamClipped
 
 SHIFT, SCALE = 0.1159, 0.3611  # the reference's latent normalisation: (z - shift) x scale
@@ -88,9 +88,11 @@ class Flux1Benchmark(Benchmark):
         "schedule.poly_power": "its rate is constant after the warmup",
         "schedule.start_warmup_step": "its warmup starts at step 0",
         "schedule.end_lr": "its rate is constant after the warmup",
-        "perf.recompute_blocks": "it recomputes no blocks yet",
+        "perf.recompute_blocks": "perf.activation_checkpointing recomputes every block",
         "perf.offload_blocks": "it offloads no blocks",
-        "perf.activation_checkpointing": "its placement does not checkpoint yet",
+        "distributed.bucket_cap_mb": "several ranks shard it with FSDP2, which reduce-scatters per block",
+        "distributed.grad_reduce_dtype": "FSDP2 reduces its gradients in fp32",
+        "distributed.overlap_compiled": "several ranks compile it block by block, and FSDP2 overlaps its collectives",
     }  # fmt: skip
 
     # -- config ---------------------------------------------------------------------------------
@@ -111,6 +113,10 @@ class Flux1Benchmark(Benchmark):
             )
         if cfg.distributed.tp != 1:
             raise ConfigError("flux1 is data-parallel only: distributed.tp must be 1")
+        if cfg.perf.cuda_graphs and (cfg.distributed.world_size > 1 or cfg.perf.activation_checkpointing):
+            raise ConfigError("perf.cuda_graphs applies to flux1's model compiled whole on one rank; with several "
+                              "ranks or perf.activation_checkpointing it is compiled block by block, without "
+                              "them")  # fmt: skip
 
     def target_range(self, cfg: RunConfig) -> tuple[float, float]:
         return 0.0, 4.0
@@ -171,7 +177,7 @@ class Flux1Benchmark(Benchmark):
         return model
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        return place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip_norm=None)
+        return place_flux(model, info, cfg.distributed, cfg.perf, bf16)
 
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
         o = cfg.optimizer  # weight decay on every parameter, as the reference

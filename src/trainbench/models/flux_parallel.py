@@ -1,0 +1,76 @@
+"""Placement of flux1's MMDiT (:class:`~trainbench.models.flux.Flux`), applied from outside the model: the model's
+module keeps the architecture only, and its parameter names stay the reference's.
+
+- One rank, no checkpointing: the whole model compiled as one graph (:func:`place_data_parallel`).
+- Several ranks, or checkpointing: block by block, in the order FSDP2 expects: activation checkpointing
+  (``perf.activation_checkpointing``: each block's activations recomputed in its backward), then ``torch.compile``
+  per block, then FSDP2 (``fully_shard`` per block, then the whole) over all ranks, with bf16 parameters gathered
+  and fp32 gradients reduced on CUDA. The whole model's training state (about 190 GB at FLUX.1-schnell's shape)
+  then spreads over the ranks, and each block's parameters are whole only while it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from trainbench.config import DistributedConfig, PerfConfig
+from trainbench.distributed import DistInfo, Placed
+from trainbench.models.data_parallel import place_data_parallel
+from trainbench.models.flux import Flux
+
+
+def blocks_of(model: Flux) -> list[nn.Module]:
+    return [*model.double_blocks, *model.single_blocks]
+
+
+def _recomputed(forward, *args):
+    return checkpoint(forward, *args, use_reentrant=False)
+
+
+def checkpoint_blocks(model: Flux) -> None:
+    """Each block's activations recomputed in its backward: the block's own ``forward`` run under non-reentrant
+    checkpointing (an instance attribute, so the module and its parameter names are unchanged)."""
+    for block in blocks_of(model):
+        block.forward = functools.partial(_recomputed, block.forward)
+
+
+def by_blocks(info: DistInfo, perf: PerfConfig) -> bool:
+    """Whether the model is placed block by block (FSDP2 over several ranks, or checkpointing), not as one graph."""
+    return perf.activation_checkpointing or info.world_size > 1
+
+
+def place_flux(model: Flux, info: DistInfo, dist_cfg: DistributedConfig, perf: PerfConfig, bf16: bool) -> Placed:
+    """``model`` (on the CPU, initialised) placed on ``info``'s device as the module docstring says."""
+    if not by_blocks(info, perf):
+        return place_data_parallel(model, info, dist_cfg, perf, bucket_clip_norm=None)
+    notes = []
+    if perf.activation_checkpointing:
+        checkpoint_blocks(model)
+        notes.append(f"activation checkpointing on all {len(blocks_of(model))} blocks")
+    if perf.compile:
+        for block in blocks_of(model):
+            block.compile(dynamic=False)
+    comm = "fp32"
+    if info.world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
+        mixed = bf16 and info.device.type == "cuda"
+        kwargs = {"mesh": mesh} | (
+            {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
+        )
+        blocks = blocks_of(model)
+        for i, block in enumerate(blocks):
+            # The last block's parameters are needed at once by the backward: no point resharding them.
+            fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
+        fully_shard(model, **kwargs)
+        comm = "bfloat16" if mixed else "fp32"
+        notes.append(f"FSDP2 over {info.world_size} ranks, each block's parameters gathered as it runs "
+                     f"({'bf16' if mixed else 'fp32'} gathers, fp32 gradient reduction)")  # fmt: skip
+    module = model.to(info.device)
+    return Placed(module=module, model=module, notes=notes, comm_precision=comm)
