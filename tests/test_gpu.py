@@ -650,13 +650,14 @@ def test_gpt_oss_attention_through_flex_matches_the_dense_path_with_gradients_on
         assert torch.allclose(g, grads[1][name], rtol=1e-3, atol=1e-4), name
 
 
-def test_tiny_flux_reaches_its_target_on_cuda(tmp_path):
+@pytest.mark.parametrize("placement", [[], ["perf.compile=true", "perf.activation_checkpointing=true"]])
+def test_tiny_flux_reaches_its_target_on_cuda(tmp_path, placement):
     """flux1's tiny preset in bf16 on CUDA: the rectified-flow loss to 0.586, the log compliant but for the scaled-down
-    eval cadence."""
+    eval cadence; eager as one module, and compiled block by block with every block recomputed."""
     data = tmp_path / "data"
     assert run_cli("prepare", "flux1", "--synthetic", "--preset", "tiny", "--out", data) == 0
     code = run_cli("run", "flux1", "--preset", "tiny", f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}",
-                   "device=cuda", "progress=false")  # fmt: skip
+                   "device=cuda", "progress=false", *placement)  # fmt: skip
     assert code == 0
     summary = json.loads((only_run_dir(tmp_path / "r") / "summary.json").read_text())
     assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
