@@ -10,6 +10,8 @@
 #   perf/bench_figures.sh gpt-oss-hf  gpt_oss_20b with GPT-OSS's block and vocabulary, 2 and 4 blocks to 24, with
 #                                     transformers' GptOssForCausalLM beside (--compare hf)
 #   perf/bench_figures.sh gpt-oss     gpt_oss_20b with the reference's block, 2 and 4 blocks to 24
+#   perf/bench_figures.sh flux-hf     flux1's MMDiT, 2 and 4 blocks (2 + 4 and 4 + 8 double + single) to 19, with
+#                                     diffusers' FluxTransformer2DModel beside (--compare hf)
 # Run from the repository root with trainbench importable (pip install -e . or PYTHONPATH=src).
 set -euo pipefail
 OUT=${OUT:-/tmp/bench_out}
@@ -46,7 +48,9 @@ for what in "$@"; do
     gpt-oss-hf) bench gpt_oss_hf gpt_oss_20b --preset gpt-oss-20b-hf perf.compile=true --blocks 2,4 \
         --steps 3 --warmup 2 --compare hf ;;
     gpt-oss) bench gpt_oss gpt_oss_20b --preset gpt-oss-20b perf.compile=true --blocks 2,4 --steps 3 --warmup 2 ;;
+    flux-hf) bench flux_hf flux1 --preset flux1-schnell perf.compile=true --blocks 2,4 --steps 2 --warmup 2 \
+        --compare hf ;;
     *) echo "unknown measurement $what (lora, lora-auto, llm, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
-        "gpt-oss-hf, gpt-oss)" >&2; exit 2 ;;
+        "gpt-oss-hf, gpt-oss, flux-hf)" >&2; exit 2 ;;
     esac
 done

@@ -76,10 +76,34 @@ def test_truncated_depths_are_extrapolated_and_labelled_so(tmp_path, capsys):
         folder / "report.md").read_text()  # fmt: skip
 
 
+def test_flux_blocks_are_a_double_block_and_its_share_of_single_ones(tmp_path, monkeypatch):
+    """flux1 is truncated by double-stream blocks, each with single_blocks / double_blocks single-stream ones (1 in
+    the tiny preset, 2 at FLUX.1's 19 + 38), so its step time is extrapolated in a straight line to the model's
+    depth, and the MFU counts the whole model's FLOPs at that rate (a peak stood in for on the CPU)."""
+    from trainbench.benchmarks import get_benchmark
+    from trainbench.launch.local import load_run_config
+
+    monkeypatch.setattr("trainbench.report.bench_report.peak_tflops", lambda device: 1.0)
+    folder, result = measured("flux1", tmp_path / "r", "--blocks", "1,2", "--steps", "1", "--warmup", "0",
+                              "--profile-steps", "0")  # fmt: skip
+    assert result["figures"] == "extrapolated" and result["blocks_measured"] == [1, 2] and result["blocks"] == 2
+    one = load_run_config(folder / "config_1_blocks.yaml")[1].model
+    assert (one.double_blocks, one.single_blocks) == (1, 1) and not (folder / "config_2_blocks.yaml").exists()
+    bench = get_benchmark("flux1")
+    cfg = bench.config("tiny")
+    assert result["mfu"] == pytest.approx(bench.flops_per_sample(cfg) * result["samples_per_s"] / 1e12)
+    full = bench.config("flux1-schnell")
+    assert bench.depth(full) == 19
+    four = bench.truncated(full, 4).model
+    assert (four.double_blocks, four.single_blocks) == (4, 8)
+    assert bench.flops_per_sample(bench.truncated(full, 4)) * 19 / 4 == pytest.approx(bench.flops_per_sample(full))
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
         (["nope"], "unknown benchmark 'nope'"),
+        (["flux1", "--preset", "tiny", "--blocks", "1,2", "single_blocks=3"], "3 single-stream blocks are not a whole"),
         (["bert", "--preset", "huge"], "has no preset 'huge'"),
         (["bert", "--preset", "tiny", "--steps", "0"], "--steps must be at least 1"),
         (["llama31_8b", "--preset", "tiny", "--blocks", "1,9"], "the model has 2 blocks"),
@@ -129,6 +153,7 @@ def test_a_model_that_does_not_fit_is_one_sentence_naming_what_would(tmp_path, c
     [
         (["gpt3"], "transformers has no model of gpt3's architecture"),
         (["llama31_8b", "--nproc", "2"], "--compare hf runs in one process"),
+        (["flux1", "model.mlp_ratio=2"], "FluxTransformer2DModel fixes the MLP ratio at 4 and the RoPE base at 10000"),
     ],
 )
 def test_compare_hf_where_it_cannot_run_is_one_sentence(args, says, tmp_path, capsys):
@@ -137,14 +162,16 @@ def test_compare_hf_where_it_cannot_run_is_one_sentence(args, says, tmp_path, ca
     assert not (tmp_path / "r").exists()
 
 
-def test_compare_hf_without_transformers_installed_says_what_to_install(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(("benchmark", "missing"), [("llama2_70b_lora", "peft"), ("flux1", "diffusers")])
+def test_compare_hf_without_transformers_installed_says_what_to_install(benchmark, missing, tmp_path, capsys,
+                                                                        monkeypatch):  # fmt: skip
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
-    assert run_cli("bench", "llama2_70b_lora", "--preset", "tiny", "--compare", "hf",
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    assert run_cli("bench", benchmark, "--preset", "tiny", "--compare", "hf",
                    f"output.results_dir={tmp_path / 'r'}") == 2  # fmt: skip
-    assert "--compare hf needs peft: pip install peft" in capsys.readouterr().out
+    assert f"--compare hf needs {missing}: pip install {missing}" in capsys.readouterr().out
     assert not (tmp_path / "r").exists()
 
 
@@ -182,6 +209,59 @@ def test_compare_hf_times_transformers_gpt_oss_beside_our_mixture_of_experts(tmp
     assert ours == {n for n, _ in model.named_parameters()}  # the same parameters: the same work
     result = compare_hf.measure(bench, cfg, "moe", False, 1, 1, torch.device("cpu"))
     assert "error" not in result and result["seconds"] > 0 and result["samples_per_step"] == 32
+
+
+def test_compare_hf_times_diffusers_flux_transformer_beside_ours(tmp_path, capsys, monkeypatch):
+    """diffusers' FluxTransformer2DModel at flux1's shape, eager and compiled, on the same rows. Compiling it on 2 CPU
+    cores takes over a minute, so torch.compile hands back the model here: this checks what is built and timed, the
+    compiled figures are the GPU's (perf/bench_figures.sh flux-hf)."""
+    pytest.importorskip("diffusers", reason="diffusers is the optional extra trainbench[test]")
+    import torch
+
+    monkeypatch.setattr(torch, "compile", lambda model, *args, **kwargs: model)
+    _, result = measured("flux1", tmp_path / "r", "--compare", "hf", "--profile-steps", "0")
+    assert set(result["compare"]) == {"hf_eager", "hf_compiled"}
+    for peer in result["compare"].values():
+        assert "error" not in peer, peer
+        assert peer["tokens_per_s"] > 0 and peer["ours_over_it"] == pytest.approx(
+            peer["step_seconds"] / result["step_seconds"]
+        )
+    assert "measuring hf_compiled (flux)" in capsys.readouterr().out
+
+
+def test_diffusers_flux_peer_trains_on_the_same_loss_as_ours():
+    """On the same weights (mapped as tests/test_flux.py maps them) and the same micro-batch, the peer's loss and a
+    gradient are ours: both sides do the same work, from the latent's draw and the noising to the velocity's MSE."""
+    pytest.importorskip("diffusers", reason="diffusers is the optional extra trainbench[test]")
+    import torch
+    from test_flux import ours_from_diffusers
+
+    from trainbench.benchmarks import get_benchmark
+    from trainbench.train import compare_hf
+
+    bench = get_benchmark("flux1")
+    cfg = bench.config("tiny")
+    cpu = torch.device("cpu")
+    assert compare_hf.require(bench, cfg) == "flux"
+    torch.manual_seed(0)
+    theirs = compare_hf.build("flux", cfg, cpu)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(std=0.1)
+    ours = bench.build_model(cfg)
+    ours.load_state_dict(ours_from_diffusers(theirs, cfg.model))
+    batch = next(iter(next(iter(bench.bench_data(cfg, 0, 1).train))))
+    t = bench.to_device(batch, cpu)
+    mine = bench.loss(ours, t, bench.loss_weights(t))
+    peer = compare_hf.loss_of("flux", bench, theirs, batch, cpu)
+    nothing = bench.loss(lambda img, *rest: torch.zeros_like(img), t, bench.loss_weights(t))
+    assert peer.item() == pytest.approx(mine.item(), rel=1e-5)
+    assert abs(mine.item() - nothing.item()) > 0.1  # the model's prediction counts in the loss
+    mine.backward()
+    peer.backward()
+    a = ours.get_parameter("double_blocks.0.img_attn.proj.weight").grad
+    b = theirs.get_parameter("transformer_blocks.0.attn.to_out.0.weight").grad
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_our_rows_become_the_inputs_hf_trains_on_with_the_same_loss_positions():

@@ -14,7 +14,7 @@ SMALL = FluxConfig(in_channels=16, hidden_size=64, num_heads=2, double_blocks=2,
 
 def ours_from_diffusers(theirs: torch.nn.Module, cfg: FluxConfig) -> dict[str, torch.Tensor]:
     """diffusers' state dict in our names: q, k and v (and the single blocks' MLP input) in one projection, the final
-    modulation's halves as (shift, scale)."""
+    modulation's halves as (shift, scale). tests/test_bench.py maps the `--compare hf` peer's weights with it too."""
     t = theirs.state_dict()
     out = {
         "img_in.weight": t["x_embedder.weight"], "img_in.bias": t["x_embedder.bias"],

@@ -9,6 +9,7 @@ docs/extending.md says how to add a benchmark.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import math
 from abc import ABC, abstractmethod
@@ -298,6 +299,17 @@ class Benchmark(ABC):
         bench` trains on, through the same placement, step and eval as a run. ``eval`` holds one eval batch of this
         rank (the eval's time per sample is measured on it); ``eval_samples`` is the full eval set's size."""
         raise UserError(f"`trainbench bench` has no synthetic rows for {self.name} yet")
+
+    def depth(self, cfg: RunConfig) -> int | None:
+        """The model's depth in the blocks `trainbench bench --blocks` truncates it by (None: none to truncate). A
+        block is the unit the step time grows by in a straight line, so that a few truncated depths extrapolate to
+        the model's own: a decoder's layer by default."""
+        return getattr(cfg.model, "num_layers", None)
+
+    def truncated(self, cfg: RunConfig, depth: int) -> RunConfig:
+        """``cfg`` with its model cut to ``depth`` of :meth:`depth`'s blocks (UserError, one sentence, where it cannot
+        be cut that way)."""
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth))
 
     def tokens_per_sample(self, cfg: RunConfig) -> int:
         """Tokens one sample of the global batch counts (a row of the sequence length by default)."""

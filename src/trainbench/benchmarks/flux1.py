@@ -241,6 +241,21 @@ class Flux1Benchmark(Benchmark):
         return BenchmarkData(train=CycledSteps([train], d.global_batch_size, d.micro_batch_size, rank, world_size),
                              eval=[evals], train_samples=0, eval_samples=d.eval_samples or 29_696)  # fmt: skip
 
+    def depth(self, cfg: RunConfig) -> int | None:
+        """A block here is one double-stream block and its share of the single-stream ones (single_blocks /
+        double_blocks: 2 at FLUX.1's 19 + 38), so that each truncated depth keeps the model's mix of the two kinds
+        and the step time grows in a straight line to the model's own depth, the double blocks'."""
+        return cfg.model.double_blocks
+
+    def truncated(self, cfg: RunConfig, depth: int) -> RunConfig:
+        m = cfg.model
+        if not m.double_blocks or m.single_blocks % m.double_blocks:
+            raise UserError(f"--blocks: flux1's {m.single_blocks} single-stream blocks are not a whole multiple of its "
+                            f"{m.double_blocks} double-stream blocks, so no truncated depth keeps their mix and the "
+                            "figures could not be extrapolated in a straight line")  # fmt: skip
+        ratio = m.single_blocks // m.double_blocks
+        return dataclasses.replace(cfg, model=dataclasses.replace(m, double_blocks=depth, single_blocks=depth * ratio))
+
     def tokens_per_sample(self, cfg: RunConfig) -> int:
         return cfg.model.text_tokens + (cfg.model.latent_size // 2) ** 2
 

@@ -52,16 +52,19 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         raise UserError(f"--profile-steps must be 0 or more, got {profile_steps}")
     if cfg.resume:
         raise ConfigError("resume=true does not apply to trainbench bench: a measurement starts afresh")
-    layers = getattr(cfg.model, "num_layers", None)
+    layers = bench.depth(cfg)
     depths = parse_blocks(blocks, layers) if layers is not None else None
     if blocks is not None and layers is None:
         raise UserError(f"--blocks: {bench.name}'s model has no blocks to truncate")
+    if depths:
+        bench.truncated(cfg, depths[0])  # a model that cannot be cut to these depths stops before any folder
     family = None
     if compare is not None:
         from trainbench.train import compare_hf
 
         if compare != "hf":
-            raise UserError(f"--compare {compare}: the one peer trainbench measures is hf (transformers, peft)")
+            raise UserError(f"--compare {compare}: the one peer trainbench measures is hf (transformers, peft, "
+                            "diffusers)")  # fmt: skip
         if system is not None:
             raise UserError("--compare hf runs in this process: drop --system")
         family = compare_hf.require(bench, cfg)
@@ -129,18 +132,19 @@ def _request(run_dir: Path, steps: int, warmup: int, depth: int | None, profile_
 def _truncated(cfg: RunConfig, depth: int | None, layers: int | None, run_dir: Path, unplanned: RunConfig | None = None,
                out: RunConsole | None = None) -> RunConfig:  # fmt: skip
     """The config measured at ``depth`` blocks, saved beside the folder's own where it is not the model's depth; under
-    perf.layout=auto planned again for that depth (from ``unplanned``, the config before the model's plan)."""
+    perf.layout=auto planned again for that depth (from ``unplanned``, the config before the model's plan). The
+    benchmark says what a block is (:meth:`~trainbench.benchmarks.base.Benchmark.truncated`)."""
     if depth == layers:
         return cfg
+    bench = bench_of(cfg)
     if unplanned is not None and unplanned.perf.layout == "auto" and out is not None:
         from trainbench.launch.plan import planned
 
-        shallow = dataclasses.replace(unplanned, model=dataclasses.replace(unplanned.model, num_layers=depth))
-        truncated, lines = planned(bench_of(cfg), shallow, out.say)
+        truncated, lines = planned(bench, bench.truncated(unplanned, depth), out.say)
         for line in lines[:1]:
             out.say(f"at {depth} blocks: {line}")
     else:
-        truncated = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth))
+        truncated = bench.truncated(cfg, depth)
     save_config(truncated, run_dir / f"config_{depth}_blocks.yaml")
     return truncated
 

@@ -112,7 +112,7 @@ def _steps_or_why_not(cfg, bench, run, info, autocast, steps, warmup, profile_st
         gib = torch.cuda.get_device_properties(info.device).total_memory / 2**30
         held = torch.cuda.memory_allocated(info.device) / 2**30
         account = memory_account(info.device, run_dir, "oom") if snapshot else ""
-        layers = getattr(cfg.model, "num_layers", None)
+        layers = bench.depth(cfg)
         at = f" at {layers} blocks" if layers else ""
         raise UserError(f"{bench.name}/{cfg.preset} does not fit in this GPU's {gib:.0f} GiB{at} ({held:.1f} GiB "
                         f"held when an allocation failed{account}); measure fewer blocks (--blocks 2,4), recompute or "
@@ -161,14 +161,15 @@ def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, profi
         seconds, stop_ms = time.perf_counter() - start, time.time() * 1000
         if profile_steps:
             out.say(f"  profiling {profile_steps} more steps")
-            profile = _profiled(lambda k: one(warmup + steps + k, next(it)), profile_steps, run_dir, info, cfg)
+            profile = _profiled(lambda k: one(warmup + steps + k, next(it)), profile_steps, run_dir, info,
+                                bench.depth(cfg))  # fmt: skip
     finally:
         batches.close()
     loss = float(all_reduce_sum(totals.loss_sum.clone(), info)) / (warmup + steps + profile_steps)
     return Timed(seconds, start_ms, stop_ms, samples, loss, profile)
 
 
-def _profiled(step, steps: int, run_dir: Path, info: DistInfo, cfg: RunConfig) -> dict | None:
+def _profiled(step, steps: int, run_dir: Path, info: DistInfo, blocks: int | None) -> dict | None:
     """``steps`` steps under torch.profiler (after the timed ones, so the timing never pays for it). Rank 0 keeps the
     trace (``profile_<blocks>_trace.json``) and returns a step's split (compute, exposed communication, idle: see
     :func:`~trainbench.train.profiling.timeline`) and its GPU time by kind of kernel."""
@@ -185,8 +186,7 @@ def _profiled(step, steps: int, run_dir: Path, info: DistInfo, cfg: RunConfig) -
         _sync(info)
     if not info.is_main:
         return None
-    layers = getattr(cfg.model, "num_layers", None)
-    trace = run_dir / f"profile_{layers if layers is not None else 'model'}_trace.json"
+    trace = run_dir / f"profile_{blocks if blocks is not None else 'model'}_trace.json"
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())
     return {"steps": steps, "trace": trace.name, "split": timeline(events, steps)} | kernels_by_kind(events, steps)

@@ -1,8 +1,8 @@
 """What users would run instead, timed the way `trainbench bench` times ours (``--compare hf``): HF `transformers`
 (`LlamaForCausalLM`, `GptOssForCausalLM`, `BertForPreTraining`), with `peft`'s LoRA for the fine-tuning benchmark,
-built from the same config at the same depth, fed the same rows cut into the same micro-batches, trained with AdamW
-under bf16 autocast and the same gradient clip, eager and compiled. One process only; transformers and peft are
-optional."""
+and `diffusers`' `FluxTransformer2DModel` for FLUX.1's MMDiT, built from the same config at the same depth, fed the
+same rows cut into the same micro-batches, trained with AdamW under bf16 autocast and the same gradient clip, eager
+and compiled. One process only; transformers, peft and diffusers are optional."""
 
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ IGNORE = -100
 
 def hf_family(bench: Benchmark, cfg: RunConfig) -> str | None:
     """Which HF model stands beside ours: decoder (a llama-architecture decoder), decoder_lora, moe (GPT-OSS),
-    encoder (BERT); None for none."""
+    encoder (BERT), flux (FLUX.1's MMDiT, in diffusers); None for none."""
     model = cfg.model
+    if hasattr(model, "double_blocks"):
+        return "flux"
     if hasattr(model, "num_experts"):
         return "moe"
     if hasattr(model, "lora_rank"):
@@ -41,7 +43,12 @@ def require(bench: Benchmark, cfg: RunConfig) -> str:
     family = hf_family(bench, cfg)
     if family is None:
         raise UserError(f"--compare hf: transformers has no model of {bench.name}'s architecture to compare with")
-    needed = ["transformers"] + (["peft"] if family == "decoder_lora" else [])
+    m = cfg.model
+    if family == "flux" and (m.mlp_ratio != 4 or m.rope_theta != 10000):
+        raise UserError(f"--compare hf: diffusers' FluxTransformer2DModel fixes the MLP ratio at 4 and the RoPE base "
+                        f"at 10000, not model.mlp_ratio={m.mlp_ratio:g} and "
+                        f"model.rope_theta={m.rope_theta:g}")  # fmt: skip
+    needed = ["diffusers"] if family == "flux" else ["transformers"] + (["peft"] if family == "decoder_lora" else [])
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         raise UserError(f"--compare hf needs {' and '.join(missing)}: pip install {' '.join(missing)} "
@@ -52,9 +59,18 @@ def require(bench: Benchmark, cfg: RunConfig) -> str:
 
 
 def build(family: str, cfg: RunConfig, device: torch.device) -> torch.nn.Module:
+    m = cfg.model
+    if family == "flux":
+        import diffusers
+
+        # Weights in fp32 under bf16 autocast, as ours and as diffusers' training scripts with mixed precision bf16.
+        return diffusers.FluxTransformer2DModel(
+            patch_size=1, in_channels=m.in_channels, num_layers=m.double_blocks, num_single_layers=m.single_blocks,
+            attention_head_dim=m.head_dim, num_attention_heads=m.num_heads, joint_attention_dim=m.context_dim,
+            pooled_projection_dim=m.vector_dim, guidance_embeds=False, axes_dims_rope=m.axes_dim,
+        ).to(device).train()  # fmt: skip
     import transformers
 
-    m = cfg.model
     if family == "encoder":
         hf_cfg = transformers.BertConfig(
             vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
@@ -140,6 +156,21 @@ def inputs(family: str, batch: dict[str, np.ndarray], device: torch.device) -> d
     return {"input_ids": tokens, "labels": labels}
 
 
+def loss_of(family: str, bench: Benchmark, called, batch: dict[str, np.ndarray], device: torch.device) -> torch.Tensor:
+    """The micro-batch's mean loss on the peer ``called``: HF's own loss from its labels, or for diffusers' MMDiT
+    (which has none) the benchmark's own loss, its rectified flow drawn from the same batch, with diffusers called in
+    place of ours (it scales the timestep by 1000 itself, as ours does)."""
+    if family != "flux":
+        return called(**inputs(family, batch, device)).loss
+
+    def as_ours(img, txt, vec, t, img_ids, txt_ids):  # our model's call, made on diffusers'
+        return called(hidden_states=img, encoder_hidden_states=txt, pooled_projections=vec, timestep=t,
+                      img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]  # fmt: skip
+
+    t = bench.to_device(batch, device)
+    return bench.loss(as_ours, t, bench.loss_weights(t))
+
+
 def _adamw(model: torch.nn.Module, cfg: RunConfig, device: torch.device):
     """The trainable parameters and the AdamW HF users train them with, at our optimizer's settings."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -176,7 +207,7 @@ def measure(bench: Benchmark, cfg: RunConfig, family: str, compiled: bool, steps
             samples = micro.samples
             for batch in micro:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                    loss = called(**inputs(family, batch, device)).loss / len(micro)
+                    loss = loss_of(family, bench, called, batch, device) / len(micro)
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)
             opt.step()
