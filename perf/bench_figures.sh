@@ -11,7 +11,8 @@
 #                                     transformers' GptOssForCausalLM beside (--compare hf)
 #   perf/bench_figures.sh gpt-oss     gpt_oss_20b with the reference's block, 2 and 4 blocks to 24
 #   perf/bench_figures.sh flux-hf     flux1's MMDiT, 2 and 4 blocks (2 + 4 and 4 + 8 double + single) to 19, with
-#                                     diffusers' FluxTransformer2DModel beside (--compare hf)
+#                                     diffusers' FluxTransformer2DModel beside (--compare hf); a step of 64
+#                                     samples (16 micro-batches), not the preset's 512, to keep the call short
 # Run from the repository root with trainbench importable (pip install -e . or PYTHONPATH=src).
 set -euo pipefail
 OUT=${OUT:-/tmp/bench_out}
@@ -48,8 +49,8 @@ for what in "$@"; do
     gpt-oss-hf) bench gpt_oss_hf gpt_oss_20b --preset gpt-oss-20b-hf perf.compile=true --blocks 2,4 \
         --steps 3 --warmup 2 --compare hf ;;
     gpt-oss) bench gpt_oss gpt_oss_20b --preset gpt-oss-20b perf.compile=true --blocks 2,4 --steps 3 --warmup 2 ;;
-    flux-hf) bench flux_hf flux1 --preset flux1-schnell perf.compile=true --blocks 2,4 --steps 2 --warmup 2 \
-        --compare hf ;;
+    flux-hf) bench flux_hf flux1 --preset flux1-schnell perf.compile=true --blocks 2,4 data.global_batch_size=64 \
+        --steps 3 --warmup 2 --compare hf ;;
     *) echo "unknown measurement $what (lora, lora-auto, llm, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
         "gpt-oss-hf, gpt-oss, flux-hf)" >&2; exit 2 ;;
     esac
