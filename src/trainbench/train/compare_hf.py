@@ -180,6 +180,19 @@ def _adamw(model: torch.nn.Module, cfg: RunConfig, device: torch.device):
     return params, opt
 
 
+def _kernels(family: str):
+    """The attention kernels the peer may use: for diffusers' FLUX all of SDPA's but cuDNN's, whose backward fails on
+    its layout at FLUX.1's shape with torch 2.11 on an H200 (an illegal memory access); flash attention then serves
+    it. Every kernel for the others."""
+    import contextlib
+
+    if family != "flux":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def measure(bench: Benchmark, cfg: RunConfig, family: str, compiled: bool, steps: int, warmup: int,
             device: torch.device) -> dict[str, Any]:  # fmt: skip
     """HF's seconds for ``steps`` optimizer steps of the global batch after ``warmup``; an out-of-memory is recorded
@@ -206,9 +219,10 @@ def measure(bench: Benchmark, cfg: RunConfig, family: str, compiled: bool, steps
             micro = next(source)
             samples = micro.samples
             for batch in micro:
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                    loss = loss_of(family, bench, called, batch, device) / len(micro)
-                loss.backward()
+                with _kernels(family):
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                        loss = loss_of(family, bench, called, batch, device) / len(micro)
+                    loss.backward()
             torch.nn.utils.clip_grad_norm_(params, o.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
