@@ -35,6 +35,23 @@ def test_the_model_counts_every_gib_and_charges_copies_only_beyond_the_forward_t
     assert inputs.account["40 recomputed blocks' inputs"] == 0 and inputs.host_bytes == 40 * P70.input_bytes
 
 
+def test_the_copies_are_charged_at_the_rate_measured_while_the_gpu_computes():
+    """Where the probe measured the link while a step ran, the plan counts on that rate: 34 blocks out during a
+    0.96 s forward fit at the idle 52 GB/s, not at 30 GB/s; one H100 then offloads fewer blocks and recomputes more."""
+    from trainbench.launch.plan import block_probe
+
+    busy = dataclasses.replace(P70, to_host_busy_bytes_s=30e9, to_gpu_busy_bytes_s=30e9)
+    assert busy.rates() == (30e9, 30e9) and P70.rates() == (52e9, 50e9)
+    assert evaluate(80, busy, 0, 34, False).stall_s == pytest.approx(34 * P70.kept_bytes / 30e9 - 0.96)
+    idle_plan, _ = best(80, P70, H100, {})
+    busy_plan, _ = best(80, busy, H100, {})
+    assert busy_plan.offload < idle_plan.offload and busy_plan.recompute > idle_plan.recompute
+    assert busy_plan.seconds > idle_plan.seconds
+    # a probe saved before the busy rates were measured reads with the idle ones standing
+    older = {k: v for k, v in dataclasses.asdict(P70).items() if "busy" not in k}
+    assert block_probe(older) == P70
+
+
 def test_one_h100_offloads_what_the_link_carries_and_recomputes_the_rest_with_inputs_on_the_host():
     plan, _ = best(80, P70, H100, {})
     assert plan is not None and plan.gpu_bytes <= 0.97 * H100.gpu_bytes

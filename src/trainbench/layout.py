@@ -12,7 +12,8 @@ only its input, which can wait in host memory too). With ``L`` blocks of which `
              + in-flight copies + the step's working set + a margin
 
 where the copies stall the step only where their bytes take longer over the host link than the forward (out) or the
-backward (back) they overlap. The search tries every (R, O, inputs offloaded) that fits the GPU and the host, keeps
+backward (back) they overlap, at the link's rates measured while a step runs (the copies share the GPU's memory with
+the compute). The search tries every (R, O, inputs offloaded) that fits the GPU and the host, keeps
 what was given by hand, and takes the fastest. Several GPUs each hold a replica of the base where it fits; a sharded
 base is the alternative the plan names where it does not.
 """
@@ -59,8 +60,15 @@ class BlockProbe:
     forward_s: float  # one block's forward, per micro-batch
     backward_s: float  # one block's backward (not recomputing), per micro-batch
     head_s: float  # the rest of a micro-batch's step: embedding, output layer and loss, optimizer share
-    to_host_bytes_s: float  # pinned copy rate, GPU to host
-    to_gpu_bytes_s: float  # pinned copy rate, host to GPU
+    to_host_bytes_s: float  # pinned copy rate, GPU to host, the GPU idle
+    to_gpu_bytes_s: float  # pinned copy rate, host to GPU, the GPU idle
+    # The same while a training step runs, as the offload's copies do (None: not measured, the idle rates stand)
+    to_host_busy_bytes_s: float | None = None
+    to_gpu_busy_bytes_s: float | None = None
+
+    def rates(self) -> tuple[float, float]:
+        """The copy rates a plan can count on, to the host and back: those measured while the GPU computes."""
+        return self.to_host_busy_bytes_s or self.to_host_bytes_s, self.to_gpu_busy_bytes_s or self.to_gpu_bytes_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +108,8 @@ def evaluate(layers: int, p: BlockProbe, recompute: int, offload: int, inputs: b
     to_host = offload * p.kept_bytes + (recompute * p.input_bytes if inputs else 0)
     forward = layers * p.forward_s
     backward = layers * p.backward_s + recompute * p.forward_s
-    stall = max(0.0, to_host / p.to_host_bytes_s - forward) + max(0.0, to_host / p.to_gpu_bytes_s - backward)
+    out_rate, back_rate = p.rates()
+    stall = max(0.0, to_host / out_rate - forward) + max(0.0, to_host / back_rate - backward)
     seconds = p.head_s + forward + backward + stall
     return Plan(recompute, offload, inputs, sum(account.values()), to_host, seconds, account, stall)
 

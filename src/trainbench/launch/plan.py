@@ -46,7 +46,7 @@ def probe(bench: Benchmark, cfg: RunConfig, here: bool, say) -> dict:
 
 
 def block_probe(data: dict) -> BlockProbe:
-    return BlockProbe(**{f.name: data[f.name] for f in dataclasses.fields(BlockProbe)})
+    return BlockProbe(**{f.name: data[f.name] for f in dataclasses.fields(BlockProbe) if f.name in data})
 
 
 def resources(cfg: RunConfig, data: dict, here: bool) -> Resources:

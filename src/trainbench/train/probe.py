@@ -1,8 +1,9 @@
 """The probe behind ``perf.layout=auto``: two blocks of the run's model, built and placed by the run's own code
 (``build_run``) at the run's width and sequence length, one micro-batch a step, on this GPU; it measures what
 layout.BlockProbe holds (a block's saved bytes, its forward and backward time, the weights, the working set) and the
-pinned copy rates to and from the host. Run in a process of its own (``python -m trainbench.launch.plan CONFIG OUT``),
-so the launcher never holds a CUDA context; its answer is cached per GPU model, software versions and shape."""
+pinned copy rates to and from the host, with the GPU idle and while a training step runs. Run in a process of its own
+(``python -m trainbench.launch.plan CONFIG OUT``), so the launcher never holds a CUDA context; its answer is cached per
+GPU model, software versions and shape."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 PROBE_BLOCKS = 2  # block 1 is measured: its input comes from block 0, so it requires grad as every later one does
+# What a probe measures: a cached probe of an older format is measured again (2: copy rates while a step runs).
+PROBE_FORMAT = 2
 
 
 def cache_dir() -> Path:
@@ -34,8 +37,9 @@ def probe_key(cfg) -> str:
     m = dataclasses.asdict(cfg.model)
     m.pop("num_layers", None)
     m.pop("base_weights", None)
-    shape = {"benchmark": cfg.benchmark, "model": m, "seq": cfg.data.seq_length, "micro": cfg.data.micro_batch_size,
-             "compile": cfg.perf.compile, "torch": torch.__version__, "trainbench": trainbench.__version__}  # fmt: skip
+    shape = {"format": PROBE_FORMAT, "benchmark": cfg.benchmark, "model": m, "seq": cfg.data.seq_length,
+             "micro": cfg.data.micro_batch_size, "compile": cfg.perf.compile, "torch": torch.__version__,
+             "trainbench": trainbench.__version__}  # fmt: skip
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -109,6 +113,32 @@ def link_rates(gib: int = 1, reps: int = 3) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
+def busy_link_rates(step, step_s: float, to_host: float, to_gpu: float) -> tuple[float, float]:
+    """Pinned copy rates (bytes/s) while the GPU computes, as an offloaded step's copies run: one copy each way on a
+    side stream of its own, both queued just before a training step (``step()``), each of as many bytes as half the
+    step (``step_s``) carries at the idle rates ``to_host`` and ``to_gpu``, so that it ends inside the step unless the
+    compute slows it; timed by events on its own stream."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    sizes = [max(64 << 20, min(2 << 30, int(0.5 * step_s * rate))) for rate in (to_host, to_gpu)]
+    pairs = [(torch.empty(sizes[0], dtype=torch.uint8, device=device), torch.empty(sizes[0], dtype=torch.uint8,
+                                                                                   pin_memory=True)),
+             (torch.empty(sizes[1], dtype=torch.uint8, pin_memory=True), torch.empty(sizes[1], dtype=torch.uint8,
+                                                                                     device=device))]  # fmt: skip
+    torch.cuda.synchronize(device)
+    marks = []
+    for src, dst in pairs:
+        stream = torch.cuda.Stream(device)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            stop.record(stream)
+        marks.append((start, stop))
+    step()
+    torch.cuda.synchronize(device)
+    return tuple(n / (start.elapsed_time(stop) / 1e3) for n, (start, stop) in zip(sizes, marks, strict=True))
+
+
 class _BlockMarks:
     """CUDA events and memory counts around one block: its forward (pre- and post-hooks) and its backward (the
     gradient reaching its output, then its input)."""
@@ -141,14 +171,23 @@ class _BlockMarks:
             h.remove()
 
 
-def _timed_steps(run, bench, pcfg, info, marks: _BlockMarks) -> dict[str, float]:
-    """Four steps (compile, settle, two measured); the faster measured one's times and memory."""
+def _stepper(run, bench, pcfg, info):
+    """One training step of the probe's model a call (the i-th's learning rate)."""
     from trainbench.train.step import StepTotals, train_step
 
-    device = info.device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.bf16)
     steps = iter(run.data.train)
     run.placed.model.train()
+
+    def step(i: int) -> None:
+        train_step(bench, run.placed, run.optimizer, next(steps), bench.lr_at(pcfg, i), info, autocast,
+                   StepTotals(info.device))  # fmt: skip
+
+    return step
+
+
+def _timed_steps(step, device: torch.device, marks: _BlockMarks) -> dict[str, float]:
+    """Four steps (compile, settle, two measured); the faster measured one's times and memory."""
     times = []
     for i in range(4):
         torch.cuda.synchronize(device)
@@ -156,8 +195,7 @@ def _timed_steps(run, bench, pcfg, info, marks: _BlockMarks) -> dict[str, float]
             torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         t = time.perf_counter()
-        train_step(bench, run.placed, run.optimizer, next(steps), bench.lr_at(pcfg, i), info, autocast,
-                   StepTotals(device))  # fmt: skip
+        step(i)
         torch.cuda.synchronize(device)
         if i >= 2:
             times.append({"step_s": time.perf_counter() - t, "forward_s": marks.seconds("forward_start", "forward_end"),
@@ -184,10 +222,12 @@ def measure(cfg, bench) -> dict[str, Any]:
     block_weights = _storages(block)
     trainable = sum(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad)
     marks = _BlockMarks(block, device)
+    step = _stepper(run, bench, pcfg, info)
     try:
-        last = _timed_steps(run, bench, pcfg, info, marks)
+        last = _timed_steps(step, device, marks)
     finally:
         marks.remove()
+    to_host_busy, to_gpu_busy = busy_link_rates(lambda: step(4), last["step_s"], to_host, to_gpu)
     optimizer = last["base"] - weights  # the optimizer's state, made by the first step (gradients are freed after)
     return {
         "gpu_name": torch.cuda.get_device_name(device),
@@ -207,6 +247,8 @@ def measure(cfg, bench) -> dict[str, Any]:
         "head_s": max(0.0, last["step_s"] - PROBE_BLOCKS * (last["forward_s"] + last["backward_s"])),
         "to_host_bytes_s": to_host,
         "to_gpu_bytes_s": to_gpu,
+        "to_host_busy_bytes_s": to_host_busy,
+        "to_gpu_busy_bytes_s": to_gpu_busy,
         "seq": cfg.data.seq_length,
         "micro_batch": cfg.data.micro_batch_size,
         "torch": torch.__version__,
