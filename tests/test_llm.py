@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import struct
@@ -270,3 +271,66 @@ def test_fsdp_times_tensor_parallel_on_four_ranks_gives_the_loss_of_one(tmp_path
     got = json.loads(out.read_text())
     # fp32 sums in another order across 4 ranks: equal to a relative 1e-5
     assert ref[0] > ref[-1] and max(abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
+
+
+def _fp8_fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The tiny decoder in FP8 placed by the run's own code on 2 gloo ranks (FP8's GPU check stood in for: FP8
+    matrix products need CUDA, the sharding and the scales do not); rank 0 writes what it found."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from trainbench.benchmarks.llm import TINY_MODEL
+    from trainbench.distributed import DistInfo
+    from trainbench.models import fp8
+    from trainbench.models.decoder import DecoderLM
+    from trainbench.models.decoder_parallel import place_decoder
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    fp8.min_capability = lambda device: None
+    cfg = dataclasses.replace(TINY_MODEL, precision="fp8")
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    placed = place_decoder(model, cfg, info, 1, True, False, False, 0)
+    linears = [m for m in placed.module.modules() if type(m).__name__ == "Float8Linear"]
+    locals_ = [m.weight._local_tensor if isinstance(m.weight, DTensor) else m.weight for m in linears]
+    before = [getattr(t, "_precomputed_scale", None) for t in locals_]
+    placed.after_step()
+    scales = [float(t._precomputed_scale) for t in locals_]
+    # the scale each rank computed from all ranks' shards: FP8's largest value over the whole weight's amax
+    whole = [float(torch.finfo(torch.float8_e4m3fn).max / m.weight.full_tensor().detach().abs().max()) for m in linears]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, scales)
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            "linears": len(linears), "gather_in_fp8": all(m.config.enable_fsdp_float8_all_gather for m in linears),
+            "local_types": sorted({type(t).__name__ for t in locals_}), "before": before, "scales": gathered,
+            "whole": whole, "comm": placed.comm_precision, "notes": placed.notes}))  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.full
+def test_fp8_blocks_under_fsdp2_gather_in_fp8_with_scales_from_every_shard(tmp_path):
+    """llama31_8b's sharded FP8 path as the run places it: torchao's FP8 all-gather on every block's linear layer, and
+    after each optimizer step one scale a weight computed over all ranks' shards, the same on every rank."""
+    import socket
+
+    import torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "fp8.json"
+    torch.multiprocessing.spawn(_fp8_fsdp_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    got = json.loads(out.read_text())
+    assert got["linears"] == 2 * 7 and got["gather_in_fp8"], got  # q, k, v, o, gate, up, down of each of 2 blocks
+    assert got["local_types"] == ["WeightWithDynamicFloat8CastTensor"] and got["before"] == [None] * got["linears"]
+    assert got["scales"][0] == got["scales"][1]
+    assert got["scales"][0] == pytest.approx(got["whole"], rel=1e-6)
+    assert got["comm"] == "fp8" and any("gathers their weights in FP8" in n for n in got["notes"])

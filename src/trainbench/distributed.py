@@ -170,7 +170,8 @@ class Placed:
     graphs, and each micro-batch must tell it that the previous replay's outputs are used up. ``notes``: lines for
     the run's console on what placement chose. ``comm_precision``: the lowest precision its collectives carry, in
     MLPerf's names (``bfloat16`` where FSDP gathers bf16 parameters or DDP reduces bf16 gradients), ``fp32``
-    otherwise and on one rank."""
+    otherwise and on one rank. ``after_step``: run after every optimizer step (FP8 weights gathered in FP8: their
+    scales for the next step's gathers)."""
 
     module: torch.nn.Module
     model: Callable
@@ -178,3 +179,4 @@ class Placed:
     mark_cuda_graph_steps: bool = False
     notes: list[str] = field(default_factory=list)
     comm_precision: str = "fp32"
+    after_step: Callable[[], None] | None = None

@@ -60,10 +60,12 @@ def apply_tp(model: DecoderLM, mesh: DeviceMesh) -> None:
         parallelize_module(block, mesh, plan)
 
 
-def sharded_comm_precision(world: int, bf16: bool) -> str:
-    """What :func:`apply_fsdp`'s collectives carry: bf16 parameters gathered (gradients reduced in fp32) under
-    ``bf16``; fp32 otherwise and on one rank."""
-    return "bfloat16" if world > 1 and bf16 else "fp32"
+def sharded_comm_precision(world: int, bf16: bool, fp8: bool = False) -> str:
+    """What :func:`apply_fsdp`'s collectives carry: the blocks' FP8 weights gathered in FP8 under ``fp8``, bf16
+    parameters gathered (gradients reduced in fp32) under ``bf16``; fp32 otherwise and on one rank."""
+    if world == 1:
+        return "fp32"
+    return "fp8" if fp8 else "bfloat16" if bf16 else "fp32"
 
 
 def apply_expert_parallel(model: DecoderLM, device_type: str, ep: int, world: int) -> set[nn.Parameter]:
@@ -141,7 +143,7 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
         from trainbench.models import fp8
 
         fp8.min_capability(device)
-        fp8.train_blocks_in_fp8(model)
+        fp8.train_blocks_in_fp8(model, sharded=world > 1)
     wrap_blocks(model, checkpointing, compile_blocks)
     use_flex_for_packed_rows(model, device, compile_blocks)
     if world > 1:
@@ -175,11 +177,15 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
     mixed = bf16 and info.device.type == "cuda"
     placed = parallelize(model, info.device, info.world_size, tp, mixed, checkpointing, compile_blocks, full, seed,
                          ep=ep)  # fmt: skip
-    out = Placed(module=placed, model=placed, comm_precision=sharded_comm_precision(info.world_size, mixed))
-    if cfg.precision == "fp8":
-        from trainbench.models.fp8 import TRAINING_RECIPE
+    fp8 = cfg.precision == "fp8"
+    out = Placed(module=placed, model=placed, comm_precision=sharded_comm_precision(info.world_size, mixed, fp8))
+    if fp8:
+        from trainbench.models.fp8 import TRAINING_RECIPE, precompute_scales
 
         n = sum(type(m).__name__ == "Float8Linear" for m in placed.modules())
         out.notes.append(f"{n} linear layers of the blocks train in FP8 (torchao's float8 training, {TRAINING_RECIPE} "
                          "scales); the output layer and the embedding as before")  # fmt: skip
+        if info.world_size > 1:
+            out.after_step = precompute_scales(placed)
+            out.notes.append("FSDP2 gathers their weights in FP8, the scales computed once a step after the optimizer")
     return out

@@ -14,6 +14,9 @@ stored, another kernel.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -212,10 +215,12 @@ def min_capability(device: torch.device) -> None:
                           f"Blackwell); {name} has {major}.{minor}")  # fmt: skip
 
 
-def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE) -> int:
+def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE, sharded: bool = False) -> int:
     """Swap every linear layer inside the blocks (``model.layers.*``) for torchao's ``Float8Linear``, on any device
     (the meta device included: before sharding and compilation, as torchao expects); the output layer and the
-    embedding stay as they are. Parameter names do not change. Returns how many layers were swapped."""
+    embedding stay as they are. Parameter names do not change. ``sharded``: FSDP2 will shard the weights, and
+    gathers each in FP8 with its scale (half the bytes of a bf16 gather), the scales computed once a step after the
+    optimizer (:func:`precompute_scales`). Returns how many layers were swapped."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
@@ -226,5 +231,16 @@ def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE) -> int:
         return (name.startswith("model.layers.") and isinstance(module, nn.Linear)
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)  # fmt: skip
 
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=chosen)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if sharded:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=chosen)
     return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
+def precompute_scales(model: nn.Module) -> Callable[[], None]:
+    """What runs after each optimizer step of a model whose FP8 weights FSDP2 gathers in FP8: every weight's scale from
+    its amax over all ranks' shards, in one all-reduce, so that the next step's gathers need none of their own."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    return lambda: precompute_float8_dynamic_scale_for_fsdp(model)
