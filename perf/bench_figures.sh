@@ -13,12 +13,22 @@
 #   perf/bench_figures.sh flux-hf     flux1's MMDiT, 2 and 4 blocks (2 + 4 and 4 + 8 double + single) to 19, with
 #                                     diffusers' FluxTransformer2DModel beside (--compare hf); a step of 64
 #                                     samples (16 micro-batches), not the preset's 512, to keep the call short
+# On one node of several GPUs (NPROC, default: every GPU nvidia-smi lists), each with telemetry in its bench.json:
+#   perf/bench_figures.sh node-lora   the 70B LoRA with its layout planned for NPROC GPUs (replicas or a sharded base)
+#   perf/bench_figures.sh node-llm    Llama 3.1 8B in FP8, the whole 32-block model sharded over NPROC GPUs
+#   perf/bench_figures.sh node-moe    gpt_oss_20b, experts spread over NPROC GPUs (distributed.ep); the whole model
+#                                     on 8 GPUs, 2 and 4 blocks extrapolated on fewer
+#   perf/bench_figures.sh node-bert   BERT-large at NVIDIA's node shapes (48 rows x 1 and x 2 accumulation a GPU) on
+#                                     NPROC GPUs and on one, for the scaling
+#   perf/bench_figures.sh node-tiny   every benchmark's tiny preset to its target over NCCL on NPROC GPUs; each run's
+#                                     summary.json (its compliance verdict) into $OUT
 # Run from the repository root with trainbench importable (pip install -e . or PYTHONPATH=src).
 set -euo pipefail
 OUT=${OUT:-/tmp/bench_out}
 RESULTS=${RESULTS:-/tmp/bench_results}
 mkdir -p "$OUT" "$RESULTS"
 export PYTHONUNBUFFERED=1
+NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | grep -c ^GPU || echo 1)}
 
 bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT
     local name=$1
@@ -51,7 +61,30 @@ for what in "$@"; do
     gpt-oss) bench gpt_oss gpt_oss_20b --preset gpt-oss-20b perf.compile=true --blocks 2,4 --steps 3 --warmup 2 ;;
     flux-hf) bench flux_hf flux1 --preset flux1-schnell perf.compile=true --blocks 2,4 data.global_batch_size=64 \
         --steps 3 --warmup 2 --compare hf ;;
+    node-lora) bench node_lora llama2_70b_lora --preset llama2-70b --nproc "$NPROC" --steps 2 --warmup 1 ;;
+    node-llm) bench node_llm llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --nproc "$NPROC" \
+        --steps 3 --warmup 2 ;;
+    node-moe)
+        if [ "$NPROC" -ge 8 ]; then depth=(); else depth=(--blocks 2,4); fi
+        bench node_moe gpt_oss_20b --preset gpt-oss-20b perf.compile=true distributed.ep="$NPROC" --nproc "$NPROC" \
+            "${depth[@]}" --steps 3 --warmup 2 ;;
+    node-bert)
+        for accumulation in 1 2; do
+            for n in 1 "$NPROC"; do
+                bench "node_bert_${n}x48x${accumulation}" bert --preset large perf.compile=true data.layout=packed \
+                    --nproc "$n" data.micro_batch_size=48 data.global_batch_size=$((n * 48 * accumulation)) \
+                    --steps 5 --warmup 3
+            done
+        done ;;
+    node-tiny)
+        for name in bert llama31_8b gpt3 llama2_70b_lora gpt_oss_20b flux1; do
+            python3 -m trainbench prepare "$name" --synthetic --preset tiny --out "$RESULTS/data_$name" --force
+            python3 -m trainbench run "$name" --preset tiny data.dir="$RESULTS/data_$name" device=cuda \
+                --nproc "$NPROC" output.results_dir="$RESULTS/tiny_$name" progress=false 2>&1 | tee "$OUT/tiny_$name.log" \
+                || true  # the summary says how each ended; one failure does not stop the others
+            cp "$(ls -d "$RESULTS/tiny_$name"/*/ | tail -n 1)summary.json" "$OUT/tiny_$name.json" || true
+        done ;;
     *) echo "unknown measurement $what (lora, lora-auto, llm, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
-        "gpt-oss-hf, gpt-oss, flux-hf)" >&2; exit 2 ;;
+        "gpt-oss-hf, gpt-oss, flux-hf, node-lora, node-llm, node-moe, node-bert, node-tiny)" >&2; exit 2 ;;
     esac
 done
