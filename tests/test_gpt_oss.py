@@ -180,6 +180,14 @@ def test_expert_parallelism_is_refused_where_there_are_no_experts():
         build_config("llama31_8b", "tiny", None, {"distributed.ep": "2", "distributed.nproc": "2"})
 
 
+@pytest.mark.parametrize("name", ["bert", "llama2_70b_lora", "flux1"])
+def test_one_rank_sharding_is_refused_where_the_placement_has_none(name):
+    from trainbench.launch.local import build_config
+
+    with pytest.raises(ConfigError, match=f"distributed.shard_one_rank=true: {name}'s placement has no one-rank"):
+        build_config(name, "tiny", None, {"distributed.shard_one_rank": "true"})
+
+
 def test_data_of_another_tokenizer_is_refused_in_one_sentence(tmp_path):
     bench = get_benchmark("gpt_oss_20b")
     (tmp_path / "manifest.json").write_text(json.dumps({"source": "c4", "eod_id": 2, "vocab_size": 32000}))

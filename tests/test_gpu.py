@@ -567,6 +567,27 @@ def test_tiny_llama_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped, and a norm under the limit (factor 1)
+def test_fp8_sharded_over_one_gpu_trains_the_losses_of_the_unsharded_fp8_path_on_cuda(tmp_path):
+    """distributed.shard_one_rank in FP8: FSDP2 over one GPU gathers the FP8 weights in FP8 with scales precomputed
+    after each step; over 20 steps its losses stay within FP8's tolerance of the unsharded FP8 path's (FSDP2 keeps
+    the norms' weights in bf16 where the unsharded path keeps them in fp32 under autocast)."""
+    from conftest import losses_and_evals
+
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    data = tmp_path / "data"
+    assert run_cli("prepare", "llama31_8b", "--synthetic", "--preset", "tiny", "--out", data) == 0
+    common = ["run", "llama31_8b", "--preset", "tiny", f"data.dir={data}", "device=cuda", "perf.compile=true",
+              "model.precision=fp8", "progress=false", "log_every_steps=1", "telemetry_hz=0",
+              "schedule.max_samples=640", "eval.every_samples=640", "eval_samples=64"]  # fmt: skip
+    runs = {"unsharded": [], "sharded": ["distributed.shard_one_rank=true"]}
+    losses, evals = losses_and_evals(common, runs, tmp_path / "r", "log_perplexity")
+    assert len(losses["unsharded"]) == 20 and losses["unsharded"][-1] < losses["unsharded"][0]
+    assert max(abs(a - b) for a, b in zip(losses["unsharded"], losses["sharded"], strict=True)) <= 2e-2, losses
+    assert max(abs(a - b) for a, b in zip(evals["unsharded"], evals["sharded"], strict=True)) <= 2e-2, evals
+    console = (only_run_dir(tmp_path / "r" / "sharded") / "console.log").read_text()
+    assert "FSDP2 gathers their weights in FP8" in console and "FSDP2 over this one rank" in console
+
+
 def test_the_clip_folded_into_the_fused_update_matches_the_separate_pass_on_cuda(max_norm):
     from trainbench.optim.adamw import AdamClipped
 

@@ -166,10 +166,13 @@ def test_tiny_llama_reaches_its_target_with_a_compliant_log(llm_data, tmp_path):
 
 @pytest.mark.full
 def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_path):
+    """One rank, one rank sharded by FSDP2 as several ranks shard it, FSDP2 over 2, TP 2, and FSDP2 over 2 with a
+    block recomputed: the same losses and evals."""
     common = ["run", "llama31_8b", f"data.dir={llm_data}", "progress=false", "log_every_steps=1", "telemetry_hz=0",
               "schedule.max_samples=256", "eval.every_samples=128", "eval_samples=64"]  # fmt: skip
     runs = {
         "one": ["--nproc", "1"],
+        "one_sharded": ["--nproc", "1", "distributed.shard_one_rank=true"],  # FSDP2 over a process group of one
         "fsdp": ["--nproc", "2", "micro_batch_size=16"],
         "tp": ["--nproc", "2", "distributed.tp=2"],
         # activation checkpointing on the last of the 2 blocks only: the same arithmetic, recomputed
@@ -178,6 +181,7 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_p
     losses, evals = losses_and_evals(common, runs, tmp_path, "log_perplexity")
     console = (only_run_dir(tmp_path / "fsdp_recompute") / "console.log").read_text()
     assert "activation checkpointing on the last 1 of 2 blocks" in console
+    assert "FSDP2 over this one rank" in (only_run_dir(tmp_path / "one_sharded") / "console.log").read_text()
     # The log says how each run was laid out (ruleset 6.1.0's keys), as it was placed.
     layout = {name: {e["key"]: e["value"] for e in read_log(only_run_dir(tmp_path / name) / "result_0.txt")}
               for name in runs}  # fmt: skip
@@ -185,7 +189,7 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_p
         (1, 32), (1, 16), (2, 32)]  # fmt: skip
     assert {layout[n]["lowest_numerical_precision_in_comm"] for n in runs} == {"fp32"}  # fp32 FSDP on the CPU
     assert len(losses["one"]) == 8 and losses["one"][-1] < losses["one"][0]
-    for name in ("fsdp", "tp", "fsdp_recompute"):
+    for name in ("one_sharded", "fsdp", "tp", "fsdp_recompute"):
         assert max(abs(a - b) for a, b in zip(losses["one"], losses[name], strict=True)) <= 1e-5, (name, losses)
         assert max(abs(a - b) for a, b in zip(evals["one"], evals[name], strict=True)) <= 1e-5, (name, evals)
 

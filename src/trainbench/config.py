@@ -145,6 +145,10 @@ class DistributedConfig:
         "experts and sends every token to its experts' ranks by all-to-all; 1 (every rank holds all, sharded by FSDP) "
         "or the run's number of ranks.", at_least=1
     )  # fmt: skip
+    shard_one_rank: bool = option(
+        False, "LLM benchmarks: shard the model with FSDP2 on one rank too (a process group of one), placed as "
+        "several ranks place it (bf16 or FP8 gathers, fp32 gradients), to measure that placement on one GPU."
+    )  # fmt: skip
     bucket_cap_mb: float = option(
         25.0, "DDP gradient bucket size (MB): each bucket's all-reduce starts while backward goes on.", above=0
     )

@@ -70,6 +70,8 @@ class Benchmark(ABC):
     """The preset of MLPerf's own shape (what `trainbench submit` starts from unless told)."""
     has_experts = False
     """Whether its model has a mixture of experts that ``distributed.ep`` can spread over the ranks."""
+    shards_one_rank = False
+    """Whether its placement can shard the model with FSDP2 on one rank too (``distributed.shard_one_rank``)."""
     synthetic_sizes: dict[str, dict[str, int]] = {}
     """Per preset, the size of the data set ``prepare NAME --synthetic --preset P`` writes."""
     unused_keys: dict[str, str] = {}
@@ -115,6 +117,9 @@ class Benchmark(ABC):
         ranks, tp = cfg.distributed.world_size, max(1, cfg.distributed.tp)
         if cfg.distributed.ep > 1 and not self.has_experts:
             raise ConfigError(f"distributed.ep={cfg.distributed.ep}: {self.name} has no mixture of experts to spread")
+        if cfg.distributed.shard_one_rank and not self.shards_one_rank:
+            raise ConfigError(f"distributed.shard_one_rank=true: {self.name}'s placement has no one-rank sharding (the "
+                              "LLM benchmarks' FSDP2 has)")  # fmt: skip
         if ranks % tp:
             raise ConfigError(f"distributed.tp={tp} does not divide the {ranks} ranks ({cfg.distributed.nodes} nodes x "
                               f"{cfg.distributed.nproc}); tensor-parallel groups need tp ranks each")  # fmt: skip

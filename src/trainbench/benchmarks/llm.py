@@ -165,6 +165,7 @@ class LLMBenchmark(Benchmark):
     metric_explanation = ("log_perplexity is the mean next-token cross entropy over the eval tokens, in nats (the "
                           "log of the perplexity); lower is better.")  # fmt: skip
     higher_is_better = False
+    shards_one_rank = True
     eval_every: int
     unused_keys = {
         "data.max_predictions": "it predicts every next token, not masked ones",
@@ -294,7 +295,8 @@ class LLMBenchmark(Benchmark):
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         placed = place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
-                               cfg.perf.compile, cfg.seed, cfg.distributed.ep)  # fmt: skip
+                               cfg.perf.compile, cfg.seed, cfg.distributed.ep,
+                               cfg.distributed.shard_one_rank)  # fmt: skip
         return recompute_fewer(placed, cfg, info.device)
 
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -94,6 +94,7 @@ class LoraBenchmark(LLMBenchmark):
     metric_explanation = ("eval_loss is the mean over the validation sequences of each sequence's mean cross entropy "
                           "on its answer tokens, in nats (as the reference evaluates); lower is better.")  # fmt: skip
     optimizer_name = "adamw"
+    shards_one_rank = False  # its frozen base has a sharding of its own: model.base_sharding
     full_preset = "llama2-70b"
     presets = {
         "tiny": tiny,

@@ -126,16 +126,24 @@ def use_flex_for_packed_rows(model: DecoderLM, device: torch.device, compiled: b
 
 def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf16: bool, checkpointing: bool,
                 compile_blocks: bool, full_state: dict[str, torch.Tensor] | None, seed: int,
-                fill: Callable[[DecoderLM], None] | None = None, ep: int = 1) -> nn.Module:  # fmt: skip
-    """Shard ``model`` (built on the meta device) over ``world`` ranks and materialise it on ``device``.
+                fill: Callable[[DecoderLM], None] | None = None, ep: int = 1,
+                shard_one_rank: bool = False) -> nn.Module:  # fmt: skip
+    """Shard ``model`` (built on the meta device) over ``world`` ranks and materialise it on ``device``; on one rank
+    too where ``shard_one_rank`` (FSDP2 over a process group of one, as several ranks place it).
 
     With ``full_state`` (an unsharded state dict on CPU, the same on every rank) the shards are cut from it,
     so the model equals the one-rank model exactly; with ``fill``, that function fills the materialised shards
     (e.g. from a checkpoint on disk); otherwise each shard is initialised in place.
     """
-    if world > 1 and model.cfg.tie_embeddings:
-        raise ConfigError("model.tie_embeddings=true runs on one rank only (sharding would untie the weights)")
-    if world > 1:
+    sharded = world > 1 or shard_one_rank
+    if sharded and model.cfg.tie_embeddings:
+        raise ConfigError("model.tie_embeddings=true runs unsharded on one rank only (sharding would untie the "
+                          "weights)")  # fmt: skip
+    if sharded:
+        if world == 1:
+            from trainbench.distributed import single_rank_group
+
+            single_rank_group(device)  # FSDP2 over one rank needs a process group too
         mesh = make_mesh(device.type, world, tp)
         if tp > 1:
             apply_tp(model, mesh["tp"])
@@ -143,10 +151,10 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
         from trainbench.models import fp8
 
         fp8.min_capability(device)
-        fp8.train_blocks_in_fp8(model, sharded=world > 1)
+        fp8.train_blocks_in_fp8(model, sharded=sharded)
     wrap_blocks(model, checkpointing, compile_blocks)
     use_flex_for_packed_rows(model, device, compile_blocks)
-    if world > 1:
+    if sharded:
         experts = apply_expert_parallel(model, device.type, ep, world) if ep > 1 else None
         apply_fsdp(model, mesh["dp"], bf16, experts)
     model.to_empty(device=device)
@@ -159,7 +167,7 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        if world > 1:
+        if sharded:
             set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True))
         else:
             model.load_state_dict(full_state)
@@ -167,8 +175,9 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
 
 
 def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int, bf16: bool, checkpointing: bool,
-                  compile_blocks: bool, seed: int, ep: int = 1) -> Placed:  # fmt: skip
-    """``model`` (built on the meta device) sharded over the ranks, materialised and initialised from ``seed``."""
+                  compile_blocks: bool, seed: int, ep: int = 1, shard_one_rank: bool = False) -> Placed:  # fmt: skip
+    """``model`` (built on the meta device) sharded over the ranks (on one rank too where ``shard_one_rank``),
+    materialised and initialised from ``seed``."""
     full = None
     if cfg.num_params() <= FULL_INIT_MAX_PARAMS:
         whole = type(model)(cfg)
@@ -176,16 +185,19 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         full = whole.state_dict()
     mixed = bf16 and info.device.type == "cuda"
     placed = parallelize(model, info.device, info.world_size, tp, mixed, checkpointing, compile_blocks, full, seed,
-                         ep=ep)  # fmt: skip
+                         ep=ep, shard_one_rank=shard_one_rank)  # fmt: skip
     fp8 = cfg.precision == "fp8"
+    sharded = info.world_size > 1 or shard_one_rank
     out = Placed(module=placed, model=placed, comm_precision=sharded_comm_precision(info.world_size, mixed, fp8))
+    if info.world_size == 1 and shard_one_rank:
+        out.notes.append("FSDP2 over this one rank (distributed.shard_one_rank), placed as several ranks place it")
     if fp8:
         from trainbench.models.fp8 import TRAINING_RECIPE, precompute_scales
 
         n = sum(type(m).__name__ == "Float8Linear" for m in placed.modules())
         out.notes.append(f"{n} linear layers of the blocks train in FP8 (torchao's float8 training, {TRAINING_RECIPE} "
                          "scales); the output layer and the embedding as before")  # fmt: skip
-        if info.world_size > 1:
+        if sharded:
             out.after_step = precompute_scales(placed)
             out.notes.append("FSDP2 gathers their weights in FP8, the scales computed once a step after the optimizer")
     return out
