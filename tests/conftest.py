@@ -183,6 +183,20 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def spawn_ranks(worker, world: int, out: Path, *args):
+    """``worker(rank, world, port, *args, out)`` in ``world`` processes that meet at a free port of this machine; what
+    rank 0 wrote to ``out``, as JSON."""
+    import socket
+
+    import torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(worker, args=(world, port, *args, str(out)), nprocs=world, join=True)
+    return json.loads(out.read_text())
+
+
 def losses_and_evals(common: list[str], runs: dict[str, list[str]], results: Path, metric: str) -> tuple[dict, dict]:
     """Each run of ``common`` plus its own arguments into ``results / name`` (a short run may stop before the target:
     its exit code is not asked): its losses and its evals' ``metric``, by name."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import losses_and_evals, only_run_dir, read_metrics, run_cli
+from tests.conftest import losses_and_evals, only_run_dir, read_metrics, run_cli, spawn_ranks
 from trainbench.data.indexed import IndexedDataset, IndexedWriter, PackedSamples
 from trainbench.errors import DataError
 from trainbench.mlperf import DISCLOSURE_KEYS, check_compliance, read_log
@@ -248,8 +248,6 @@ def _two_d_worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.full
 def test_fsdp_times_tensor_parallel_on_four_ranks_gives_the_loss_of_one(tmp_path):
-    import socket
-
     import torch
 
     from trainbench.benchmarks.llm import TINY_MODEL
@@ -267,12 +265,7 @@ def test_fsdp_times_tensor_parallel_on_four_ranks_gives_the_loss_of_one(tmp_path
         ref.append(float(loss))
         opt.step()
         opt.zero_grad()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "losses.json"
-    torch.multiprocessing.spawn(_two_d_worker, args=(4, port, str(out)), nprocs=4, join=True)
-    got = json.loads(out.read_text())
+    got = spawn_ranks(_two_d_worker, 4, tmp_path / "losses.json")
     # fp32 sums in another order across 4 ranks: equal to a relative 1e-5
     assert ref[0] > ref[-1] and max(abs(a - b) / abs(a) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
 
@@ -323,16 +316,7 @@ def _fp8_fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_fp8_blocks_under_fsdp2_gather_in_fp8_with_scales_from_every_shard(tmp_path):
     """llama31_8b's sharded FP8 path as the run places it: torchao's FP8 all-gather on every block's linear layer, and
     after each optimizer step one scale a weight computed over all ranks' shards, the same on every rank."""
-    import socket
-
-    import torch
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "fp8.json"
-    torch.multiprocessing.spawn(_fp8_fsdp_worker, args=(2, port, str(out)), nprocs=2, join=True)
-    got = json.loads(out.read_text())
+    got = spawn_ranks(_fp8_fsdp_worker, 2, tmp_path / "fp8.json")
     assert got["linears"] == 2 * 7 and got["gather_in_fp8"], got  # q, k, v, o, gate, up, down of each of 2 blocks
     assert got["local_types"] == ["WeightWithDynamicFloat8CastTensor"] and got["before"] == [None] * got["linears"]
     assert got["scales"][0] == got["scales"][1]
