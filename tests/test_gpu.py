@@ -566,7 +566,6 @@ def test_tiny_llama_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys)
     )
 
 
-@pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped, and a norm under the limit (factor 1)
 def test_fp8_sharded_over_one_gpu_trains_the_losses_of_the_unsharded_fp8_path_on_cuda(tmp_path):
     """distributed.shard_one_rank in FP8: FSDP2 over one GPU gathers the FP8 weights in FP8 with scales precomputed
     after each step; over 20 steps its losses stay within FP8's tolerance of the unsharded FP8 path's (FSDP2 keeps
@@ -588,6 +587,7 @@ def test_fp8_sharded_over_one_gpu_trains_the_losses_of_the_unsharded_fp8_path_on
     assert "FSDP2 gathers their weights in FP8" in console and "FSDP2 over this one rank" in console
 
 
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped, and a norm under the limit (factor 1)
 def test_the_clip_folded_into_the_fused_update_matches_the_separate_pass_on_cuda(max_norm):
     from trainbench.optim.adamw import AdamClipped
 
