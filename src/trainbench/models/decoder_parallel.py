@@ -95,13 +95,20 @@ def apply_expert_parallel(model: DecoderLM, device_type: str, ep: int, world: in
 
 
 def apply_fsdp(model: DecoderLM, mesh: DeviceMesh, bf16: bool, ignored: set[nn.Parameter] | None = None) -> None:
+    shard_blocks(model, list(model.model.layers), mesh, bf16, ignored)
+
+
+def shard_blocks(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, bf16: bool,
+                 ignored: set[nn.Parameter] | None = None) -> None:  # fmt: skip
+    """FSDP2 on each of ``blocks`` in order, then on ``model`` for the rest: bf16 parameters gathered and fp32
+    gradients reduced under ``bf16``; ``ignored`` parameters left unsharded (experts spread by expert parallelism)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {}) | ({"ignored_params": ignored} if ignored else {})
-    for i, block in enumerate(model.model.layers):
+    for i, block in enumerate(blocks):
         # The last block's parameters are needed at once by the backward: no point resharding them.
-        fully_shard(block, reshard_after_forward=i < len(model.model.layers) - 1, **kwargs)
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
     fully_shard(model, **kwargs)
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainbench.config import DistributedConfig, PerfConfig
 from trainbench.distributed import DistInfo, Placed
 from trainbench.models.data_parallel import place_data_parallel
+from trainbench.models.decoder_parallel import make_mesh, shard_blocks, sharded_comm_precision
 from trainbench.models.flux import Flux
 
 
@@ -54,23 +54,11 @@ def place_flux(model: Flux, info: DistInfo, dist_cfg: DistributedConfig, perf: P
     if perf.compile:
         for block in blocks_of(model):
             block.compile(dynamic=False)
-    comm = "fp32"
+    mixed = bf16 and info.device.type == "cuda"
     if info.world_size > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
-        mixed = bf16 and info.device.type == "cuda"
-        kwargs = {"mesh": mesh} | (
-            {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
-        )
-        blocks = blocks_of(model)
-        for i, block in enumerate(blocks):
-            # The last block's parameters are needed at once by the backward: no point resharding them.
-            fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
-        fully_shard(model, **kwargs)
-        comm = "bfloat16" if mixed else "fp32"
+        shard_blocks(model, blocks_of(model), make_mesh(info.device.type, info.world_size, 1)["dp"], mixed)
         notes.append(f"FSDP2 over {info.world_size} ranks, each block's parameters gathered as it runs "
                      f"({'bf16' if mixed else 'fp32'} gathers, fp32 gradient reduction)")  # fmt: skip
     module = model.to(info.device)
-    return Placed(module=module, model=module, notes=notes, comm_precision=comm)
+    return Placed(module=module, model=module, notes=notes, comm_precision=sharded_comm_precision(info.world_size,
+                                                                                                   mixed))  # fmt: skip
