@@ -15,6 +15,10 @@
 #   perf/bench_figures.sh flux-hf     flux1's MMDiT, 2 and 4 blocks (2 + 4 and 4 + 8 double + single) to 19, with
 #                                     diffusers' FluxTransformer2DModel beside (--compare hf); a step of 64
 #                                     samples (16 micro-batches), not the preset's 512, to keep the call short
+#   perf/bench_figures.sh flux        flux1's MMDiT in bf16, 1 and 2 blocks (1 + 2 and 2 + 4 double + single) to 19,
+#                                     the same 64-sample step
+#   perf/bench_figures.sh flux-fp8    the same with model.precision=fp8 (torchao's float8 training in the blocks)
+#   perf/bench_figures.sh flux-fp8-hf the same as flux-fp8 with diffusers' FluxTransformer2DModel beside (--compare hf)
 # On one node of several GPUs (NPROC, default: every GPU nvidia-smi lists), each with telemetry in its bench.json:
 #   perf/bench_figures.sh node-lora   the 70B LoRA with its layout planned for NPROC GPUs (replicas or a sharded base)
 #   perf/bench_figures.sh node-llm    Llama 3.1 8B in FP8, the whole 32-block model sharded over NPROC GPUs
@@ -65,6 +69,12 @@ for what in "$@"; do
     gpt-oss) bench gpt_oss gpt_oss_20b --preset gpt-oss-20b perf.compile=true --blocks 2,4 --steps 3 --warmup 2 ;;
     flux-hf) bench flux_hf flux1 --preset flux1-schnell perf.compile=true --blocks 2,4 data.global_batch_size=64 \
         --steps 3 --warmup 2 --compare hf ;;
+    flux) bench flux flux1 --preset flux1-schnell perf.compile=true --blocks 1,2 data.global_batch_size=64 \
+        --steps 3 --warmup 2 ;;
+    flux-fp8) bench flux_fp8 flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 --blocks 1,2 \
+        data.global_batch_size=64 --steps 3 --warmup 2 ;;
+    flux-fp8-hf) bench flux_fp8_hf flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 --blocks 1,2 \
+        data.global_batch_size=64 --steps 3 --warmup 2 --profile-steps 0 --compare hf ;;
     node-lora) bench node_lora llama2_70b_lora --preset llama2-70b --nproc "$NPROC" --steps 2 --warmup 1 ;;
     node-llm) bench node_llm llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --nproc "$NPROC" \
         --steps 3 --warmup 2 ;;
@@ -89,6 +99,6 @@ for what in "$@"; do
             cp "$(ls -d "$RESULTS/tiny_$name"/*/ | tail -n 1)summary.json" "$OUT/tiny_$name.json" || true
         done ;;
     *) echo "unknown measurement $what (lora, lora-auto, llm, llm-shard1, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
-        "gpt-oss-hf, gpt-oss, flux-hf, node-lora, node-llm, node-moe, node-bert, node-tiny)" >&2; exit 2 ;;
+        "gpt-oss-hf, gpt-oss, flux-hf, flux, flux-fp8, flux-fp8-hf, node-lora, node-llm, node-moe, node-bert, node-tiny)" >&2; exit 2 ;;
     esac
 done

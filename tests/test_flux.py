@@ -200,3 +200,24 @@ def test_data_of_another_shape_is_refused_before_any_folder(flux_data, tmp_path,
     code = run_cli("run", "flux1", f"data.dir={flux_data}", "model.context_dim=48", f"output.results_dir={tmp_path}")
     assert code == 2 and "t5_encodings of shape [8, 32], the model expects [8, 48]" in capsys.readouterr().out
     assert not any(tmp_path.iterdir())
+
+
+def test_fp8_is_refused_on_the_cpu_and_swaps_the_blocks_layers_but_not_their_modulation():
+    from trainbench.errors import ConfigError
+    from trainbench.launch.local import build_config
+    from trainbench.models import fp8
+    from trainbench.models.flux_parallel import in_fp8
+
+    with pytest.raises(ConfigError, match="model.precision=fp8 trains on FP8 tensor cores: it needs an NVIDIA GPU"):
+        build_config("flux1", "tiny", overrides={"model.precision": "fp8", "device": "cpu"})
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    with torch.device("meta"):
+        model = Flux(SMALL)
+    names = [n for n, _ in model.named_parameters()]
+    assert fp8.train_blocks_in_fp8(model, in_blocks=in_fp8) == 2 * 2 * 4 + 2 * 2
+    assert [n for n, _ in model.named_parameters()] == names
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds["double_blocks.0.img_attn.qkv"] == kinds["single_blocks.1.linear2"] == "Float8Linear"
+    assert kinds["double_blocks.0.txt_mlp.2"] == "Float8Linear"
+    assert kinds["double_blocks.0.img_mod.lin"] == kinds["single_blocks.0.modulation.lin"] == "Linear"
+    assert kinds["img_in"] == kinds["final_layer.linear"] == kinds["time_in.in_layer"] == "Linear"

@@ -685,3 +685,21 @@ def test_tiny_flux_reaches_its_target_on_cuda(tmp_path, placement):
     assert code == 0
     summary = json.loads((only_run_dir(tmp_path / "r") / "summary.json").read_text())
     assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+
+
+def test_tiny_flux_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys):
+    """flux1's tiny preset with model.precision=fp8, compiled: its blocks' attention and MLP layers in torchao's float8
+    training, their modulation not; the same target, a compliant log that discloses fp8."""
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    data = tmp_path / "data"
+    assert run_cli("prepare", "flux1", "--synthetic", "--preset", "tiny", "--out", data) == 0
+    code = run_cli("run", "flux1", "--preset", "tiny", f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}",
+                   "device=cuda", "perf.compile=true", "model.precision=fp8", "progress=false")  # fmt: skip
+    assert code == 0
+    run_dir = only_run_dir(tmp_path / "r")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+    # 2 double blocks x 2 streams x (qkv, proj, 2 MLP layers) + 2 single blocks x (linear1, linear2)
+    assert "20 linear layers of the blocks train in FP8" in capsys.readouterr().out
+    events = [json.loads(line.split(":::MLLOG ")[1]) for line in (run_dir / "result_0.txt").read_text().splitlines()]
+    assert {e["key"]: e["value"] for e in events}["lowest_numerical_precision_in_linear"] == "fp8"

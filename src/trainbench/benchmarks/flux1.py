@@ -27,6 +27,7 @@ from trainbench.data import flux_data
 from trainbench.data.steps import CycledSteps
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError, UserError
+from trainbench.models import fp8
 from trainbench.models.flux import Flux, FluxConfig, image_ids
 from trainbench.models.flux_parallel import place_flux
 from trainbench.optim.adamw import AdamClipped
@@ -113,6 +114,8 @@ class Flux1Benchmark(Benchmark):
             )
         if cfg.distributed.tp != 1:
             raise ConfigError("flux1 is data-parallel only: distributed.tp must be 1")
+        if m.precision == "fp8":
+            fp8.require(cfg.device)
         if cfg.perf.cuda_graphs and (cfg.distributed.world_size > 1 or cfg.perf.activation_checkpointing):
             raise ConfigError("perf.cuda_graphs applies to flux1's model compiled whole on one rank; with several "
                               "ranks or perf.activation_checkpointing it is compiled block by block, without "

@@ -16,7 +16,6 @@ The eval metric is the mean next-token cross entropy (nats) over every token of 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from abc import abstractmethod
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from trainbench.data.steps import CycledSteps, Step, batched, eval_share, rank_s
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
+from trainbench.models import fp8
 from trainbench.models.decoder import DecoderConfig, DecoderLM, recompute_last
 from trainbench.models.decoder_parallel import FUSED_QKV_TP, place_decoder
 from trainbench.models.offload import offload_blocks
@@ -203,12 +203,7 @@ class LLMBenchmark(Benchmark):
             raise ConfigError(f"perf.recompute_blocks={cfg.perf.recompute_blocks} but the model has {m.num_layers} "
                               "blocks")  # fmt: skip
         if getattr(m, "precision", "auto") == "fp8":
-            if cfg.device == "cpu":
-                raise ConfigError("model.precision=fp8 trains on FP8 tensor cores: it needs an NVIDIA GPU of compute "
-                                  "capability 8.9 or newer (device=cuda or auto), not the CPU")  # fmt: skip
-            if importlib.util.find_spec("torchao") is None:
-                raise ConfigError("model.precision=fp8 uses torchao's float8 training, which is not installed: "
-                                  "pip install 'trainbench[fp8]'")  # fmt: skip
+            fp8.require(cfg.device)
         offloads = [f"perf.offload_blocks={cfg.perf.offload_blocks}"] if cfg.perf.offload_blocks else []
         offloads += ["perf.offload_recomputed_inputs=true"] if cfg.perf.offload_recomputed_inputs else []
         if offloads:

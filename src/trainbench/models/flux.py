@@ -46,6 +46,14 @@ class FluxConfig:
     text_tokens: int = option(256, "Prompt tokens a sample's T5 encoding holds (must match the data).", at_least=1)
     latent_size: int = option(32, "Height and width of a sample's latent (must match the data; 256 px images).",
                               at_least=2)  # fmt: skip
+    precision: str = option(
+        "auto",
+        "The blocks' linear layers: auto (the run's precision: bf16 on a GPU) or fp8 (torchao's float8 training: "
+        "forward, input and weight gradients on FP8 tensor cores with a scale per tensor; the modulation's layers, "
+        "a few rows each, stay as they are, as do weights, gradients and optimizer state). fp8 needs torchao "
+        "(pip install 'trainbench[fp8]') and a GPU of compute capability 8.9 or newer.",
+        choices=("auto", "fp8"),
+    )
 
     @property
     def head_dim(self) -> int:

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainbench.config import DistributedConfig, PerfConfig
 from trainbench.distributed import DistInfo, Placed
+from trainbench.models import fp8
 from trainbench.models.data_parallel import place_data_parallel
 from trainbench.models.decoder_parallel import make_mesh, shard_blocks, sharded_comm_precision
 from trainbench.models.flux import Flux
@@ -43,11 +44,30 @@ def by_blocks(info: DistInfo, perf: PerfConfig) -> bool:
     return perf.activation_checkpointing or info.world_size > 1
 
 
+def in_fp8(name: str) -> bool:
+    """The linear layers that train in FP8 under ``model.precision=fp8``: the blocks' attention and MLP layers, not
+    their modulation (a row per sample: a cast of its weight would cost more than the product saves)."""
+    return name.startswith(("double_blocks.", "single_blocks.")) and not name.endswith(("_mod.lin", "modulation.lin"))
+
+
 def place_flux(model: Flux, info: DistInfo, dist_cfg: DistributedConfig, perf: PerfConfig, bf16: bool) -> Placed:
-    """``model`` (on the CPU, initialised) placed on ``info``'s device as the module docstring says."""
+    """``model`` (on the CPU, initialised) placed on ``info``'s device as the module docstring says; under
+    ``model.precision=fp8`` its blocks' layers (:func:`in_fp8`) swapped for torchao's float8 training first, before
+    compilation and FSDP2, as torchao expects."""
+    fp8_notes = []
+    sharded = info.world_size > 1
+    if model.cfg.precision == "fp8":
+        fp8.min_capability(info.device)
+        n = fp8.train_blocks_in_fp8(model, sharded=sharded, in_blocks=in_fp8)
+        fp8_notes.append(
+            f"{n} linear layers of the blocks train in FP8 (torchao's float8 training, "
+            f"{fp8.TRAINING_RECIPE} scales); the modulation, the embedders and the last layer as before"
+        )
     if not by_blocks(info, perf):
-        return place_data_parallel(model, info, dist_cfg, perf, bucket_clip_norm=None)
-    notes = []
+        placed = place_data_parallel(model, info, dist_cfg, perf, bucket_clip_norm=None)
+        placed.notes.extend(fp8_notes)
+        return placed
+    notes = fp8_notes
     if perf.activation_checkpointing:
         checkpoint_blocks(model)
         notes.append(f"activation checkpointing on all {len(blocks_of(model))} blocks")
@@ -60,5 +80,12 @@ def place_flux(model: Flux, info: DistInfo, dist_cfg: DistributedConfig, perf: P
         notes.append(f"FSDP2 over {info.world_size} ranks, each block's parameters gathered as it runs "
                      f"({'bf16' if mixed else 'fp32'} gathers, fp32 gradient reduction)")  # fmt: skip
     module = model.to(info.device)
-    return Placed(module=module, model=module, notes=notes, comm_precision=sharded_comm_precision(info.world_size,
-                                                                                                   mixed))  # fmt: skip
+    gathers_fp8 = sharded and model.cfg.precision == "fp8"
+    placed = Placed(module=module, model=module, notes=notes,
+                    comm_precision=sharded_comm_precision(info.world_size, mixed, gathers_fp8))  # fmt: skip
+    if gathers_fp8:
+        placed.after_step = fp8.precompute_scales(module)
+        notes.append(
+            "FSDP2 gathers the FP8 layers' weights in FP8, their scales computed once a step after the optimizer"
+        )
+    return placed

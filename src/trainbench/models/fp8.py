@@ -215,12 +215,31 @@ def min_capability(device: torch.device) -> None:
                           f"Blackwell); {name} has {major}.{minor}")  # fmt: skip
 
 
-def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE, sharded: bool = False) -> int:
-    """Swap every linear layer inside the blocks (``model.layers.*``) for torchao's ``Float8Linear``, on any device
-    (the meta device included: before sharding and compilation, as torchao expects); the output layer and the
-    embedding stay as they are. Parameter names do not change. ``sharded``: FSDP2 will shard the weights, and
-    gathers each in FP8 with its scale (half the bytes of a bf16 gather), the scales computed once a step after the
-    optimizer (:func:`precompute_scales`). Returns how many layers were swapped."""
+def require(device: str) -> None:
+    """One sentence, before any run folder is made, where ``model.precision=fp8`` cannot run: on the CPU, or without
+    torchao. (The GPU's compute capability is checked where the model is placed: :func:`min_capability`.)"""
+    import importlib.util
+
+    if device == "cpu":
+        raise ConfigError("model.precision=fp8 trains on FP8 tensor cores: it needs an NVIDIA GPU of compute "
+                          "capability 8.9 or newer (device=cuda or auto), not the CPU")  # fmt: skip
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("model.precision=fp8 uses torchao's float8 training, which is not installed: "
+                          "pip install 'trainbench[fp8]'")  # fmt: skip
+
+
+def in_decoder_blocks(name: str) -> bool:
+    """A decoder's block layers (``model.layers.*``): not its output layer or embedding."""
+    return name.startswith("model.layers.")
+
+
+def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE, sharded: bool = False,
+                        in_blocks: Callable[[str], bool] = in_decoder_blocks) -> int:  # fmt: skip
+    """Swap every linear layer whose name ``in_blocks`` accepts (by default a decoder's blocks, ``model.layers.*``)
+    for torchao's ``Float8Linear``, on any device (the meta device included: before sharding and compilation, as
+    torchao expects); the other layers stay as they are. Parameter names do not change. ``sharded``: FSDP2 will shard
+    the weights, and gathers each in FP8 with its scale (half the bytes of a bf16 gather), the scales computed once a
+    step after the optimizer (:func:`precompute_scales`). Returns how many layers were swapped."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
@@ -228,7 +247,7 @@ def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE, sharded
                           "pip install 'trainbench[fp8]'") from None  # fmt: skip
 
     def chosen(module: nn.Module, name: str) -> bool:
-        return (name.startswith("model.layers.") and isinstance(module, nn.Linear)
+        return (in_blocks(name) and isinstance(module, nn.Linear)
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)  # fmt: skip
 
     config = Float8LinearConfig.from_recipe_name(recipe)
