@@ -16,7 +16,7 @@
 #                                     diffusers' FluxTransformer2DModel beside (--compare hf); a step of 64
 #                                     samples (16 micro-batches), not the preset's 512, to keep the call short
 #   perf/bench_figures.sh flux        flux1's MMDiT in bf16, 1 and 2 blocks (1 + 2 and 2 + 4 double + single) to 19,
-#                                     the same 64-sample step
+#                                     the same 64-sample step as micro-batches of 16 (4 accumulated)
 #   perf/bench_figures.sh flux-fp8    the same with model.precision=fp8 (torchao's float8 training in the blocks)
 #   perf/bench_figures.sh flux-fp8-hf the same as flux-fp8 with diffusers' FluxTransformer2DModel beside (--compare hf)
 # On one node of several GPUs (NPROC, default: every GPU nvidia-smi lists), each with telemetry in its bench.json:
@@ -70,11 +70,11 @@ for what in "$@"; do
     flux-hf) bench flux_hf flux1 --preset flux1-schnell perf.compile=true --blocks 2,4 data.global_batch_size=64 \
         --steps 3 --warmup 2 --compare hf ;;
     flux) bench flux flux1 --preset flux1-schnell perf.compile=true --blocks 1,2 data.global_batch_size=64 \
-        --steps 3 --warmup 2 ;;
+        data.micro_batch_size=16 --steps 3 --warmup 2 ;;
     flux-fp8) bench flux_fp8 flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 --blocks 1,2 \
-        data.global_batch_size=64 --steps 3 --warmup 2 ;;
+        data.global_batch_size=64 data.micro_batch_size=16 --steps 3 --warmup 2 ;;
     flux-fp8-hf) bench flux_fp8_hf flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 --blocks 1,2 \
-        data.global_batch_size=64 --steps 3 --warmup 2 --profile-steps 0 --compare hf ;;
+        data.global_batch_size=64 data.micro_batch_size=16 --steps 5 --warmup 2 --profile-steps 0 --compare hf ;;
     node-lora) bench node_lora llama2_70b_lora --preset llama2-70b --nproc "$NPROC" --steps 2 --warmup 1 ;;
     node-llm) bench node_llm llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --nproc "$NPROC" \
         --steps 3 --warmup 2 ;;
