@@ -303,11 +303,22 @@ def _fp8_fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     whole = [float(torch.finfo(torch.float8_e4m3fn).max / m.weight.full_tensor().detach().abs().max()) for m in linears]
     gathered = [None] * world
     dist.all_gather_object(gathered, scales)
+    # A step's gathers reuse its first cast; the next step's (after the optimizer and after_step) casts anew.
+    shard = locals_[0]
+    first = shard.fsdp_pre_all_gather(None)
+    reused = shard.fsdp_pre_all_gather(None) is first
+    with torch.no_grad():
+        for m in linears:
+            m.weight.mul_(2)  # an optimizer step, in place on the shards
+    placed.after_step()
+    stepped = shard.fsdp_pre_all_gather(None)
+    dequantized = [(out[0][0].float() / out[1][0]).abs().max() for out in (first, stepped)]
     if rank == 0:
         Path(out).write_text(json.dumps({
             "linears": len(linears), "gather_in_fp8": all(m.config.enable_fsdp_float8_all_gather for m in linears),
             "local_types": sorted({type(t).__name__ for t in locals_}), "before": before, "scales": gathered,
-            "whole": whole, "comm": placed.comm_precision, "notes": placed.notes}))  # fmt: skip
+            "whole": whole, "comm": placed.comm_precision, "notes": placed.notes, "reused": reused,
+            "recast": stepped is not first, "growth": float(dequantized[1] / dequantized[0])}))  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
 
@@ -315,10 +326,12 @@ def _fp8_fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.full
 def test_fp8_blocks_under_fsdp2_gather_in_fp8_with_scales_from_every_shard(tmp_path):
     """llama31_8b's sharded FP8 path as the run places it: torchao's FP8 all-gather on every block's linear layer, and
-    after each optimizer step one scale a weight computed over all ranks' shards, the same on every rank."""
+    after each optimizer step one scale a weight computed over all ranks' shards, the same on every rank; a step's
+    gathers reuse one cast of each shard, and the next step casts the stepped weights."""
     got = spawn_ranks(_fp8_fsdp_worker, 2, tmp_path / "fp8.json")
     assert got["linears"] == 2 * 7 and got["gather_in_fp8"], got  # q, k, v, o, gate, up, down of each of 2 blocks
     assert got["local_types"] == ["WeightWithDynamicFloat8CastTensor"] and got["before"] == [None] * got["linears"]
     assert got["scales"][0] == got["scales"][1]
     assert got["scales"][0] == pytest.approx(got["whole"], rel=1e-6)
     assert got["comm"] == "fp8" and any("gathers their weights in FP8" in n for n in got["notes"])
+    assert got["reused"] and got["recast"] and got["growth"] == pytest.approx(2, rel=0.07), got

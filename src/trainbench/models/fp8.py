@@ -259,7 +259,43 @@ def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE, sharded
 
 def precompute_scales(model: nn.Module) -> Callable[[], None]:
     """What runs after each optimizer step of a model whose FP8 weights FSDP2 gathers in FP8: every weight's scale from
-    its amax over all ranks' shards, in one all-reduce, so that the next step's gathers need none of their own."""
+    its amax over all ranks' shards, in one all-reduce, so that the next step's gathers need none of their own. The
+    step's FP8 shards are then cast once, at the step's first gather, and reused by its other gathers (each
+    micro-batch's forward, and the backward's where a block is resharded after its forward): the weights and their
+    scales change only at the optimizer step, and this function, run right after it, drops the cached casts."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    return lambda: precompute_float8_dynamic_scale_for_fsdp(model)
+    _cache_fp8_shards(WeightWithDynamicFloat8CastTensor)
+    shards = [getattr(p, "_local_tensor", p) for p in model.parameters()]  # (torchao sets scales on these)
+    shards = [s for s in shards if isinstance(s, WeightWithDynamicFloat8CastTensor)]
+
+    def after_step() -> None:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+        for shard in shards:
+            shard._trainbench_cast = None  # the next gather casts the stepped weight with its new scale
+
+    for shard in shards:
+        shard._trainbench_cast = None
+    return after_step
+
+
+def _cache_fp8_shards(cls) -> None:
+    """Wrap (once) torchao's ``fsdp_pre_all_gather`` of an FP8-gathered weight so that, for a shard that
+    :func:`precompute_scales` tracks (``_trainbench_cast`` set) and has a precomputed scale, the cast is kept and
+    returned again until that scale is replaced; every other shard is cast as torchao casts it."""
+    if getattr(cls.fsdp_pre_all_gather, "_trainbench_cached", False):
+        return
+    cast = cls.fsdp_pre_all_gather
+
+    def fsdp_pre_all_gather(self, mesh):
+        scale = self._precomputed_scale
+        if scale is None or not hasattr(self, "_trainbench_cast"):
+            return cast(self, mesh)
+        kept = self._trainbench_cast
+        if kept is None or kept[0] is not scale:
+            kept = self._trainbench_cast = (scale, cast(self, mesh))
+        return kept[1]
+
+    fsdp_pre_all_gather._trainbench_cached = True
+    cls.fsdp_pre_all_gather = fsdp_pre_all_gather
