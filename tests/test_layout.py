@@ -155,6 +155,11 @@ def test_a_cached_probe_plans_a_job_and_none_is_one_sentence_before_any_folder(t
     assert json.loads(path.read_text())["kept_bytes"] == P70.kept_bytes
     done, lines = planned(bench, cfg, print, here=False)
     assert done.perf.offload_blocks > 20 and "NVIDIA H100 80GB HBM3" in lines[0] and "probe:" in lines[-1]
+    assert lines[-1].endswith("host link 52 GB/s out, 50 GB/s back"), lines[-1]  # no busy rates were probed
+    probe.save(bench.probe_config(cfg), data | {"to_host_busy_bytes_s": 41e9, "to_gpu_busy_bytes_s": 38e9})
+    busy_plan, lines = planned(bench, cfg, print, here=False)
+    assert lines[-1].endswith("52 GB/s out, 50 GB/s back idle, 41 and 38 GB/s while a step runs (the plan's)")
+    assert busy_plan.perf.offload_blocks < done.perf.offload_blocks  # the slower link carries fewer blocks' copies
     # a hand key changes the probed base: the FP8 probe is not used for a bf16 base
     bench, manual = _lora_cfg(**{"perf.layout": "manual"})
     assert planned(bench, manual, print, here=False) == (manual, [])

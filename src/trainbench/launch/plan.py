@@ -74,7 +74,15 @@ def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[R
     return planned_cfg, lines + [f"  probe: {data['gpu_name']}, a block keeps {data['kept_bytes'] / GIB:.2f} GiB, "
                                  f"forward {data['forward_s'] * 1e3:.1f} ms, backward {data['backward_s'] * 1e3:.1f} "
                                  f"ms; host link {data['to_host_bytes_s'] / 1e9:.0f} GB/s out, "
-                                 f"{data['to_gpu_bytes_s'] / 1e9:.0f} GB/s back"]  # fmt: skip
+                                 f"{data['to_gpu_bytes_s'] / 1e9:.0f} GB/s back{_busy(data)}"]  # fmt: skip
+
+
+def _busy(data: dict) -> str:
+    """The link's rates while a step runs, which the plan charges, where the probe measured them."""
+    out, back = data.get("to_host_busy_bytes_s"), data.get("to_gpu_busy_bytes_s")
+    if not out or not back:
+        return ""
+    return f" idle, {out / 1e9:.0f} and {back / 1e9:.0f} GB/s while a step runs (the plan's)"
 
 
 def main(argv: list[str] | None = None) -> int:
