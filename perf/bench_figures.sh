@@ -19,6 +19,7 @@
 #                                     the same 64-sample step as micro-batches of 16 (4 accumulated)
 #   perf/bench_figures.sh flux-fp8    the same with model.precision=fp8 (torchao's float8 training in the blocks)
 #   perf/bench_figures.sh flux-fp8-hf the same as flux-fp8 with diffusers' FluxTransformer2DModel beside (--compare hf)
+#   perf/bench_figures.sh flux-bf16-hf  the same as flux (bf16) with diffusers beside
 # On one node of several GPUs (NPROC, default: every GPU nvidia-smi lists), each with telemetry in its bench.json:
 #   perf/bench_figures.sh node-lora   the 70B LoRA with its layout planned for NPROC GPUs (replicas or a sharded base)
 #   perf/bench_figures.sh node-llm    Llama 3.1 8B in FP8, the whole 32-block model sharded over NPROC GPUs
@@ -75,6 +76,8 @@ for what in "$@"; do
         data.global_batch_size=64 data.micro_batch_size=16 --steps 3 --warmup 2 ;;
     flux-fp8-hf) bench flux_fp8_hf flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 --blocks 1,2 \
         data.global_batch_size=64 data.micro_batch_size=16 --steps 5 --warmup 2 --profile-steps 0 --compare hf ;;
+    flux-bf16-hf) bench flux_bf16_hf flux1 --preset flux1-schnell perf.compile=true --blocks 1,2 \
+        data.global_batch_size=64 data.micro_batch_size=16 --steps 5 --warmup 2 --profile-steps 0 --compare hf ;;
     node-lora) bench node_lora llama2_70b_lora --preset llama2-70b --nproc "$NPROC" --steps 2 --warmup 1 ;;
     node-llm) bench node_llm llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --nproc "$NPROC" \
         --steps 3 --warmup 2 ;;
@@ -99,6 +102,6 @@ for what in "$@"; do
             cp "$(ls -d "$RESULTS/tiny_$name"/*/ | tail -n 1)summary.json" "$OUT/tiny_$name.json" || true
         done ;;
     *) echo "unknown measurement $what (lora, lora-auto, llm, llm-shard1, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
-        "gpt-oss-hf, gpt-oss, flux-hf, flux, flux-fp8, flux-fp8-hf, node-lora, node-llm, node-moe, node-bert, node-tiny)" >&2; exit 2 ;;
+        "gpt-oss-hf, gpt-oss, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, node-lora, node-llm, node-moe, node-bert, node-tiny)" >&2; exit 2 ;;
     esac
 done
