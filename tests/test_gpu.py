@@ -1,6 +1,7 @@
 """GPU tier: runs only where CUDA is present (skipped on CI, which has no GPU)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,20 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
 ]
+
+
+def tiny_run_to_target_on_cuda(tmp_path, benchmark: str, *keys: str) -> Path:
+    """``benchmark``'s tiny data prepared, then a run on CUDA with ``keys`` (a preset, overrides): it succeeds and its
+    log passes the checker. Returns its run folder."""
+    data = tmp_path / "data"
+    assert run_cli("prepare", benchmark, "--synthetic", "--preset", "tiny", "--out", data) == 0
+    code = run_cli("run", benchmark, *keys, f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}", "device=cuda",
+                   "progress=false")  # fmt: skip
+    assert code == 0
+    run_dir = only_run_dir(tmp_path / "r")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+    return run_dir
 
 
 def test_bf16_forward_agrees_with_fp32_on_cuda():
@@ -377,14 +392,8 @@ def test_decoder_packed_rows_through_flex_match_the_dense_mask_with_gradients_on
 
 @pytest.mark.parametrize("base", ["auto", "fp8"])
 def test_tiny_lora_reaches_its_target_with_a_bf16_or_fp8_base_compiled_on_cuda(tmp_path, base):
-    data = tmp_path / "data"
-    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", data) == 0
-    code = run_cli("run", "llama2_70b_lora", f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}", "device=cuda",
-                   "perf.compile=true", "perf.activation_checkpointing=true", f"model.base_precision={base}",
-                   "progress=false")  # fmt: skip
-    assert code == 0
-    summary = json.loads((only_run_dir(tmp_path / "r") / "summary.json").read_text())
-    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+    tiny_run_to_target_on_cuda(tmp_path, "llama2_70b_lora", "perf.compile=true", "perf.activation_checkpointing=true",
+                               f"model.base_precision={base}")  # fmt: skip
 
 
 def test_offloaded_blocks_train_like_kept_ones_with_less_gpu_memory_on_cuda(monkeypatch):
@@ -515,14 +524,9 @@ def test_tiny_lora_reaches_its_target_with_offloaded_blocks_on_cuda(tmp_path, mo
     from trainbench.models import offload
 
     monkeypatch.setattr(offload, "MIN_BYTES", 0)  # the tiny model's tensors are small: move them all
-    data = tmp_path / "data"
-    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "tiny", "--out", data) == 0
-    code = run_cli("run", "llama2_70b_lora", f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}", "device=cuda",
-                   "perf.compile=true", "perf.activation_checkpointing=true", "perf.recompute_blocks=1",
-                   "perf.offload_blocks=1", "model.base_precision=fp8", "progress=false")  # fmt: skip
-    assert code == 0
-    summary = json.loads((only_run_dir(tmp_path / "r") / "summary.json").read_text())
-    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+    tiny_run_to_target_on_cuda(tmp_path, "llama2_70b_lora", "perf.compile=true", "perf.activation_checkpointing=true",
+                               "perf.recompute_blocks=1", "perf.offload_blocks=1",
+                               "model.base_precision=fp8")  # fmt: skip
 
 
 def test_the_fp8_training_linear_matches_a_float64_reference_in_output_and_every_gradient_on_cuda():
@@ -553,14 +557,7 @@ def test_the_fp8_training_linear_matches_a_float64_reference_in_output_and_every
 
 def test_tiny_llama_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys):
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
-    data = tmp_path / "data"
-    assert run_cli("prepare", "llama31_8b", "--synthetic", "--preset", "tiny", "--out", data) == 0
-    code = run_cli("run", "llama31_8b", "--preset", "tiny", f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}",
-                   "device=cuda", "perf.compile=true", "model.precision=fp8", "progress=false")  # fmt: skip
-    assert code == 0
-    run_dir = only_run_dir(tmp_path / "r")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+    tiny_run_to_target_on_cuda(tmp_path, "llama31_8b", "--preset", "tiny", "perf.compile=true", "model.precision=fp8")
     assert (
         "14 linear layers of the blocks train in FP8 (torchao's float8 training, tensorwise" in capsys.readouterr().out
     )
@@ -638,13 +635,7 @@ def test_the_experts_grouped_product_on_cuda_matches_the_padded_batched_one():
 def test_tiny_gpt_oss_reaches_its_target_compiled_on_cuda(tmp_path, preset):
     """gpt_oss_20b's two blocks compiled on CUDA in bf16: FlexAttention for the window (and the sinks from its
     log-sum-exp), torch's grouped GEMM for the experts, the router in fp32."""
-    data = tmp_path / "data"
-    assert run_cli("prepare", "gpt_oss_20b", "--synthetic", "--preset", "tiny", "--out", data) == 0
-    code = run_cli("run", "gpt_oss_20b", "--preset", preset, f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}",
-                   "device=cuda", "perf.compile=true", "progress=false")  # fmt: skip
-    assert code == 0
-    summary = json.loads((only_run_dir(tmp_path / "r") / "summary.json").read_text())
-    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+    tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", preset, "perf.compile=true")
 
 
 def test_gpt_oss_attention_through_flex_matches_the_dense_path_with_gradients_on_cuda():
@@ -678,27 +669,16 @@ def test_gpt_oss_attention_through_flex_matches_the_dense_path_with_gradients_on
 def test_tiny_flux_reaches_its_target_on_cuda(tmp_path, placement):
     """flux1's tiny preset in bf16 on CUDA: the rectified-flow loss to 0.586, the log compliant but for the scaled-down
     eval cadence; eager as one module, and compiled block by block with every block recomputed."""
-    data = tmp_path / "data"
-    assert run_cli("prepare", "flux1", "--synthetic", "--preset", "tiny", "--out", data) == 0
-    code = run_cli("run", "flux1", "--preset", "tiny", f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}",
-                   "device=cuda", "progress=false", *placement)  # fmt: skip
-    assert code == 0
-    summary = json.loads((only_run_dir(tmp_path / "r") / "summary.json").read_text())
-    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+    tiny_run_to_target_on_cuda(tmp_path, "flux1", "--preset", "tiny", *placement)
 
 
 def test_tiny_flux_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys):
     """flux1's tiny preset with model.precision=fp8, compiled: its blocks' attention and MLP layers in torchao's float8
     training, their modulation not; the same target, a compliant log that discloses fp8."""
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
-    data = tmp_path / "data"
-    assert run_cli("prepare", "flux1", "--synthetic", "--preset", "tiny", "--out", data) == 0
-    code = run_cli("run", "flux1", "--preset", "tiny", f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}",
-                   "device=cuda", "perf.compile=true", "model.precision=fp8", "progress=false")  # fmt: skip
-    assert code == 0
-    run_dir = only_run_dir(tmp_path / "r")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+    run_dir = tiny_run_to_target_on_cuda(
+        tmp_path, "flux1", "--preset", "tiny", "perf.compile=true", "model.precision=fp8"
+    )
     # 2 double blocks x 2 streams x (qkv, proj, 2 MLP layers) + 2 single blocks x (linear1, linear2)
     assert "20 linear layers of the blocks train in FP8" in capsys.readouterr().out
     events = [json.loads(line.split(":::MLLOG ")[1]) for line in (run_dir / "result_0.txt").read_text().splitlines()]
