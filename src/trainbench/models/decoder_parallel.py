@@ -199,12 +199,7 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
     if info.world_size == 1 and shard_one_rank:
         out.notes.append("FSDP2 over this one rank (distributed.shard_one_rank), placed as several ranks place it")
     if fp8:
-        from trainbench.models.fp8 import TRAINING_RECIPE, precompute_scales
+        from trainbench.models.fp8 import finish_placement
 
-        n = sum(type(m).__name__ == "Float8Linear" for m in placed.modules())
-        out.notes.append(f"{n} linear layers of the blocks train in FP8 (torchao's float8 training, {TRAINING_RECIPE} "
-                         "scales); the output layer and the embedding as before")  # fmt: skip
-        if sharded:
-            out.after_step = precompute_scales(placed)
-            out.notes.append("FSDP2 gathers their weights in FP8, the scales computed once a step after the optimizer")
+        finish_placement(out, sharded, "the output layer and the embedding")
     return out

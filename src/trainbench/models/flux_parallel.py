@@ -54,38 +54,28 @@ def place_flux(model: Flux, info: DistInfo, dist_cfg: DistributedConfig, perf: P
     """``model`` (on the CPU, initialised) placed on ``info``'s device as the module docstring says; under
     ``model.precision=fp8`` its blocks' layers (:func:`in_fp8`) swapped for torchao's float8 training first, before
     compilation and FSDP2, as torchao expects."""
-    fp8_notes = []
-    sharded = info.world_size > 1
-    if model.cfg.precision == "fp8":
+    sharded, in_fp8_blocks = info.world_size > 1, model.cfg.precision == "fp8"
+    if in_fp8_blocks:
         fp8.min_capability(info.device)
-        n = fp8.train_blocks_in_fp8(model, sharded=sharded, in_blocks=in_fp8)
-        fp8_notes.append(
-            f"{n} linear layers of the blocks train in FP8 (torchao's float8 training, "
-            f"{fp8.TRAINING_RECIPE} scales); the modulation, the embedders and the last layer as before"
-        )
+        fp8.train_blocks_in_fp8(model, sharded=sharded, in_blocks=in_fp8)
     if not by_blocks(info, perf):
         placed = place_data_parallel(model, info, dist_cfg, perf, bucket_clip_norm=None)
-        placed.notes.extend(fp8_notes)
-        return placed
-    notes = fp8_notes
-    if perf.activation_checkpointing:
-        checkpoint_blocks(model)
-        notes.append(f"activation checkpointing on all {len(blocks_of(model))} blocks")
-    if perf.compile:
-        for block in blocks_of(model):
-            block.compile(dynamic=False)
-    mixed = bf16 and info.device.type == "cuda"
-    if info.world_size > 1:
-        shard_blocks(model, blocks_of(model), make_mesh(info.device.type, info.world_size, 1)["dp"], mixed)
-        notes.append(f"FSDP2 over {info.world_size} ranks, each block's parameters gathered as it runs "
-                     f"({'bf16' if mixed else 'fp32'} gathers, fp32 gradient reduction)")  # fmt: skip
-    module = model.to(info.device)
-    gathers_fp8 = sharded and model.cfg.precision == "fp8"
-    placed = Placed(module=module, model=module, notes=notes,
-                    comm_precision=sharded_comm_precision(info.world_size, mixed, gathers_fp8))  # fmt: skip
-    if gathers_fp8:
-        placed.after_step = fp8.precompute_scales(module)
-        notes.append(
-            "FSDP2 gathers the FP8 layers' weights in FP8, their scales computed once a step after the optimizer"
-        )
+    else:
+        notes = []
+        if perf.activation_checkpointing:
+            checkpoint_blocks(model)
+            notes.append(f"activation checkpointing on all {len(blocks_of(model))} blocks")
+        if perf.compile:
+            for block in blocks_of(model):
+                block.compile(dynamic=False)
+        mixed = bf16 and info.device.type == "cuda"
+        if sharded:
+            shard_blocks(model, blocks_of(model), make_mesh(info.device.type, info.world_size, 1)["dp"], mixed)
+            notes.append(f"FSDP2 over {info.world_size} ranks, each block's parameters gathered as it runs "
+                         f"({'bf16' if mixed else 'fp32'} gathers, fp32 gradient reduction)")  # fmt: skip
+        module = model.to(info.device)
+        comm = sharded_comm_precision(info.world_size, mixed, sharded and in_fp8_blocks)
+        placed = Placed(module=module, model=module, notes=notes, comm_precision=comm)
+    if in_fp8_blocks:
+        fp8.finish_placement(placed, sharded, "the modulation, the embedders and the last layer")
     return placed

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainbench.distributed import Placed
 from trainbench.errors import ConfigError
 
 E4M3 = torch.float8_e4m3fn
@@ -215,6 +216,9 @@ def min_capability(device: torch.device) -> None:
                           f"Blackwell); {name} has {major}.{minor}")  # fmt: skip
 
 
+NO_TORCHAO = "model.precision=fp8 uses torchao's float8 training, which is not installed: pip install 'trainbench[fp8]'"
+
+
 def require(device: str) -> None:
     """One sentence, before any run folder is made, where ``model.precision=fp8`` cannot run: on the CPU, or without
     torchao. (The GPU's compute capability is checked where the model is placed: :func:`min_capability`.)"""
@@ -224,8 +228,7 @@ def require(device: str) -> None:
         raise ConfigError("model.precision=fp8 trains on FP8 tensor cores: it needs an NVIDIA GPU of compute "
                           "capability 8.9 or newer (device=cuda or auto), not the CPU")  # fmt: skip
     if importlib.util.find_spec("torchao") is None:
-        raise ConfigError("model.precision=fp8 uses torchao's float8 training, which is not installed: "
-                          "pip install 'trainbench[fp8]'")  # fmt: skip
+        raise ConfigError(NO_TORCHAO)
 
 
 def in_decoder_blocks(name: str) -> bool:
@@ -243,8 +246,7 @@ def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE, sharded
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
-        raise ConfigError("model.precision=fp8 uses torchao's float8 training, which is not installed: "
-                          "pip install 'trainbench[fp8]'") from None  # fmt: skip
+        raise ConfigError(NO_TORCHAO) from None
 
     def chosen(module: nn.Module, name: str) -> bool:
         return (in_blocks(name) and isinstance(module, nn.Linear)
@@ -255,6 +257,18 @@ def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE, sharded
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=config, module_filter_fn=chosen)
     return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
+def finish_placement(placed: Placed, sharded: bool, unchanged: str) -> None:
+    """A placed model whose blocks train in FP8 (:func:`train_blocks_in_fp8`): the console's line on how many layers
+    do and what stays as it was (``unchanged``), and, where FSDP2 shards it (``sharded``), the scales' update after
+    each optimizer step."""
+    n = sum(type(m).__name__ == "Float8Linear" for m in placed.module.modules())
+    placed.notes.append(f"{n} linear layers of the blocks train in FP8 (torchao's float8 training, {TRAINING_RECIPE} "
+                        f"scales); {unchanged} as before")  # fmt: skip
+    if sharded:
+        placed.after_step = precompute_scales(placed.module)
+        placed.notes.append("FSDP2 gathers their weights in FP8, the scales computed once a step after the optimizer")
 
 
 def precompute_scales(model: nn.Module) -> Callable[[], None]:
@@ -270,13 +284,15 @@ def precompute_scales(model: nn.Module) -> Callable[[], None]:
     shards = [getattr(p, "_local_tensor", p) for p in model.parameters()]  # (torchao sets scales on these)
     shards = [s for s in shards if isinstance(s, WeightWithDynamicFloat8CastTensor)]
 
+    def drop_casts() -> None:  # the next gather casts the stepped weight with its new scale
+        for shard in shards:
+            shard._trainbench_cast = None
+
     def after_step() -> None:
         precompute_float8_dynamic_scale_for_fsdp(model)
-        for shard in shards:
-            shard._trainbench_cast = None  # the next gather casts the stepped weight with its new scale
+        drop_casts()
 
-    for shard in shards:
-        shard._trainbench_cast = None
+    drop_casts()  # (and marks the shards as tracked)
     return after_step
 
 
