@@ -19,7 +19,7 @@ from trainbench.benchmarks import get_benchmark
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, apply_overrides, leaves, read_yaml_overrides, save_config
 from trainbench.console import RunConsole, console
-from trainbench.distributed import available_slots, init_distributed, resolve_device
+from trainbench.distributed import available_slots, init_distributed, resolve_device, shutdown
 from trainbench.errors import ConfigError, DataError, Preempted, UserError
 from trainbench.launch.systems import largest_micro_batch
 from trainbench.mlperf import ComplianceResult, check_compliance, constants, read_log
@@ -341,10 +341,17 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
 
 
 def _run_in_process(bench: Benchmark, cfg: RunConfig, run_dir: Path, index: int, device: str) -> None:
+    import torch.distributed as dist
+
     from trainbench.train.loop import train
 
+    had_group = dist.is_available() and dist.is_initialized()
     info = init_distributed(device, cfg.distributed.backend, cfg.distributed.timeout_s)
-    train(cfg, bench, run_dir, index, info, resume=cfg.resume)
+    try:
+        train(cfg, bench, run_dir, index, info, resume=cfg.resume)
+    finally:
+        if not had_group:  # a group the run made for itself (FSDP2 over one rank) ends with it
+            shutdown()
 
 
 def torchrun_worker(nproc: int, *worker_args: str) -> tuple[list[str], dict[str, str]]:
