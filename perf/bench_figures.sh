@@ -2,6 +2,8 @@
 # `trainbench bench` at full size on the GPU machine, each bench.json copied to $OUT/<name>.json with its console.
 #   perf/bench_figures.sh lora      the 70B LoRA, FP8 base, 40 blocks' activations offloaded, none recomputed
 #   perf/bench_figures.sh lora-auto the 70B LoRA with no layout keys: the layout planned for this GPU
+#   perf/bench_figures.sh lora-auto-80 the same within an H100 80GB's memory on a larger GPU (perf.gpu_memory_gib=79.2:
+#                                     78.7 GiB usable, what one H100 had free), profiled
 #   perf/bench_figures.sh llm       Llama 3.1 8B in FP8, 2 and 6 blocks measured, extrapolated to 32
 #   perf/bench_figures.sh llm-row   the same with an optimizer step per row (global batch 1)
 #   perf/bench_figures.sh llm-shard1  the same as llm sharded by FSDP2 over the one GPU (distributed.shard_one_rank),
@@ -51,6 +53,8 @@ for what in "$@"; do
     lora) bench lora llama2_70b_lora --preset llama2-70b perf.layout=manual model.base_precision=fp8 \
         perf.offload_blocks=40 --steps 2 --warmup 1 ;;
     lora-auto) bench lora_auto llama2_70b_lora --preset llama2-70b --steps 2 --warmup 1 --profile-steps 0 ;;
+    lora-auto-80) bench lora_auto_80 llama2_70b_lora --preset llama2-70b perf.gpu_memory_gib=79.2 --steps 2 --warmup 1 \
+        --profile-steps 1 ;;
     llm) bench llm llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
         --steps 3 --warmup 2 ;;
     llm-shard1) bench llm_shard1 llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
@@ -101,7 +105,7 @@ for what in "$@"; do
                 || true  # the summary says how each ended; one failure does not stop the others
             cp "$(ls -d "$RESULTS/tiny_$name"/*/ | tail -n 1)summary.json" "$OUT/tiny_$name.json" || true
         done ;;
-    *) echo "unknown measurement $what (lora, lora-auto, llm, llm-shard1, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
+    *) echo "unknown measurement $what (lora, lora-auto, lora-auto-80, llm, llm-shard1, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
         "gpt-oss-hf, gpt-oss, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, node-lora, node-llm, node-moe, node-bert, node-tiny)" >&2; exit 2 ;;
     esac
 done

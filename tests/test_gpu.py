@@ -1,5 +1,7 @@
 """GPU tier: runs only where CUDA is present (skipped on CI, which has no GPU)."""
 
+import dataclasses
+import gc
 import json
 from pathlib import Path
 
@@ -518,6 +520,33 @@ def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_t
     assert data["block_weight_bytes"] > 2048 * 2048 * 4  # FP8 weights of a block: more than its q/k/v/o bytes
     planned, lines = bench.plan_layout(cfg, resources(cfg, data, here=True), block_probe(data))
     assert planned.model.base_precision == "fp8" and "predicted:" in lines[1]
+
+
+def test_a_gpu_memory_limit_holds_the_allocator_to_it_on_cuda():
+    """perf.gpu_memory_gib: the allocator refuses what a GPU of that size would not have had free, grants what it
+    would, and a limit above the GPU's memory is one sentence."""
+    from trainbench.errors import ConfigError
+    from trainbench.launch.local import build_config
+    from trainbench.train.setup import limit_gpu_memory
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()  # what is taken now, earlier tests' live tensors included, stays taken
+    bench, cfg = build_config(
+        "bert", "tiny", [], {"device": "cuda", "perf.gpu_memory_gib": f"{(total - free) / 2**30 + 2.5:.4f}"}
+    )
+    try:
+        limit_gpu_memory(cfg, torch.device("cuda"))
+        kept = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # 2 GiB of the 2.5 left
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        del kept
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    big = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, gpu_memory_gib=total / 2**30 + 1))
+    with pytest.raises(ConfigError, match="is more than this GPU has"):
+        limit_gpu_memory(big, torch.device("cuda"))
 
 
 def test_tiny_lora_reaches_its_target_with_offloaded_blocks_on_cuda(tmp_path, monkeypatch):

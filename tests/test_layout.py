@@ -207,3 +207,33 @@ def test_where_no_replica_fits_several_gpus_shard_the_fp8_base():
     with pytest.raises(ConfigError, match="needs model.base_sharding=replicate"):
         _lora_cfg(**{"model.base_precision": "fp8", "model.base_sharding": "fsdp", "perf.offload_blocks": "2",
                      "perf.layout": "manual"})  # fmt: skip
+
+
+def test_a_gpu_memory_limit_plans_a_smaller_gpu_and_is_refused_without_a_gpu(tmp_path, monkeypatch, capsys):
+    """perf.gpu_memory_gib: an H200's probe planned as an 80 GB GPU (what the H200 had taken, the context, counted
+    as taken there too) plans as an H100 does; on the CPU the key is one sentence before any folder."""
+    import torch
+
+    from trainbench.launch.plan import planned
+    from trainbench.train import probe
+    from trainbench.train.setup import limit_gpu_memory
+
+    monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    bench, cfg = _lora_cfg()
+    data = {f.name: getattr(P70, f.name) for f in dataclasses.fields(P70)}
+    data |= {"gpu_name": "NVIDIA H200", "capability": [9, 0], "gpu_free_bytes": int(139.3 * GIB),
+             "gpu_total_bytes": int(139.8 * GIB), "host_available_bytes": 120 * GIB}  # fmt: skip
+    probe.save(bench.probe_config(cfg), data)
+    whole, _ = planned(bench, cfg, print, here=False)
+    limited_cfg = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, gpu_memory_gib=79.6))
+    limited, lines = planned(bench, limited_cfg, print, here=False)
+    as_h100, _ = bench.plan_layout(cfg, dataclasses.replace(H100, gpu_bytes=int(79.1 * GIB)), P70)
+    assert "NVIDIA H200 (perf.gpu_memory_gib=79.6) of 79.1 GiB" in lines[0], lines[0]
+    assert limited.perf.offload_blocks == as_h100.perf.offload_blocks != whole.perf.offload_blocks
+    assert limited.perf.recompute_blocks == as_h100.perf.recompute_blocks > whole.perf.recompute_blocks
+    with pytest.raises(ConfigError, match="perf.gpu_memory_gib=79.6 limits a GPU's memory, and this run is on cpu"):
+        limit_gpu_memory(limited_cfg, torch.device("cpu"))
+    assert run_cli("run", "bert", "--preset", "tiny", "perf.gpu_memory_gib=10", "device=cpu",
+                   f"output.results_dir={tmp_path / 'r'}") == 2  # fmt: skip
+    assert "perf.gpu_memory_gib=10 limits a GPU's memory: it needs a GPU" in capsys.readouterr().out
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())

@@ -184,8 +184,9 @@ class PerfConfig:
     )
     recompute_blocks: int = option(
         0,
-        "With activation_checkpointing: recompute the activations of only the last N blocks; the others keep theirs "
-        "(faster, more memory: the 70B LoRA runs 56 of 80 on an H200, docs/lora.md). 0: every block.",
+        "With activation_checkpointing: recompute the activations of only the last N blocks (with offload_blocks: N "
+        "spread over the depth among the others); the others keep theirs (faster, more memory: the 70B LoRA runs 56 "
+        "of 80 on an H200, docs/lora.md). 0: every block.",
         at_least=0,
     )
     offload_blocks: int = option(
@@ -206,6 +207,13 @@ class PerfConfig:
         "or auto (planned from this GPU's memory, host memory and a probe of one block, cached per machine; keys "
         "given by hand are kept, docs/lora.md).",
         choices=("manual", "auto"),
+    )
+    gpu_memory_gib: float | None = option(
+        None,
+        "Use at most this much of each GPU, as if it had this much memory in all (CUDA): the allocator refuses beyond "
+        "it and perf.layout=auto plans for it, e.g. 79.6 to plan and run an 80 GB H100's layout on a larger GPU. "
+        "None: the whole GPU.",
+        above=0,
     )
     cuda_graphs: bool = option(
         False, "With compile: replay the compiled forward and backward as CUDA graphs (static shapes; CUDA only)."

@@ -4,8 +4,9 @@ layouts the placement can build.
 
 A block of the decoder either keeps what it saved for its backward on the GPU, or keeps it in pinned host memory
 (offloaded: copied out during the forward and back during the backward, on a side stream), or is recomputed (keeps
-only its input, which can wait in host memory too). With ``L`` blocks of which ``R`` are recomputed (the last ones) and
-``O`` offloaded, one micro-batch costs
+only its input, which can wait in host memory too). With ``L`` blocks of which ``R`` are recomputed and ``O``
+offloaded (both spread over the depth, so that the copies are spread over the whole forward and backward), one
+micro-batch costs
 
     time   = head + L x (forward + backward) + R x forward + the copies' stall
     memory = weights + optimizer + (L - R - O) x kept + (R x input, unless the inputs are offloaded)

@@ -153,6 +153,9 @@ class Benchmark(ABC):
             raise ConfigError("perf.cuda_graphs=true replays the compiled step: it needs perf.compile=true")
         if cfg.perf.cuda_graphs and cfg.device == "cpu":
             raise ConfigError("perf.cuda_graphs=true needs a GPU (device=cuda or auto)")
+        if cfg.perf.gpu_memory_gib is not None and cfg.device == "cpu":
+            raise ConfigError(f"perf.gpu_memory_gib={cfg.perf.gpu_memory_gib:g} limits a GPU's memory: it needs a GPU "
+                              "(device=cuda or auto)")  # fmt: skip
         if cfg.perf.cuda_graphs and per_rank != d.micro_batch_size:
             # A replay reuses its memory, and with accumulation the gradients of the previous
             # micro-batch live there.

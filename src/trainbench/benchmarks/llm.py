@@ -32,7 +32,7 @@ from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
 from trainbench.models import fp8
-from trainbench.models.decoder import DecoderConfig, DecoderLM, recompute_last
+from trainbench.models.decoder import DecoderConfig, DecoderLM, recompute_last, recompute_spread
 from trainbench.models.decoder_parallel import FUSED_QKV_TP, place_decoder
 from trainbench.models.offload import offload_blocks
 from trainbench.optim.adamw import AdamClipped
@@ -111,12 +111,18 @@ def gpt3(preset: str) -> RunConfig:
 
 
 def recompute_fewer(placed: Placed, cfg: RunConfig, device: torch.device) -> Placed:
-    """``perf.recompute_blocks``: activation checkpointing on the last N blocks only; ``perf.offload_blocks``: of
-    the others, N keep their saved activations in host memory."""
+    """``perf.recompute_blocks``: activation checkpointing on the last N blocks only, or with ``perf.offload_blocks``
+    on N blocks spread over the depth among the others; ``perf.offload_blocks``: of the others, N (spread evenly)
+    keep their saved activations in host memory."""
     count = cfg.perf.recompute_blocks
     if cfg.perf.activation_checkpointing and count:
-        recompute_last(placed.module, count)
-        placed.notes.append(f"activation checkpointing on the last {count} of {cfg.model.num_layers} blocks")
+        if cfg.perf.offload_blocks:
+            chosen = recompute_spread(placed.module, count)
+            placed.notes.append(f"activation checkpointing on {count} of {cfg.model.num_layers} blocks, spread among "
+                                f"those offloaded: {_ranges(chosen)}")  # fmt: skip
+        else:
+            recompute_last(placed.module, count)
+            placed.notes.append(f"activation checkpointing on the last {count} of {cfg.model.num_layers} blocks")
     if cfg.perf.offload_blocks or cfg.perf.offload_recomputed_inputs:
         inputs = cfg.perf.offload_recomputed_inputs
         offload = offload_blocks(placed.module.model.layers, cfg.perf.offload_blocks, device, inputs)

@@ -50,11 +50,15 @@ def block_probe(data: dict) -> BlockProbe:
 
 
 def resources(cfg: RunConfig, data: dict, here: bool) -> Resources:
-    """One rank's share of the machine: the GPU as the probe found it, the host's memory (a job's: its node's, as the
-    probe found it there) over the ranks of a node."""
+    """One rank's share of the machine: the GPU as the probe found it (or as ``perf.gpu_memory_gib`` makes it), the
+    host's memory (a job's: its node's, as the probe found it there) over the ranks of a node."""
     host = host_available_bytes() if here else data["host_available_bytes"]
-    return Resources(gpu_bytes=int(data["gpu_free_bytes"]), host_bytes=host // cfg.distributed.nproc,
-                     gpus=cfg.distributed.world_size, gpu_name=data["gpu_name"],
+    gpu, name = int(data["gpu_free_bytes"]), data["gpu_name"]
+    if cfg.perf.gpu_memory_gib is not None:  # a GPU of that size, with what this one had taken (the context) taken
+        gpu = min(gpu, int(cfg.perf.gpu_memory_gib * GIB) - (int(data["gpu_total_bytes"]) - gpu))
+        name += f" (perf.gpu_memory_gib={cfg.perf.gpu_memory_gib:g})"
+    return Resources(gpu_bytes=gpu, host_bytes=host // cfg.distributed.nproc,
+                     gpus=cfg.distributed.world_size, gpu_name=name,
                      fp8=tuple(data["capability"]) >= (8, 9))  # fmt: skip
 
 

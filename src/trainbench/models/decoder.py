@@ -350,6 +350,19 @@ def recompute_last(model: DecoderLM, count: int) -> None:
         block.checkpointing = i >= len(layers) - count
 
 
+def recompute_spread(model: DecoderLM, count: int) -> list[int]:
+    """Activation checkpointing on ``count`` blocks chosen so that the others are spread evenly over the depth (the
+    k-th of them at k x blocks / others); returns the recomputed blocks. For host offload: the blocks whose saved
+    tensors cross the host link are then spread over the whole forward and backward, not packed into their first
+    part (where the copies outrun the link and stall the step)."""
+    layers = model.model.layers
+    others = len(layers) - count
+    keep = {k * len(layers) // others for k in range(others)}
+    for i, block in enumerate(layers):
+        block.checkpointing = i not in keep
+    return [i for i in range(len(layers)) if i not in keep]
+
+
 def load_hf_weights(model: DecoderLM, path: str | Path) -> None:
     """Load HF ``LlamaForCausalLM`` weights (same names) into a materialised model: a safetensors checkpoint folder
     or its ``model.safetensors`` through :func:`trainbench.models.hf_checkpoint.load_into` (names and shapes checked

@@ -47,6 +47,22 @@ FP8_LINEAR_CLASSES = ("Float8Linear", "Fp8Linear")
 PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bfloat16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
+def limit_gpu_memory(cfg: RunConfig, device: torch.device) -> None:
+    """``perf.gpu_memory_gib``: the allocator may hold no more than a GPU of that size would have free, what this
+    GPU has taken outside the allocator (the CUDA context, libraries' buffers) counted as taken there too."""
+    cap = cfg.perf.gpu_memory_gib
+    if cap is None:
+        return
+    if device.type != "cuda":
+        raise ConfigError(f"perf.gpu_memory_gib={cap:g} limits a GPU's memory, and this run is on {device.type}")
+    free, total = torch.cuda.mem_get_info(device)
+    if cap * 2**30 > total:
+        raise ConfigError(f"perf.gpu_memory_gib={cap:g} is more than this GPU has ({total / 2**30:.1f} GiB); leave it "
+                          "unset to use the whole GPU")  # fmt: skip
+    outside = total - free - torch.cuda.memory_reserved(device)
+    torch.cuda.set_per_process_memory_fraction(max(0.0, cap * 2**30 - outside) / total, device)
+
+
 def run_disclosure(cfg: RunConfig, placed: Placed, bf16: bool, info: DistInfo) -> dict[str, Any]:
     """MLPerf's keys of what the run ran in and how it was laid out (ruleset 6.x), read off the placed model: the
     lowest precision of its linear layers (fp8 where a layer of FP8_LINEAR_CLASSES runs, the autocast type under
@@ -85,6 +101,7 @@ def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | Non
             f"the config says {d.world_size} ranks ({d.nodes} nodes x distributed.nproc={d.nproc}) but this job runs "
             f"{info.world_size}; set distributed.nodes and nproc to its layout"
         )
+    limit_gpu_memory(cfg, info.device)
     bf16 = uses_bf16(cfg, info.device)
     seed_everything(cfg.seed)
     placed = bench.place(bench.build_model(cfg), cfg, info, bf16)
