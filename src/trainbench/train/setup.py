@@ -55,12 +55,13 @@ def limit_gpu_memory(cfg: RunConfig, device: torch.device) -> None:
         return
     if device.type != "cuda":
         raise ConfigError(f"perf.gpu_memory_gib={cap:g} limits a GPU's memory, and this run is on {device.type}")
-    free, total = torch.cuda.mem_get_info(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
     if cap * 2**30 > total:
         raise ConfigError(f"perf.gpu_memory_gib={cap:g} is more than this GPU has ({total / 2**30:.1f} GiB); leave it "
                           "unset to use the whole GPU")  # fmt: skip
-    outside = total - free - torch.cuda.memory_reserved(device)
-    torch.cuda.set_per_process_memory_fraction(max(0.0, cap * 2**30 - outside) / total, device)
+    outside = total - free - torch.cuda.memory_reserved(index)
+    torch.cuda.set_per_process_memory_fraction(max(0.0, cap * 2**30 - outside) / total, index)
 
 
 def run_disclosure(cfg: RunConfig, placed: Placed, bf16: bool, info: DistInfo) -> dict[str, Any]:
