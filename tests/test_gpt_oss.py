@@ -164,6 +164,8 @@ def test_tokens_after_an_end_of_document_token_are_not_predicted():
         ),
         ({"distributed.ep": "2", "distributed.nproc": "4"}, "equal the run's 4 ranks"),
         ({"model.block": "gpt_oss", "data.seq_length": "8192"}, "needs perf.compile=true: uncompiled, its sink"),
+        ({"model.precision": "fp8", "distributed.ep": "2", "distributed.nproc": "2"}, "experts held whole on each"),
+        ({"model.precision": "fp8", "device": "cpu"}, "needs an NVIDIA GPU"),
     ],
 )
 def test_bad_layouts_are_one_sentence(overrides, says):

@@ -667,6 +667,54 @@ def test_tiny_gpt_oss_reaches_its_target_compiled_on_cuda(tmp_path, preset):
     tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", preset, "perf.compile=true")
 
 
+def test_tiny_gpt_oss_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys):
+    """model.precision=fp8 on gpt_oss_20b, compiled: the blocks' attention projections in torchao's float8 training,
+    the experts' grouped products in its FP8 grouped product, the router in fp32; the log discloses FP8."""
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    run_dir = tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", "tiny", "perf.compile=true",
+                                         "model.precision=fp8")  # fmt: skip
+    out = capsys.readouterr().out
+    # 2 blocks x (q, k, v, o); the routers are not swapped
+    assert "8 linear layers of the blocks train in FP8" in out and "the routers as before" in out, out
+    assert "the experts' grouped products of 2 blocks in FP8" in out
+    events = [json.loads(line.split(":::MLLOG ")[1]) for line in (run_dir / "result_0.txt").read_text().splitlines()]
+    assert {e["key"]: e["value"] for e in events}["lowest_numerical_precision_in_linear"] == "fp8"
+
+
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("gpt_oss", True)])
+def test_the_experts_in_fp8_match_bf16_in_output_and_every_gradient_on_cuda(activation, bias):
+    """models/moe with fp8 (torchao's FP8 grouped product, each expert's rows padded to 16) against the same layer
+    in bf16 and in fp64: FP8's error in the output and in the input's, experts' and router's gradients is of FP8's
+    size (a few percent of each tensor's norm), and no more than a few times bf16's own."""
+    from trainbench.models.moe import MoE, MoEShape, experts_in_fp8
+
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation=activation, bias=bias)
+    torch.manual_seed(0)
+    base = MoE(shape)
+    for p in base.parameters():
+        torch.nn.init.normal_(p, std=0.06)
+    x0 = torch.randn(2048, 256)
+    direction = torch.randn(2048, 256)
+
+    def run(dtype, fp8):
+        layer = MoE(shape).cuda().to(torch.float64 if dtype == torch.float64 else torch.float32)
+        layer.load_state_dict(base.state_dict())
+        if fp8:
+            assert experts_in_fp8(torch.nn.Sequential(layer), torch.device("cuda")) == 1
+        x = x0.cuda().to(layer.gate_up_proj.dtype).requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out, _ = layer(x)
+        (out.double() * direction.cuda().double()).sum().backward()
+        return [out.double(), x.grad.double()] + [p.grad.double() for p in layer.parameters()]
+
+    exact, bf16, fp8 = run(torch.float64, False), run(torch.bfloat16, False), run(torch.bfloat16, True)
+    for i, (e, b, f) in enumerate(zip(exact, bf16, fp8, strict=True)):
+        scale = float(e.norm())
+        err_b, err_f = float((b - e).norm()) / scale, float((f - e).norm()) / scale
+        assert err_f < 0.08 and err_f < max(8 * err_b, 0.02), (i, err_f, err_b)
+
+
 def test_gpt_oss_attention_through_flex_matches_the_dense_path_with_gradients_on_cuda():
     """The window and the sinks through compiled FlexAttention against the dense sink attention, gradients included."""
     import dataclasses

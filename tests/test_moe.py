@@ -71,9 +71,12 @@ def test_the_load_balancing_loss_is_one_when_balanced_and_grows_when_not():
 
 
 @pytest.mark.parametrize("activation, bias", [("silu", False), ("gpt_oss", True)])
-def test_rows_dispatched_and_combined_by_gathers_equal_indexing_and_index_add(activation, bias):
+@pytest.mark.parametrize("align", [1, 16])
+def test_rows_dispatched_and_combined_by_gathers_equal_indexing_and_index_add(activation, bias, align):
     """The CUDA path's gathers (no atomic scatter either way) against the indexing and index_add_ the CPU takes:
-    the same output and the same gradients of the input, the router and the experts."""
+    the same output and the same gradients of the input, the router and the experts. ``align`` 16: each expert's
+    rows padded with zero rows to a multiple of 16, as FP8's grouped product needs (the padding reaches no token's
+    output and no weight's gradient)."""
     shape = MoEShape(hidden=32, ffn=24, experts=6, top_k=3, activation=activation, bias=bias)
     results = []
     for gather in (False, True):
@@ -81,6 +84,7 @@ def test_rows_dispatched_and_combined_by_gathers_equal_indexing_and_index_add(ac
         layer = MoE(shape).double()
         _random(layer)
         layer.gather_rows = gather
+        layer.align_rows = align if gather else 1
         x = torch.randn(50, 32, dtype=torch.float64, requires_grad=True)
         out, _ = layer(x)
         (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()

@@ -156,9 +156,11 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
             apply_tp(model, mesh["tp"])
     if model.cfg.precision == "fp8":  # before compilation and FSDP: both then see torchao's Float8Linear
         from trainbench.models import fp8
+        from trainbench.models.moe import experts_in_fp8
 
         fp8.min_capability(device)
         fp8.train_blocks_in_fp8(model, sharded=sharded)
+        experts_in_fp8(model, device)
     wrap_blocks(model, checkpointing, compile_blocks)
     use_flex_for_packed_rows(model, device, compile_blocks)
     if sharded:
@@ -200,6 +202,13 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         out.notes.append("FSDP2 over this one rank (distributed.shard_one_rank), placed as several ranks place it")
     if fp8:
         from trainbench.models.fp8 import finish_placement
+        from trainbench.models.moe import MoE
 
-        finish_placement(out, sharded, "the output layer and the embedding")
+        experts = sum(isinstance(m, MoE) for m in placed.modules())
+        unchanged = "the output layer and the embedding" + (", the routers" if experts else "")
+        finish_placement(out, sharded, unchanged)
+        if experts:
+            out.notes.append(f"the experts' grouped products of {experts} blocks in FP8 (torchao's FP8 grouped "
+                             "product: rowwise scales, forward and both gradients), each expert's rows padded to "
+                             "a multiple of 16")  # fmt: skip
     return out

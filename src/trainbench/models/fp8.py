@@ -232,8 +232,9 @@ def require(device: str) -> None:
 
 
 def in_decoder_blocks(name: str) -> bool:
-    """A decoder's block layers (``model.layers.*``): not its output layer or embedding."""
-    return name.startswith("model.layers.")
+    """A decoder's block layers (``model.layers.*``): not its output layer or embedding, nor a mixture of experts'
+    router (which routes in fp32)."""
+    return name.startswith("model.layers.") and not name.endswith(".router")
 
 
 def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE, sharded: bool = False,

@@ -12,7 +12,11 @@ expert weights keep ``transformers``' layout (``gate_up_proj`` [experts, hidden,
 interleaved, ``down_proj`` [experts, ffn, hidden]), so a GPT-OSS checkpoint's tensors load as they are.
 
 The grouped product is torch's ``_grouped_mm`` on CUDA (bf16, Hopper and newer); elsewhere the groups are padded to
-the largest and multiplied as one batched product.
+the largest and multiplied as one batched product. With ``fp8`` (``model.precision=fp8``) it is torchao's FP8 grouped
+product for training (rowwise scales on the rows, per-expert column scales on the weights, powers of two; forward,
+input and weight gradients all in FP8), which needs each expert's rows to start on a multiple of 16: the rows are
+then laid out with each expert's group padded by zero rows (``align_rows``), in a buffer of a size fixed by the
+token count (no wait on the GPU for the counts).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from trainbench.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +49,17 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.softmax(top if top.dtype == torch.float64 else top.float(), dim=-1), experts
 
 
-def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fp8: bool = False) -> torch.Tensor:
     """Rows of ``x`` [n, a], sorted by group with ``counts`` [groups] rows each, times their group's ``w`` [groups,
-    a, b]: [n, b]."""
+    a, b]: [n, b]. ``fp8``: in torchao's FP8 grouped product (CUDA, bf16 rows; every count a multiple of 16)."""
+    if fp8:
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        # the weights as its right operand wants them: each expert's matrix column-major, cast in the same pass
+        w_t = w.transpose(-2, -1).to(torch.bfloat16, memory_format=torch.contiguous_format).transpose(-2, -1)
+        return _to_fp8_rowwise_then_scaled_grouped_mm(x, w_t, offsets, out_dtype=torch.bfloat16,
+                                                      pad_token_groups_for_grouped_mm=False)  # fmt: skip
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w.to(x.dtype), offs=offsets)
@@ -75,6 +89,10 @@ class MoE(nn.Module):
         # forward or the backward), or by indexing and index_add_ (the CPU's, whose sums the golden runs keep).
         # None: gathers on CUDA.
         self.gather_rows: bool | None = None
+        # The experts' products in FP8 (set by the placement for model.precision=fp8), and the row alignment of each
+        # expert's group (16 for FP8; 1: the groups packed back to back)
+        self.fp8 = False
+        self.align_rows = 1
         if s.bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(s.experts, 2 * s.ffn))
             self.down_proj_bias = nn.Parameter(torch.empty(s.experts, s.hidden))
@@ -111,10 +129,10 @@ class MoE(nn.Module):
     def _experts(self, rows, group, counts, gate_up, down, gate_up_bias, down_bias) -> torch.Tensor:
         """Each row of ``rows`` (sorted by expert, ``counts`` a group; ``group`` its expert among those of the
         weights given) through its expert."""
-        h = _grouped(rows, gate_up, counts)
+        h = _grouped(rows, gate_up, counts, self.fp8)
         if gate_up_bias is not None:
             h = h + gate_up_bias[group].to(h.dtype)
-        out = _grouped(self.activation(h), down, counts)
+        out = _grouped(self.activation(h), down, counts, self.fp8)
         if down_bias is not None:
             out = out + down_bias[group].to(out.dtype)
         return out
@@ -151,6 +169,10 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # the (token, choice) pairs sorted by expert
         counts = torch.bincount(flat, minlength=self.shape.experts)
         token_of = order // self.shape.top_k
+        if self.align_rows > 1:
+            if self.ep_group is not None:
+                raise NotImplementedError("aligned expert groups (FP8) with expert parallelism")
+            return self._forward_aligned(x, tokens, weights, flat, order, counts, token_of), logits
         gather = tokens.is_cuda if self.gather_rows is None else self.gather_rows
         if gather:
             position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
@@ -171,38 +193,74 @@ class MoE(nn.Module):
             combined = torch.zeros_like(tokens, dtype=out.dtype).index_add_(0, token_of, out)
         return combined.to(x.dtype).reshape(shape), logits
 
+    def _forward_aligned(self, x, tokens, weights, flat, order, counts, token_of) -> torch.Tensor:
+        """:meth:`forward`'s experts with each expert's group of rows padded with zero rows to a multiple of
+        ``align_rows`` (the last group takes the buffer's slack), in a buffer of ``pairs`` rounded up plus
+        ``experts x align_rows`` rows: its size follows from the token count alone. Rows go there and back by
+        gathers; a padding row reads a zero row, weighs nothing and is read by no token."""
+        align, experts, pairs = self.align_rows, self.shape.experts, flat.numel()
+        size = -(-pairs // align) * align + experts * align
+        padded = (counts + align - 1) // align * align
+        groups = torch.cat([padded[:-1], (size - padded[:-1].sum()).reshape(1)])  # the slack in the last group
+        start = torch.cumsum(counts, 0) - counts
+        padded_start = torch.cumsum(padded, 0) - padded
+        sorted_expert = flat[order]
+        slot = torch.arange(pairs, device=flat.device) - start[sorted_expert] + padded_start[sorted_expert]
+        slot_token = torch.full((size,), tokens.shape[0], dtype=token_of.dtype, device=flat.device)
+        slot_token = slot_token.scatter(0, slot, token_of)  # the row each slot reads; a padding slot the zero row
+        position = torch.empty_like(order).scatter_(0, order, slot)  # each (token, choice) pair's slot
+        slot_weight = weights.new_zeros(size).scatter(0, slot, weights.reshape(-1)[order])
+        rows = _Dispatch.apply(tokens, slot_token, position, self.shape.top_k, True)
+        if torch.is_autocast_enabled(rows.device.type):
+            rows = rows.to(torch.get_autocast_dtype(rows.device.type))
+        group = torch.repeat_interleave(torch.arange(experts, device=flat.device), groups, output_size=size)
+        out = self._experts(rows, group, groups, self.gate_up_proj, self.down_proj, self.gate_up_proj_bias,
+                            self.down_proj_bias)  # fmt: skip
+        out = out * slot_weight[:, None].to(out.dtype)
+        combined = _Combine.apply(out, position, slot_token, self.shape.top_k, True)
+        return combined.to(x.dtype).reshape(x.shape)
+
+
+def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [n, width] and a row of zeros after it: what index n reads."""
+    return torch.cat([t, t.new_zeros(1, t.shape[1])])
+
 
 class _Dispatch(torch.autograd.Function):
-    """``tokens[token_of]``: each (token, choice) pair's row, in the experts' order. Its gradient is a gather too:
+    """``tokens[token_of]``: each (token, choice) pair's row, in the experts' order (``padded``: index n, the token
+    count, reads a zero row). Its gradient is a gather too:
     each pair's gradient read back at its ``position`` in that order and summed over the token's k choices, where
     indexing's own backward scatters with atomic adds."""
 
     @staticmethod
-    def forward(ctx, tokens: torch.Tensor, token_of: torch.Tensor, position: torch.Tensor, top_k: int):
+    def forward(ctx, tokens: torch.Tensor, token_of: torch.Tensor, position: torch.Tensor, top_k: int,
+                padded: bool = False):  # fmt: skip
         ctx.save_for_backward(position)
         ctx.top_k = top_k
-        return tokens[token_of]
+        return (_with_zero_row(tokens) if padded else tokens)[token_of]  # padded: index n reads zeros
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (position,) = ctx.saved_tensors
-        return grad[position].view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+        return grad[position].view(-1, ctx.top_k, grad.shape[-1]).sum(1), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     """Each token's k weighted expert outputs (``out`` in the experts' order) summed: a gather at each pair's
     ``position`` and a sum over the k choices; the gradient is each pair's token's gradient, gathered by
-    ``token_of``."""
+    ``token_of`` (``padded``: where it is the token count, a padding row's, zero)."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, position: torch.Tensor, token_of: torch.Tensor, top_k: int):
+    def forward(ctx, out: torch.Tensor, position: torch.Tensor, token_of: torch.Tensor, top_k: int,
+                padded: bool = False):  # fmt: skip
         ctx.save_for_backward(token_of)
+        ctx.padded = padded
         return out[position].view(-1, top_k, out.shape[-1]).sum(1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (token_of,) = ctx.saved_tensors
-        return grad[token_of], None, None, None
+        return (_with_zero_row(grad) if ctx.padded else grad)[token_of], None, None, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -226,3 +284,16 @@ def load_balancing_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     chosen = torch.topk(logits, top_k, dim=-1).indices
     share = torch.bincount(chosen.reshape(-1), minlength=experts).float() / chosen.numel()
     return experts * (share * probs.mean(0)).sum()
+
+
+def experts_in_fp8(model: nn.Module, device: torch.device) -> int:
+    """Every :class:`MoE` of ``model`` multiplies its experts in FP8 (:func:`_grouped`), its groups aligned to 16
+    rows; returns how many. torch's FP8 grouped product runs on Hopper (compute capability 9.0) and newer."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if layers and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        raise ConfigError(f"model.precision=fp8: the experts' FP8 grouped products need compute capability 9.0 or "
+                          f"newer (Hopper, Blackwell); {torch.cuda.get_device_name(device)} has "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")  # fmt: skip
+    for moe in layers:
+        moe.fp8, moe.align_rows = True, 16
+    return len(layers)

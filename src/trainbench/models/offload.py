@@ -263,7 +263,7 @@ class _RecomputedFromHost(torch.autograd.Function):
     backward restores the RNG (dropout) and autocast state, runs the block again and back-propagates through it."""
 
     @staticmethod
-    def forward(ctx, x, fn, rope, mask):
+    def forward(ctx, x, fn, rope, mask, _needs_grad=None):
         ctx.fn, ctx.rope, ctx.mask = fn, rope, mask
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device))
         ctx.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
@@ -282,7 +282,7 @@ class _RecomputedFromHost(torch.autograd.Function):
             with torch.enable_grad(), torch.autocast("cuda", dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
                 out = ctx.fn(x, ctx.rope, ctx.mask)
         torch.autograd.backward(out, grad)
-        return x.grad, None, None, None
+        return x.grad if ctx.needs_input_grad[0] else None, None, None, None, None
 
 
 def _drop(t: torch.Tensor) -> None:
@@ -296,7 +296,11 @@ def _dropped(_: None) -> torch.Tensor:
 def recompute_from_host(fn, x: torch.Tensor, rope, mask) -> torch.Tensor:
     """``fn(x, rope, mask)`` recomputed in the backward from ``x``, which waits in host memory meanwhile (call it
     inside :meth:`HostOffload.saving`)."""
-    # an input that needs no gradient (the first block's, from a frozen embedding) still must carry the block's
-    # adapters' gradients: the function's output requires grad only where an input does
-    x = x if x.requires_grad else x.detach().requires_grad_()
-    return _RecomputedFromHost.apply(x, fn, rope, mask)
+    # An input that needs no gradient (the first block's, from a frozen embedding) still must carry the block's
+    # adapters' gradients, and a function's output requires grad only where an input does: an empty tensor that
+    # requires grad goes in beside it. (Made a leaf that requires grad instead, the input would be held on the GPU
+    # by its gradient's accumulator until the backward, out of the offload's reach.)
+    return _RecomputedFromHost.apply(x, fn, rope, mask, None if x.requires_grad else _NEEDS_GRAD)
+
+
+_NEEDS_GRAD = torch.empty(0, requires_grad=True)
