@@ -208,7 +208,7 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         unchanged = "the output layer and the embedding" + (", the routers" if experts else "")
         finish_placement(out, sharded, unchanged)
         if experts:
-            out.notes.append(f"the experts' grouped products of {experts} blocks in FP8 (torchao's FP8 grouped "
-                             "product: rowwise scales, forward and both gradients), each expert's rows padded to "
-                             "a multiple of 16")  # fmt: skip
+            out.notes.append(f"the experts' grouped products of {experts} blocks in FP8 (forward and input "
+                             "gradient; the weights' gradient in bf16), each expert's rows padded to a multiple of "
+                             "16")  # fmt: skip
     return out

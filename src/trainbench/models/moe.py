@@ -12,11 +12,11 @@ expert weights keep ``transformers``' layout (``gate_up_proj`` [experts, hidden,
 interleaved, ``down_proj`` [experts, ffn, hidden]), so a GPT-OSS checkpoint's tensors load as they are.
 
 The grouped product is torch's ``_grouped_mm`` on CUDA (bf16, Hopper and newer); elsewhere the groups are padded to
-the largest and multiplied as one batched product. With ``fp8`` (``model.precision=fp8``) it is torchao's FP8 grouped
-product for training (rowwise scales on the rows, per-expert column scales on the weights, powers of two; forward,
-input and weight gradients all in FP8), which needs each expert's rows to start on a multiple of 16: the rows are
-then laid out with each expert's group padded by zero rows (``align_rows``), in a buffer of a size fixed by the
-token count (no wait on the GPU for the counts).
+the largest and multiplied as one batched product. With ``fp8`` (``model.precision=fp8``) the forward and the input's
+gradient are FP8 grouped products (torch's ``_scaled_grouped_mm``: e4m3, a power-of-two scale per row and per
+expert's output column) and the weights' gradient a bf16 one (:class:`_FP8Grouped`); FP8's grouped product needs
+each expert's rows to start on a multiple of 16, so the rows are then laid out with each expert's group padded by
+zero rows (``align_rows``), in a buffer of a size fixed by the token count (no wait on the GPU for the counts).
 """
 
 from __future__ import annotations
@@ -51,15 +51,9 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fp8: bool = False) -> torch.Tensor:
     """Rows of ``x`` [n, a], sorted by group with ``counts`` [groups] rows each, times their group's ``w`` [groups,
-    a, b]: [n, b]. ``fp8``: in torchao's FP8 grouped product (CUDA, bf16 rows; every count a multiple of 16)."""
+    a, b]: [n, b]. ``fp8``: in FP8 (:class:`_FP8Grouped`: CUDA, bf16 rows, every count a multiple of 16)."""
     if fp8:
-        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
-
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        # the weights as its right operand wants them: each expert's matrix column-major, cast in the same pass
-        w_t = w.transpose(-2, -1).to(torch.bfloat16, memory_format=torch.contiguous_format).transpose(-2, -1)
-        return _to_fp8_rowwise_then_scaled_grouped_mm(x, w_t, offsets, out_dtype=torch.bfloat16,
-                                                      pad_token_groups_for_grouped_mm=False)  # fmt: skip
+        return _FP8Grouped.apply(x, w, torch.cumsum(counts, 0, dtype=torch.int32))
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w.to(x.dtype), offs=offsets)
@@ -70,6 +64,46 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fp8: bool =
     padded = x.new_zeros(groups, width, x.shape[1])
     padded[group, slot] = x
     return torch.bmm(padded, w.to(x.dtype))[group, slot]
+
+
+E4M3_MAX = 448.0
+
+
+def _e4m3(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` in e4m3 with a scale per slice along ``dim`` (a power of two: the slice's largest magnitude brought
+    just under 448), and the scales' reciprocals (what multiplies the product back), ``dim`` squeezed out."""
+    amax = t.detach().abs().amax(dim=dim, keepdim=True).float().clamp(min=1e-12)
+    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
+    q = (t.detach().float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale.reciprocal().squeeze(dim)
+
+
+class _FP8Grouped(torch.autograd.Function):
+    """``x`` [rows, a] (bf16, sorted by group, each group's rows ending at ``offsets``, every group a multiple of 16
+    rows) times its group's ``w`` [groups, a, b]: the forward and the input's gradient as FP8 grouped products
+    (torch's ``_scaled_grouped_mm``; e4m3, a scale per row of the left operand and per output column of each group's
+    right one), the weights' gradient as a bf16 grouped product (its sum runs over each group's rows, where FP8's
+    rounding would add up). The casts are plain tensor operations, which a compiled block fuses into the kernels that
+    make their inputs (the rows' gather, the activation, the gradients' gathers)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        qx, sx = _e4m3(x, -1)
+        qw, sw = _e4m3(w, -2)  # [groups, a, b], a scale per (group, output column)
+        qw = qw.transpose(-2, -1).contiguous().transpose(-2, -1)  # each group's matrix column-major, as required
+        ctx.save_for_backward(x, w, offsets)
+        return torch._scaled_grouped_mm(qx, qw, sx, sw, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        qg, sg = _e4m3(grad, -1)
+        qw, sw = _e4m3(w, -1)  # w^T's output columns are w's rows: a scale per (group, row); row-major w is w^T
+        grad_x = torch._scaled_grouped_mm(qg, qw.transpose(-2, -1), sg, sw, offs=offsets, out_dtype=torch.bfloat16,
+                                          use_fast_accum=True)  # fmt: skip
+        grad_w = torch._grouped_mm(x.transpose(0, 1), grad.to(x.dtype), offs=offsets)
+        return grad_x, grad_w, None
 
 
 class MoE(nn.Module):
