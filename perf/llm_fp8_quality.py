@@ -1,9 +1,11 @@
 """Does pretraining in FP8 (``model.precision=fp8``) follow the bf16 loss curve? A Llama-shaped model of ``--width``
 and ``--layers`` trained from scratch by ``trainbench run llama31_8b`` on the GPU (compiled, fused q/k/v as the
-llama31-8b preset), on Wikipedia text: the WikiText files of ``--text``, split into articles, one in 20 held out
-for eval, WordPiece-tokenised with ``--vocab`` (MLPerf's uncased BERT vocabulary) through ``trainbench prepare
-llama31_8b``. For each seed, bf16 and FP8 see the same samples in the same order; every eval's log perplexity and
-every logged training loss are recorded.
+llama31-8b preset), or with ``--benchmark gpt_oss_20b`` a mixture of experts of that width and depth (the reference's
+block: ``--experts`` experts of the model's width, 4 a token, heads of 64, a 128-token window on every other block;
+FP8 then also in the experts' grouped products), on Wikipedia text: the WikiText files of ``--text``, split into
+articles, one in 20 held out for eval, WordPiece-tokenised with ``--vocab`` (MLPerf's uncased BERT vocabulary)
+through ``trainbench prepare``. For each seed, bf16 and FP8 see the same samples in the same order; every eval's log
+perplexity and every logged training loss are recorded.
 
     python perf/llm_fp8_quality.py --out OUT/quality.json --text wikitext-2/ --vocab vocab.txt \\
         [--width 1024 --layers 8 --seq 1024 --batch 16 --samples 6144 --seeds 1 2 3]
@@ -77,13 +79,15 @@ def main() -> None:
     p.add_argument("--every", type=int, default=512, help="eval every this many sequences")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--device", default="cuda", help="cpu: a check of this script (FP8 is then refused)")
+    p.add_argument("--benchmark", default="llama31_8b", choices=("llama31_8b", "gpt_oss_20b"))
+    p.add_argument("--experts", type=int, default=16, help="gpt_oss_20b: experts in each block")
     args = p.parse_args()
     if args.width % 512:
         raise SystemExit(f"--width {args.width}: give a multiple of 512 (heads of 128, a quarter as many KV heads)")
     work = Path(tempfile.mkdtemp())
     split = source_folder(args.text, work / "source")
     tok = wordpiece_tokenizer(args.vocab, work / "tokenizer.json")
-    if trainbench("prepare", "llama31_8b", "--source", str(work / "source"), "--tokenizer", str(tok),
+    if trainbench("prepare", args.benchmark, "--source", str(work / "source"), "--tokenizer", str(tok),
                   "--eod-token", "[SEP]", "--out", str(work / "data"), "--no-progress"):  # fmt: skip
         raise SystemExit("prepare failed")
     manifest = json.loads((work / "data" / "manifest.json").read_text())
@@ -91,22 +95,29 @@ def main() -> None:
     shape = {
         "model.vocab_size": manifest["vocab_size"], "model.hidden_size": args.width, "model.num_layers": args.layers,
         "model.num_heads": args.width // 128, "model.num_kv_heads": args.width // 512,
-        "model.intermediate_size": args.width * 7 // 2, "model.fused_qkv": "true", "data.seq_length": args.seq,
+        "model.intermediate_size": args.width * 7 // 2, "data.seq_length": args.seq,
         "data.global_batch_size": args.batch, "data.micro_batch_size": args.batch,
         "data.eval_samples": eval_tokens // (args.seq + 1), "optimizer.lr": args.lr,
         "schedule.warmup_steps": max(1, args.samples // args.batch // 20),
         "schedule.total_steps": args.samples // args.batch, "schedule.max_samples": args.samples,
         "eval.every_samples": args.every, "eval.target": 0.0001,
     }  # fmt: skip
+    if args.benchmark == "gpt_oss_20b":
+        shape |= {"model.num_heads": args.width // 64, "model.num_kv_heads": args.width // 512,
+                  "model.intermediate_size": args.width, "model.num_experts": args.experts,
+                  "model.experts_per_token": 4, "model.sliding_window": 128}  # fmt: skip
+    else:
+        shape["model.fused_qkv"] = "true"
     overrides = [f"{k}={v}" for k, v in shape.items()]
-    common = {"width": args.width, "layers": args.layers, "seq": args.seq, "batch": args.batch,
+    common = {"benchmark": args.benchmark, "width": args.width, "layers": args.layers, "seq": args.seq,
+              "batch": args.batch,
               "training_tokens": args.samples * args.seq, "tokens_in_train_split": manifest["tokens"] - eval_tokens,
               "eval_tokens": eval_tokens, "lr": args.lr} | split  # fmt: skip
     results = []
     for seed in args.seeds:
         for precision in ("auto", "fp8"):
             out = work / f"{precision}_{seed}"
-            code = trainbench("run", "llama31_8b", "--preset", "tiny", f"data.dir={work / 'data'}",
+            code = trainbench("run", args.benchmark, "--preset", "tiny", f"data.dir={work / 'data'}",
                               f"output.results_dir={out}", f"device={args.device}", "progress=false",
                               f"perf.compile={str(args.device == 'cuda').lower()}", f"seed={seed}",
                               f"model.precision={precision}", *overrides)  # fmt: skip
