@@ -28,9 +28,6 @@ from trainbench.data.synthetic_bert import SyntheticSpec, prepare_synthetic
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = REPO.parent / "shared" / "scripts" / "local-slurm"
 CLUSTER_GROUP = "cluster"  # the xdist group of every test that uses the real Slurm cluster or the container image
-# The groups that take longest on CI's 2 cores, longest first (at 8654165, their slowest tests alone: the cluster's
-# over 20 min, the rulesets' 10-run LoRA package 8, test_perf's convergence checks 6): scheduled before the others.
-LONGEST_GROUPS = (CLUSTER_GROUP, "test_rulesets", "test_perf", "test_golden", "test_docs_commands")
 
 
 # -- tiers and parallel workers -----------------------------------------------------------------------------------
@@ -54,13 +51,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-    # The longest groups first, so that none starts last and runs alone while the other workers wait.
-    def rank(item) -> int:
-        group = item.get_closest_marker("xdist_group").args[0]
-        return LONGEST_GROUPS.index(group) if group in LONGEST_GROUPS else len(LONGEST_GROUPS)
-
-    items.sort(key=rank)
+    # The longest group first, so that it never starts last and alone.
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != CLUSTER_GROUP)
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest -p no:xdist runs without it
