@@ -268,6 +268,18 @@ def test_fp8_placement_refuses_a_device_without_fp8_tensor_cores(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ConfigError, match=r"compute capability 8.9 or newer.*NVIDIA A100-SXM4-80GB has 8.0"):
         fp8.min_capability(torch.device("cuda", 0))
+    # the experts' FP8 grouped products need Hopper: an Ada GPU (8.9) trains a decoder in FP8, not a mixture of experts
+    from trainbench.models.moe import MoE, MoEShape, experts_in_fp8
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA L40S")
+    fp8.min_capability(torch.device("cuda", 0))
+    assert experts_in_fp8(torch.nn.Linear(4, 4), torch.device("cuda", 0)) == 0  # no experts, nothing to check
+    moe = torch.nn.Sequential(MoE(MoEShape(hidden=16, ffn=16, experts=2, top_k=1)))
+    with pytest.raises(ConfigError, match=r"the experts' FP8 grouped products \(compute capability 9.0 or newer: "
+                                          r"Hopper, Blackwell\); NVIDIA L40S has 8.9"):  # fmt: skip
+        experts_in_fp8(moe, torch.device("cuda", 0))
+    assert not moe[0].fp8 and moe[0].align_rows == 1
 
 
 def test_fp8_training_swaps_only_the_blocks_linear_layers_keeping_their_names():

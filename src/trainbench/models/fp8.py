@@ -203,17 +203,19 @@ def dequantized(module: Fp8Linear) -> torch.Tensor:
 TRAINING_RECIPE = "tensorwise"  # measured fastest of torchao's recipes on an 8B block (docs/llm.md)
 
 
-def min_capability(device: torch.device) -> None:
-    """FP8 GEMMs need tensor cores of compute capability 8.9 or newer; one sentence otherwise."""
+def min_capability(device: torch.device, needed: tuple[int, int] = (8, 9), what: str = "FP8 tensor cores",
+                   gpus: str = "Ada, Hopper, Blackwell") -> None:  # fmt: skip
+    """FP8 GEMMs need tensor cores of compute capability 8.9 or newer (``what`` may need ``needed``, on ``gpus``);
+    one sentence otherwise."""
     if device.type != "cuda":
         raise ConfigError(
             f"model.precision=fp8 trains on FP8 tensor cores: it needs an NVIDIA GPU, not the {device.type}"
         )
     major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
+    if (major, minor) < needed:
         name = torch.cuda.get_device_name(device)
-        raise ConfigError(f"model.precision=fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
-                          f"Blackwell); {name} has {major}.{minor}")  # fmt: skip
+        raise ConfigError(f"model.precision=fp8 needs {what} (compute capability {needed[0]}.{needed[1]} or newer: "
+                          f"{gpus}); {name} has {major}.{minor}")  # fmt: skip
 
 
 NO_TORCHAO = "model.precision=fp8 uses torchao's float8 training, which is not installed: pip install 'trainbench[fp8]'"

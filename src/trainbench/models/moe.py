@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainbench.errors import ConfigError
+from trainbench.models.fp8 import E4M3, E4M3_MAX, min_capability
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +66,12 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fp8: bool =
     return torch.bmm(padded, w.to(x.dtype))[group, slot]
 
 
-E4M3_MAX = 448.0
-
-
 def _e4m3(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` in e4m3 with a scale per slice along ``dim`` (a power of two: the slice's largest magnitude brought
     just under 448), and the scales' reciprocals (what multiplies the product back), ``dim`` squeezed out."""
     amax = t.detach().abs().amax(dim=dim, keepdim=True).float().clamp(min=1e-12)
     scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
-    q = (t.detach().float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = (t.detach().float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale.reciprocal().squeeze(dim)
 
 
@@ -324,10 +321,8 @@ def experts_in_fp8(model: nn.Module, device: torch.device) -> int:
     """Every :class:`MoE` of ``model`` multiplies its experts in FP8 (:func:`_grouped`), its groups aligned to 16
     rows; returns how many. torch's FP8 grouped product runs on Hopper (compute capability 9.0) and newer."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
-    if layers and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
-        raise ConfigError(f"model.precision=fp8: the experts' FP8 grouped products need compute capability 9.0 or "
-                          f"newer (Hopper, Blackwell); {torch.cuda.get_device_name(device)} has "
-                          f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")  # fmt: skip
+    if layers:
+        min_capability(device, (9, 0), "the experts' FP8 grouped products", "Hopper, Blackwell")
     for moe in layers:
         moe.fp8, moe.align_rows = True, 16
     return len(layers)
