@@ -36,6 +36,8 @@
 #                                     NPROC GPUs and on one, for the scaling
 #   perf/bench_figures.sh node-tiny   every benchmark's tiny preset to its target over NCCL on NPROC GPUs; each run's
 #                                     summary.json (its compliance verdict) into $OUT
+# EXTRA="key=value ..." adds config keys to every bench of the call, TAG=-x appends -x to each result's name, e.g.
+#   EXTRA=model.attention=cudnn TAG=-cudnn perf/bench_figures.sh gpt-oss-fp8
 # Run from the repository root with trainbench importable (pip install -e . or PYTHONPATH=src).
 set -euo pipefail
 OUT=${OUT:-/tmp/bench_out}
@@ -45,9 +47,10 @@ export PYTHONUNBUFFERED=1
 NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | grep -c ^GPU || echo 1)}
 
 bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT
-    local name=$1
+    local name=$1${TAG:-}
     shift
-    python3 -m trainbench bench "$@" output.results_dir="$RESULTS/$name" progress=false 2>&1 | tee "$OUT/$name.log"
+    # shellcheck disable=SC2086  # EXTRA: keys split on spaces
+    python3 -m trainbench bench "$@" ${EXTRA:-} output.results_dir="$RESULTS/$name" progress=false 2>&1 | tee "$OUT/$name.log"
     local folder
     folder=$(ls -d "$RESULTS/$name"/*/ | tail -n 1)
     cp "$folder/bench.json" "$OUT/$name.json"

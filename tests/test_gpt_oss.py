@@ -166,6 +166,9 @@ def test_tokens_after_an_end_of_document_token_are_not_predicted():
         ({"model.block": "gpt_oss", "data.seq_length": "8192"}, "needs perf.compile=true: uncompiled, its sink"),
         ({"model.precision": "fp8", "distributed.ep": "2", "distributed.nproc": "2"}, "experts held whole on each"),
         ({"model.precision": "fp8", "device": "cpu"}, "needs an NVIDIA GPU"),
+        ({"model.attention": "cudnn"}, "model.attention=cudnn is a GPU kernel of the compiled blocks in 16 bits"),
+        ({"model.window_attention": "flash", "perf.compile": "true", "device": "cpu"}, "model.window_attention=flash"),
+        ({"model.attention": "flash", "perf.compile": "true", "precision": "fp32"}, "precision=auto or bf16"),
     ],
 )
 def test_bad_layouts_are_one_sentence(overrides, says):

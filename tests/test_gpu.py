@@ -749,6 +749,51 @@ def test_gpt_oss_attention_through_flex_matches_the_dense_path_with_gradients_on
         assert torch.allclose(g, grads[1][name], rtol=1e-3, atol=1e-4), name
 
 
+@pytest.mark.parametrize("kernel, window", [("flash", None), ("flash", 96), ("cudnn", None)])
+@pytest.mark.parametrize("sinks", [True, False])
+def test_fused_sink_attention_matches_the_dense_form_in_every_gradient_on_cuda(kernel, window, sinks):
+    """models/sink_attention.fused_sink_attention (a fused kernel's own forward and backward, the sinks applied
+    outside them) against the dense form in float64: output, query, key, value and sink gradients within bf16's own
+    error (the dense form on the same bf16 inputs)."""
+    from trainbench.models.sink_attention import fused_sink_attention, sink_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(2, 8, 512, 64), (2, 2, 512, 64), (2, 2, 512, 64)]
+    exact = [torch.randn(*s, generator=g, device="cuda", dtype=torch.float64).requires_grad_() for s in shapes]
+    exact_sinks = torch.randn(8, generator=g, device="cuda", dtype=torch.float64)
+    if sinks:
+        exact.append(exact_sinks.requires_grad_())
+    direction = torch.randn(2, 8, 512, 64, generator=g, device="cuda", dtype=torch.float64)
+
+    def run(fn, tensors):
+        out = fn(*tensors[:3], tensors[3] if sinks else None)
+        (out.double() * direction).sum().backward()
+        return [out.double()] + [t.grad.double() for t in tensors]
+
+    none = torch.full((8,), -torch.inf, device="cuda")
+    want = run(lambda q, k, v, s: sink_attention(q, k, v, s if sinks else none.double(), window), exact)
+
+    def halves():
+        return [t.detach().to(torch.bfloat16 if i < 3 else torch.float32).requires_grad_() for i, t in enumerate(exact)]
+
+    dense = run(lambda q, k, v, s: sink_attention(q, k, v, s if sinks else none, window), halves())
+    fused = run(lambda q, k, v, s: fused_sink_attention(q, k, v, s, window, kernel), halves())
+    for name, w, d, f in zip(("out", "dq", "dk", "dv", "dsinks"), want, dense, fused, strict=False):
+        err_dense, err_fused = (float((x - w).norm() / w.norm()) for x in (d, f))
+        assert err_fused < max(3 * err_dense, 2e-3), (name, err_fused, err_dense)
+
+
+@pytest.mark.parametrize(
+    "preset, causal, windowed",
+    [("tiny-hf", "flash", "flash"), ("tiny-hf", "cudnn", "flex"), ("tiny", "cudnn", "flash")],
+)
+def test_tiny_gpt_oss_reaches_its_target_through_the_fused_attention_on_cuda(tmp_path, preset, causal, windowed):
+    """model.attention (the causal blocks) and model.window_attention (the windowed ones): flash attention, with its
+    own window, or cuDNN, GPT-OSS's sinks applied outside the kernels; the tiny presets still reach their target."""
+    tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", preset, "perf.compile=true",
+                               f"model.attention={causal}", f"model.window_attention={windowed}")  # fmt: skip
+
+
 @pytest.mark.parametrize("placement", [[], ["perf.compile=true", "perf.activation_checkpointing=true"]])
 def test_tiny_flux_reaches_its_target_on_cuda(tmp_path, placement):
     """flux1's tiny preset in bf16 on CUDA: the rectified-flow loss to 0.586, the log compliant but for the scaled-down

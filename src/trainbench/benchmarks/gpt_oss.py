@@ -128,6 +128,12 @@ class GptOssBenchmark(Llama31Benchmark):
             raise ConfigError(f"model.block=gpt_oss at seq {cfg.data.seq_length} needs perf.compile=true: uncompiled, "
                               f"its sink attention holds every score ({scores / 2**30:.0f} GiB a micro-batch); "
                               "compiled on a GPU it runs through FlexAttention")  # fmt: skip
+        fused = [f"model.{key}={kernel}" for key, kernel in (("attention", m.attention),
+                 ("window_attention", m.window_attention)) if kernel in ("flash", "cudnn")]  # fmt: skip
+        if fused and (not cfg.perf.compile or cfg.device == "cpu" or cfg.precision == "fp32"):
+            raise ConfigError(f"{fused[0]} is a GPU kernel of the compiled blocks in 16 bits: it needs "
+                              "perf.compile=true, a GPU (device=cuda or auto) and precision=auto or bf16; "
+                              "leave the key at its default elsewhere")  # fmt: skip
         if cfg.distributed.tp > 1:
             raise ConfigError(f"distributed.tp={cfg.distributed.tp}: gpt_oss_20b has no tensor-parallel plan (its "
                               "experts are stacked tensors); use more data-parallel ranks")  # fmt: skip

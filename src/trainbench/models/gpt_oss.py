@@ -29,14 +29,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from trainbench.config import option
 from trainbench.models.decoder import Block, Body, DecoderConfig, DecoderLM, RMSNorm, apply_rope, norm
 from trainbench.models.moe import MoE, MoEShape, load_balancing_loss
-from trainbench.models.sink_attention import sink_attention, window_mask, with_sinks
+from trainbench.models.sink_attention import flex_sink_attention, fused_sink_attention, sink_attention, window_mask
 
 BLOCKS = ("reference", "gpt_oss")
+ATTENTION_KERNELS = ("auto", "flex", "flash", "cudnn")
 
 
 @dataclass(kw_only=True)
@@ -62,6 +63,19 @@ class GptOssConfig(DecoderConfig):
         "reference: MLCommons' block (no biases, no sinks, SiLU experts, plain RoPE); gpt_oss: GPT-OSS's own "
         "(biases, attention sinks, clamped SwiGLU, YaRN RoPE), as NVIDIA submitted it and transformers defines it.",
         choices=BLOCKS,
+    )
+    attention: str = option(
+        "auto",
+        "Kernel of the blocks without a window, where the blocks compile on CUDA: flex (FlexAttention), flash (flash "
+        "attention), cudnn (cuDNN's fused attention; with flash and cudnn GPT-OSS's sinks are applied outside the "
+        "kernel's forward and backward) or auto (cudnn on compute capability 9.0 or newer in 16 bits, else flex).",
+        choices=ATTENTION_KERNELS,
+    )
+    window_attention: str = option(
+        "flex",
+        "Kernel of the windowed blocks, where the blocks compile on CUDA: flex (FlexAttention with the window's block "
+        "mask) or flash (flash attention with its own window).",
+        choices=ATTENTION_KERNELS[1:3],
     )
     num_experts: int = option(32, "Experts in each block's mixture.", at_least=1)
     experts_per_token: int = option(4, "Experts each token is routed to (top-k).", at_least=1)
@@ -149,6 +163,13 @@ def window_block_mask(seq: int, window: int | None, device: torch.device) -> Blo
     return create_block_mask(causal if window is None else sliding, None, None, seq, seq, device=device)
 
 
+def auto_kernel(q: torch.Tensor) -> str:
+    """model.attention=auto for ``q``: cuDNN's fused attention on a GPU of compute capability 9.0 or newer in 16 bits
+    (the fastest measured on an H200: docs/gpt_oss.md), FlexAttention elsewhere."""
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    return "cudnn" if q.is_cuda and half and torch.cuda.get_device_capability(q.device) >= (9, 0) else "flex"
+
+
 class GptOssAttention(nn.Module):
     def __init__(self, cfg: GptOssConfig, index: int):
         super().__init__()
@@ -160,6 +181,7 @@ class GptOssAttention(nn.Module):
         self.v_proj = nn.Linear(h, cfg.kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=bias)
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.gpt_oss_block else None
+        self.kernel = cfg.attention if self.window is None else cfg.window_attention
         if not cfg.gpt_oss_block:  # the reference's QK-norm: each head's queries and keys RMS-normalised
             self.q_norm, self.k_norm = RMSNorm(d, cfg.norm_eps), RMSNorm(d, cfg.norm_eps)
 
@@ -180,12 +202,11 @@ class GptOssAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         gqa = q.shape[1] != k.shape[1]
-        if isinstance(mask, BlockMask):
-            if self.sinks is None:
-                out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-            else:  # the sinks from the kernel's log-sum-exp: one scale of its output (models/sink_attention.py)
-                out, aux = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
-                out = with_sinks(out, aux.lse, self.sinks)
+        kernel = self.kernel if self.kernel != "auto" else auto_kernel(q)
+        if isinstance(mask, BlockMask) and kernel != "flex":
+            out = fused_sink_attention(q, k, v, self.sinks, self.window, kernel)
+        elif isinstance(mask, BlockMask):
+            out = flex_sink_attention(q, k, v, self.sinks, mask)
         elif self.sinks is not None:
             out = sink_attention(q, k, v, self.sinks, self.window)
         elif self.window is None:
