@@ -787,11 +787,21 @@ def test_fused_sink_attention_matches_the_dense_form_in_every_gradient_on_cuda(k
     "preset, causal, windowed",
     [("tiny-hf", "flash", "flash"), ("tiny-hf", "cudnn", "flex"), ("tiny", "cudnn", "flash")],
 )
-def test_tiny_gpt_oss_reaches_its_target_through_the_fused_attention_on_cuda(tmp_path, preset, causal, windowed):
+def test_tiny_gpt_oss_reaches_its_target_through_the_fused_attention_on_cuda(tmp_path, capsys, preset, causal,
+                                                                             windowed):  # fmt: skip
     """model.attention (the causal blocks) and model.window_attention (the windowed ones): flash attention, with its
-    own window, or cuDNN, GPT-OSS's sinks applied outside the kernels; the tiny presets still reach their target."""
+    own window, or cuDNN, GPT-OSS's sinks applied outside the kernels; the tiny presets still reach their target, and
+    the run says which kernels it took."""
     tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", preset, "perf.compile=true",
                                f"model.attention={causal}", f"model.window_attention={windowed}")  # fmt: skip
+    assert f"attention through {causal} (whole prefix) and {windowed} (window)" in capsys.readouterr().out
+
+
+def test_the_default_attention_is_cudnn_on_hopper_and_newer_in_bf16(tmp_path, capsys):
+    """model.attention=auto: cuDNN for the causal blocks on compute capability 9.0 or newer, FlexAttention before."""
+    tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", "tiny-hf", "perf.compile=true")
+    want = "cudnn" if torch.cuda.get_device_capability() >= (9, 0) else "flex"
+    assert f"attention through {want} (whole prefix) and flex (window)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("placement", [[], ["perf.compile=true", "perf.activation_checkpointing=true"]])

@@ -25,7 +25,7 @@ from trainbench.config import DataConfig, OptimizerConfig, RunConfig, ScheduleCo
 from trainbench.data import prepare_llm
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
-from trainbench.models.gpt_oss import GptOssConfig, GptOssLM
+from trainbench.models.gpt_oss import GptOssConfig, GptOssLM, auto_kernel
 
 # The reference's shape (Primus' gpt_oss_20B): 24 blocks of width 2880, 64 query and 8 key/value heads of 64,
 # 32 experts of width 2880, 4 a token, a window of 128 earlier keys (and the query's own) on every other block.
@@ -194,8 +194,14 @@ class GptOssBenchmark(Llama31Benchmark):
         m = cfg.model
         ep = cfg.distributed.ep if info.world_size > 1 else 1
         spread = f"; {m.num_experts // ep} experts on each of {ep} ranks (all-to-all)" if ep > 1 else ""
+        kernels = ""
+        if cfg.perf.compile and info.device.type == "cuda":  # the compiled blocks' fused attention (model.attention)
+            causal = m.attention if m.attention != "auto" else auto_kernel(info.device, torch.bfloat16 if bf16 else
+                                                                           torch.float32)  # fmt: skip
+            kernels = f"; attention through {causal} (whole prefix) and {m.window_attention} (window)"
         placed.notes.append(f"{m.block} block: {m.num_experts} experts, {m.experts_per_token} a token; a "
-                            f"{m.sliding_window}-token window on every {m.window_every} blocks{spread}")  # fmt: skip
+                            f"{m.sliding_window}-token window on every {m.window_every} blocks{spread}"
+                            f"{kernels}")  # fmt: skip
         return placed
 
     def flops_per_sample(self, cfg: RunConfig) -> float | None:

@@ -163,11 +163,11 @@ def window_block_mask(seq: int, window: int | None, device: torch.device) -> Blo
     return create_block_mask(causal if window is None else sliding, None, None, seq, seq, device=device)
 
 
-def auto_kernel(q: torch.Tensor) -> str:
-    """model.attention=auto for ``q``: cuDNN's fused attention on a GPU of compute capability 9.0 or newer in 16 bits
-    (the fastest measured on an H200: docs/gpt_oss.md), FlexAttention elsewhere."""
-    half = q.dtype in (torch.bfloat16, torch.float16)
-    return "cudnn" if q.is_cuda and half and torch.cuda.get_device_capability(q.device) >= (9, 0) else "flex"
+def auto_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """model.attention=auto on ``device`` for activations of ``dtype``: cuDNN's fused attention on a GPU of compute
+    capability 9.0 or newer in 16 bits (the fastest measured on an H200: docs/gpt_oss.md), FlexAttention elsewhere."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    return "cudnn" if device.type == "cuda" and half and torch.cuda.get_device_capability(device) >= (9, 0) else "flex"
 
 
 class GptOssAttention(nn.Module):
@@ -202,7 +202,7 @@ class GptOssAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         gqa = q.shape[1] != k.shape[1]
-        kernel = self.kernel if self.kernel != "auto" else auto_kernel(q)
+        kernel = self.kernel if self.kernel != "auto" else auto_kernel(q.device, q.dtype)
         if isinstance(mask, BlockMask) and kernel != "flex":
             out = fused_sink_attention(q, k, v, self.sinks, self.window, kernel)
         elif isinstance(mask, BlockMask):
