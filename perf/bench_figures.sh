@@ -31,7 +31,8 @@
 #   perf/bench_figures.sh node-lora   the 70B LoRA with its layout planned for NPROC GPUs (replicas or a sharded base)
 #   perf/bench_figures.sh node-llm    Llama 3.1 8B in FP8, the whole 32-block model sharded over NPROC GPUs
 #   perf/bench_figures.sh node-moe    gpt_oss_20b, experts spread over NPROC GPUs (distributed.ep); the whole model
-#                                     on 8 GPUs, 2 and 4 blocks extrapolated on fewer
+#                                     on 8 GPUs, 2 and 4 blocks extrapolated on fewer; in FP8:
+#                                     EXTRA=model.precision=fp8 TAG=-fp8 perf/bench_figures.sh node-moe
 #   perf/bench_figures.sh node-bert   BERT-large at NVIDIA's node shapes (48 rows x 1 and x 2 accumulation a GPU) on
 #                                     NPROC GPUs and on one, for the scaling
 #   perf/bench_figures.sh node-tiny   every benchmark's tiny preset to its target over NCCL on NPROC GPUs; each run's

@@ -91,3 +91,72 @@ def test_rows_dispatched_and_combined_by_gathers_equal_indexing_and_index_add(ac
         results.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _expert_parallel_worker(rank, world, port, align, out):
+    """One rank of two: the layer of ``test_rows_padded_per_expert_under_expert_parallelism_...``, its experts
+    spread over the ranks, each rank's half of the tokens; rank 0 writes the outputs and gradients gathered."""
+    import os
+
+    import torch.distributed as dist
+
+    from trainbench.models.decoder_parallel import apply_expert_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        layer, x, direction = _expert_parallel_case()
+        apply_expert_parallel(torch.nn.Sequential(layer), "cpu", world, world)
+        layer.gather_rows, layer.align_rows = True, align
+        mine = x.chunk(world)[rank].clone().requires_grad_()
+        result, _ = layer(mine)
+        (result * direction.chunk(world)[rank]).sum().backward()
+
+        def gathered(t):
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t.contiguous())
+            return torch.cat(parts)
+
+        router = layer.router.weight.grad.clone()
+        dist.all_reduce(router)  # each rank's router saw its own tokens
+        # each rank's experts' gradients were scaled by 1 / ranks (the loop scales each rank's loss by the ranks)
+        experts = [gathered(layer.get_parameter(n).grad.to_local()) * world for n in _EXPERT_TENSORS]
+        everything = [gathered(result.detach()), gathered(mine.grad), router, *experts]  # collectives: every rank
+        if rank == 0:
+            torch.save(everything, out)
+    finally:
+        dist.destroy_process_group()
+
+
+_EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+def _expert_parallel_case():
+    shape = MoEShape(hidden=32, ffn=24, experts=6, top_k=3, activation="gpt_oss", bias=True)
+    torch.manual_seed(3)
+    layer = MoE(shape).double()
+    _random(layer)
+    x = torch.randn(60, 32, dtype=torch.float64)
+    return layer, x, torch.linspace(-1, 1, x.numel(), dtype=torch.float64).view_as(x)
+
+
+def test_rows_padded_per_expert_under_expert_parallelism_give_the_one_rank_layer(tmp_path):
+    """Expert parallelism over 2 gloo ranks (3 experts each, all-to-all) with each expert's arriving rows padded to
+    a multiple of 16 (as the experts' FP8 grouped product needs) against the layer on one rank, unpadded, in
+    float64: the same outputs, input gradients, router and expert gradients (biases included)."""
+    import socket
+
+    layer, x, direction = _expert_parallel_case()
+    x.requires_grad_()
+    want, _ = layer(x)
+    (want * direction).sum().backward()
+    want = [want.detach(), x.grad, layer.router.weight.grad] + [layer.get_parameter(n).grad for n in _EXPERT_TENSORS]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ep.pt"
+    torch.multiprocessing.spawn(_expert_parallel_worker, args=(2, port, 16, str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    for name, g, w in zip(["output", "input", "router", *_EXPERT_TENSORS], got, want, strict=True):
+        assert torch.allclose(g, w, rtol=1e-12, atol=1e-12), name

@@ -108,11 +108,7 @@ class GptOssBenchmark(Llama31Benchmark):
     }
 
     def validate(self, cfg: RunConfig) -> None:
-        m, ep = cfg.model, cfg.distributed.ep
-        if m.precision == "fp8" and ep > 1:  # a contradiction whatever the machine: before the device's checks
-            raise ConfigError(f"model.precision=fp8 with distributed.ep={ep}: the experts' FP8 path runs on experts "
-                              "held whole on each rank; leave distributed.ep=1 (FSDP2 alone) or train in "
-                              "bf16")  # fmt: skip
+        m = cfg.model
         super().validate(cfg)
         if m.experts_per_token > m.num_experts:
             raise ConfigError(f"model.experts_per_token={m.experts_per_token} exceeds model.num_experts="

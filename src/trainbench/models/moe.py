@@ -16,7 +16,9 @@ the largest and multiplied as one batched product. With ``fp8`` (``model.precisi
 gradient are FP8 grouped products (torch's ``_scaled_grouped_mm``: e4m3, a power-of-two scale per row and per
 expert's output column) and the weights' gradient a bf16 one (:class:`_FP8Grouped`); FP8's grouped product needs
 each expert's rows to start on a multiple of 16, so the rows are then laid out with each expert's group padded by
-zero rows (``align_rows``), in a buffer of a size fixed by the token count (no wait on the GPU for the counts).
+zero rows (``align_rows``), in a buffer of a size fixed by the token count (no wait on the GPU for the counts). With
+expert parallelism each rank pads the rows that arrive for its experts, whose counts its all-to-all already brought
+to the host.
 """
 
 from __future__ import annotations
@@ -168,6 +170,20 @@ class MoE(nn.Module):
             out = out + down_bias[group].to(out.dtype)
         return out
 
+    def _experts_padded(self, rows, group, counts, host_counts: list[int], *weights) -> torch.Tensor:
+        """:meth:`_experts` with each expert's group of ``rows`` padded with zero rows to a multiple of
+        ``align_rows``: the groups' sizes ``host_counts`` are known on the host (expert parallelism learns them to
+        size its all-to-all). A padding row's output is read by nothing."""
+        align = self.align_rows
+        padded = torch.tensor([-(-c // align) * align for c in host_counts], device=rows.device)
+        slot = torch.arange(rows.shape[0], device=rows.device) + (torch.cumsum(padded, 0) - torch.cumsum(counts, 0)
+                                                                  + counts - padded)[group]  # fmt: skip
+        size = int(sum(-(-c // align) * align for c in host_counts))
+        buffer = rows.new_zeros(size, rows.shape[1]).index_copy(0, slot, rows)
+        experts = torch.repeat_interleave(torch.arange(len(host_counts), device=rows.device), padded,
+                                          output_size=size)  # fmt: skip
+        return self._experts(buffer, experts, padded, *weights)[slot]
+
     def _experts_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """:meth:`_experts` with the experts spread over the ranks of ``ep_group`` (rank j holds the j-th contiguous
         share, as DTensors sharded by expert): each row goes to its expert's rank by all-to-all, through the expert,
@@ -187,7 +203,11 @@ class MoE(nn.Module):
         by_expert = torch.argsort(expert_of, stable=True)
         mine = (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias)
         mine = [None if w is None else _ScaleGrad.apply(w.to_local(), self.expert_grad_scale) for w in mine]
-        out = self._experts(arrived[by_expert], expert_of[by_expert], recv.sum(0), *mine)
+        rows, group, counts = arrived[by_expert], expert_of[by_expert], recv.sum(0)
+        if self.align_rows > 1:  # each expert's rows padded to a multiple of align_rows (FP8's grouped product)
+            out = self._experts_padded(rows, group, counts, recv.sum(0).tolist(), *mine)
+        else:
+            out = self._experts(rows, group, counts, *mine)
         out = out[torch.argsort(by_expert)]
         return all_to_all_single(out.new_empty(sum(sent), out.shape[1]), out, sent, received, group=self.ep_group)
 
@@ -200,9 +220,7 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # the (token, choice) pairs sorted by expert
         counts = torch.bincount(flat, minlength=self.shape.experts)
         token_of = order // self.shape.top_k
-        if self.align_rows > 1:
-            if self.ep_group is not None:
-                raise NotImplementedError("aligned expert groups (FP8) with expert parallelism")
+        if self.align_rows > 1 and self.ep_group is None:  # with expert parallelism: _experts_padded
             return self._forward_aligned(x, tokens, weights, flat, order, counts, token_of), logits
         gather = tokens.is_cuda if self.gather_rows is None else self.gather_rows
         if gather:
