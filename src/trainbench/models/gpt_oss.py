@@ -202,11 +202,12 @@ class GptOssAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         gqa = q.shape[1] != k.shape[1]
-        kernel = self.kernel if self.kernel != "auto" else auto_kernel(q.device, q.dtype)
-        if isinstance(mask, BlockMask) and kernel != "flex":
-            out = fused_sink_attention(q, k, v, self.sinks, self.window, kernel)
-        elif isinstance(mask, BlockMask):
-            out = flex_sink_attention(q, k, v, self.sinks, mask)
+        if isinstance(mask, BlockMask):  # compiled on CUDA: a fused kernel (model.attention, model.window_attention)
+            kernel = self.kernel if self.kernel != "auto" else auto_kernel(q.device, q.dtype)
+            if kernel == "flex":
+                out = flex_sink_attention(q, k, v, self.sinks, mask)
+            else:
+                out = fused_sink_attention(q, k, v, self.sinks, self.window, kernel)
         elif self.sinks is not None:
             out = sink_attention(q, k, v, self.sinks, self.window)
         elif self.window is None:

@@ -174,11 +174,9 @@ class MoE(nn.Module):
         """:meth:`_experts` with each expert's group of ``rows`` padded with zero rows to a multiple of
         ``align_rows``: the groups' sizes ``host_counts`` are known on the host (expert parallelism learns them to
         size its all-to-all). A padding row's output is read by nothing."""
-        align = self.align_rows
-        padded = torch.tensor([-(-c // align) * align for c in host_counts], device=rows.device)
-        slot = torch.arange(rows.shape[0], device=rows.device) + (torch.cumsum(padded, 0) - torch.cumsum(counts, 0)
-                                                                  + counts - padded)[group]  # fmt: skip
-        size = int(sum(-(-c // align) * align for c in host_counts))
+        sizes = [-(-c // self.align_rows) * self.align_rows for c in host_counts]
+        padded, size = torch.tensor(sizes, device=rows.device), sum(sizes)
+        slot = _padded_slots(counts, padded, group)
         buffer = rows.new_zeros(size, rows.shape[1]).index_copy(0, slot, rows)
         experts = torch.repeat_interleave(torch.arange(len(host_counts), device=rows.device), padded,
                                           output_size=size)  # fmt: skip
@@ -205,7 +203,7 @@ class MoE(nn.Module):
         mine = [None if w is None else _ScaleGrad.apply(w.to_local(), self.expert_grad_scale) for w in mine]
         rows, group, counts = arrived[by_expert], expert_of[by_expert], recv.sum(0)
         if self.align_rows > 1:  # each expert's rows padded to a multiple of align_rows (FP8's grouped product)
-            out = self._experts_padded(rows, group, counts, recv.sum(0).tolist(), *mine)
+            out = self._experts_padded(rows, group, counts, counts.tolist(), *mine)
         else:
             out = self._experts(rows, group, counts, *mine)
         out = out[torch.argsort(by_expert)]
@@ -251,10 +249,7 @@ class MoE(nn.Module):
         size = -(-pairs // align) * align + experts * align
         padded = (counts + align - 1) // align * align
         groups = torch.cat([padded[:-1], (size - padded[:-1].sum()).reshape(1)])  # the slack in the last group
-        start = torch.cumsum(counts, 0) - counts
-        padded_start = torch.cumsum(padded, 0) - padded
-        sorted_expert = flat[order]
-        slot = torch.arange(pairs, device=flat.device) - start[sorted_expert] + padded_start[sorted_expert]
+        slot = _padded_slots(counts, padded, flat[order])
         slot_token = torch.full((size,), tokens.shape[0], dtype=token_of.dtype, device=flat.device)
         slot_token = slot_token.scatter(0, slot, token_of)  # the row each slot reads; a padding slot the zero row
         position = torch.empty_like(order).scatter_(0, order, slot)  # each (token, choice) pair's slot
@@ -268,6 +263,13 @@ class MoE(nn.Module):
         out = out * slot_weight[:, None].to(out.dtype)
         combined = _Combine.apply(out, position, slot_token, self.shape.top_k, True)
         return combined.to(x.dtype).reshape(x.shape)
+
+
+def _padded_slots(counts: torch.Tensor, padded: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Where each of the rows sorted by ``group`` (``counts`` a group) goes when each group takes ``padded`` rows,
+    its own first, in the same order."""
+    start, padded_start = torch.cumsum(counts, 0) - counts, torch.cumsum(padded, 0) - padded
+    return torch.arange(group.numel(), device=group.device) - start[group] + padded_start[group]
 
 
 def _with_zero_row(t: torch.Tensor) -> torch.Tensor:

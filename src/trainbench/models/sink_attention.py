@@ -27,12 +27,20 @@ def window_mask(seq: int, window: int | None, device=None) -> torch.Tensor:
     return allowed
 
 
+def _sink_scale(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """sigmoid(lse - sink) [batch, heads, seq, 1] in fp32: what each query keeps of its attention beside its sink."""
+    return torch.sigmoid(_wide(lse) - _wide(sinks)[None, :, None])[..., None]
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32 at least."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """``out`` [batch, heads, seq, dim] of attention without sinks, and its ``lse`` [batch, heads, seq], as
     attention with the per-head ``sinks`` [heads] among the keys."""
-    wide = torch.promote_types(out.dtype, torch.float32)  # fp32 at least
-    scale = torch.sigmoid(lse.to(wide) - sinks.to(wide)[None, :, None])
-    return (out.to(wide) * scale[..., None]).to(out.dtype)
+    return (_wide(out) * _sink_scale(lse, sinks)).to(out.dtype)
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None = None,
@@ -62,15 +70,19 @@ def flex_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks
     return with_sinks(out, aux.lse, sinks)
 
 
+def _flash_window(window: int | None) -> dict:
+    """Flash attention's window arguments: the ``window`` last keys, the query's own included."""
+    return {"window_size_left": window - 1, "window_size_right": 0} if window is not None else {}
+
+
 def _kernel_forward(kernel: str, q, k, v, window):
     """(out, lse [batch, heads, seq] fp32, what the backward needs) of attention without sinks; q, k, v and out
     [batch, heads, seq, dim]."""
     seq = q.shape[2]
     if kernel == "flash":
-        left, right = (window - 1, 0) if window is not None else (None, None)
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, seq, seq, 0.0, True, False,
-            window_size_left=left, window_size_right=right)  # fmt: skip
+            **_flash_window(window))  # fmt: skip
         return out.transpose(1, 2), lse, (rng, unused)
     out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, True, False
@@ -81,38 +93,13 @@ def _kernel_forward(kernel: str, q, k, v, window):
 def _kernel_backward(kernel: str, grad, q, k, v, out, lse, aux, window):
     seq = q.shape[2]
     if kernel == "flash":
-        left, right = (window - 1, 0) if window is not None else (None, None)
         grads = torch.ops.aten._flash_attention_backward(
-            grad.transpose(1, 2),
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            out.transpose(1, 2),
-            lse,
-            None,
-            None,
-            seq,
-            seq,
-            0.0,
-            True,
-            *aux,
-            window_size_left=left,
-            window_size_right=right,
-        )
+            *(t.transpose(1, 2) for t in (grad, q, k, v, out)), lse, None, None, seq, seq, 0.0, True, *aux,
+            **_flash_window(window))  # fmt: skip
         return tuple(g.transpose(1, 2) for g in grads)
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         grad, q, k, v, out, lse[..., None], *aux, None, None, None, seq, seq, 0.0, True
     )
-
-
-def _sink_scale(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """sigmoid(lse - sink) [batch, heads, seq, 1] in fp32: what each query keeps of its attention beside its sink."""
-    return torch.sigmoid(_wide(lse) - _wide(sinks)[None, :, None])[..., None]
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in fp32 at least."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 class _FusedSinks(torch.autograd.Function):
@@ -129,7 +116,7 @@ class _FusedSinks(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, window, kernel):
         out, lse, aux = _kernel_forward(kernel, q, k, v, window)
         if sinks is not None:
-            out = (_wide(out) * _sink_scale(lse, sinks)).to(q.dtype)
+            out = with_sinks(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks, *aux)
         ctx.window, ctx.kernel = window, kernel
         return out
