@@ -722,6 +722,33 @@ def test_the_experts_in_fp8_match_bf16_in_output_and_every_gradient_on_cuda(acti
         assert err_f < 0.1 and (name == "down_proj_bias" or 2 * err_b < err_f), (name, err_f, err_b)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_activation_backward_kernel_matches_its_torch_form_on_cuda(activation, dtype):
+    """glu_kernel's Triton kernel against the same formula in torch (the one the CPU tests check against autograd),
+    on values across GPT-OSS's clamps and exactly on them, each row's expert's bias added; a width that is not a
+    multiple of the kernel's block."""
+    from trainbench.models.glu_kernel import _glu_backward_torch, glu_backward
+
+    torch.manual_seed(0)
+    rows, ffn, experts = 300, 1500, 5
+    h = (torch.randn(rows, 2 * ffn, device="cuda") * 6).to(dtype)
+    h[0, :8] = torch.tensor([7.0, 7.0, -7.0, -7.0, 7.5, -7.5, 6.5, 7.5])
+    grad = torch.randn(rows, ffn, device="cuda").to(dtype)
+    bias = torch.randn(experts, 2 * ffn, device="cuda")
+    bias[:, :8] = 0.0
+    group = torch.randint(0, experts, (rows,), device="cuda").sort().values
+    for b, g in ((None, None), (bias, group)):
+        ours = glu_backward(h, b, g, grad, activation, 1.702, 7.0)
+        ref = _glu_backward_torch(h, b, g, grad, activation, 1.702, 7.0)
+        assert ours.dtype == dtype and ours.shape == h.shape
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the same fp32 value may round one step apart
+        assert torch.allclose(ours.float(), ref.float(), rtol=tol, atol=tol * float(ref.float().abs().max()))
+        assert float((ours.float() - ref.float()).norm() / ref.float().norm()) < tol / 10
+        if activation == "gpt_oss":
+            assert [ours[0, i].item() == 0 for i in range(8)] == [False, False, False, False, True, True, False, True]
+
+
 def test_gpt_oss_attention_through_flex_matches_the_dense_path_with_gradients_on_cuda():
     """The window and the sinks through compiled FlexAttention against the dense sink attention, gradients included."""
     import dataclasses

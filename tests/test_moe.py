@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainbench.models.glu_kernel import glu, glu_backward
 from trainbench.models.moe import MoE, MoEShape, load_balancing_loss, route
 
 
@@ -91,6 +92,58 @@ def test_rows_dispatched_and_combined_by_gathers_equal_indexing_and_index_add(ac
         results.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _glu_reference_gradient(h, bias, group, grad, activation):
+    """``h``'s gradient by autograd through the activation's tensor operations (what the CPU runs)."""
+    h = h.detach().clone().requires_grad_()
+    x = h if bias is None else h + bias[group]
+    (glu(x, activation, 1.702, 7.0) * grad).sum().backward()
+    return h.grad
+
+
+@pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_activation_backward_as_one_op_equals_autograd_at_and_beyond_the_clamp(activation, bias):
+    """``glu_backward`` (off CUDA: its torch form, the formula the CUDA kernel computes) against autograd of the
+    activation in float64: values on both sides of GPT-OSS's clamps at +-7 and exactly on them, with each row's
+    expert's bias added."""
+    torch.manual_seed(0)
+    rows, ffn, experts = 12, 8, 3
+    h = torch.randn(rows, 2 * ffn, dtype=torch.float64) * 6
+    h[0, :8] = torch.tensor([7.0, 7.0, -7.0, -7.0, 7.5, -7.5, 6.99, 7.01], dtype=torch.float64)
+    grad = torch.randn(rows, ffn, dtype=torch.float64)
+    b = torch.randn(experts, 2 * ffn, dtype=torch.float64) if bias else None
+    group = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2]) if bias else None
+    if bias:
+        b[0, :8] = 0.0  # row 0's values stay exactly on the clamps
+    ours = glu_backward(h, b, group, grad, activation, 1.702, 7.0)
+    assert torch.allclose(ours, _glu_reference_gradient(h, b, group, grad, activation), rtol=1e-12, atol=1e-12)
+    if activation == "gpt_oss":  # (gate, up) pairs: the clamps cut the gradient of a gate above 7 and of an up
+        # outside [-7, 7], and pass it on the bounds themselves
+        assert [ours[0, i].item() == 0 for i in range(8)] == [False, False, False, False, True, True, False, True]
+
+
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("gpt_oss", True)])
+def test_the_experts_with_the_activation_backward_as_one_op_equal_autograd(activation, bias):
+    """The layer with ``glu_kernel`` (the CUDA path: BiasGLU, one op for the activation's backward, the first bias's
+    gradient by a product) against autograd of the tensor operations: outputs and every gradient, in float64, the
+    weights large enough that GPT-OSS's clamps cut some rows."""
+    shape = MoEShape(hidden=32, ffn=24, experts=6, top_k=3, activation=activation, bias=bias)
+    results = []
+    for kernel in (False, True):
+        torch.manual_seed(4)
+        layer = MoE(shape).double()
+        _random(layer)
+        with torch.no_grad():
+            layer.gate_up_proj.mul_(10)
+        layer.glu_kernel = kernel
+        x = torch.randn(40, 32, dtype=torch.float64, requires_grad=True)
+        out, _ = layer(x)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
+        results.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.allclose(a, b, rtol=1e-11, atol=1e-11)
 
 
 def _expert_parallel_worker(rank, world, port, align, out):

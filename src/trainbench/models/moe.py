@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainbench.models.fp8 import E4M3, E4M3_MAX, min_capability
+from trainbench.models.glu_kernel import BiasGLU, glu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +120,12 @@ class MoE(nn.Module):
         self.ep_group: dist.ProcessGroup | None = None
         self.expert_grad_scale = 1.0
         # How rows go to their experts and back: by gathers both ways (_Dispatch, _Combine: no atomic scatter in the
-        # forward or the backward), or by indexing and index_add_ (the CPU's, whose sums the golden runs keep).
-        # None: gathers on CUDA.
+        # forward or the backward; the experts' biases take their gradient by a product, _GroupBias), or by
+        # indexing and index_add_ (the CPU's, whose sums the golden runs keep). None: gathers on CUDA.
         self.gather_rows: bool | None = None
+        # The activation's backward (and the first bias's gradient) as one kernel (glu_kernel.BiasGLU), or through
+        # autograd of the activation's tensor operations (the CPU's, whose sums the golden runs keep). None: on CUDA.
+        self.glu_kernel: bool | None = None
         # The experts' products in FP8 (set by the placement for model.precision=fp8), and the row alignment of each
         # expert's group (16 for FP8; 1: the groups packed back to back)
         self.fp8 = False
@@ -143,13 +147,7 @@ class MoE(nn.Module):
                 nn.init.zeros_(bias)
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        if self.shape.activation == "silu":
-            return F.silu(gate) * up
-        limit = self.shape.limit
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.shape.alpha)
+        return glu(gate_up, self.shape.activation, self.shape.alpha, self.shape.limit)
 
     def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """[tokens, experts] in fp32 at least, also under bf16 autocast (the reference's router runs in fp32: its
@@ -159,15 +157,27 @@ class MoE(nn.Module):
         with torch.autocast(tokens.device.type, enabled=False):
             return F.linear(tokens.to(wide), self.router.weight.to(wide), None if bias is None else bias.to(wide))
 
+    def _gathers(self, device: torch.device) -> bool:
+        """Whether rows move by gathers (and the experts' biases take their gradient by a product) rather than by
+        indexing and atomic adds: :attr:`gather_rows`, or None: on CUDA."""
+        return device.type == "cuda" if self.gather_rows is None else self.gather_rows
+
     def _experts(self, rows, group, counts, gate_up, down, gate_up_bias, down_bias) -> torch.Tensor:
         """Each row of ``rows`` (sorted by expert, ``counts`` a group; ``group`` its expert among those of the
         weights given) through its expert."""
+        product = self._gathers(rows.device)
         h = _grouped(rows, gate_up, counts, self.fp8)
-        if gate_up_bias is not None:
-            h = h + gate_up_bias[group].to(h.dtype)
-        out = _grouped(self.activation(h), down, counts, self.fp8)
+        if rows.is_cuda if self.glu_kernel is None else self.glu_kernel:
+            s = self.shape
+            act = BiasGLU.apply(h, gate_up_bias, group if gate_up_bias is not None else None, s.activation, s.alpha,
+                                s.limit)  # fmt: skip
+        else:
+            if gate_up_bias is not None:
+                h = _add_group_bias(h, gate_up_bias, group, product)
+            act = self.activation(h)
+        out = _grouped(act, down, counts, self.fp8)
         if down_bias is not None:
-            out = out + down_bias[group].to(out.dtype)
+            out = _add_group_bias(out, down_bias, group, product)
         return out
 
     def _experts_padded(self, rows, group, counts, host_counts: list[int], *weights) -> torch.Tensor:
@@ -220,7 +230,7 @@ class MoE(nn.Module):
         token_of = order // self.shape.top_k
         if self.align_rows > 1 and self.ep_group is None:  # with expert parallelism: _experts_padded
             return self._forward_aligned(x, tokens, weights, flat, order, counts, token_of), logits
-        gather = tokens.is_cuda if self.gather_rows is None else self.gather_rows
+        gather = self._gathers(tokens.device)
         if gather:
             position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
             rows = _Dispatch.apply(tokens, token_of, position, self.shape.top_k)
@@ -312,6 +322,33 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (token_of,) = ctx.saved_tensors
         return (_with_zero_row(grad) if ctx.padded else grad)[token_of], None, None, None, None
+
+
+def _add_group_bias(h: torch.Tensor, bias: torch.Tensor, group: torch.Tensor, product: bool) -> torch.Tensor:
+    """``h`` [rows, width] plus each row's group's ``bias`` [groups, width] (``group`` [rows]); ``product``: the
+    bias's gradient as one matrix product (:class:`_GroupBias`) instead of indexing's atomic adds."""
+    if product:
+        return _GroupBias.apply(h, bias, group)
+    return h + bias[group].to(h.dtype)
+
+
+class _GroupBias(torch.autograd.Function):
+    """``h + bias[group]``, with the bias's gradient as a product of the groups' indicator [groups, rows] and the
+    rows' gradient, in the rows' precision with the product's fp32 accumulation. Indexing's own backward adds every
+    row into its group's bias with an atomic add, thousands of rows onto the same addresses: on a GPU it costs
+    several times the pass over the rows that it is."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, bias: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(group)
+        ctx.groups, ctx.bias_dtype = bias.shape[0], bias.dtype
+        return h + bias[group].to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (group,) = ctx.saved_tensors
+        members = torch.arange(ctx.groups, device=group.device)[:, None] == group[None, :]
+        return grad, (members.to(grad.dtype) @ grad).to(ctx.bias_dtype), None
 
 
 class _ScaleGrad(torch.autograd.Function):

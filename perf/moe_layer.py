@@ -1,0 +1,115 @@
+"""gpt_oss_20b's mixture-of-experts layer alone on this GPU: forward and backward time, and its kernels.
+
+The layer is the product's own (`trainbench.models.moe.MoE`, built by the benchmark's block from the preset's model
+config), compiled as the blocks are (`torch.compile(dynamic=False)`), under bf16 autocast with fp32 weights, at one
+micro-batch of the preset at micro-batches of 4 (4 x 8,192 tokens). `--fp8` takes the experts' FP8 grouped products
+(`experts_in_fp8`, as `model.precision=fp8` does). `--micro-batches N` runs N forward/backward passes a step, the
+weights' gradients accumulated as the loop accumulates them. Prints the step's time (median of CUDA-event timings)
+and the longest kernels by GPU time a step (torch.profiler).
+
+    python perf/moe_layer.py --preset gpt-oss-20b-hf --fp8 --out OUT
+
+Writes OUT/moe_layer_<preset>[_fp8].json; with TORCHINDUCTOR_CACHE_DIR set, the compiled kernels' sources are there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from trainbench.benchmarks import get_benchmark  # noqa: E402
+from trainbench.models.gpt_oss import GptOssBlock  # noqa: E402
+from trainbench.models.moe import experts_in_fp8  # noqa: E402
+
+
+def layer(preset: str, fp8: bool, device: torch.device) -> torch.nn.Module:
+    cfg = get_benchmark("gpt_oss_20b").config(preset)
+    moe = GptOssBlock(cfg.model, 0).mlp.to(device)
+    moe.init_parameters(cfg.model.init_std, cfg.model.init_std)
+    torch.nn.init.normal_(moe.router.weight, std=cfg.model.init_std)
+    if fp8:
+        experts_in_fp8(moe, device)
+    return moe
+
+
+def step_fn(moe: torch.nn.Module, micro_batches: int):
+    compiled = torch.compile(moe, dynamic=False)
+
+    def step(xs, directions):
+        for x, d in zip(xs, directions, strict=True):
+            with torch.autocast("cuda", torch.bfloat16):
+                out, _ = compiled(x)
+            (out.float() * d).sum().backward()
+
+    return step
+
+
+def kernels(prof, steps: int, top: int) -> list[dict]:
+    rows = []
+    for e in prof.key_averages():
+        ms = e.self_device_time_total / 1e3 / steps
+        if ms > 0 and e.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append({"name": e.key, "ms": round(ms, 3), "calls": e.count / steps})
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="gpt-oss-20b-hf")
+    parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--tokens", type=int, default=4 * 8192, help="tokens a micro-batch")
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("moe_layer.py: needs a CUDA GPU")
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    moe = layer(args.preset, args.fp8, device)
+    hidden = moe.shape.hidden
+    xs = [torch.randn(args.tokens, hidden, device=device, dtype=torch.bfloat16) for _ in range(args.micro_batches)]
+    directions = [torch.randn(args.tokens, hidden, device=device) for _ in range(args.micro_batches)]
+    step = step_fn(moe, args.micro_batches)
+    for _ in range(3):  # compile and warm up
+        step(xs, directions)
+        moe.zero_grad(set_to_none=True)
+    times = []
+    for _ in range(args.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(xs, directions)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        moe.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step(xs, directions)
+            moe.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    result = {
+        "preset": args.preset, "fp8": args.fp8, "tokens": args.tokens, "micro_batches": args.micro_batches,
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "step_ms": sorted(times)[len(times) // 2], "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "kernels": kernels(prof, 2, args.top),
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"moe_layer_{args.preset}{'_fp8' if args.fp8 else ''}.json"
+    (args.out / name).write_text(json.dumps(result, indent=2))
+    print(f"{args.preset} {'fp8' if args.fp8 else 'bf16'}: {result['step_ms']:.2f} ms a step of {args.micro_batches} "
+          f"micro-batches of {args.tokens} tokens, peak {result['peak_gib']:.1f} GiB")  # fmt: skip
+    for k in result["kernels"]:
+        print(f"  {k['ms']:8.3f} ms  {k['calls']:5g}  {k['name'][:150]}")
+
+
+if __name__ == "__main__":
+    main()
