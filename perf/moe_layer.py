@@ -1,15 +1,17 @@
 """gpt_oss_20b's mixture-of-experts layer alone on this GPU: forward and backward time, and its kernels.
 
 The layer is the product's own (`trainbench.models.moe.MoE`, built by the benchmark's block from the preset's model
-config), compiled as the blocks are (`torch.compile(dynamic=False)`), under bf16 autocast with fp32 weights, at one
-micro-batch of the preset at micro-batches of 4 (4 x 8,192 tokens). `--fp8` takes the experts' FP8 grouped products
-(`experts_in_fp8`, as `model.precision=fp8` does). `--micro-batches N` runs N forward/backward passes a step, the
-weights' gradients accumulated as the loop accumulates them. Prints the step's time (median of CUDA-event timings)
-and the longest kernels by GPU time a step (torch.profiler).
+config), compiled as the blocks are (`compile(dynamic=False)` in place, called through a parent module), under bf16
+autocast with fp32 weights, at one micro-batch of the preset at micro-batches of 4 (4 x 8,192 tokens).
+- `--fp8`: the experts' FP8 grouped products (`experts_in_fp8`, as `model.precision=fp8` does);
+- `--cast-once`: with `--fp8`, the experts' weights cast once a step (`cache_fp8_weight_casts`);
+- `--micro-batches N`: N forward/backward passes a step, the weights' gradients accumulated as the loop does.
+Prints the step's time (median of CUDA-event timings) and the longest kernels by GPU time a step (torch.profiler).
 
     python perf/moe_layer.py --preset gpt-oss-20b-hf --fp8 --out OUT
 
-Writes OUT/moe_layer_<preset>[_fp8].json; with TORCHINDUCTOR_CACHE_DIR set, the compiled kernels' sources are there.
+Writes OUT/moe_layer_<preset>[_fp8][_once].json; with TORCHINDUCTOR_CACHE_DIR set, the compiled kernels' sources are
+there.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from trainbench.benchmarks import get_benchmark  # noqa: E402
 from trainbench.models.gpt_oss import GptOssBlock  # noqa: E402
-from trainbench.models.moe import experts_in_fp8  # noqa: E402
+from trainbench.models.moe import cache_fp8_weight_casts, experts_in_fp8  # noqa: E402
 
 
 def layer(preset: str, fp8: bool, device: torch.device) -> torch.nn.Module:
@@ -39,14 +41,22 @@ def layer(preset: str, fp8: bool, device: torch.device) -> torch.nn.Module:
     return moe
 
 
-def step_fn(moe: torch.nn.Module, micro_batches: int):
-    compiled = torch.compile(moe, dynamic=False)
+def step_fn(moe: torch.nn.Module, cast_once: bool):
+    """One step: each micro-batch's forward and backward through the layer compiled as the blocks compile (in place),
+    called through a parent module as the model calls its blocks; ``cast_once``: the experts' FP8 weight casts
+    made once a step (``cache_fp8_weight_casts``, as the placement on one unsharded rank does)."""
+    root = torch.nn.ModuleDict({"moe": moe})
+    root.forward = lambda x: moe(x)
+    moe.compile(dynamic=False)
+    after_step = cache_fp8_weight_casts(root) if cast_once else None
 
     def step(xs, directions):
         for x, d in zip(xs, directions, strict=True):
             with torch.autocast("cuda", torch.bfloat16):
-                out, _ = compiled(x)
+                out, _ = root(x)
             (out.float() * d).sum().backward()
+        if after_step is not None:  # (no optimizer here: the weights do not change, the casts are made again)
+            after_step()
 
     return step
 
@@ -66,6 +76,7 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--tokens", type=int, default=4 * 8192, help="tokens a micro-batch")
     parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--cast-once", action="store_true", help="with --fp8: the weights' casts once a step")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", type=Path, required=True)
@@ -78,7 +89,7 @@ def main() -> None:
     hidden = moe.shape.hidden
     xs = [torch.randn(args.tokens, hidden, device=device, dtype=torch.bfloat16) for _ in range(args.micro_batches)]
     directions = [torch.randn(args.tokens, hidden, device=device) for _ in range(args.micro_batches)]
-    step = step_fn(moe, args.micro_batches)
+    step = step_fn(moe, args.cast_once)
     for _ in range(3):  # compile and warm up
         step(xs, directions)
         moe.zero_grad(set_to_none=True)
@@ -97,13 +108,14 @@ def main() -> None:
             moe.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
     result = {
-        "preset": args.preset, "fp8": args.fp8, "tokens": args.tokens, "micro_batches": args.micro_batches,
+        "preset": args.preset, "fp8": args.fp8, "cast_once": args.cast_once, "tokens": args.tokens,
+        "micro_batches": args.micro_batches,
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "step_ms": sorted(times)[len(times) // 2], "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "kernels": kernels(prof, 2, args.top),
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"moe_layer_{args.preset}{'_fp8' if args.fp8 else ''}.json"
+    name = f"moe_layer_{args.preset}{'_fp8' if args.fp8 else ''}{'_once' if args.cast_once else ''}.json"
     (args.out / name).write_text(json.dumps(result, indent=2))
     print(f"{args.preset} {'fp8' if args.fp8 else 'bf16'}: {result['step_ms']:.2f} ms a step of {args.micro_batches} "
           f"micro-batches of {args.tokens} tokens, peak {result['peak_gib']:.1f} GiB")  # fmt: skip

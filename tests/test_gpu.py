@@ -722,13 +722,61 @@ def test_the_experts_in_fp8_match_bf16_in_output_and_every_gradient_on_cuda(acti
         assert err_f < 0.1 and (name == "down_proj_bias" or 2 * err_b < err_f), (name, err_f, err_b)
 
 
+def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_step_on_cuda():
+    """cache_fp8_weight_casts (one unsharded rank): over 3 steps of 2 micro-batches with the fused AdamW (which leaves
+    the weights' version counters alone), the layer that casts its weights once a step gives the outputs and
+    gradients of the same layer casting them in every call. Left stale for one step (no after_step), it does not:
+    what the comparison would catch."""
+    from trainbench.models.moe import MoE, MoEShape, cache_fp8_weight_casts, experts_in_fp8
+
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation="gpt_oss", bias=True)
+    torch.manual_seed(0)
+    base = MoE(shape)
+    for p in base.parameters():
+        torch.nn.init.normal_(p, std=0.06)
+    roots, optimizers = [], []
+    for _ in range(2):
+        layer = MoE(shape).cuda()
+        layer.load_state_dict(base.state_dict())
+        root = torch.nn.Sequential(layer)
+        experts_in_fp8(root, torch.device("cuda"))
+        roots.append(root)
+        optimizers.append(torch.optim.AdamW(root.parameters(), lr=1e-2, fused=True))
+    after_step = cache_fp8_weight_casts(roots[1])
+    xs = [torch.randn(512, 256, device="cuda") for _ in range(2)]
+
+    def step(stale: bool = False):
+        outs = []
+        for root, opt in zip(roots, optimizers, strict=True):
+            outs.append([])
+            for x in xs:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    out, _ = root(x)
+                out.float().square().sum().backward()
+                outs[-1].append(out.detach().float())
+            outs[-1] += [p.grad.clone() for p in root.parameters()]
+            opt.step()
+            opt.zero_grad()
+        if not stale:
+            after_step()
+        return [float((a - b).norm() / b.norm()) for a, b in zip(outs[1], outs[0], strict=True)]
+
+    assert "_fp8_gate_up_proj_0" not in roots[1][0]._buffers
+    for _ in range(3):
+        assert max(step()) < 1e-4
+    assert "_fp8_gate_up_proj_0" in roots[1][0]._buffers  # the cached casts were the ones used
+    step(stale=True)
+    assert max(step()[:2]) > 1e-2  # outputs from the weights of a step before
+
+
 @pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_activation_backward_kernel_matches_its_torch_form_on_cuda(activation, dtype):
-    """glu_kernel's Triton kernel against the same formula in torch (the one the CPU tests check against autograd),
-    on values across GPT-OSS's clamps and exactly on them, each row's expert's bias added; a width that is not a
-    multiple of the kernel's block."""
-    from trainbench.models.glu_kernel import _glu_backward_torch, glu_backward
+def test_the_activation_kernels_match_their_torch_form_on_cuda(activation, dtype):
+    """glu_kernel's Triton kernels, forward and backward, against the same formulas in torch (the backward's is the
+    one the CPU tests check against autograd), on values across GPT-OSS's clamps and exactly on them, each row's
+    expert's bias added; a width that is not a multiple of the kernels' block."""
+    from trainbench.models.glu_kernel import _glu_backward_torch, glu, glu_backward, glu_forward
 
     torch.manual_seed(0)
     rows, ffn, experts = 300, 1500, 5
@@ -739,6 +787,11 @@ def test_the_activation_backward_kernel_matches_its_torch_form_on_cuda(activatio
     bias[:, :8] = 0.0
     group = torch.randint(0, experts, (rows,), device="cuda").sort().values
     for b, g in ((None, None), (bias, group)):
+        act = glu_forward(h, b, g, activation, 1.702, 7.0)
+        x = h if b is None else h + b[g].to(dtype)
+        expected = glu(x.float(), activation, 1.702, 7.0)  # the forward in fp32, rounded once, as the kernel does
+        assert act.dtype == dtype and act.shape == grad.shape
+        assert torch.allclose(act.float(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
         ours = glu_backward(h, b, g, grad, activation, 1.702, 7.0)
         ref = _glu_backward_torch(h, b, g, grad, activation, 1.702, 7.0)
         assert ours.dtype == dtype and ours.shape == h.shape

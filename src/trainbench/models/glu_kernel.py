@@ -1,4 +1,5 @@
-"""The experts' gated activation and its backward in one pass (``trainbench::glu_backward``).
+"""The experts' gated activation, forward and backward, each in one pass (``trainbench::glu_forward``,
+``trainbench::glu_backward``).
 
 The experts' first product gives ``h`` [rows, 2 x ffn] with gate and up interleaved (``transformers``' layout), plus
 each row's expert's bias where the block has biases. Two activations:
@@ -6,12 +7,12 @@ each row's expert's bias where the block has biases. Two activations:
 - ``gpt_oss`` (GPT-OSS's): gate clamped above at ``limit``, up clamped to [-limit, limit],
   ``(up + 1) * gate * sigmoid(alpha * gate)``.
 
-Compiled, the activation's backward (two strided slices' gradients, the clamps' masks, the bias recomputed by its
-expert index) fused with the FP8 cast of its result into a two-pass row reduction that recomputed all of it twice:
-8 ms a micro-batch of 131,584 rows on an H200, about six times its bytes' time. Here the backward is one opaque op:
-on CUDA a Triton kernel reading ``h`` (and the bias) and the output's gradient once and writing ``h``'s gradient
-once, in fp32 arithmetic; elsewhere (and for float64) the same formula in torch, in fp32 at least. The forward
-stays plain tensor operations, which the compiler fuses with the FP8 cast of the activation.
+Compiled as tensor operations, the activation's backward (two strided slices' gradients, the clamps' masks, the bias
+recomputed by its expert index) fused with the FP8 cast of its result into a two-pass row reduction that recomputed
+all of it twice: 8 ms a micro-batch of 131,584 rows on an H200, about six times its bytes' time; the forward, fused
+with the FP8 cast of the activation the same way, took 2 ms. Here each is one opaque op: on CUDA a Triton kernel that
+reads ``h`` (with the bias) and, backward, the output's gradient once, and writes its result once, in fp32
+arithmetic; elsewhere (and for float64) the same formulas in torch. The FP8 casts that follow read the result.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 _KERNEL = None
+_FORWARD = None
 
 
 def glu(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
@@ -93,12 +95,75 @@ def _kernel():
     return _KERNEL or None
 
 
+def _forward_kernel():
+    """The forward's Triton kernel, built on first use; None where Triton is absent."""
+    global _FORWARD
+    if _FORWARD is None:
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            _FORWARD = False
+            return None
+
+        @triton.jit
+        def kernel(h, bias, group, out, ffn, alpha, limit, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+                   BLOCK: tl.constexpr):  # fmt: skip
+            row = tl.program_id(0).to(tl.int64)
+            j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            mask = j < ffn
+            pair = 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK, 2]: gate, up
+            both = tl.load(h + row * 2 * ffn + pair, mask=mask[:, None], other=0.0)
+            if HAS_BIAS:  # added in h's precision, as h + bias[group].to(h.dtype) is
+                expert = tl.load(group + row).to(tl.int64)
+                b = tl.load(bias + expert * 2 * ffn + pair, mask=mask[:, None], other=0.0)
+                both = (both.to(tl.float32) + b.to(h.dtype.element_ty).to(tl.float32)).to(h.dtype.element_ty)
+            gate, up = tl.split(both.to(tl.float32))
+            if CLAMPED:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+                act = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+            else:
+                act = gate * tl.sigmoid(gate) * up
+            tl.store(out + row * ffn + j, act.to(out.dtype.element_ty), mask=mask)
+
+        _FORWARD = (kernel, triton.cdiv)
+    return _FORWARD or None
+
+
+def _on_triton(h: torch.Tensor) -> bool:
+    return h.is_cuda and h.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+@torch.library.custom_op("trainbench::glu_forward", mutates_args=())
+def glu_forward(h: torch.Tensor, bias: torch.Tensor | None, group: torch.Tensor | None, activation: str,
+                alpha: float, limit: float) -> torch.Tensor:  # fmt: skip
+    """:func:`glu` of ``h + bias[group]`` (``bias`` [experts, 2 x ffn] or None): [rows, ffn] in ``h``'s dtype."""
+    built = _forward_kernel() if _on_triton(h) else None
+    if built is None:
+        return glu(h if bias is None else h + bias[group].to(h.dtype), activation, alpha, limit)
+    kernel, cdiv = built
+    rows, ffn = h.shape[0], h.shape[1] // 2
+    h = h.contiguous()
+    out = h.new_empty(rows, ffn)
+    block, has_bias = 1024, bias is not None
+    kernel[(rows, cdiv(ffn, block))](h, bias.contiguous() if has_bias else h, group if has_bias else h, out, ffn,
+                                     alpha, limit, HAS_BIAS=has_bias, CLAMPED=activation == "gpt_oss", BLOCK=block,
+                                     num_warps=4)  # fmt: skip
+    return out
+
+
+@glu_forward.register_fake
+def _(h, bias, group, activation, alpha, limit):
+    return h.new_empty(h.shape[0], h.shape[1] // 2)
+
+
 @torch.library.custom_op("trainbench::glu_backward", mutates_args=())
 def glu_backward(h: torch.Tensor, bias: torch.Tensor | None, group: torch.Tensor | None, grad: torch.Tensor,
                  activation: str, alpha: float, limit: float) -> torch.Tensor:  # fmt: skip
     """The gradient of ``h`` [rows, 2 x ffn] through :func:`glu` of ``h + bias[group]`` (``bias`` [experts, 2 x ffn]
     or None), given the activation's gradient ``grad`` [rows, ffn]; in ``h``'s dtype."""
-    built = _kernel() if h.is_cuda and h.dtype in (torch.bfloat16, torch.float16, torch.float32) else None
+    built = _kernel() if _on_triton(h) else None
     if built is None:
         return _glu_backward_torch(h, bias, group, grad, activation, alpha, limit)
     kernel, cdiv = built
@@ -127,8 +192,7 @@ class BiasGLU(torch.autograd.Function):
     def forward(ctx, h, bias, group, activation: str, alpha: float, limit: float):
         ctx.save_for_backward(h, bias, group)
         ctx.config = (activation, alpha, limit)
-        x = h if bias is None else h + bias[group].to(h.dtype)
-        return glu(x, activation, alpha, limit)
+        return glu_forward(h, bias, group, activation, alpha, limit)
 
     @staticmethod
     def backward(ctx, grad):

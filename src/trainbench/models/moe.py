@@ -24,6 +24,7 @@ to the host.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,11 +53,13 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.softmax(top if top.dtype == torch.float64 else top.float(), dim=-1), experts
 
 
-def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fp8: bool = False) -> torch.Tensor:
+def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fp8: bool = False,
+             casts: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
     """Rows of ``x`` [n, a], sorted by group with ``counts`` [groups] rows each, times their group's ``w`` [groups,
-    a, b]: [n, b]. ``fp8``: in FP8 (:class:`_FP8Grouped`: CUDA, bf16 rows, every count a multiple of 16)."""
+    a, b]: [n, b]. ``fp8``: in FP8 (:class:`_FP8Grouped`: CUDA, bf16 rows, every count a multiple of 16; ``casts``:
+    ``w``'s, made beforehand)."""
     if fp8:
-        return _FP8Grouped.apply(x, w, torch.cumsum(counts, 0, dtype=torch.int32))
+        return _FP8Grouped.apply(x, w, torch.cumsum(counts, 0, dtype=torch.int32), casts)
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w.to(x.dtype), offs=offsets)
@@ -78,32 +81,49 @@ def _e4m3(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.reciprocal().squeeze(dim)
 
 
+def fp8_weight_casts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The experts' weights ``w`` [groups, a, b] as :class:`_FP8Grouped` multiplies them: for the forward, e4m3 with
+    a scale per (group, output column), each group's matrix column-major, as the FP8 grouped product requires; for
+    the input's gradient, e4m3 with a scale per (group, row) (``w^T``'s output columns), row-major. Each with its
+    scales' reciprocals."""
+    qw, sw = _e4m3(w, -2)
+    qw_t, sw_t = _e4m3(w, -1)
+    return qw.transpose(-2, -1).contiguous().transpose(-2, -1), sw, qw_t, sw_t
+
+
 class _FP8Grouped(torch.autograd.Function):
     """``x`` [rows, a] (bf16, sorted by group, each group's rows ending at ``offsets``, every group a multiple of 16
     rows) times its group's ``w`` [groups, a, b]: the forward and the input's gradient as FP8 grouped products
     (torch's ``_scaled_grouped_mm``; e4m3, a scale per row of the left operand and per output column of each group's
     right one), the weights' gradient as a bf16 grouped product (its sum runs over each group's rows, where FP8's
     rounding would add up). The casts are plain tensor operations, which a compiled block fuses into the kernels that
-    make their inputs (the rows' gather, the activation, the gradients' gathers)."""
+    make their inputs (the rows' gather, the activation, the gradients' gathers). ``casts``: ``w``'s casts
+    (:func:`fp8_weight_casts`) made once a step rather than in every micro-batch's forward and backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+                casts: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
         qx, sx = _e4m3(x, -1)
-        qw, sw = _e4m3(w, -2)  # [groups, a, b], a scale per (group, output column)
-        qw = qw.transpose(-2, -1).contiguous().transpose(-2, -1)  # each group's matrix column-major, as required
-        ctx.save_for_backward(x, w, offsets)
+        if casts is None:
+            qw, sw = _e4m3(w, -2)  # [groups, a, b], a scale per (group, output column)
+            qw = qw.transpose(-2, -1).contiguous().transpose(-2, -1)  # each group's matrix column-major, as required
+            ctx.save_for_backward(x, w, offsets)
+        else:
+            qw, sw = casts[:2]
+            ctx.save_for_backward(x, w, offsets, *casts[2:])
         return torch._scaled_grouped_mm(qx, qw, sx, sw, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, w, offsets = ctx.saved_tensors
+        x, w, offsets, *cast = ctx.saved_tensors
         grad = grad.contiguous()
         qg, sg = _e4m3(grad, -1)
-        qw, sw = _e4m3(w, -1)  # w^T's output columns are w's rows: a scale per (group, row); row-major w is w^T
+        # w^T's output columns are w's rows: a scale per (group, row); row-major w is w^T
+        qw, sw = cast if cast else _e4m3(w, -1)
         grad_x = torch._scaled_grouped_mm(qg, qw.transpose(-2, -1), sg, sw, offs=offsets, out_dtype=torch.bfloat16,
                                           use_fast_accum=True)  # fmt: skip
         grad_w = torch._grouped_mm(x.transpose(0, 1), grad.to(x.dtype), offs=offsets)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 class MoE(nn.Module):
@@ -166,7 +186,7 @@ class MoE(nn.Module):
         """Each row of ``rows`` (sorted by expert, ``counts`` a group; ``group`` its expert among those of the
         weights given) through its expert."""
         product = self._gathers(rows.device)
-        h = _grouped(rows, gate_up, counts, self.fp8)
+        h = _grouped(rows, gate_up, counts, self.fp8, self._casts("gate_up_proj", gate_up))
         if rows.is_cuda if self.glu_kernel is None else self.glu_kernel:
             s = self.shape
             act = BiasGLU.apply(h, gate_up_bias, group if gate_up_bias is not None else None, s.activation, s.alpha,
@@ -175,10 +195,17 @@ class MoE(nn.Module):
             if gate_up_bias is not None:
                 h = _add_group_bias(h, gate_up_bias, group, product)
             act = self.activation(h)
-        out = _grouped(act, down, counts, self.fp8)
+        out = _grouped(act, down, counts, self.fp8, self._casts("down_proj", down))
         if down_bias is not None:
             out = _add_group_bias(out, down_bias, group, product)
         return out
+
+    def _casts(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The FP8 casts of the weight ``name`` made once a step (:func:`cache_fp8_weight_casts`), where ``weight`` is
+        that parameter itself (not an expert-parallel shard) and they exist; else None (cast in each call)."""
+        if not self.fp8 or weight is not self.get_parameter(name) or f"_fp8_{name}_0" not in self._buffers:
+            return None
+        return tuple(self._buffers[f"_fp8_{name}_{i}"] for i in range(4))
 
     def _experts_padded(self, rows, group, counts, host_counts: list[int], *weights) -> torch.Tensor:
         """:meth:`_experts` with each expert's group of ``rows`` padded with zero rows to a multiple of
@@ -372,6 +399,42 @@ def load_balancing_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     chosen = torch.topk(logits, top_k, dim=-1).indices
     share = torch.bincount(chosen.reshape(-1), minlength=experts).float() / chosen.numel()
     return experts * (share * probs.mean(0)).sum()
+
+
+def cache_fp8_weight_casts(model: nn.Module) -> Callable[[], None]:
+    """The FP8 experts of ``model`` (one unsharded rank) cast their weights once a step instead of in each
+    micro-batch's forward and backward: before a forward of ``model``, each :class:`MoE`'s weights are cast
+    (:func:`fp8_weight_casts`, compiled) into buffers that its grouped products read, where the weights changed since
+    the last casts. Returns what must run after every optimizer step: the fused optimizer updates the weights without
+    touching their version counters, so the step itself marks the casts stale (a weight's version or storage that
+    changed otherwise, as a checkpoint's load does, marks them too)."""
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.fp8]
+    names = ("gate_up_proj", "down_proj")
+    cast = torch.compile(fp8_weight_casts, dynamic=False)
+    state: dict = {"stale": True, "seen": None}
+
+    def seen() -> list[tuple[int, int]]:
+        return [(w._version, w.data_ptr()) for m in layers for w in (m.get_parameter(n) for n in names)]
+
+    @torch.no_grad()
+    def refresh(module: nn.Module, args) -> None:
+        if not state["stale"] and state["seen"] == seen():
+            return
+        for m in layers:
+            for name in names:
+                for i, t in enumerate(cast(m.get_parameter(name).detach())):
+                    key = f"_fp8_{name}_{i}"
+                    if key in m._buffers:
+                        m._buffers[key].copy_(t)
+                    else:
+                        m.register_buffer(key, t, persistent=False)
+        state.update(stale=False, seen=seen())
+
+    def after_step() -> None:
+        state["stale"] = True
+
+    model.register_forward_pre_hook(refresh)
+    return after_step
 
 
 def experts_in_fp8(model: nn.Module, device: torch.device) -> int:
