@@ -725,8 +725,8 @@ def test_the_experts_in_fp8_match_bf16_in_output_and_every_gradient_on_cuda(acti
 def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_step_on_cuda():
     """cache_fp8_weight_casts (one unsharded rank): over 3 steps of 2 micro-batches with the fused AdamW (which leaves
     the weights' version counters alone), the layer that casts its weights once a step gives the outputs and
-    gradients of the same layer casting them in every call. Left stale for one step (no after_step), it does not:
-    what the comparison would catch."""
+    gradients of the same layer casting them in every call, also after a weight written in place outside a step.
+    Left stale for one step (no after_step), it does not: what the comparison would catch."""
     from trainbench.models.moe import MoE, MoEShape, cache_fp8_weight_casts, experts_in_fp8
 
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
@@ -768,6 +768,12 @@ def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_st
     assert "_fp8_gate_up_proj_0" in roots[1][0]._buffers  # the cached casts were the ones used
     step(stale=True)
     assert max(step()[:2]) > 1e-2  # outputs from the weights of a step before
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        roots[1](xs[0])  # the casts made again after that step's after_step: fresh
+    for root in roots:  # then written in place, as a checkpoint's load writes them: the weight's version moves
+        with torch.no_grad():
+            root[0].gate_up_proj.mul_(0.5)
+    assert max(step()) < 1e-4
 
 
 @pytest.mark.parametrize("activation", ["silu", "gpt_oss"])

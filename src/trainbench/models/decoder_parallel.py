@@ -214,7 +214,7 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
             if not sharded:  # (sharded, FSDP2 gathers the weights anew for each forward)
                 from trainbench.models.moe import cache_fp8_weight_casts
 
-                out.after_step = _then(out.after_step, cache_fp8_weight_casts(placed))
+                out.after_step = _then(out.after_step, cache_fp8_weight_casts(placed, compile_blocks))
                 out.notes.append("the experts' weights cast to FP8 once a step, not in every micro-batch")
     return out
 

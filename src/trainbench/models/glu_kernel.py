@@ -139,7 +139,7 @@ def _on_triton(h: torch.Tensor) -> bool:
 def glu_forward(h: torch.Tensor, bias: torch.Tensor | None, group: torch.Tensor | None, activation: str,
                 alpha: float, limit: float) -> torch.Tensor:  # fmt: skip
     """:func:`glu` of ``h + bias[group]`` (``bias`` [experts, 2 x ffn] or None): [rows, ffn] in ``h``'s dtype."""
-    built = _forward_kernel() if _on_triton(h) else None
+    built = _forward_kernel() if _on_triton(h) and h.numel() else None
     if built is None:
         return glu(h if bias is None else h + bias[group].to(h.dtype), activation, alpha, limit)
     kernel, cdiv = built
@@ -163,7 +163,7 @@ def glu_backward(h: torch.Tensor, bias: torch.Tensor | None, group: torch.Tensor
                  activation: str, alpha: float, limit: float) -> torch.Tensor:  # fmt: skip
     """The gradient of ``h`` [rows, 2 x ffn] through :func:`glu` of ``h + bias[group]`` (``bias`` [experts, 2 x ffn]
     or None), given the activation's gradient ``grad`` [rows, ffn]; in ``h``'s dtype."""
-    built = _kernel() if _on_triton(h) else None
+    built = _kernel() if _on_triton(h) and h.numel() else None
     if built is None:
         return _glu_backward_torch(h, bias, group, grad, activation, alpha, limit)
     kernel, cdiv = built

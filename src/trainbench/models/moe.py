@@ -401,16 +401,16 @@ def load_balancing_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return experts * (share * probs.mean(0)).sum()
 
 
-def cache_fp8_weight_casts(model: nn.Module) -> Callable[[], None]:
+def cache_fp8_weight_casts(model: nn.Module, compiled: bool = True) -> Callable[[], None]:
     """The FP8 experts of ``model`` (one unsharded rank) cast their weights once a step instead of in each
     micro-batch's forward and backward: before a forward of ``model``, each :class:`MoE`'s weights are cast
-    (:func:`fp8_weight_casts`, compiled) into buffers that its grouped products read, where the weights changed since
-    the last casts. Returns what must run after every optimizer step: the fused optimizer updates the weights without
-    touching their version counters, so the step itself marks the casts stale (a weight's version or storage that
-    changed otherwise, as a checkpoint's load does, marks them too)."""
+    (:func:`fp8_weight_casts`, compiled where ``compiled``) into buffers that its grouped products read, where the
+    weights changed since the last casts. Returns what must run after every optimizer step: the fused optimizer
+    updates the weights without touching their version counters, so the step itself marks the casts stale (a
+    weight's version or storage that changed otherwise, as a checkpoint's load does, marks them too)."""
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.fp8]
     names = ("gate_up_proj", "down_proj")
-    cast = torch.compile(fp8_weight_casts, dynamic=False)
+    cast = torch.compile(fp8_weight_casts, dynamic=False) if compiled else fp8_weight_casts
     state: dict = {"stale": True, "seen": None}
 
     def seen() -> list[tuple[int, int]]:
