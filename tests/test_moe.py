@@ -16,6 +16,19 @@ def _random(module: torch.nn.Module) -> None:
         torch.nn.init.normal_(p, std=0.2)
 
 
+def _layer_results(shape: MoEShape, seed: int, tokens: int, setup) -> list[torch.Tensor]:
+    """The layer in float64 (random weights from ``seed``, then ``setup(layer)``) on ``tokens`` random rows: its
+    output, the input's gradient and every parameter's, under a fixed linear loss."""
+    torch.manual_seed(seed)
+    layer = MoE(shape).double()
+    _random(layer)
+    setup(layer)
+    x = torch.randn(tokens, shape.hidden, dtype=torch.float64, requires_grad=True)
+    out, _ = layer(x)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
+    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
 def test_gpt_oss_experts_match_transformers_gpt_oss_mlp_with_gradients():
     transformers = pytest.importorskip("transformers", reason="transformers is the optional extra trainbench[test]")
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
@@ -79,17 +92,15 @@ def test_rows_dispatched_and_combined_by_gathers_equal_indexing_and_index_add(ac
     rows padded with zero rows to a multiple of 16, as FP8's grouped product needs (the padding reaches no token's
     output and no weight's gradient)."""
     shape = MoEShape(hidden=32, ffn=24, experts=6, top_k=3, activation=activation, bias=bias)
-    results = []
-    for gather in (False, True):
-        torch.manual_seed(2)
-        layer = MoE(shape).double()
-        _random(layer)
-        layer.gather_rows = gather
-        layer.align_rows = align if gather else 1
-        x = torch.randn(50, 32, dtype=torch.float64, requires_grad=True)
-        out, _ = layer(x)
-        (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
-        results.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
+
+    def path(gather):
+        def setup(layer):
+            layer.gather_rows = gather
+            layer.align_rows = align if gather else 1
+
+        return setup
+
+    results = [_layer_results(shape, 2, 50, path(gather)) for gather in (False, True)]
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
@@ -130,18 +141,16 @@ def test_the_experts_with_the_activation_backward_as_one_op_equal_autograd(activ
     gradient by a product) against autograd of the tensor operations: outputs and every gradient, in float64, the
     weights large enough that GPT-OSS's clamps cut some rows."""
     shape = MoEShape(hidden=32, ffn=24, experts=6, top_k=3, activation=activation, bias=bias)
-    results = []
-    for kernel in (False, True):
-        torch.manual_seed(4)
-        layer = MoE(shape).double()
-        _random(layer)
-        with torch.no_grad():
-            layer.gate_up_proj.mul_(10)
-        layer.glu_kernel = kernel
-        x = torch.randn(40, 32, dtype=torch.float64, requires_grad=True)
-        out, _ = layer(x)
-        (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
-        results.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
+
+    def path(kernel):
+        def setup(layer):
+            with torch.no_grad():
+                layer.gate_up_proj.mul_(10)
+            layer.glu_kernel = kernel
+
+        return setup
+
+    results = [_layer_results(shape, 4, 40, path(kernel)) for kernel in (False, True)]
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, rtol=1e-11, atol=1e-11)
 

@@ -211,16 +211,9 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
             out.notes.append(f"the experts' grouped products of {experts} blocks in FP8 (forward and input "
                              "gradient; the weights' gradient in bf16), each expert's rows padded to a multiple of "
                              "16")  # fmt: skip
-            if not sharded:  # (sharded, FSDP2 gathers the weights anew for each forward)
+            if not sharded:  # (sharded, FSDP2 gathers the weights anew for each forward, and after_step is taken)
                 from trainbench.models.moe import cache_fp8_weight_casts
 
-                out.after_step = _then(out.after_step, cache_fp8_weight_casts(placed, compile_blocks))
+                out.after_step = cache_fp8_weight_casts(placed, compile_blocks)
                 out.notes.append("the experts' weights cast to FP8 once a step, not in every micro-batch")
     return out
-
-
-def _then(first: Callable[[], None] | None, second: Callable[[], None]) -> Callable[[], None]:
-    """``second`` after ``first`` (where there is one)."""
-    if first is None:
-        return second
-    return lambda: (first(), second())[-1]

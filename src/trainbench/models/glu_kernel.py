@@ -183,6 +183,14 @@ def _(h, bias, group, grad, activation, alpha, limit):
     return torch.empty_like(h)
 
 
+def group_sums(rows: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
+    """The sum of ``rows`` [n, width] over each group (``group`` [n]): [groups, width], as a product of the groups'
+    indicator [groups, n] and the rows, in the rows' precision with the product's fp32 accumulation. Indexing's own
+    backward adds every row into its group with an atomic add, thousands of rows onto the same addresses."""
+    members = torch.arange(groups, device=group.device)[:, None] == group[None, :]
+    return members.to(rows.dtype) @ rows
+
+
 class BiasGLU(torch.autograd.Function):
     """:func:`glu` of ``h + bias[group]`` (``bias`` None: of ``h``), its backward one :func:`glu_backward` (which adds
     the bias again itself, so the biased rows are never stored) and, for the bias, a product of the experts'
@@ -198,8 +206,5 @@ class BiasGLU(torch.autograd.Function):
     def backward(ctx, grad):
         h, bias, group = ctx.saved_tensors
         grad_h = glu_backward(h, bias, group, grad, *ctx.config)
-        grad_bias = None
-        if bias is not None:
-            members = torch.arange(bias.shape[0], device=group.device)[:, None] == group[None, :]
-            grad_bias = (members.to(grad_h.dtype) @ grad_h).to(bias.dtype)
+        grad_bias = None if bias is None else group_sums(grad_h, group, bias.shape[0]).to(bias.dtype)
         return grad_h, grad_bias, None, None, None, None

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainbench.models.fp8 import E4M3, E4M3_MAX, min_capability
-from trainbench.models.glu_kernel import BiasGLU, glu
+from trainbench.models.glu_kernel import BiasGLU, glu, group_sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +81,23 @@ def _e4m3(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.reciprocal().squeeze(dim)
 
 
-def fp8_weight_casts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The experts' weights ``w`` [groups, a, b] as :class:`_FP8Grouped` multiplies them: for the forward, e4m3 with
-    a scale per (group, output column), each group's matrix column-major, as the FP8 grouped product requires; for
-    the input's gradient, e4m3 with a scale per (group, row) (``w^T``'s output columns), row-major. Each with its
-    scales' reciprocals."""
+def _weight_for_forward(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' weights ``w`` [groups, a, b] in e4m3 with a scale per (group, output column), each group's matrix
+    column-major, as the FP8 grouped product requires; and the scales' reciprocals."""
     qw, sw = _e4m3(w, -2)
-    qw_t, sw_t = _e4m3(w, -1)
-    return qw.transpose(-2, -1).contiguous().transpose(-2, -1), sw, qw_t, sw_t
+    return qw.transpose(-2, -1).contiguous().transpose(-2, -1), sw
+
+
+def _weight_for_input_grad(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` in e4m3 with a scale per (group, row): ``w^T``'s output columns are ``w``'s rows, and row-major ``w`` is
+    column-major ``w^T``; and the scales' reciprocals."""
+    return _e4m3(w, -1)
+
+
+def fp8_weight_casts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The experts' weights ``w`` as :class:`_FP8Grouped` multiplies them, for the forward and for the input's
+    gradient (each cast with its scales' reciprocals)."""
+    return *_weight_for_forward(w), *_weight_for_input_grad(w)
 
 
 class _FP8Grouped(torch.autograd.Function):
@@ -105,8 +114,7 @@ class _FP8Grouped(torch.autograd.Function):
                 casts: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
         qx, sx = _e4m3(x, -1)
         if casts is None:
-            qw, sw = _e4m3(w, -2)  # [groups, a, b], a scale per (group, output column)
-            qw = qw.transpose(-2, -1).contiguous().transpose(-2, -1)  # each group's matrix column-major, as required
+            qw, sw = _weight_for_forward(w)
             ctx.save_for_backward(x, w, offsets)
         else:
             qw, sw = casts[:2]
@@ -118,8 +126,7 @@ class _FP8Grouped(torch.autograd.Function):
         x, w, offsets, *cast = ctx.saved_tensors
         grad = grad.contiguous()
         qg, sg = _e4m3(grad, -1)
-        # w^T's output columns are w's rows: a scale per (group, row); row-major w is w^T
-        qw, sw = cast if cast else _e4m3(w, -1)
+        qw, sw = cast if cast else _weight_for_input_grad(w)
         grad_x = torch._scaled_grouped_mm(qg, qw.transpose(-2, -1), sg, sw, offs=offsets, out_dtype=torch.bfloat16,
                                           use_fast_accum=True)  # fmt: skip
         grad_w = torch._grouped_mm(x.transpose(0, 1), grad.to(x.dtype), offs=offsets)
@@ -360,10 +367,9 @@ def _add_group_bias(h: torch.Tensor, bias: torch.Tensor, group: torch.Tensor, pr
 
 
 class _GroupBias(torch.autograd.Function):
-    """``h + bias[group]``, with the bias's gradient as a product of the groups' indicator [groups, rows] and the
-    rows' gradient, in the rows' precision with the product's fp32 accumulation. Indexing's own backward adds every
-    row into its group's bias with an atomic add, thousands of rows onto the same addresses: on a GPU it costs
-    several times the pass over the rows that it is."""
+    """``h + bias[group]``, with the bias's gradient the rows' gradient summed by group through a product
+    (:func:`group_sums`) rather than indexing's atomic adds, which on a GPU cost several times the pass over the rows
+    that they are."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, bias: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
@@ -374,8 +380,7 @@ class _GroupBias(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (group,) = ctx.saved_tensors
-        members = torch.arange(ctx.groups, device=group.device)[:, None] == group[None, :]
-        return grad, (members.to(grad.dtype) @ grad).to(ctx.bias_dtype), None
+        return grad, group_sums(grad, group, ctx.groups).to(ctx.bias_dtype), None
 
 
 class _ScaleGrad(torch.autograd.Function):
