@@ -81,6 +81,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu: a check of this script (FP8 is then refused)")
     p.add_argument("--benchmark", default="llama31_8b", choices=("llama31_8b", "gpt_oss_20b"))
     p.add_argument("--experts", type=int, default=16, help="gpt_oss_20b: experts in each block")
+    p.add_argument("--also", nargs="+", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                   help="more runs beside bf16 and FP8 for each seed, e.g. "
+                        "fp8-bf16-wgrad:model.precision=fp8,model.expert_weight_grad=bf16")  # fmt: skip
     args = p.parse_args()
     if args.width % 512:
         raise SystemExit(f"--width {args.width}: give a multiple of 512 (heads of 128, a quarter as many KV heads)")
@@ -113,15 +116,21 @@ def main() -> None:
               "batch": args.batch,
               "training_tokens": args.samples * args.seq, "tokens_in_train_split": manifest["tokens"] - eval_tokens,
               "eval_tokens": eval_tokens, "lr": args.lr} | split  # fmt: skip
+    runs_of_a_seed = [("bf16", ["model.precision=auto"]), ("fp8", ["model.precision=fp8"])]
+    for also in args.also:
+        label, _, keys = also.partition(":")
+        if not label or "=" not in keys:
+            raise SystemExit(f"--also {also!r}: give LABEL:KEY=VALUE[,KEY=VALUE]")
+        runs_of_a_seed.append((label, keys.split(",")))
     results = []
     for seed in args.seeds:
-        for precision in ("auto", "fp8"):
-            out = work / f"{precision}_{seed}"
+        for label, keys in runs_of_a_seed:
+            out = work / f"{label}_{seed}"
             code = trainbench("run", args.benchmark, "--preset", "tiny", f"data.dir={work / 'data'}",
                               f"output.results_dir={out}", f"device={args.device}", "progress=false",
                               f"perf.compile={str(args.device == 'cuda').lower()}", f"seed={seed}",
-                              f"model.precision={precision}", *overrides)  # fmt: skip
-            row = {"precision": "bf16" if precision == "auto" else "fp8", "seed": seed, "exit": code} | common
+                              *overrides, *keys)  # fmt: skip
+            row = {"precision": label, "seed": seed, "exit": code} | common
             runs = sorted(out.iterdir()) if out.is_dir() else []
             if runs:
                 row["eval_log_perplexity"], row["train_loss"] = losses(runs[0])

@@ -5,13 +5,14 @@ config), compiled as the blocks are (`compile(dynamic=False)` in place, called t
 autocast with fp32 weights, at one micro-batch of the preset at micro-batches of 4 (4 x 8,192 tokens).
 - `--fp8`: the experts' FP8 grouped products (`experts_in_fp8`, as `model.precision=fp8` does);
 - `--cast-once`: with `--fp8`, the experts' weights cast once a step (`cache_fp8_weight_casts`);
+- `--weight-grad bf16`: with `--fp8`, the experts' weight gradient a bf16 grouped product (FP8 by default);
 - `--micro-batches N`: N forward/backward passes a step, the weights' gradients accumulated as the loop does.
 Prints the step's time (median of CUDA-event timings) and the longest kernels by GPU time a step (torch.profiler).
 
     python perf/moe_layer.py --preset gpt-oss-20b-hf --fp8 --out OUT
 
-Writes OUT/moe_layer_<preset>[_fp8][_once].json; with TORCHINDUCTOR_CACHE_DIR set, the compiled kernels' sources are
-there.
+Writes OUT/moe_layer_<preset>[_fp8][_once][_wgrad_<fp8|bf16>].json; with TORCHINDUCTOR_CACHE_DIR set, the compiled
+kernels' sources are there.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from trainbench.models.gpt_oss import GptOssBlock  # noqa: E402
 from trainbench.models.moe import cache_fp8_weight_casts, experts_in_fp8  # noqa: E402
 
 
-def layer(preset: str, fp8: bool, device: torch.device) -> torch.nn.Module:
+def layer(preset: str, fp8: bool, device: torch.device, weight_grad: str = "fp8") -> torch.nn.Module:
     cfg = get_benchmark("gpt_oss_20b").config(preset)
     moe = GptOssBlock(cfg.model, 0).mlp.to(device)
     moe.init_parameters(cfg.model.init_std, cfg.model.init_std)
     torch.nn.init.normal_(moe.router.weight, std=cfg.model.init_std)
     if fp8:
-        experts_in_fp8(moe, device)
+        experts_in_fp8(moe, device, weight_grad)
     return moe
 
 
@@ -77,6 +78,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4 * 8192, help="tokens a micro-batch")
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--cast-once", action="store_true", help="with --fp8: the weights' casts once a step")
+    parser.add_argument("--weight-grad", default="fp8", choices=("fp8", "bf16"),
+                        help="with --fp8: the experts' weight gradient (model.expert_weight_grad)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", type=Path, required=True)
@@ -85,7 +88,7 @@ def main() -> None:
         sys.exit("moe_layer.py: needs a CUDA GPU")
     device = torch.device("cuda")
     torch.manual_seed(0)
-    moe = layer(args.preset, args.fp8, device)
+    moe = layer(args.preset, args.fp8, device, args.weight_grad)
     hidden = moe.shape.hidden
     xs = [torch.randn(args.tokens, hidden, device=device, dtype=torch.bfloat16) for _ in range(args.micro_batches)]
     directions = [torch.randn(args.tokens, hidden, device=device) for _ in range(args.micro_batches)]
@@ -108,14 +111,16 @@ def main() -> None:
             moe.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
     result = {
-        "preset": args.preset, "fp8": args.fp8, "cast_once": args.cast_once, "tokens": args.tokens,
+        "preset": args.preset, "fp8": args.fp8, "cast_once": args.cast_once, "weight_grad": args.weight_grad,
+        "tokens": args.tokens,
         "micro_batches": args.micro_batches,
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "step_ms": sorted(times)[len(times) // 2], "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "kernels": kernels(prof, 2, args.top),
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"moe_layer_{args.preset}{'_fp8' if args.fp8 else ''}{'_once' if args.cast_once else ''}.json"
+    wgrad = f"_wgrad_{args.weight_grad}" if args.fp8 else ""
+    name = f"moe_layer_{args.preset}{'_fp8' if args.fp8 else ''}{'_once' if args.cast_once else ''}{wgrad}.json"
     (args.out / name).write_text(json.dumps(result, indent=2))
     print(f"{args.preset} {'fp8' if args.fp8 else 'bf16'}: {result['step_ms']:.2f} ms a step of {args.micro_batches} "
           f"micro-batches of {args.tokens} tokens, peak {result['peak_gib']:.1f} GiB")  # fmt: skip

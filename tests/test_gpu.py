@@ -3,6 +3,7 @@
 import dataclasses
 import gc
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -720,6 +721,50 @@ def test_the_experts_in_fp8_match_bf16_in_output_and_every_gradient_on_cuda(acti
         # an error well above bf16's also shows that the FP8 product ran (the down projection's bias gradient, a
         # sum of the output's gradient per expert, takes no product)
         assert err_f < 0.1 and (name == "down_proj_bias" or 2 * err_b < err_f), (name, err_f, err_b)
+
+
+def test_the_cast_transpose_kernel_equals_its_torch_form_bit_for_bit_on_cuda():
+    """fp8.cast_transpose_e4m3: the Triton kernel's e4m3 bytes equal torch's divide, clamp, cast and transpose (the
+    CPU's form), on shapes that are not multiples of its tiles and with values beyond e4m3's range (clamped)."""
+    from trainbench.models.fp8 import cast_transpose_e4m3
+
+    torch.manual_seed(0)
+    for rows, cols in ((1000, 72), (130, 2880), (64, 64)):
+        t = (torch.randn(rows, cols, device="cuda") * 200).bfloat16()
+        divisors = torch.exp2(torch.randint(-3, 4, (rows,), device="cuda").float())
+        got = cast_transpose_e4m3(t, divisors)
+        want = cast_transpose_e4m3(t.cpu(), divisors.cpu())
+        assert got.shape == (cols, rows) and got.is_contiguous()
+        assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("spread", [1.0, 1e3])
+def test_the_experts_fp8_weight_gradient_matches_each_experts_product_in_float64_on_cuda(spread):
+    """moe.fp8_weight_grad: each expert's x^T grad over its rows (groups of multiples of 16 rows, one of none) as
+    one FP8 grouped product, against float64: within FP8's error (e4m3 rounds each operand by up to 6 %; the sums
+    over an expert's rows average much of it out), also where the rows' magnitudes spread over ``spread``, and far
+    above bf16's own error (the product ran in FP8); an expert with no rows gets zeros."""
+    from trainbench.models.moe import _e4m3, fp8_weight_grad
+
+    torch.manual_seed(0)
+    counts = torch.tensor([256, 0, 64, 1024, 16, 512], device="cuda")
+    groups, rows = counts.numel(), int(counts.sum())
+    group = torch.repeat_interleave(torch.arange(groups, device="cuda"), counts)
+    magnitude = torch.logspace(0, math.log10(spread), rows, device="cuda")[torch.randperm(rows, device="cuda")]
+    x = (torch.randn(rows, 128, device="cuda") * magnitude[:, None]).bfloat16()
+    grad = (torch.randn(rows, 96, device="cuda") / magnitude[:, None]).bfloat16()
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    got = fp8_weight_grad(x, _e4m3(x, -1)[1], grad, _e4m3(grad, -1)[1], group, groups, offsets).double()
+    assert got.shape == (groups, 128, 96)
+    assert got[1].abs().max() == 0
+    for g in range(groups):
+        if counts[g] == 0:
+            continue
+        rows_g = group == g
+        exact = x[rows_g].double().t() @ grad[rows_g].double()
+        bf16 = (x[rows_g].t() @ grad[rows_g]).double()
+        err, err_bf16 = (float((r - exact).norm() / exact.norm()) for r in (got[g], bf16))
+        assert err < 0.08 and err > 2 * err_bf16, (g, err, err_bf16)
 
 
 def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_step_on_cuda():

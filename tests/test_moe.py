@@ -222,3 +222,29 @@ def test_rows_padded_per_expert_under_expert_parallelism_give_the_one_rank_layer
     got = torch.load(out)
     for name, g, w in zip(["output", "input", "router", *_EXPERT_TENSORS], got, want, strict=True):
         assert torch.allclose(g, w, rtol=1e-12, atol=1e-12), name
+
+
+def test_the_weight_gradient_operands_take_one_power_of_two_scale_an_expert_and_are_transposed():
+    """moe._group_scaled_transpose (the FP8 weight gradient's operands): [rows, n] becomes row-major [n, rows] in e4m3
+    whose scale is constant over each expert's rows (the grouped product sums along them), a power of two that
+    brings the expert's largest magnitude within e4m3's range; dequantised it gives the rows back to e4m3's
+    rounding; an expert with no rows gets 1."""
+    from trainbench.models.fp8 import E4M3_MAX
+    from trainbench.models.moe import _e4m3, _group_scaled_transpose
+
+    torch.manual_seed(0)
+    counts = torch.tensor([32, 0, 16, 48])
+    group = torch.repeat_interleave(torch.arange(4), counts)
+    t = torch.randn(int(counts.sum()), 24) * torch.tensor([1e-3, 0.0, 5.0, 300.0]).repeat_interleave(counts)[:, None]
+    _, row_recips = _e4m3(t, -1)
+    q, recips = _group_scaled_transpose(t, row_recips, group, 4)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (24, t.shape[0]) and q.is_contiguous()
+    assert recips[1] == 1
+    for g in (0, 2, 3):
+        rows = group == g
+        amax = t[rows].abs().max()
+        # a power of two, as large as it can be with the expert's largest magnitude inside e4m3's range
+        assert torch.log2(recips[g]) == torch.round(torch.log2(recips[g]))
+        assert amax / recips[g] <= E4M3_MAX < 2 * amax / recips[g]
+        back = q[:, rows].float().t() * recips[g]
+        assert torch.allclose(back, t[rows], rtol=2**-3, atol=float(recips[g]) * 2**-9)

@@ -160,7 +160,7 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
 
         fp8.min_capability(device)
         fp8.train_blocks_in_fp8(model, sharded=sharded)
-        experts_in_fp8(model, device)
+        experts_in_fp8(model, device, getattr(model.cfg, "expert_weight_grad", "fp8"))
     wrap_blocks(model, checkpointing, compile_blocks)
     use_flex_for_packed_rows(model, device, compile_blocks)
     if sharded:
@@ -208,9 +208,10 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         unchanged = "the output layer and the embedding" + (", the routers" if experts else "")
         finish_placement(out, sharded, unchanged)
         if experts:
+            wgrad = getattr(cfg, "expert_weight_grad", "fp8")
             out.notes.append(f"the experts' grouped products of {experts} blocks in FP8 (forward and input "
-                             "gradient; the weights' gradient in bf16), each expert's rows padded to a multiple of "
-                             "16")  # fmt: skip
+                             f"gradient; the weights' gradient in {wgrad}), each expert's rows padded to a multiple "
+                             "of 16")  # fmt: skip
             if not sharded:  # (sharded, FSDP2 gathers the weights anew for each forward, and after_step is taken)
                 from trainbench.models.moe import cache_fp8_weight_casts
 

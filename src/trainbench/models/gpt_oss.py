@@ -78,6 +78,12 @@ class GptOssConfig(DecoderConfig):
         choices=ATTENTION_KERNELS[1:3],
     )
     num_experts: int = option(32, "Experts in each block's mixture.", at_least=1)
+    expert_weight_grad: str = option(
+        "fp8",
+        "With precision=fp8, the experts' weight gradient: fp8 (an FP8 grouped product, a scale per expert and "
+        "operand) or bf16 (a bf16 grouped product).",
+        choices=("fp8", "bf16"),
+    )
     experts_per_token: int = option(4, "Experts each token is routed to (top-k).", at_least=1)
     sliding_window: int = option(
         129,

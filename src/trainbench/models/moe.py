@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainbench.models.fp8 import E4M3, E4M3_MAX, min_capability
+from trainbench.models.fp8 import E4M3, E4M3_MAX, cast_transpose_e4m3, min_capability
 from trainbench.models.glu_kernel import BiasGLU, glu, group_sums
 
 
@@ -54,12 +54,13 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fp8: bool = False,
-             casts: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
+             casts: tuple[torch.Tensor, ...] | None = None,
+             group: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Rows of ``x`` [n, a], sorted by group with ``counts`` [groups] rows each, times their group's ``w`` [groups,
     a, b]: [n, b]. ``fp8``: in FP8 (:class:`_FP8Grouped`: CUDA, bf16 rows, every count a multiple of 16; ``casts``:
-    ``w``'s, made beforehand)."""
+    ``w``'s, made beforehand; ``group`` [n], each row's group: the weights' gradient in FP8 too, else in bf16)."""
     if fp8:
-        return _FP8Grouped.apply(x, w, torch.cumsum(counts, 0, dtype=torch.int32), casts)
+        return _FP8Grouped.apply(x, w, torch.cumsum(counts, 0, dtype=torch.int32), casts, group)
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w.to(x.dtype), offs=offsets)
@@ -100,37 +101,73 @@ def fp8_weight_casts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return *_weight_for_forward(w), *_weight_for_input_grad(w)
 
 
+def _group_scaled_transpose(t: torch.Tensor, row_scales: torch.Tensor, group: torch.Tensor,
+                            groups: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``t`` [rows, n] (rows sorted by group, ``group`` [rows] each one's) transposed into e4m3 [n, rows], row-major,
+    with one power-of-two scale a group: that of its largest row, whose reciprocal ``row_scales`` [rows] (from
+    :func:`_e4m3` along the rows) holds; and the groups' reciprocals [groups] (1 for a group of no rows)."""
+    recip = row_scales.new_ones(groups).scatter_reduce(0, group, row_scales, "amax", include_self=False)
+    return cast_transpose_e4m3(t.detach(), recip[group]), recip
+
+
+def fp8_weight_grad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor, grad_scales: torch.Tensor,
+                    group: torch.Tensor, groups: int, offsets: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The experts' weights' gradient [groups, a, b], each group's ``x^T grad`` over its rows (``x`` [rows, a],
+    ``grad`` [rows, b], sorted by group, ``offsets`` the groups' ends) as one FP8 grouped product: both operands in
+    e4m3 with a power-of-two scale per group (the sum runs along the rows, so the scale cannot vary along them),
+    found from the rows' own scales (``x_scales``, ``grad_scales``: the reciprocals the row casts made). Fast
+    accumulation, as the other products: against full fp32 sums it measured the same error at 4,096 and 32,768 rows
+    a group (docs/gpt_oss.md), the operands' rounding being most of it."""
+    qx, rx = _group_scaled_transpose(x, x_scales, group, groups)
+    qg, rg = _group_scaled_transpose(grad, grad_scales, group, groups)
+    a, b = x.shape[1], grad.shape[1]
+    return torch._scaled_grouped_mm(qx, qg.t(), rx[:, None].expand(groups, a).reshape(-1),
+                                    rg[:, None].expand(groups, b).reshape(-1), offs=offsets,
+                                    out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
+
+
 class _FP8Grouped(torch.autograd.Function):
     """``x`` [rows, a] (bf16, sorted by group, each group's rows ending at ``offsets``, every group a multiple of 16
     rows) times its group's ``w`` [groups, a, b]: the forward and the input's gradient as FP8 grouped products
     (torch's ``_scaled_grouped_mm``; e4m3, a scale per row of the left operand and per output column of each group's
-    right one), the weights' gradient as a bf16 grouped product (its sum runs over each group's rows, where FP8's
-    rounding would add up). The casts are plain tensor operations, which a compiled block fuses into the kernels that
-    make their inputs (the rows' gather, the activation, the gradients' gathers). ``casts``: ``w``'s casts
-    (:func:`fp8_weight_casts`) made once a step rather than in every micro-batch's forward and backward."""
+    right one). The weights' gradient is one too where ``group`` (each row's group) is given
+    (:func:`fp8_weight_grad`), else a bf16 grouped product. The casts are plain tensor operations, which a compiled
+    block fuses into the kernels that make their inputs (the rows' gather, the activation, the gradients' gathers).
+    ``casts``: ``w``'s casts (:func:`fp8_weight_casts`) made once a step rather than in every micro-batch's forward
+    and backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-                casts: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
+                casts: tuple[torch.Tensor, ...] | None = None,
+                group: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         qx, sx = _e4m3(x, -1)
+        ctx.cast_weights = casts is None
         if casts is None:
             qw, sw = _weight_for_forward(w)
-            ctx.save_for_backward(x, w, offsets)
+            weight = ()
         else:
             qw, sw = casts[:2]
-            ctx.save_for_backward(x, w, offsets, *casts[2:])
+            weight = casts[2:]
+        ctx.fp8_weight_grad = group is not None
+        rows = (sx, group) if group is not None else ()
+        ctx.save_for_backward(x, w, offsets, *rows, *weight)
         return torch._scaled_grouped_mm(qx, qw, sx, sw, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, w, offsets, *cast = ctx.saved_tensors
+        x, w, offsets, *rest = ctx.saved_tensors
+        sx, group = rest[:2] if ctx.fp8_weight_grad else (None, None)
+        cast = rest[2:] if ctx.fp8_weight_grad else rest
         grad = grad.contiguous()
         qg, sg = _e4m3(grad, -1)
-        qw, sw = cast if cast else _weight_for_input_grad(w)
+        qw, sw = _weight_for_input_grad(w) if ctx.cast_weights else cast
         grad_x = torch._scaled_grouped_mm(qg, qw.transpose(-2, -1), sg, sw, offs=offsets, out_dtype=torch.bfloat16,
                                           use_fast_accum=True)  # fmt: skip
-        grad_w = torch._grouped_mm(x.transpose(0, 1), grad.to(x.dtype), offs=offsets)
-        return grad_x, grad_w, None, None
+        if ctx.fp8_weight_grad:
+            grad_w = fp8_weight_grad(x, sx, grad, sg, group, w.shape[0], offsets)
+        else:
+            grad_w = torch._grouped_mm(x.transpose(0, 1), grad.to(x.dtype), offs=offsets)
+        return grad_x, grad_w, None, None, None
 
 
 class MoE(nn.Module):
@@ -157,6 +194,8 @@ class MoE(nn.Module):
         # expert's group (16 for FP8; 1: the groups packed back to back)
         self.fp8 = False
         self.align_rows = 1
+        # With fp8: the weights' gradient an FP8 grouped product too (fp8_weight_grad), else a bf16 one
+        self.fp8_weight_grad = False
         if s.bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(s.experts, 2 * s.ffn))
             self.down_proj_bias = nn.Parameter(torch.empty(s.experts, s.hidden))
@@ -193,7 +232,8 @@ class MoE(nn.Module):
         """Each row of ``rows`` (sorted by expert, ``counts`` a group; ``group`` its expert among those of the
         weights given) through its expert."""
         product = self._gathers(rows.device)
-        h = _grouped(rows, gate_up, counts, self.fp8, self._casts("gate_up_proj", gate_up))
+        wgrad_group = group if self.fp8_weight_grad else None
+        h = _grouped(rows, gate_up, counts, self.fp8, self._casts("gate_up_proj", gate_up), wgrad_group)
         if rows.is_cuda if self.glu_kernel is None else self.glu_kernel:
             s = self.shape
             act = BiasGLU.apply(h, gate_up_bias, group if gate_up_bias is not None else None, s.activation, s.alpha,
@@ -202,7 +242,7 @@ class MoE(nn.Module):
             if gate_up_bias is not None:
                 h = _add_group_bias(h, gate_up_bias, group, product)
             act = self.activation(h)
-        out = _grouped(act, down, counts, self.fp8, self._casts("down_proj", down))
+        out = _grouped(act, down, counts, self.fp8, self._casts("down_proj", down), wgrad_group)
         if down_bias is not None:
             out = _add_group_bias(out, down_bias, group, product)
         return out
@@ -442,12 +482,15 @@ def cache_fp8_weight_casts(model: nn.Module, compiled: bool = True) -> Callable[
     return after_step
 
 
-def experts_in_fp8(model: nn.Module, device: torch.device) -> int:
+def experts_in_fp8(model: nn.Module, device: torch.device, weight_grad: str = "fp8") -> int:
     """Every :class:`MoE` of ``model`` multiplies its experts in FP8 (:func:`_grouped`), its groups aligned to 16
-    rows; returns how many. torch's FP8 grouped product runs on Hopper (compute capability 9.0) and newer."""
+    rows, the weights' gradient in ``weight_grad`` (fp8 or bf16); returns how many. torch's FP8 grouped product runs
+    on Hopper (compute capability 9.0) and newer."""
+    if weight_grad not in ("fp8", "bf16"):
+        raise ValueError(f"the experts' weight gradient is fp8 or bf16, not {weight_grad!r}")
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if layers:
         min_capability(device, (9, 0), "the experts' FP8 grouped products", "Hopper, Blackwell")
     for moe in layers:
-        moe.fp8, moe.align_rows = True, 16
+        moe.fp8, moe.align_rows, moe.fp8_weight_grad = True, 16, weight_grad == "fp8"
     return len(layers)
