@@ -111,19 +111,20 @@ def _group_scaled_transpose(t: torch.Tensor, row_scales: torch.Tensor, group: to
 
 
 def fp8_weight_grad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor, grad_scales: torch.Tensor,
-                    group: torch.Tensor, groups: int, offsets: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                    group: torch.Tensor, groups: int, offsets: torch.Tensor,
+                    fast_accum: bool = True) -> torch.Tensor:  # fmt: skip
     """The experts' weights' gradient [groups, a, b], each group's ``x^T grad`` over its rows (``x`` [rows, a],
     ``grad`` [rows, b], sorted by group, ``offsets`` the groups' ends) as one FP8 grouped product: both operands in
     e4m3 with a power-of-two scale per group (the sum runs along the rows, so the scale cannot vary along them),
     found from the rows' own scales (``x_scales``, ``grad_scales``: the reciprocals the row casts made). Fast
-    accumulation, as the other products: against full fp32 sums it measured the same error at 4,096 and 32,768 rows
-    a group (docs/gpt_oss.md), the operands' rounding being most of it."""
+    accumulation (``fast_accum``), as the other products: against full fp32 sums it measured the same error at 4,096
+    and 32,768 rows a group (docs/gpt_oss.md), the operands' rounding being most of it."""
     qx, rx = _group_scaled_transpose(x, x_scales, group, groups)
     qg, rg = _group_scaled_transpose(grad, grad_scales, group, groups)
     a, b = x.shape[1], grad.shape[1]
     return torch._scaled_grouped_mm(qx, qg.t(), rx[:, None].expand(groups, a).reshape(-1),
                                     rg[:, None].expand(groups, b).reshape(-1), offs=offsets,
-                                    out_dtype=torch.bfloat16, use_fast_accum=True)  # fmt: skip
+                                    out_dtype=torch.bfloat16, use_fast_accum=fast_accum)  # fmt: skip
 
 
 class _FP8Grouped(torch.autograd.Function):
