@@ -96,7 +96,7 @@ def main() -> None:
         counts = torch.full((experts,), rows // experts, device="cuda")
         if routing == "skewed":
             counts[0] = rows // 4
-            counts[1:] = (rows - rows // 4) // (experts - 1)
+            counts[1:] = (rows - rows // 4) // (experts - 1) // 16 * 16  # FP8's groups: multiples of 16 rows
             counts[-1] += rows - int(counts.sum())
         for name, a, b in (("gate_up", 2880, 5760), ("down", 2880, 2880)):
             row = {"routing": routing, "weights": name} | measure(counts, a, b, routing == "even")

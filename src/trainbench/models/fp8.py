@@ -324,6 +324,82 @@ def finish_placement(placed: Placed, sharded: bool, unchanged: str) -> None:
         placed.notes.append("FSDP2 gathers their weights in FP8, the scales computed once a step after the optimizer")
 
 
+class _CastWeight(torch.autograd.Function):
+    """A weight's FP8 cast made beforehand (``cast_t``, of ``weight.t()``, a torchao ``Float8TrainingTensor``) in its
+    place: the forward gives the cast, the backward hands the gradient to the weight."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, cast_t: torch.Tensor) -> torch.Tensor:
+        return cast_t.view(cast_t.shape)
+
+    @staticmethod
+    def backward(ctx, grad_t: torch.Tensor):
+        return grad_t.t(), None
+
+
+def _float8_forward(self, input: torch.Tensor) -> torch.Tensor:
+    """torchao's ``Float8Linear.forward`` with the weight's cast made once a step (``_trainbench_weight_t``, set by
+    :func:`cast_weights_once_a_step` before each forward of the model) where there is one."""
+    cast_t = getattr(self, "_trainbench_weight_t", None)
+    if cast_t is None:
+        return type(self).forward(self, input)
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    if torch.is_autocast_enabled():  # as torchao's forward: the output in the autocast precision
+        input = input.to(torch.get_autocast_gpu_dtype())
+    output = matmul_with_hp_or_float8_args.apply(input, cast_t, self.linear_mm_config, self.config)
+    return output if self.bias is None else output + self.bias.to(output.dtype)
+
+
+def cast_weights_once_a_step(model: nn.Module) -> Callable[[], None] | None:
+    """The FP8 layers of ``model`` (torchao's ``Float8Linear``, tensorwise scales, one unsharded rank) cast their
+    weights once a step instead of in each micro-batch's forward and backward: before a forward of ``model``, each
+    weight whose value changed since its last cast is cast as torchao casts it (the same amax, scale and bytes) and
+    handed to the layer through :class:`_CastWeight`, which passes the gradient back to the weight; torchao's matmul
+    takes a weight already in FP8 as it is, in the forward and for the input's gradient. Returns what must run after
+    every optimizer step (the fused optimizer leaves the weights' version counters alone, so the step itself marks
+    the casts stale; a weight's version or storage changed otherwise, as by a checkpoint's load, marks them too); None
+    where no layer qualifies (no FP8 layer, or not tensorwise). Blocks that keep their saved tensors in host memory
+    (``models.offload``) are left to torchao's casts in each call."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    layers = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+    layers = [m for m in layers if m.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
+              and m.config.cast_config_weight_for_grad_input == m.config.cast_config_weight]  # fmt: skip
+    if not layers:
+        return None
+    state: dict = {"stale": True, "seen": None, "casts": {}}
+
+    def seen() -> list[tuple[int, int]]:
+        return [(m.weight._version, m.weight.data_ptr()) for m in layers]
+
+    @torch.no_grad()
+    def cast(m: nn.Module) -> torch.Tensor:
+        c = m.config.cast_config_weight
+        return hp_tensor_to_float8_dynamic(m.weight.detach().t(), c.target_dtype, m.linear_mm_config,
+                                           gemm_input_role=GemmInputRole.WEIGHT,
+                                           round_scales_to_power_of_2=m.config.round_scales_to_power_of_2)  # fmt: skip
+
+    def refresh(module: nn.Module, args) -> None:
+        if state.setdefault("offloaded", any(getattr(b, "saved_to_host", None) is not None for b in model.modules())):
+            return  # (blocks whose saved tensors go to the host: their layers cast in each call, as torchao does)
+        if state["stale"] or state["seen"] != seen():
+            state["casts"] = {m: cast(m) for m in layers}
+            state.update(stale=False, seen=seen())
+        for m in layers:
+            m._trainbench_weight_t = _CastWeight.apply(m.weight, state["casts"][m])
+
+    def after_step() -> None:
+        state["stale"] = True
+
+    for m in layers:
+        m.forward = _float8_forward.__get__(m)
+    model.register_forward_pre_hook(refresh)
+    return after_step
+
+
 def precompute_scales(model: nn.Module) -> Callable[[], None]:
     """What runs after each optimizer step of a model whose FP8 weights FSDP2 gathers in FP8: every weight's scale from
     its amax over all ranks' shards, in one all-reduce, so that the next step's gathers need none of their own. The
