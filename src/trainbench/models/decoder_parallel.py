@@ -201,16 +201,12 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
     if info.world_size == 1 and shard_one_rank:
         out.notes.append("FSDP2 over this one rank (distributed.shard_one_rank), placed as several ranks place it")
     if fp8:
-        from trainbench.models.fp8 import cast_weights_once_a_step, finish_placement
+        from trainbench.models.fp8 import finish_placement
         from trainbench.models.moe import MoE
 
         experts = sum(isinstance(m, MoE) for m in placed.modules())
         unchanged = "the output layer and the embedding" + (", the routers" if experts else "")
         finish_placement(out, sharded, unchanged)
-        linear_after_step = None if sharded else cast_weights_once_a_step(placed)
-        if linear_after_step is not None:  # (sharded, the gathers cast: fp8.precompute_scales)
-            out.after_step = linear_after_step
-            out.notes.append("their weights cast to FP8 once a step, not in every micro-batch")
         if experts:
             wgrad = getattr(cfg, "expert_weight_grad", "fp8")
             out.notes.append(f"the experts' grouped products of {experts} blocks in FP8 (forward and input "
@@ -219,19 +215,6 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
             if not sharded:  # (sharded, FSDP2 gathers the weights anew for each forward, and after_step is taken)
                 from trainbench.models.moe import cache_fp8_weight_casts
 
-                experts_after_step = cache_fp8_weight_casts(placed, compile_blocks)
-                out.after_step = _both(linear_after_step, experts_after_step)
+                out.after_step = cache_fp8_weight_casts(placed, compile_blocks)
                 out.notes.append("the experts' weights cast to FP8 once a step, not in every micro-batch")
     return out
-
-
-def _both(first: Callable[[], None] | None, second: Callable[[], None]) -> Callable[[], None]:
-    """``second`` after ``first`` (where there is one): two placements' after-step work."""
-    if first is None:
-        return second
-
-    def after_step() -> None:
-        first()
-        second()
-
-    return after_step
