@@ -14,7 +14,8 @@ interleaved, ``down_proj`` [experts, ffn, hidden]), so a GPT-OSS checkpoint's te
 The grouped product is torch's ``_grouped_mm`` on CUDA (bf16, Hopper and newer); elsewhere the groups are padded to
 the largest and multiplied as one batched product. With ``fp8`` (``model.precision=fp8``) the forward and the input's
 gradient are FP8 grouped products (torch's ``_scaled_grouped_mm``: e4m3, a power-of-two scale per row and per
-expert's output column) and the weights' gradient a bf16 one (:class:`_FP8Grouped`); FP8's grouped product needs
+expert's output column), and the weights' gradient one too, with a scale per expert (``model.expert_weight_grad=fp8``,
+:func:`fp8_weight_grad`), or a bf16 one (:class:`_FP8Grouped`); FP8's grouped product needs
 each expert's rows to start on a multiple of 16, so the rows are then laid out with each expert's group padded by
 zero rows (``align_rows``), in a buffer of a size fixed by the token count (no wait on the GPU for the counts). With
 expert parallelism each rank pads the rows that arrive for its experts, whose counts its all-to-all already brought
