@@ -104,6 +104,18 @@ def test_materialised_model_keeps_tied_embeddings():
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
 
 
+def test_compiled_blocks_take_inductor_options_this_torch_knows():
+    """The compile options of a block are checked when the block is wrapped, before any run: a torch that renamed one
+    fails here, not at the first step of a GPU run."""
+    from trainbench.models.decoder_parallel import wrap_blocks
+
+    model = DecoderLM(SMALL)
+    wrap_blocks(model, checkpointing=False, compile_blocks=True)
+    assert all(block._compiled_call_impl is not None for block in model.model.layers)
+    with pytest.raises(RuntimeError, match="Unexpected optimization option"):
+        DecoderLM(SMALL).model.layers[0].compile(options={"triton.no_such_option": True})
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
     torch.manual_seed(0)
     model = DecoderLM(SMALL)
