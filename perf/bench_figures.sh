@@ -39,6 +39,9 @@
 #                                     summary.json (its compliance verdict) into $OUT
 # EXTRA="key=value ..." adds config keys to every bench of the call, TAG=-x appends -x to each result's name, e.g.
 #   EXTRA=model.attention=cudnn TAG=-cudnn perf/bench_figures.sh gpt-oss-fp8
+# INDUCTOR="key=value,..." sets torch._inductor options process-wide for every bench of the call (1 and 0 are true and
+# false; perf/inductor_options/sitecustomize.py), to compare Inductor's choices without a change to the code, e.g.
+#   INDUCTOR=triton.coordinate_descent_tuning=1 TAG=-cdt perf/bench_figures.sh llm
 # Run from the repository root with trainbench importable (pip install -e . or PYTHONPATH=src).
 set -euo pipefail
 OUT=${OUT:-/tmp/bench_out}
@@ -46,6 +49,9 @@ RESULTS=${RESULTS:-/tmp/bench_results}
 mkdir -p "$OUT" "$RESULTS"
 export PYTHONUNBUFFERED=1
 NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | grep -c ^GPU || echo 1)}
+if [ -n "${INDUCTOR:-}" ]; then
+    export PYTHONPATH="$PWD/perf/inductor_options${PYTHONPATH:+:$PYTHONPATH}" TRAINBENCH_INDUCTOR_OPTIONS=$INDUCTOR
+fi
 
 bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT
     local name=$1${TAG:-}

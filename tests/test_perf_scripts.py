@@ -75,3 +75,22 @@ def test_the_fp8_quality_script_splits_wikitext_into_articles_and_holds_one_in_2
     assert [d.split(" =")[0] for d in held] == ["= Article 19", "= Article 39"]
     with pytest.raises(SystemExit, match="no WikiText .txt files"):
         quality.source_folder(tmp_path / "src", tmp_path / "other")
+
+
+def test_the_inductor_options_hook_sets_known_options_and_refuses_unknown_ones_in_one_sentence():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(SCRIPTS / "inductor_options"))
+    show = "import torch._inductor.config as c; print(c.triton.tile_reductions, c.coordinate_descent_tuning)"
+    env["TRAINBENCH_INDUCTOR_OPTIONS"] = "triton.tile_reductions=1,coordinate_descent_tuning=1"
+    done = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["True", "True"]
+    env["TRAINBENCH_INDUCTOR_OPTIONS"] = "triton.tile_reduction=1"
+    bad = subprocess.run([sys.executable, "-c", "print('ran')"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == [
+        "error: TRAINBENCH_INDUCTOR_OPTIONS: 'triton.tile_reduction=1' is not key=value with a key of "
+        "torch._inductor.config"
+    ]
