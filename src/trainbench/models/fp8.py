@@ -23,6 +23,7 @@ from torch import nn
 
 from trainbench.distributed import Placed
 from trainbench.errors import ConfigError
+from trainbench.models.triton_kernels import lazy_kernel
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
@@ -42,30 +43,21 @@ def _mm(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torc
     return ((a.float() * a_scale) @ (b_t.float() * b_scale).t()).to(dtype)
 
 
-_TRANSPOSE = None
+def _define_transpose(triton, tl):
+    """A tiled transpose of a byte matrix."""
+
+    @triton.jit
+    def kernel(src, dst, rows, cols, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        tile = tl.load(src + r[:, None] * cols + c[None, :], mask=mask)
+        tl.store(dst + c[:, None] * rows + r[None, :], tl.trans(tile), mask=tl.trans(mask))
+
+    return kernel
 
 
-def _transpose_kernel():
-    """A tiled transpose of a byte matrix (Triton), built on first use; None where Triton is absent."""
-    global _TRANSPOSE
-    if _TRANSPOSE is None:
-        try:
-            import triton
-            import triton.language as tl
-        except ImportError:
-            _TRANSPOSE = False
-            return None
-
-        @triton.jit
-        def kernel(src, dst, rows, cols, BLOCK: tl.constexpr):
-            r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-            c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-            mask = (r[:, None] < rows) & (c[None, :] < cols)
-            tile = tl.load(src + r[:, None] * cols + c[None, :], mask=mask)
-            tl.store(dst + c[:, None] * rows + r[None, :], tl.trans(tile), mask=tl.trans(mask))
-
-        _TRANSPOSE = (kernel, triton.cdiv)
-    return _TRANSPOSE or None
+_transpose_kernel = lazy_kernel(_define_transpose)
 
 
 def transpose_fp8(w: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -83,33 +75,23 @@ def transpose_fp8(w: torch.Tensor, block: int = 128) -> torch.Tensor:
     return out.view(w.dtype)
 
 
-_CAST_TRANSPOSE = None
+def _define_cast_transpose(triton, tl):
+    """A tiled cast of a bf16 matrix to e4m3, each row divided by its own divisor, written transposed."""
+
+    @triton.jit
+    def kernel(src, div, dst, rows, cols, limit, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        tile = tl.load(src + r[:, None] * cols + c[None, :], mask=mask).to(tl.float32)
+        d = tl.load(div + r, mask=r < rows, other=1.0)
+        q = tl.clamp(tile / d[:, None], -limit, limit).to(dst.dtype.element_ty)
+        tl.store(dst + c[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(mask))
+
+    return kernel
 
 
-def _cast_transpose_kernel():
-    """A tiled cast of a bf16 matrix to e4m3, each row divided by its own divisor, written transposed (Triton), built
-    on first use; None where Triton is absent."""
-    global _CAST_TRANSPOSE
-    if _CAST_TRANSPOSE is None:
-        try:
-            import triton
-            import triton.language as tl
-        except ImportError:
-            _CAST_TRANSPOSE = False
-            return None
-
-        @triton.jit
-        def kernel(src, div, dst, rows, cols, limit, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-            r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-            c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
-            mask = (r[:, None] < rows) & (c[None, :] < cols)
-            tile = tl.load(src + r[:, None] * cols + c[None, :], mask=mask).to(tl.float32)
-            d = tl.load(div + r, mask=r < rows, other=1.0)
-            q = tl.clamp(tile / d[:, None], -limit, limit).to(dst.dtype.element_ty)
-            tl.store(dst + c[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(mask))
-
-        _CAST_TRANSPOSE = (kernel, triton.cdiv)
-    return _CAST_TRANSPOSE or None
+_cast_transpose_kernel = lazy_kernel(_define_cast_transpose)
 
 
 @torch.library.custom_op("trainbench::cast_transpose_e4m3", mutates_args=())

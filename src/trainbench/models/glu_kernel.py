@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_KERNEL = None
-_FORWARD = None
+from trainbench.models.triton_kernels import lazy_kernel
 
 
 def glu(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
@@ -52,83 +51,71 @@ def _glu_backward_torch(h, bias, group, grad, activation: str, alpha: float, lim
     return torch.stack([d_gate, d_up], dim=-1).reshape(h.shape).to(h.dtype)
 
 
-def _kernel():
-    """The Triton kernel, built on first use; None where Triton is absent."""
-    global _KERNEL
-    if _KERNEL is None:
-        try:
-            import triton
-            import triton.language as tl
-        except ImportError:
-            _KERNEL = False
-            return None
+def _define_backward(triton, tl):
+    """The activation's backward: the gradients of gate and up from the output's, h's bias added as in the forward."""
 
-        @triton.jit
-        def kernel(h, bias, group, grad, out, ffn, alpha, limit, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-                   BLOCK: tl.constexpr):  # fmt: skip
-            row = tl.program_id(0).to(tl.int64)
-            j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            mask = j < ffn
-            pair = 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK, 2]: gate, up
-            both = tl.load(h + row * 2 * ffn + pair, mask=mask[:, None], other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                expert = tl.load(group + row).to(tl.int64)
-                b = tl.load(bias + expert * 2 * ffn + pair, mask=mask[:, None], other=0.0)
-                both += b.to(h.dtype.element_ty).to(tl.float32)
-            gate, up = tl.split(both)
-            g = tl.load(grad + row * ffn + j, mask=mask, other=0.0).to(tl.float32)
-            if CLAMPED:
-                clamped_gate = tl.minimum(gate, limit)
-                clamped_up = tl.minimum(tl.maximum(up, -limit), limit)
-                s = tl.sigmoid(alpha * clamped_gate)
-                gated = clamped_gate * s
-                d_gate = tl.where(gate <= limit, g * (clamped_up + 1.0) * (s + alpha * gated * (1.0 - s)), 0.0)
-                d_up = tl.where((up >= -limit) & (up <= limit), g * gated, 0.0)
-            else:
-                s = tl.sigmoid(gate)
-                silu = gate * s
-                d_gate = g * up * (s + silu * (1.0 - s))
-                d_up = g * silu
-            tl.store(out + row * 2 * ffn + pair, tl.join(d_gate, d_up).to(out.dtype.element_ty), mask=mask[:, None])
+    @triton.jit
+    def kernel(h, bias, group, grad, out, ffn, alpha, limit, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+               BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = j < ffn
+        pair = 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK, 2]: gate, up
+        both = tl.load(h + row * 2 * ffn + pair, mask=mask[:, None], other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            expert = tl.load(group + row).to(tl.int64)
+            b = tl.load(bias + expert * 2 * ffn + pair, mask=mask[:, None], other=0.0)
+            both += b.to(h.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(both)
+        g = tl.load(grad + row * ffn + j, mask=mask, other=0.0).to(tl.float32)
+        if CLAMPED:
+            clamped_gate = tl.minimum(gate, limit)
+            clamped_up = tl.minimum(tl.maximum(up, -limit), limit)
+            s = tl.sigmoid(alpha * clamped_gate)
+            gated = clamped_gate * s
+            d_gate = tl.where(gate <= limit, g * (clamped_up + 1.0) * (s + alpha * gated * (1.0 - s)), 0.0)
+            d_up = tl.where((up >= -limit) & (up <= limit), g * gated, 0.0)
+        else:
+            s = tl.sigmoid(gate)
+            silu = gate * s
+            d_gate = g * up * (s + silu * (1.0 - s))
+            d_up = g * silu
+        tl.store(out + row * 2 * ffn + pair, tl.join(d_gate, d_up).to(out.dtype.element_ty), mask=mask[:, None])
 
-        _KERNEL = (kernel, triton.cdiv)
-    return _KERNEL or None
+    return kernel
 
 
-def _forward_kernel():
-    """The forward's Triton kernel, built on first use; None where Triton is absent."""
-    global _FORWARD
-    if _FORWARD is None:
-        try:
-            import triton
-            import triton.language as tl
-        except ImportError:
-            _FORWARD = False
-            return None
+_kernel = lazy_kernel(_define_backward)
 
-        @triton.jit
-        def kernel(h, bias, group, out, ffn, alpha, limit, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-                   BLOCK: tl.constexpr):  # fmt: skip
-            row = tl.program_id(0).to(tl.int64)
-            j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            mask = j < ffn
-            pair = 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK, 2]: gate, up
-            both = tl.load(h + row * 2 * ffn + pair, mask=mask[:, None], other=0.0)
-            if HAS_BIAS:  # added in h's precision, as h + bias[group].to(h.dtype) is
-                expert = tl.load(group + row).to(tl.int64)
-                b = tl.load(bias + expert * 2 * ffn + pair, mask=mask[:, None], other=0.0)
-                both = (both.to(tl.float32) + b.to(h.dtype.element_ty).to(tl.float32)).to(h.dtype.element_ty)
-            gate, up = tl.split(both.to(tl.float32))
-            if CLAMPED:
-                gate = tl.minimum(gate, limit)
-                up = tl.minimum(tl.maximum(up, -limit), limit)
-                act = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
-            else:
-                act = gate * tl.sigmoid(gate) * up
-            tl.store(out + row * ffn + j, act.to(out.dtype.element_ty), mask=mask)
 
-        _FORWARD = (kernel, triton.cdiv)
-    return _FORWARD or None
+def _define_forward(triton, tl):
+    """The activation's forward, h's bias added in h's precision."""
+
+    @triton.jit
+    def kernel(h, bias, group, out, ffn, alpha, limit, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+               BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = j < ffn
+        pair = 2 * j[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK, 2]: gate, up
+        both = tl.load(h + row * 2 * ffn + pair, mask=mask[:, None], other=0.0)
+        if HAS_BIAS:  # added in h's precision, as h + bias[group].to(h.dtype) is
+            expert = tl.load(group + row).to(tl.int64)
+            b = tl.load(bias + expert * 2 * ffn + pair, mask=mask[:, None], other=0.0)
+            both = (both.to(tl.float32) + b.to(h.dtype.element_ty).to(tl.float32)).to(h.dtype.element_ty)
+        gate, up = tl.split(both.to(tl.float32))
+        if CLAMPED:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            act = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+        else:
+            act = gate * tl.sigmoid(gate) * up
+        tl.store(out + row * ffn + j, act.to(out.dtype.element_ty), mask=mask)
+
+    return kernel
+
+
+_forward_kernel = lazy_kernel(_define_forward)
 
 
 def _on_triton(h: torch.Tensor) -> bool:

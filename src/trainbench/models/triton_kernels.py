@@ -1,0 +1,27 @@
+"""Triton kernels built on first use: the import of Triton, and so the kernels' compilation, waits until a GPU
+tensor needs them, and a machine without Triton (CPU-only installs) falls back to torch's operations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def lazy_kernel(define: Callable[[Any, Any], Any]) -> Callable[[], tuple[Any, Callable[[int, int], int]] | None]:
+    """A getter of ``(kernel, triton.cdiv)``, where ``define(triton, triton.language)`` returns the ``@triton.jit``
+    kernel. The first call imports Triton and builds the kernel; later calls return the same pair. None, every call,
+    where Triton cannot be imported."""
+    built: list[Any] = []  # empty until the first call; then the pair, or None without Triton
+
+    def get() -> tuple[Any, Callable[[int, int], int]] | None:
+        if not built:
+            try:
+                import triton
+                import triton.language as tl
+            except ImportError:
+                built.append(None)
+            else:
+                built.append((define(triton, tl), triton.cdiv))
+        return built[0]
+
+    return get
