@@ -85,7 +85,7 @@ def _define_backward(triton, tl):
     return kernel
 
 
-_kernel = lazy_kernel(_define_backward)
+_backward_kernel = lazy_kernel(_define_backward)
 
 
 def _define_forward(triton, tl):
@@ -150,7 +150,7 @@ def glu_backward(h: torch.Tensor, bias: torch.Tensor | None, group: torch.Tensor
                  activation: str, alpha: float, limit: float) -> torch.Tensor:  # fmt: skip
     """The gradient of ``h`` [rows, 2 x ffn] through :func:`glu` of ``h + bias[group]`` (``bias`` [experts, 2 x ffn]
     or None), given the activation's gradient ``grad`` [rows, ffn]; in ``h``'s dtype."""
-    built = _kernel() if _on_triton(h) and h.numel() else None
+    built = _backward_kernel() if _on_triton(h) and h.numel() else None
     if built is None:
         return _glu_backward_torch(h, bias, group, grad, activation, alpha, limit)
     kernel, cdiv = built

@@ -3,6 +3,7 @@ tensor needs them, and a machine without Triton (CPU-only installs) falls back t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,17 +12,14 @@ def lazy_kernel(define: Callable[[Any, Any], Any]) -> Callable[[], tuple[Any, Ca
     """A getter of ``(kernel, triton.cdiv)``, where ``define(triton, triton.language)`` returns the ``@triton.jit``
     kernel. The first call imports Triton and builds the kernel; later calls return the same pair. None, every call,
     where Triton cannot be imported."""
-    built: list[Any] = []  # empty until the first call; then the pair, or None without Triton
 
+    @functools.cache
     def get() -> tuple[Any, Callable[[int, int], int]] | None:
-        if not built:
-            try:
-                import triton
-                import triton.language as tl
-            except ImportError:
-                built.append(None)
-            else:
-                built.append((define(triton, tl), triton.cdiv))
-        return built[0]
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            return None
+        return define(triton, tl), triton.cdiv
 
     return get
