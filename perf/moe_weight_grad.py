@@ -22,8 +22,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from trainbench.models.fp8 import E4M3, E4M3_MAX, cast_e4m3_pow2, cast_transpose_e4m3  # noqa: E402
-from trainbench.models.moe import _group_scaled_transpose, fp8_weight_grad  # noqa: E402
+from trainbench.models.fp8 import E4M3, E4M3_MAX, cast_transpose_e4m3  # noqa: E402
+from trainbench.models.moe import _e4m3, _group_scaled_transpose, fp8_weight_grad  # noqa: E402
 
 
 def timed(fn, repeats: int = 10) -> float:
@@ -51,7 +51,7 @@ def measure(counts: torch.Tensor, a: int, b: int, compare_casts: bool) -> dict:
     group = torch.repeat_interleave(torch.arange(experts, device=counts.device), counts)
     x = torch.randn(rows, a, device=counts.device, dtype=torch.bfloat16)
     grad = (torch.randn(rows, b, device=counts.device) * torch.rand(rows, 1, device=counts.device)).bfloat16()
-    sx, sg = cast_e4m3_pow2(x, -1)[1], cast_e4m3_pow2(grad, -1)[1]
+    sx, sg = _e4m3(x, -1)[1], _e4m3(grad, -1)[1]
     row = {"shape": [a, b], "rows": rows, "largest_expert_rows": int(counts.max())}
     products = {
         "bf16": lambda: torch._grouped_mm(x.t(), grad, offs=offsets),

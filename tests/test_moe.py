@@ -135,31 +135,6 @@ def test_the_activation_backward_as_one_op_equals_autograd_at_and_beyond_the_cla
         assert [ours[0, i].item() == 0 for i in range(8)] == [False, False, False, False, True, True, False, True]
 
 
-@pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
-def test_the_activation_ops_with_their_fp8_row_casts_are_the_ops_then_the_cast_off_cuda(activation):
-    """``glu_forward_fp8`` and ``glu_backward_fp8`` (on CUDA one kernel each, the cast inside): off CUDA the
-    activation's result and gradient as ``glu_forward`` and ``glu_backward`` give them, then cast along the rows by
-    ``fp8.cast_e4m3_pow2``; torch's op checks pass (the ops' fake shapes and dtypes, for the compiler)."""
-    from trainbench.models.fp8 import cast_e4m3_pow2
-    from trainbench.models.glu_kernel import glu_backward_fp8, glu_forward, glu_forward_fp8
-
-    torch.manual_seed(0)
-    h, grad = (torch.randn(6, 16) * 4).bfloat16(), torch.randn(6, 8).bfloat16()
-    bias, group = torch.randn(3, 16), torch.tensor([0, 0, 1, 1, 2, 2])
-    for b, g in ((None, None), (bias, group)):
-        act, q, recip = glu_forward_fp8(h, b, g, activation, 1.702, 7.0)
-        assert torch.equal(act, glu_forward(h, b, g, activation, 1.702, 7.0))
-        grad_h, grad_q, grad_recip = glu_backward_fp8(h, b, g, grad, activation, 1.702, 7.0)
-        assert torch.equal(grad_h, glu_backward(h, b, g, grad, activation, 1.702, 7.0))
-        for value, cast, recips in ((act, q, recip), (grad_h, grad_q, grad_recip)):
-            want_q, want_recips = cast_e4m3_pow2(value, -1)
-            assert cast.dtype == torch.float8_e4m3fn and recips.shape == (value.shape[0],)
-            assert torch.equal(cast.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(recips, want_recips)
-            assert float((cast.float() * recips[:, None] - value.float()).abs().max()) > 0  # rounded to 3 bits
-        torch.library.opcheck(glu_forward_fp8, (h, b, g, activation, 1.702, 7.0))
-        torch.library.opcheck(glu_backward_fp8, (h, b, g, grad, activation, 1.702, 7.0))
-
-
 @pytest.mark.parametrize("activation, bias", [("silu", False), ("gpt_oss", True)])
 def test_the_experts_with_the_activation_backward_as_one_op_equal_autograd(activation, bias):
     """The layer with ``glu_kernel`` (the CUDA path: BiasGLU, one op for the activation's backward, the first bias's
@@ -254,14 +229,14 @@ def test_the_weight_gradient_operands_take_one_power_of_two_scale_an_expert_and_
     whose scale is constant over each expert's rows (the grouped product sums along them), a power of two that
     brings the expert's largest magnitude within e4m3's range; dequantised it gives the rows back to e4m3's
     rounding; an expert with no rows gets 1."""
-    from trainbench.models.fp8 import E4M3_MAX, cast_e4m3_pow2
-    from trainbench.models.moe import _group_scaled_transpose
+    from trainbench.models.fp8 import E4M3_MAX
+    from trainbench.models.moe import _e4m3, _group_scaled_transpose
 
     torch.manual_seed(0)
     counts = torch.tensor([32, 0, 16, 48])
     group = torch.repeat_interleave(torch.arange(4), counts)
     t = torch.randn(int(counts.sum()), 24) * torch.tensor([1e-3, 0.0, 5.0, 300.0]).repeat_interleave(counts)[:, None]
-    _, row_recips = cast_e4m3_pow2(t, -1)
+    _, row_recips = _e4m3(t, -1)
     q, recips = _group_scaled_transpose(t, row_recips, group, 4)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (24, t.shape[0]) and q.is_contiguous()
     assert recips[1] == 1

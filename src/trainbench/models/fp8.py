@@ -36,15 +36,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
-def cast_e4m3_pow2(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` in e4m3 with a scale per slice along ``dim`` (a power of two: the slice's largest magnitude brought
-    just under 448), and the scales' reciprocals (what multiplies the product back), ``dim`` squeezed out."""
-    amax = t.detach().abs().amax(dim=dim, keepdim=True).float().clamp(min=1e-12)
-    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
-    q = (t.detach().float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, scale.reciprocal().squeeze(dim)
-
-
 def _mm(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, dtype) -> torch.Tensor:
     """(a * a_scale) @ (b_t * b_scale).T for e4m3 ``a`` [m, k] and ``b_t`` [n, k], scales [m, 1] and [n, 1]."""
     if a.is_cuda:

@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainbench.models.fp8 import cast_e4m3_pow2, cast_transpose_e4m3, min_capability
-from trainbench.models.glu_kernel import BiasGLU, glu, glu_backward_fp8, glu_forward_fp8, group_sums
+from trainbench.models.fp8 import E4M3, E4M3_MAX, cast_transpose_e4m3, min_capability
+from trainbench.models.glu_kernel import BiasGLU, glu, group_sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,17 +74,26 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fp8: bool =
     return torch.bmm(padded, w.to(x.dtype))[group, slot]
 
 
+def _e4m3(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` in e4m3 with a scale per slice along ``dim`` (a power of two: the slice's largest magnitude brought
+    just under 448), and the scales' reciprocals (what multiplies the product back), ``dim`` squeezed out."""
+    amax = t.detach().abs().amax(dim=dim, keepdim=True).float().clamp(min=1e-12)
+    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
+    q = (t.detach().float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale.reciprocal().squeeze(dim)
+
+
 def _weight_for_forward(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts' weights ``w`` [groups, a, b] in e4m3 with a scale per (group, output column), each group's matrix
     column-major, as the FP8 grouped product requires; and the scales' reciprocals."""
-    qw, sw = cast_e4m3_pow2(w, -2)
+    qw, sw = _e4m3(w, -2)
     return qw.transpose(-2, -1).contiguous().transpose(-2, -1), sw
 
 
 def _weight_for_input_grad(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` in e4m3 with a scale per (group, row): ``w^T``'s output columns are ``w``'s rows, and row-major ``w`` is
     column-major ``w^T``; and the scales' reciprocals."""
-    return cast_e4m3_pow2(w, -1)
+    return _e4m3(w, -1)
 
 
 def fp8_weight_casts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,7 +106,7 @@ def _group_scaled_transpose(t: torch.Tensor, row_scales: torch.Tensor, group: to
                             groups: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``t`` [rows, n] (rows sorted by group, ``group`` [rows] each one's) transposed into e4m3 [n, rows], row-major,
     with one power-of-two scale a group: that of its largest row, whose reciprocal ``row_scales`` [rows] (from
-    ``cast_e4m3_pow2`` along the rows) holds; and the groups' reciprocals [groups] (1 for a group of no rows)."""
+    :func:`_e4m3` along the rows) holds; and the groups' reciprocals [groups] (1 for a group of no rows)."""
     recip = row_scales.new_ones(groups).scatter_reduce(0, group, row_scales, "amax", include_self=False)
     return cast_transpose_e4m3(t.detach(), recip[group]), recip
 
@@ -119,35 +128,13 @@ def fp8_weight_grad(x: torch.Tensor, x_scales: torch.Tensor, grad: torch.Tensor,
                                     out_dtype=torch.bfloat16, use_fast_accum=fast_accum)  # fmt: skip
 
 
-def _fp8_grouped(qx: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-                 casts: tuple[torch.Tensor, ...] | None) -> torch.Tensor:  # fmt: skip
-    """The forward's FP8 grouped product of the rows already cast (``qx``, the reciprocals ``sx``) and ``w``, cast
-    here or taken from ``casts``."""
-    qw, sw = _weight_for_forward(w) if casts is None else casts[:2]
-    return torch._scaled_grouped_mm(qx, qw, sx, sw, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=True)
-
-
-def _fp8_grouped_backward(x: torch.Tensor, sx: torch.Tensor | None, grad: torch.Tensor, qg: torch.Tensor,
-                          sg: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-                          weight_casts: tuple[torch.Tensor, ...], group: torch.Tensor | None):  # fmt: skip
-    """(``x``'s gradient, ``w``'s gradient) of :func:`_fp8_grouped` given the output's gradient ``grad`` and its row
-    cast (``qg``, ``sg``); ``weight_casts``: ``w``'s cast for the input's gradient, or () to cast it here;
-    ``group``: the weights' gradient in FP8 (else bf16)."""
-    qw, sw = weight_casts or _weight_for_input_grad(w)
-    grad_x = torch._scaled_grouped_mm(qg, qw.transpose(-2, -1), sg, sw, offs=offsets, out_dtype=torch.bfloat16,
-                                      use_fast_accum=True)  # fmt: skip
-    if group is not None:
-        return grad_x, fp8_weight_grad(x, sx, grad, sg, group, w.shape[0], offsets)
-    return grad_x, torch._grouped_mm(x.transpose(0, 1), grad.to(x.dtype), offs=offsets)
-
-
 class _FP8Grouped(torch.autograd.Function):
     """``x`` [rows, a] (bf16, sorted by group, each group's rows ending at ``offsets``, every group a multiple of 16
     rows) times its group's ``w`` [groups, a, b]: the forward and the input's gradient as FP8 grouped products
     (torch's ``_scaled_grouped_mm``; e4m3, a scale per row of the left operand and per output column of each group's
     right one). The weights' gradient is one too where ``group`` (each row's group) is given
     (:func:`fp8_weight_grad`), else a bf16 grouped product. The casts are plain tensor operations, which a compiled
-    block fuses into the kernels that make their inputs (the rows' gather, the gradients' gathers).
+    block fuses into the kernels that make their inputs (the rows' gather, the activation, the gradients' gathers).
     ``casts``: ``w``'s casts (:func:`fp8_weight_casts`) made once a step rather than in every micro-batch's forward
     and backward."""
 
@@ -155,58 +142,34 @@ class _FP8Grouped(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                 casts: tuple[torch.Tensor, ...] | None = None,
                 group: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        qx, sx = cast_e4m3_pow2(x, -1)
+        qx, sx = _e4m3(x, -1)
+        ctx.cast_weights = casts is None
+        if casts is None:
+            qw, sw = _weight_for_forward(w)
+            weight = ()
+        else:
+            qw, sw = casts[:2]
+            weight = casts[2:]
         ctx.fp8_weight_grad = group is not None
         rows = (sx, group) if group is not None else ()
-        ctx.save_for_backward(x, w, offsets, *rows, *(casts[2:] if casts is not None else ()))
-        return _fp8_grouped(qx, sx, w, offsets, casts)
+        ctx.save_for_backward(x, w, offsets, *rows, *weight)
+        return torch._scaled_grouped_mm(qx, qw, sx, sw, offs=offsets, out_dtype=torch.bfloat16, use_fast_accum=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w, offsets, *rest = ctx.saved_tensors
         sx, group = rest[:2] if ctx.fp8_weight_grad else (None, None)
-        weight_casts = rest[2:] if ctx.fp8_weight_grad else rest
+        cast = rest[2:] if ctx.fp8_weight_grad else rest
         grad = grad.contiguous()
-        grad_x, grad_w = _fp8_grouped_backward(x, sx, grad, *cast_e4m3_pow2(grad, -1), w, offsets, weight_casts, group)
+        qg, sg = _e4m3(grad, -1)
+        qw, sw = _weight_for_input_grad(w) if ctx.cast_weights else cast
+        grad_x = torch._scaled_grouped_mm(qg, qw.transpose(-2, -1), sg, sw, offs=offsets, out_dtype=torch.bfloat16,
+                                          use_fast_accum=True)  # fmt: skip
+        if ctx.fp8_weight_grad:
+            grad_w = fp8_weight_grad(x, sx, grad, sg, group, w.shape[0], offsets)
+        else:
+            grad_w = torch._grouped_mm(x.transpose(0, 1), grad.to(x.dtype), offs=offsets)
         return grad_x, grad_w, None, None, None
-
-
-class _FP8GatedExperts(torch.autograd.Function):
-    """The experts' two FP8 grouped products with the activation between them (:class:`_FP8Grouped`,
-    :class:`~trainbench.models.glu_kernel.BiasGLU`, :class:`_FP8Grouped`, to the same values), the activation's
-    kernels making the row casts that follow them (``glu_forward_fp8``, ``glu_backward_fp8``): its result's for the
-    down product, its gradient's for the gate-and-up product's input gradient. ``bias``: the gate-and-up bias, added
-    by ``group`` (each row's expert); ``fp8_weight_grad``: the weights' gradients in FP8 (else bf16); ``*_casts``:
-    that weight's casts made once a step (:func:`fp8_weight_casts`), or None."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, bias: torch.Tensor | None,
-                group: torch.Tensor, offsets: torch.Tensor, config: tuple[str, float, float],
-                gate_up_casts: tuple[torch.Tensor, ...] | None, down_casts: tuple[torch.Tensor, ...] | None,
-                fp8_weight_grad: bool) -> torch.Tensor:  # fmt: skip
-        casts = (gate_up_casts, down_casts)
-        qx, sx = cast_e4m3_pow2(rows, -1)
-        h = _fp8_grouped(qx, sx, gate_up, offsets, gate_up_casts)
-        act, qa, sa = glu_forward_fp8(h, bias, group if bias is not None else None, *config)
-        weight_casts = [() if c is None else c[2:] for c in casts]
-        ctx.save_for_backward(rows, sx, h, act, sa, gate_up, down, bias, group, offsets, *weight_casts[0],
-                              *weight_casts[1])  # fmt: skip
-        ctx.config, ctx.fp8_weight_grad, ctx.cast_counts = config, fp8_weight_grad, [len(c) for c in weight_casts]
-        return _fp8_grouped(qa, sa, down, offsets, down_casts)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        rows, sx, h, act, sa, gate_up, down, bias, group, offsets, *rest = ctx.saved_tensors
-        gate_up_casts, down_casts = rest[: ctx.cast_counts[0]], rest[ctx.cast_counts[0] :]
-        wgrad_group = group if ctx.fp8_weight_grad else None
-        grad = grad.contiguous()
-        grad_act, grad_down = _fp8_grouped_backward(act, sa, grad, *cast_e4m3_pow2(grad, -1), down, offsets,
-                                                    down_casts, wgrad_group)  # fmt: skip
-        grad_h, qh, sh = glu_backward_fp8(h, bias, group if bias is not None else None, grad_act, *ctx.config)
-        grad_rows, grad_gate_up = _fp8_grouped_backward(rows, sx, grad_h, qh, sh, gate_up, offsets, gate_up_casts,
-                                                        wgrad_group)  # fmt: skip
-        grad_bias = None if bias is None else group_sums(grad_h, group, bias.shape[0]).to(bias.dtype)
-        return grad_rows, grad_gate_up, grad_down, grad_bias, None, None, None, None, None, None
 
 
 class MoE(nn.Module):
@@ -271,16 +234,9 @@ class MoE(nn.Module):
         """Each row of ``rows`` (sorted by expert, ``counts`` a group; ``group`` its expert among those of the
         weights given) through its expert."""
         product = self._gathers(rows.device)
-        kernel = rows.is_cuda if self.glu_kernel is None else self.glu_kernel
-        if self.fp8 and kernel:  # the activation's kernels make the products' row casts
-            s, offsets = self.shape, torch.cumsum(counts, 0, dtype=torch.int32)
-            out = _FP8GatedExperts.apply(rows, gate_up, down, gate_up_bias, group, offsets,
-                                         (s.activation, s.alpha, s.limit), self._casts("gate_up_proj", gate_up),
-                                         self._casts("down_proj", down), self.fp8_weight_grad)  # fmt: skip
-            return out if down_bias is None else _add_group_bias(out, down_bias, group, product)
         wgrad_group = group if self.fp8_weight_grad else None
         h = _grouped(rows, gate_up, counts, self.fp8, self._casts("gate_up_proj", gate_up), wgrad_group)
-        if kernel:
+        if rows.is_cuda if self.glu_kernel is None else self.glu_kernel:
             s = self.shape
             act = BiasGLU.apply(h, gate_up_bias, group if gate_up_bias is not None else None, s.activation, s.alpha,
                                 s.limit)  # fmt: skip
