@@ -819,6 +819,55 @@ def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_st
     assert max(step()) < 1e-4
 
 
+def test_the_experts_weight_gradients_added_through_their_stand_ins_equal_autograds_compiled_on_cuda():
+    """With the weights' casts made once a step, the compiled layer's experts add their bf16 weight gradients into
+    the fp32 ``.grad`` through stand-ins (moe._Fp32GradStandIn, its cast and addition compiled): over 3 steps of 2
+    micro-batches every gradient and output equals, bit for bit, the same layer's with the stand-ins taken away
+    (autograd's cast and add), and the steps after the first compile nothing new."""
+    from trainbench.models.moe import MoE, MoEShape, cache_fp8_weight_casts, experts_in_fp8
+
+    shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation="gpt_oss", bias=True)
+    torch.manual_seed(0)
+    base = MoE(shape)
+    for p in base.parameters():
+        torch.nn.init.normal_(p, std=0.06)
+    roots, after_steps = [], []
+    for with_standins in (False, True):
+        layer = MoE(shape).cuda()
+        layer.load_state_dict(base.state_dict())
+        root = torch.nn.ModuleDict({"moe": layer})
+        root.forward = lambda x, layer=layer: layer(x)
+        experts_in_fp8(root, torch.device("cuda"))
+        layer.compile(dynamic=False)
+        after_steps.append(cache_fp8_weight_casts(root))  # the casts and the gradients' additions compiled
+        if not with_standins:  # runs after the hook that hands them out
+            root.register_forward_pre_hook(lambda m, args, layer=layer: setattr(layer, "_grad_standins", {}))
+        roots.append(root)
+    xs = [torch.randn(512, 256, device="cuda") for _ in range(2)]
+    torch._dynamo.utils.counters.clear()
+    for step in range(3):
+        if step == 1:
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        results = []
+        for root, after_step in zip(roots, after_steps, strict=True):
+            outs = []
+            for i, x in enumerate(xs):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    out, _ = root(x)
+                (out.float().square() * (i + 1)).sum().backward()
+                outs.append(out.detach())
+            results.append(outs + [p.grad.clone() for p in root.parameters()])
+            with torch.no_grad():
+                for p in root.parameters():
+                    p.sub_(1e-2 * p.grad.sign())
+            root.zero_grad()
+            after_step()
+        assert roots[1]["moe"]._grad_standins and not roots[0]["moe"]._grad_standins
+        for a, b in zip(*results, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_activation_kernels_match_their_torch_form_on_cuda(activation, dtype):

@@ -248,3 +248,49 @@ def test_the_weight_gradient_operands_take_one_power_of_two_scale_an_expert_and_
         assert amax / recips[g] <= E4M3_MAX < 2 * amax / recips[g]
         back = q[:, rows].float().t() * recips[g]
         assert torch.allclose(back, t[rows], rtol=2**-3, atol=float(recips[g]) * 2**-9)
+
+
+class _ProductThroughACast(torch.autograd.Function):
+    """``x @ w16`` per group, as the FP8 experts multiply through casts made beforehand: ``w`` (the fp32 weight, or
+    its stand-in) is read for nothing but its gradient, which comes back in bf16."""
+
+    @staticmethod
+    def forward(ctx, x, w, w16):
+        ctx.save_for_backward(x, w16)
+        return torch.bmm(x, w16)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w16 = ctx.saved_tensors
+        return grad.bmm(w16.transpose(1, 2)), torch.bmm(x.transpose(1, 2), grad), None
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_weights_gradient_added_through_its_bf16_stand_in_equals_autograds_cast_and_add(compiled):
+    """The experts' weights cast once a step hand their products a stand-in (moe._Fp32GradStandIn), whose backward
+    adds each micro-batch's bf16 gradient into the fp32 ``.grad`` itself: over 3 micro-batches the gradient equals,
+    bit for bit, autograd's (each bf16 gradient cast to fp32, then accumulated). Compiled (AOTAutograd, as the
+    blocks compile), a new stand-in in each micro-batch compiles once."""
+    from trainbench.models.moe import _Fp32GradStandIn
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(3, 16, 24))
+    plain = torch.nn.Parameter(weight.detach().clone())
+    w16 = weight.detach().bfloat16()
+    xs = [torch.randn(3, 8, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+
+    def loss(x, w):
+        return _ProductThroughACast.apply(x, w, w16).float().square().sum()
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    standin_loss = torch.compile(loss, backend="aot_eager", dynamic=False) if compiled else loss
+    for x in xs:
+        standin = _Fp32GradStandIn.apply(weight)
+        assert standin.dtype == torch.bfloat16 and standin.shape == weight.shape and standin.stride() == (0, 0, 0)
+        standin_loss(x, standin).backward()
+        loss(x.detach().requires_grad_(), plain).backward()
+        assert torch.equal(weight.grad, plain.grad)
+    assert weight.grad.dtype == torch.float32 and weight.grad.abs().sum() > 0
+    if compiled:
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
