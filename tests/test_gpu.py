@@ -767,25 +767,35 @@ def test_the_experts_fp8_weight_gradient_matches_each_experts_product_in_float64
         assert err < 0.08 and err > 2 * err_bf16, (g, err, err_bf16)
 
 
-def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_step_on_cuda():
-    """cache_fp8_weight_casts (one unsharded rank): over 3 steps of 2 micro-batches with the fused AdamW (which leaves
-    the weights' version counters alone), the layer that casts its weights once a step gives the outputs and
-    gradients of the same layer casting them in every call, also after a weight written in place outside a step.
-    Left stale for one step (no after_step), it does not: what the comparison would catch."""
-    from trainbench.models.moe import MoE, MoEShape, cache_fp8_weight_casts, experts_in_fp8
+def _two_fp8_expert_layers() -> list[torch.nn.Module]:
+    """Two FP8 expert layers on CUDA (GPT-OSS's activation, with biases) holding the same random weights."""
+    from trainbench.models.moe import MoE, MoEShape, experts_in_fp8
 
-    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation="gpt_oss", bias=True)
     torch.manual_seed(0)
     base = MoE(shape)
     for p in base.parameters():
         torch.nn.init.normal_(p, std=0.06)
-    roots, optimizers = [], []
+    layers = []
     for _ in range(2):
         layer = MoE(shape).cuda()
         layer.load_state_dict(base.state_dict())
+        experts_in_fp8(layer, torch.device("cuda"))
+        layers.append(layer)
+    return layers
+
+
+def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_step_on_cuda():
+    """cache_fp8_weight_casts (one unsharded rank): over 3 steps of 2 micro-batches with the fused AdamW (which leaves
+    the weights' version counters alone), the layer that casts its weights once a step gives the outputs and
+    gradients of the same layer casting them in every call, also after a weight written in place outside a step.
+    Left stale for one step (no after_step), it does not: what the comparison would catch."""
+    from trainbench.models.moe import cache_fp8_weight_casts
+
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    roots, optimizers = [], []
+    for layer in _two_fp8_expert_layers():
         root = torch.nn.Sequential(layer)
-        experts_in_fp8(root, torch.device("cuda"))
         roots.append(root)
         optimizers.append(torch.optim.AdamW(root.parameters(), lr=1e-2, fused=True))
     after_step = cache_fp8_weight_casts(roots[1])
@@ -824,20 +834,12 @@ def test_the_experts_weight_gradients_added_through_their_stand_ins_equal_autogr
     the fp32 ``.grad`` through stand-ins (moe._Fp32GradStandIn, its cast and addition compiled): over 3 steps of 2
     micro-batches every gradient and output equals, bit for bit, the same layer's with the stand-ins taken away
     (autograd's cast and add), and the steps after the first compile nothing new."""
-    from trainbench.models.moe import MoE, MoEShape, cache_fp8_weight_casts, experts_in_fp8
+    from trainbench.models.moe import cache_fp8_weight_casts
 
-    shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation="gpt_oss", bias=True)
-    torch.manual_seed(0)
-    base = MoE(shape)
-    for p in base.parameters():
-        torch.nn.init.normal_(p, std=0.06)
     roots, after_steps = [], []
-    for with_standins in (False, True):
-        layer = MoE(shape).cuda()
-        layer.load_state_dict(base.state_dict())
+    for with_standins, layer in zip((False, True), _two_fp8_expert_layers(), strict=True):
         root = torch.nn.ModuleDict({"moe": layer})
         root.forward = lambda x, layer=layer: layer(x)
-        experts_in_fp8(root, torch.device("cuda"))
         layer.compile(dynamic=False)
         after_steps.append(cache_fp8_weight_casts(root))  # the casts and the gradients' additions compiled
         if not with_standins:  # runs after the hook that hands them out
