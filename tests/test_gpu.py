@@ -16,6 +16,16 @@ pytestmark = [
 ]
 
 
+def _why_a_run_failed(results: Path, code: int) -> str:
+    """What a failed run left in ``results`` to say why: each run folder's outcome (run_0.json) and last metrics."""
+    lines = [f"the run exited with {code}"]
+    for run_dir in sorted(d for d in results.glob("*") if d.is_dir()):
+        outcome, metrics = run_dir / "run_0.json", run_dir / "metrics.jsonl"
+        lines.append(f"{run_dir.name}: " + (outcome.read_text().strip() if outcome.exists() else "no run_0.json"))
+        lines += metrics.read_text().splitlines()[-4:] if metrics.exists() else ["no metrics.jsonl"]
+    return "\n".join(lines)
+
+
 def tiny_run_to_target_on_cuda(tmp_path, benchmark: str, *keys: str) -> Path:
     """``benchmark``'s tiny data prepared, then a run on CUDA with ``keys`` (a preset, overrides): it succeeds and its
     log passes the checker. Returns its run folder."""
@@ -23,7 +33,8 @@ def tiny_run_to_target_on_cuda(tmp_path, benchmark: str, *keys: str) -> Path:
     assert run_cli("prepare", benchmark, "--synthetic", "--preset", "tiny", "--out", data) == 0
     code = run_cli("run", benchmark, *keys, f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}", "device=cuda",
                    "progress=false")  # fmt: skip
-    assert code == 0
+    if code != 0:
+        pytest.fail(_why_a_run_failed(tmp_path / "r", code))
     run_dir = only_run_dir(tmp_path / "r")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
