@@ -16,6 +16,14 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _empty_compile_caches():
+    """Each test compiles from empty dynamo caches, as a `trainbench` process (one model) does. The tests of many
+    models in one process can otherwise fill the recompile limit of the code they share (a block's forward), past
+    which dynamo runs that code eagerly: a path no run takes."""
+    torch._dynamo.reset()
+
+
 def _why_a_run_failed(results: Path, code: int) -> str:
     """What a failed run left in ``results`` to say why: each run folder's outcome (run_0.json) and last metrics."""
     lines = [f"the run exited with {code}"]
