@@ -290,17 +290,40 @@ def _log_values(run_dir: Path) -> dict:
     return {e["key"]: e["value"] for e in (json.loads(x.split(":::MLLOG ")[1]) for x in lines if ":::MLLOG" in x)}
 
 
+def _said(command: list[str]) -> str:
+    """What a Slurm command prints, for a failure's message; why not, where it cannot run."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"({command[0]}: {e})\n"
+
+
+def _wait_for(what: str, ready, timeout: float, run_dir: Path) -> float:
+    """Seconds until ``ready()``; after ``timeout`` the test fails with Slurm's view of the queue and the nodes (a job
+    left COMPLETING names its reason there) and the job's output."""
+    start = time.time()
+    while not ready():
+        if time.time() - start > timeout:
+            log = "".join(p.read_text() for p in run_dir.glob("slurm-*.out"))
+            queue = _said(["squeue", "-h", "-o", "%i %T %r %M %N"])
+            nodes = _said(["sinfo", "-h", "-N", "-o", "%N %T %E"])
+            pytest.fail(f"{what} did not happen in {timeout} s; squeue (id, state, reason, time, nodes):\n{queue}"
+                        f"sinfo:\n{nodes}the job's output:\n{log[-3000:]}")  # fmt: skip
+        time.sleep(0.2)
+    return time.time() - start
+
+
 def _wait_state(run_dir: Path, want: set[str], timeout: float) -> dict:
-    path = run_dir / "slurm_0.json"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    """The job's state file (slurm_0.json) once its state is one of ``want``, as read then."""
+    path, seen = run_dir / "slurm_0.json", {}
+
+    def reached() -> bool:
         if path.exists():
-            state = json.loads(path.read_text())
-            if state["state"] in want:
-                return state
-        time.sleep(0.5)
-    log = "".join(p.read_text() for p in run_dir.glob("slurm-*.out"))
-    pytest.fail(f"job did not reach {want} in {timeout} s; its output:\n{log[-3000:]}")
+            seen.update(json.loads(path.read_text()))
+        return seen.get("state") in want
+
+    _wait_for(f"the job's state {sorted(want)}", reached, timeout, run_dir)
+    return seen
 
 
 @needs_two_nodes
@@ -566,21 +589,6 @@ def _rank_pids(job_id: str, node: str) -> list[int]:
         if env.get("SLURM_JOB_ID") == job_id and env.get("SLURMD_NODENAME") == node and "SLURM_PROCID" in env:
             pids.append(int(proc.name))
     return pids
-
-
-def _wait_for(what: str, ready, timeout: float, run_dir: Path) -> float:
-    """Seconds until ``ready()``; after ``timeout`` the test fails with Slurm's view of the queue and the nodes (a job
-    left COMPLETING names its reason there) and the job's output."""
-    start = time.time()
-    while not ready():
-        if time.time() - start > timeout:
-            log = "".join(p.read_text() for p in run_dir.glob("slurm-*.out"))
-            queue = subprocess.run(["squeue", "-h", "-o", "%i %T %r %M %N"], capture_output=True, text=True).stdout
-            nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %E"], capture_output=True, text=True).stdout
-            pytest.fail(f"{what} did not happen in {timeout} s; squeue (id, state, reason, time, nodes):\n{queue}"
-                        f"sinfo:\n{nodes}the job's output:\n{log[-3000:]}")  # fmt: skip
-        time.sleep(0.2)
-    return time.time() - start
 
 
 def _link(node: str, up: bool) -> None:

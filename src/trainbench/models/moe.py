@@ -512,9 +512,10 @@ def cache_fp8_weight_casts(model: nn.Module, compiled: bool = True) -> Callable[
     def refresh(module: nn.Module, args) -> None:
         with torch.no_grad():
             recast()
+        grads = torch.is_grad_enabled()
         for m in layers:  # a new stand-in for each forward: each one's backward adds one micro-batch's gradient
             m._grad_standins = {n: _Fp32GradStandIn.apply(w, *gradients) for n in names
-                                if (w := m.get_parameter(n)).requires_grad and torch.is_grad_enabled()}  # fmt: skip
+                                if grads and (w := m.get_parameter(n)).requires_grad}  # fmt: skip
 
     def recast() -> None:
         if not state["stale"] and state["seen"] == seen():
