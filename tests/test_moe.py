@@ -265,68 +265,6 @@ class _ProductThroughACast(torch.autograd.Function):
         return grad.bmm(w16.transpose(1, 2)), torch.bmm(x.transpose(1, 2), grad), None
 
 
-def _compiled_expert_parallel_worker(rank, world, port, out):
-    """One rank of two: the layer of :func:`_expert_parallel_case` with its experts spread over the ranks, compiled as
-    a block compiles (fixed shapes) with its experts compiled on their own (``compile_local_experts``), and the same
-    layer uncompiled; 5 calls on inputs that route differently. Rank 0 writes the largest difference between the two
-    and the compiled graphs' count after each call."""
-    import os
-
-    import torch.distributed as dist
-
-    from trainbench.models.decoder_parallel import apply_expert_parallel
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        (layer, _, _), (compiled, _, _) = _expert_parallel_case(), _expert_parallel_case()  # the same weights
-        for module in (layer, compiled):
-            apply_expert_parallel(torch.nn.Sequential(module), "cpu", world, world)
-            module.gather_rows = True
-        compiled.compile_local_experts(backend="aot_eager")
-        call = torch.compile(compiled, backend="aot_eager", dynamic=False)
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        graphs, worst = [], 0.0
-        for step in range(5):
-            torch.manual_seed(100 + 10 * step + rank)
-            x = torch.randn(30, 32, dtype=torch.float64) * (1 + step)
-            for module, run in ((layer, layer), (compiled, call)):
-                module.zero_grad()
-                mine = x.clone().requires_grad_()
-                result, _ = run(mine)
-                result.square().sum().backward()
-                if module is layer:
-                    want = [result.detach(), mine.grad, layer.gate_up_proj.grad.to_local()]
-                else:
-                    got = [result.detach(), mine.grad, compiled.gate_up_proj.grad.to_local()]
-            worst = max([worst] + [(g - w).abs().max().item() for g, w in zip(got, want, strict=True)])
-            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        if rank == 0:
-            torch.save({"graphs": graphs, "worst": worst}, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_a_compiled_expert_parallel_layer_compiles_once_for_any_routing(tmp_path):
-    """Under expert parallelism the rows that arrive at a rank differ in number in every micro-batch. A block compiled
-    for fixed shapes used to compile its experts' part anew for each count (and past dynamo's recompile limit ran it
-    uncompiled): now the all-to-alls run outside the block's graph and the rank's experts compile once for any count.
-    Over 5 calls that route differently (2 gloo ranks) no graph is added after the first call, and outputs and
-    gradients equal the uncompiled layer's."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "ep.pt"
-    torch.multiprocessing.spawn(_compiled_expert_parallel_worker, args=(2, port, str(out)), nprocs=2, join=True)
-    got = torch.load(out)
-    assert got["graphs"][0] > 0 and got["graphs"] == [got["graphs"][0]] * 5, got["graphs"]
-    assert got["worst"] < 1e-12, got["worst"]
-
-
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_weights_gradient_added_through_its_bf16_stand_in_equals_autograds_cast_and_add(compiled):
     """The experts' weights cast once a step hand their products a stand-in (moe._Fp32GradStandIn), whose backward

@@ -124,14 +124,10 @@ def shard_blocks(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, bf
 def wrap_blocks(model: DecoderLM, checkpointing: bool, compile_blocks: bool) -> None:
     """Checkpointing and compilation per block (and of the output layer with its loss), in place: parameter names
     stay those of HF Llama."""
-    from trainbench.models.moe import MoE
-
     for block in model.model.layers:
         block.checkpointing = checkpointing
         if compile_blocks:
             block.compile(dynamic=False, options=BLOCK_COMPILE_OPTIONS)
-            for moe in (m for m in block.modules() if isinstance(m, MoE)):
-                moe.compile_local_experts(options=BLOCK_COMPILE_OPTIONS)  # used under expert parallelism only
     if compile_blocks:
         model.loss_fn = torch.compile(lm_loss, dynamic=False)
 

@@ -201,9 +201,6 @@ class MoE(nn.Module):
         # With the weights' FP8 casts made once a step (cache_fp8_weight_casts): for each weight, where this forward
         # takes gradients, the tensor its products take the place of the weight with (_Fp32GradStandIn)
         self._grad_standins: dict[str, torch.Tensor] = {}
-        # With expert parallelism in compiled blocks (compile_local_experts): the rank's experts compiled on their
-        # own, for any count of arriving rows; None: run as called
-        self._local_experts: Callable | None = None
         if s.bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(s.experts, 2 * s.ffn))
             self.down_proj_bias = nn.Parameter(torch.empty(s.experts, s.hidden))
@@ -279,18 +276,8 @@ class MoE(nn.Module):
         buffer = rows.new_zeros(size, rows.shape[1]).index_copy(0, slot, rows)
         experts = torch.repeat_interleave(torch.arange(len(host_counts), device=rows.device), padded,
                                           output_size=size)  # fmt: skip
-        return (self._local_experts or self._experts)(buffer, experts, padded, *weights)[slot]
+        return self._experts(buffer, experts, padded, *weights)[slot]
 
-    def compile_local_experts(self, **options) -> None:
-        """Under expert parallelism, compile the rank's experts on their own (``torch.compile`` ``options``), with
-        the count of arriving rows symbolic: it changes in every micro-batch. The all-to-alls around them need the
-        counts on the host and run as called (:meth:`_experts_parallel` is not compiled with its block)."""
-        self._local_experts = torch.compile(self._experts, dynamic=True, **options)
-
-    # Not traced with its block: the counts come to the host to size the all-to-alls, and the rows that arrive
-    # differ in number in each micro-batch, so a block compiled for fixed shapes would compile this part anew each
-    # time, and past dynamo's recompile limit run it uncompiled. compile_local_experts compiles the experts alone.
-    @torch.compiler.disable
     def _experts_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """:meth:`_experts` with the experts spread over the ranks of ``ep_group`` (rank j holds the j-th contiguous
         share, as DTensors sharded by expert): each row goes to its expert's rank by all-to-all, through the expert,
@@ -314,7 +301,7 @@ class MoE(nn.Module):
         if self.align_rows > 1:  # each expert's rows padded to a multiple of align_rows (FP8's grouped product)
             out = self._experts_padded(rows, group, counts, counts.tolist(), *mine)
         else:
-            out = (self._local_experts or self._experts)(rows, group, counts, *mine)
+            out = self._experts(rows, group, counts, *mine)
         out = out[torch.argsort(by_expert)]
         return all_to_all_single(out.new_empty(sum(sent), out.shape[1]), out, sent, received, group=self.ep_group)
 
