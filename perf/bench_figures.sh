@@ -36,7 +36,8 @@
 #   perf/bench_figures.sh node-bert   BERT-large at NVIDIA's node shapes (48 rows x 1 and x 2 accumulation a GPU) on
 #                                     NPROC GPUs and on one, for the scaling
 #   perf/bench_figures.sh node-tiny   every benchmark's tiny preset to its target over NCCL on NPROC GPUs; each run's
-#                                     summary.json (its compliance verdict) into $OUT
+#                                     summary.json (its compliance verdict) into $OUT; TINY="gpt_oss_20b flux1"
+#                                     runs only those
 # EXTRA="key=value ..." adds config keys to every bench of the call, TAG=-x appends -x to each result's name, e.g.
 #   EXTRA=model.attention=cudnn TAG=-cudnn perf/bench_figures.sh gpt-oss-fp8
 # INDUCTOR="key=value,..." sets torch._inductor options process-wide for every bench of the call (1 and 0 are true and
@@ -121,7 +122,7 @@ for what in "$@"; do
             done
         done ;;
     node-tiny)
-        for name in bert llama31_8b gpt3 llama2_70b_lora gpt_oss_20b flux1; do
+        for name in ${TINY:-bert llama31_8b gpt3 llama2_70b_lora gpt_oss_20b flux1}; do
             python3 -m trainbench prepare "$name" --synthetic --preset tiny --out "$RESULTS/data_$name" --force
             python3 -m trainbench run "$name" --preset tiny data.dir="$RESULTS/data_$name" device=cuda \
                 --nproc "$NPROC" output.results_dir="$RESULTS/tiny_$name" progress=false 2>&1 | tee "$OUT/tiny_$name.log" \
