@@ -205,6 +205,11 @@ def test_a_waiver_never_hides_another_failure():
     assert not ComplianceResult(False, "5.1.0", both, frozenset({"max_steps"})).ok
     assert ComplianceResult(False, "5.1.0", f"{waived_check}\n{sep}\nERROR - FAILED\n", frozenset({"max_steps"})).ok
     assert not ComplianceResult(False, "5.1.0", f"{waived_check}\n{sep}\nERROR - FAILED\n", frozenset()).ok
+    # The reason names what failed, not the waived check the checker printed first
+    reason = ComplianceResult(False, "5.1.0", both, frozenset({"max_steps"})).reason()
+    assert reason.startswith(missing) and reason.endswith("scaled-down run: max_steps)"), reason
+    reason = ComplianceResult(False, "5.1.0", f"{waived_check}\n{sep}\nERROR - FAILED\n", frozenset()).reason()
+    assert reason.startswith("CHECK for 'max_steps' failed") and "waived" not in reason, reason
 
 
 def _two_d_worker(rank: int, world: int, port: int, out: str) -> None:

@@ -156,9 +156,14 @@ class ComplianceResult:
             return (
                 f"SUCCESS except the full-size checks of a scaled-down run ({', '.join(sorted(self.failed_checks()))})"
             )
-        lines = [ln for ln in self.output.splitlines() if ln.startswith(("ERROR", "WARNING")) and "FAILED" not in ln]
-        lines += self.problems
-        return "; ".join(lines[:6]) or self.output.strip()[-500:]
+        # What made it fail first: the checker's messages but the waived checks' (which it may print first), then
+        # the log's own problems; the waived ones only named after them.
+        waived = sorted(self.failed_checks() & self.waived)
+        lines = [h for h in self._messages() if not any(h.startswith(f"CHECK for '{key}'") for key in waived)]
+        text = "; ".join([*lines, *self.problems][:6]) or self.output.strip()[-500:]
+        if waived:
+            text += f" (and the waived full-size checks of a scaled-down run: {', '.join(waived)})"
+        return text
 
 
 def log_problems(events: list[dict]) -> list[str]:
