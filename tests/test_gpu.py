@@ -544,6 +544,22 @@ def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_t
     assert planned.model.base_precision == "fp8" and "predicted:" in lines[1]
 
 
+def test_the_host_link_shared_by_every_gpu_here_is_no_faster_than_one_gpu_alone(tmp_path):
+    """train/probe.shared_link_rates on every GPU of this machine at once (one GPU: the same as alone): each GPU's
+    rate both ways is real and no more than its rate copying alone (timing spread aside); the ``--link`` entry writes
+    the pair a plan caches."""
+    from trainbench.launch.plan import main
+    from trainbench.train import probe
+
+    alone = probe.link_rates()
+    shared = probe.shared_link_rates(torch.cuda.device_count())
+    for rate, single in zip(shared, alone, strict=True):
+        assert 1e9 < rate < 1.1 * single, (shared, alone)
+    out = tmp_path / "link.json"
+    assert main(["--link", str(torch.cuda.device_count()), str(out)]) == 0
+    assert all(r > 1e9 for r in json.loads(out.read_text()))
+
+
 def test_a_gpu_memory_limit_holds_the_allocator_to_it_on_cuda():
     """perf.gpu_memory_gib: the allocator refuses what a GPU of that size would not have had free, grants what it
     would, and a limit above the GPU's memory is one sentence."""

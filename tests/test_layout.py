@@ -52,6 +52,51 @@ def test_the_copies_are_charged_at_the_rate_measured_while_the_gpu_computes():
     assert block_probe(older) == P70
 
 
+def test_the_node_s_gpus_copying_at_once_scale_the_rates_by_the_share_each_keeps():
+    """Where every GPU of a node offloads at once, each keeps a share of its link (measured with all copying: 26 of
+    52 GB/s out, 40 of 50 back): the plan's busy rates are scaled by that share, so the node's H100s offload fewer
+    blocks than one H100 alone would, and recompute more."""
+    busy = dataclasses.replace(P70, to_host_busy_bytes_s=48e9, to_gpu_busy_bytes_s=45e9)
+    shared = dataclasses.replace(busy, to_host_shared_bytes_s=26e9, to_gpu_shared_bytes_s=40e9)
+    assert shared.rates() == pytest.approx((48e9 * 26 / 52, 45e9 * 40 / 50))
+    # a share measured above the GPU's own rate (noise) never raises the rate
+    assert dataclasses.replace(busy, to_host_shared_bytes_s=60e9).rates() == busy.rates()
+    alone, _ = best(80, busy, H100, {})
+    node, _ = best(80, shared, dataclasses.replace(H100, gpus=4), {})
+    assert node.offload < alone.offload and node.recompute > alone.recompute and node.seconds > alone.seconds
+
+
+def test_a_plan_for_several_ranks_a_node_measures_the_shared_link_once_and_says_so(tmp_path, monkeypatch):
+    """--nproc 4 on a machine with the GPUs: the shared link is measured once (in a process of its own, faked here)
+    and cached with the probe; a plan for 4 ranks counts it and prints it, one for 1 rank does not, and a failed
+    measurement leaves one GPU's rates with a line that says so."""
+    from trainbench.launch import plan
+    from trainbench.train import probe
+
+    monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    bench, cfg = _lora_cfg()
+    data = {f.name: getattr(P70, f.name) for f in dataclasses.fields(P70)}
+    data |= {"gpu_name": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "gpu_free_bytes": H100.gpu_bytes,
+             "gpu_total_bytes": 80 * GIB, "host_available_bytes": 480 * GIB}  # fmt: skip
+    probe.save(bench.probe_config(cfg), data)
+    four = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, nproc=4))
+    calls, said = [], []
+    monkeypatch.setattr(plan, "_measured", lambda *args: calls.append(args) or (0, [20e9, 30e9]))
+    measured = plan.shared_link(bench, four, probe.cached(bench.probe_config(cfg)), True, said.append)
+    assert calls == [("--link", "4")] and measured["shared_link"] == {"4": [20e9, 30e9]}
+    assert "4 GPUs copying at once" in said[0]
+    assert plan.shared_link(bench, four, measured, True, said.append) is measured and len(calls) == 1  # cached
+    assert probe.cached(bench.probe_config(cfg))["shared_link"] == {"4": [20e9, 30e9]}
+    node, lines = plan.planned(bench, four, print, here=False)
+    assert lines[-1].endswith("with 4 GPUs copying at once 20 and 30 GB/s each, idle (the plan's rates scaled by "
+                              "that share)"), lines[-1]  # fmt: skip
+    one, lines = plan.planned(bench, cfg, print, here=False)
+    assert "copying at once" not in lines[-1] and node.perf.offload_blocks < one.perf.offload_blocks
+    monkeypatch.setattr(plan, "_measured", lambda *args: (1, None))
+    unmeasured = plan.shared_link(bench, four, data, True, said.append)
+    assert unmeasured is data and "the plan counts the link's rates of one GPU copying alone" in said[-1]
+
+
 def test_one_h100_offloads_what_the_link_carries_and_recomputes_the_rest_with_inputs_on_the_host():
     plan, _ = best(80, P70, H100, {})
     assert plan is not None and plan.gpu_bytes <= 0.97 * H100.gpu_bytes

@@ -14,7 +14,8 @@ micro-batch costs
 
 where the copies stall the step only where their bytes take longer over the host link than the forward (out) or the
 backward (back) they overlap, at the link's rates measured while a step runs (the copies share the GPU's memory with
-the compute). The search tries every (R, O, inputs offloaded) that fits the GPU and the host, keeps
+the compute), and where several GPUs of the node copy at once, at the share of its link each keeps then. The
+search tries every (R, O, inputs offloaded) that fits the GPU and the host, keeps
 what was given by hand, and takes the fastest. Several GPUs each hold a replica of the base where it fits; a sharded
 base is the alternative the plan names where it does not.
 """
@@ -66,10 +67,23 @@ class BlockProbe:
     # The same while a training step runs, as the offload's copies do (None: not measured, the idle rates stand)
     to_host_busy_bytes_s: float | None = None
     to_gpu_busy_bytes_s: float | None = None
+    # One GPU's idle rates while every rank of the node copies the same way at once (None: one rank a node, or not
+    # measured): the share of its own link a GPU keeps when the node's GPUs share the host's
+    to_host_shared_bytes_s: float | None = None
+    to_gpu_shared_bytes_s: float | None = None
 
     def rates(self) -> tuple[float, float]:
-        """The copy rates a plan can count on, to the host and back: those measured while the GPU computes."""
-        return self.to_host_busy_bytes_s or self.to_host_bytes_s, self.to_gpu_busy_bytes_s or self.to_gpu_bytes_s
+        """The copy rates a plan can count on, to the host and back: those measured while the GPU computes, times
+        the share of the link a GPU keeps while the node's other GPUs copy too."""
+        out = (self.to_host_busy_bytes_s or self.to_host_bytes_s) * _share(self.to_host_shared_bytes_s,
+                                                                           self.to_host_bytes_s)  # fmt: skip
+        back = (self.to_gpu_busy_bytes_s or self.to_gpu_bytes_s) * _share(self.to_gpu_shared_bytes_s,
+                                                                          self.to_gpu_bytes_s)  # fmt: skip
+        return out, back
+
+
+def _share(shared: float | None, alone: float) -> float:
+    return 1.0 if not shared else min(1.0, shared / alone)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, save_config
@@ -34,19 +35,54 @@ def probe(bench: Benchmark, cfg: RunConfig, here: bool, say) -> dict:
     say(f"probing {probing.PROBE_BLOCKS} blocks of {bench.name}/{cfg.preset} on this GPU for perf.layout=auto "
         f"(once per GPU model and software version; cached in {probing.cache_dir()})")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        config, out = Path(tmp) / "config.yaml", Path(tmp) / "probe.json"
+        config = Path(tmp) / "config.yaml"
         save_config(cfg, config)
-        code = subprocess.run([sys.executable, "-m", "trainbench.launch.plan", str(config), str(out)]).returncode
-        if code != 0 or not out.exists():
-            raise UserError(f"the layout probe of {bench.name}/{cfg.preset} failed (exit code {code}; see above); "
-                            "set perf.layout=manual with the layout keys to run without it")  # fmt: skip
-        data = json.loads(out.read_text())
+        code, data = _measured(str(config))
+    if data is None:
+        raise UserError(f"the layout probe of {bench.name}/{cfg.preset} failed (exit code {code}; see above); "
+                        "set perf.layout=manual with the layout keys to run without it")  # fmt: skip
     probing.save(cfg, data)
     return data
 
 
-def block_probe(data: dict) -> BlockProbe:
-    return BlockProbe(**{f.name: data[f.name] for f in dataclasses.fields(BlockProbe) if f.name in data})
+def _measured(*args: str) -> tuple[int, Any]:
+    """This module's :func:`main` with ``args`` in a process of its own (its GPU memory is freed when it ends): the
+    exit code and the JSON it wrote (None where it wrote none)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        code = subprocess.run([sys.executable, "-m", "trainbench.launch.plan", *args, str(out)]).returncode
+        return code, json.loads(out.read_text()) if code == 0 and out.exists() else None
+
+
+def block_probe(data: dict, ranks: int = 1) -> BlockProbe:
+    """The probe's figures for a plan of ``ranks`` ranks a node: with the link's share a GPU keeps while that many
+    copy at once, where it was measured."""
+    found = BlockProbe(**{f.name: data[f.name] for f in dataclasses.fields(BlockProbe) if f.name in data})
+    shared = data.get("shared_link", {}).get(str(ranks)) if ranks > 1 else None
+    if shared is None:
+        return found
+    return dataclasses.replace(found, to_host_shared_bytes_s=shared[0], to_gpu_shared_bytes_s=shared[1])
+
+
+def shared_link(bench: Benchmark, cfg: RunConfig, data: dict, here: bool, say) -> dict:
+    """The probe ``data`` with the host link's rates one GPU keeps while the node's ``distributed.nproc`` GPUs copy at
+    once (``shared_link``, by the count of GPUs): measured in a process of its own and cached with the probe where
+    missing and this machine has the GPUs (``here``); as it is on one rank a node. Where the measurement fails, the
+    plan counts one GPU's rates and says so."""
+    ranks = cfg.distributed.nproc
+    if ranks < 2 or not here or str(ranks) in data.get("shared_link", {}):
+        return data
+    say(f"measuring the host link with {ranks} GPUs copying at once for perf.layout=auto (cached with the probe)")
+    code, rates = _measured("--link", str(ranks))
+    if rates is None:
+        say(f"the host link's measurement with {ranks} GPUs failed (exit code {code}; see above): the plan counts the "
+            "link's rates of one GPU copying alone")  # fmt: skip
+        return data
+    data = data | {"shared_link": data.get("shared_link", {}) | {str(ranks): rates}}
+    from trainbench.train import probe as probing
+
+    probing.save(bench.probe_config(cfg), data)
+    return data
 
 
 def resources(cfg: RunConfig, data: dict, here: bool) -> Resources:
@@ -73,12 +109,14 @@ def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[R
                           "set perf.layout=manual")  # fmt: skip
     if (resolve_device(cfg.device) if here else cfg.device) == "cpu":
         return cfg, [f"perf.layout=auto: no GPU here, nothing to plan ({bench.name}'s layout keys as given)"]
-    data = probe(bench, bench.probe_config(cfg), here, say)
-    planned_cfg, lines = bench.plan_layout(cfg, resources(cfg, data, here), block_probe(data))
+    data = shared_link(bench, cfg, probe(bench, bench.probe_config(cfg), here, say), here, say)
+    ranks = cfg.distributed.nproc
+    planned_cfg, lines = bench.plan_layout(cfg, resources(cfg, data, here), block_probe(data, ranks))
     return planned_cfg, lines + [f"  probe: {data['gpu_name']}, a block keeps {data['kept_bytes'] / GIB:.2f} GiB, "
                                  f"forward {data['forward_s'] * 1e3:.1f} ms, backward {data['backward_s'] * 1e3:.1f} "
                                  f"ms; host link {data['to_host_bytes_s'] / 1e9:.0f} GB/s out, "
-                                 f"{data['to_gpu_bytes_s'] / 1e9:.0f} GB/s back{_busy(data)}"]  # fmt: skip
+                                 f"{data['to_gpu_bytes_s'] / 1e9:.0f} GB/s back{_busy(data)}"
+                                 f"{_shared(data, ranks)}"]  # fmt: skip
 
 
 def _busy(data: dict) -> str:
@@ -89,15 +127,30 @@ def _busy(data: dict) -> str:
     return f" idle, {out / 1e9:.0f} and {back / 1e9:.0f} GB/s while a step runs (the plan's)"
 
 
+def _shared(data: dict, ranks: int) -> str:
+    """The link's rates with the node's GPUs copying at once, where the plan scales its rates by them."""
+    shared = data.get("shared_link", {}).get(str(ranks)) if ranks > 1 else None
+    if shared is None:
+        return ""
+    return (f"; with {ranks} GPUs copying at once {shared[0] / 1e9:.0f} and {shared[1] / 1e9:.0f} GB/s each, idle "
+            "(the plan's rates scaled by that share)")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``CONFIG OUT``: probe the config's model on GPU 0 (train/probe.py) and write the figures to OUT (JSON)."""
+    """``CONFIG OUT``: probe the config's model on GPU 0 (train/probe.py) and write the figures to OUT (JSON).
+    ``--link N OUT``: the host link's rates one GPU keeps while N GPUs copy at once (train/probe.shared_link_rates),
+    as a JSON pair (to the host, back)."""
     import torch
 
     from trainbench.console import console
     from trainbench.launch.local import allocator_settings, load_run_config
-    from trainbench.train.probe import PROBE_BLOCKS, measure
+    from trainbench.train.probe import PROBE_BLOCKS, measure, shared_link_rates
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv[0] == "--link":
+        gpus = min(int(argv[1]), torch.cuda.device_count())
+        Path(argv[2]).write_text(json.dumps(list(shared_link_rates(gpus))) + "\n")
+        return 0
     bench, cfg = load_run_config(Path(argv[0]))
     allocator_settings(bench)
     try:

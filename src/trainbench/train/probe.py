@@ -113,6 +113,34 @@ def link_rates(gib: int = 1, reps: int = 3) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
+def shared_link_rates(gpus: int, gib: int = 1, reps: int = 3) -> tuple[float, float]:
+    """Pinned copy rates (bytes/s) of one GPU while ``gpus`` GPUs of this host copy the same way at once, as the
+    ranks of a node offloading in step do (their forwards send out together, their backwards fetch back together):
+    GPU to host, then host to GPU; each round's slowest GPU, the median of ``reps`` rounds after one untimed."""
+    n = gib << 30
+    devices = [torch.device("cuda", i) for i in range(gpus)]
+    buffers = [(torch.empty(n, dtype=torch.uint8, device=d), torch.empty(n, dtype=torch.uint8, pin_memory=True))
+               for d in devices]  # fmt: skip
+    rates = []
+    for way in (0, 1):
+        rounds = []
+        for _ in range(reps + 1):
+            marks = []
+            for device, (gpu, host) in zip(devices, buffers, strict=True):
+                src, dst = (gpu, host) if way == 0 else (host, gpu)
+                with torch.cuda.device(device):
+                    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    dst.copy_(src, non_blocking=True)
+                    stop.record()
+                marks.append((start, stop))
+            for _, stop in marks:
+                stop.synchronize()
+            rounds.append(min(n / (start.elapsed_time(stop) / 1e3) for start, stop in marks))
+        rates.append(sorted(rounds[1:])[reps // 2])
+    return rates[0], rates[1]
+
+
 def busy_link_rates(step, step_s: float, to_host: float, to_gpu: float) -> tuple[float, float]:
     """Pinned copy rates (bytes/s) while the GPU computes, as an offloaded step's copies run: one copy each way on a
     side stream of its own, both queued just before a training step (``step()``), each of as many bytes as half the
