@@ -218,8 +218,10 @@ def _two_d_worker(rank: int, world: int, port: int, out: str) -> None:
 
     import torch
     import torch.distributed as dist
+    from conftest import leave_without_finalizing
 
     from trainbench.benchmarks.llm import TINY_MODEL
+    from trainbench.distributed import shutdown
     from trainbench.models.decoder import DecoderLM
     from trainbench.models.decoder_parallel import parallelize
     from trainbench.optim.adamw import AdamClipped
@@ -248,7 +250,8 @@ def _two_d_worker(rank: int, world: int, port: int, out: str) -> None:
         opt.zero_grad()
     if rank == 0:
         Path(out).write_text(json.dumps(losses))
-    dist.destroy_process_group()
+    shutdown(drain=True)
+    leave_without_finalizing()
 
 
 @pytest.mark.full

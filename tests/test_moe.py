@@ -161,12 +161,15 @@ def _expert_parallel_worker(rank, world, port, align, out):
     import os
 
     import torch.distributed as dist
+    from conftest import leave_without_finalizing
 
+    from trainbench.distributed import shutdown
     from trainbench.models.decoder_parallel import apply_expert_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    finished = False
     try:
         layer, x, direction = _expert_parallel_case()
         apply_expert_parallel(torch.nn.Sequential(layer), "cpu", world, world)
@@ -187,8 +190,10 @@ def _expert_parallel_worker(rank, world, port, align, out):
         everything = [gathered(result.detach()), gathered(mine.grad), router, *experts]  # collectives: every rank
         if rank == 0:
             torch.save(everything, out)
+        finished = True
     finally:
-        dist.destroy_process_group()
+        shutdown(drain=finished)
+    leave_without_finalizing()
 
 
 _EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")

@@ -153,7 +153,10 @@ def shutdown(drain: bool = False) -> None:
     """Leave the process group. ``drain`` (every rank got here normally): a barrier first, which waits for every
     collective still in flight on this rank (an FSDP prefetch, say); a Gloo worker thread still holding one at exit
     aborted the process ("terminate called without an active exception"). Never after an error: a barrier would wait
-    for ranks that will not come."""
+    for ranks that will not come. Not closed by the barrier: a Gloo worker thread frees each finished work just after
+    it completes, and where the work held a tensor with a Python object and the interpreter is already finalizing,
+    taking the GIL for it ends the thread and aborts the process the same way (read from a core dump of a test's
+    spawned rank; tests/conftest.leave_without_finalizing)."""
     if dist.is_initialized():
         if drain:
             dist.barrier()
