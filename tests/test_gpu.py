@@ -545,14 +545,14 @@ def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_t
 
 
 def test_the_host_link_shared_by_every_gpu_here_is_no_faster_than_one_gpu_alone(tmp_path):
-    """train/probe.shared_link_rates on every GPU of this machine at once (one GPU: the same as alone): each GPU's
+    """train/probe.link_rates on every GPU of this machine at once (one GPU: the same as alone): each GPU's
     rate both ways is real and no more than its rate copying alone (timing spread aside); the ``--link`` entry writes
     the pair a plan caches."""
     from trainbench.launch.plan import main
     from trainbench.train import probe
 
     alone = probe.link_rates()
-    shared = probe.shared_link_rates(torch.cuda.device_count())
+    shared = probe.link_rates(gpus=torch.cuda.device_count())
     for rate, single in zip(shared, alone, strict=True):
         assert 1e9 < rate < 1.1 * single, (shared, alone)
     out = tmp_path / "link.json"

@@ -111,12 +111,13 @@ def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[R
         return cfg, [f"perf.layout=auto: no GPU here, nothing to plan ({bench.name}'s layout keys as given)"]
     data = shared_link(bench, cfg, probe(bench, bench.probe_config(cfg), here, say), here, say)
     ranks = cfg.distributed.nproc
-    planned_cfg, lines = bench.plan_layout(cfg, resources(cfg, data, here), block_probe(data, ranks))
+    p = block_probe(data, ranks)
+    planned_cfg, lines = bench.plan_layout(cfg, resources(cfg, data, here), p)
     return planned_cfg, lines + [f"  probe: {data['gpu_name']}, a block keeps {data['kept_bytes'] / GIB:.2f} GiB, "
                                  f"forward {data['forward_s'] * 1e3:.1f} ms, backward {data['backward_s'] * 1e3:.1f} "
                                  f"ms; host link {data['to_host_bytes_s'] / 1e9:.0f} GB/s out, "
                                  f"{data['to_gpu_bytes_s'] / 1e9:.0f} GB/s back{_busy(data)}"
-                                 f"{_shared(data, ranks)}"]  # fmt: skip
+                                 f"{_shared(p, ranks)}"]  # fmt: skip
 
 
 def _busy(data: dict) -> str:
@@ -127,29 +128,28 @@ def _busy(data: dict) -> str:
     return f" idle, {out / 1e9:.0f} and {back / 1e9:.0f} GB/s while a step runs (the plan's)"
 
 
-def _shared(data: dict, ranks: int) -> str:
+def _shared(p: BlockProbe, ranks: int) -> str:
     """The link's rates with the node's GPUs copying at once, where the plan scales its rates by them."""
-    shared = data.get("shared_link", {}).get(str(ranks)) if ranks > 1 else None
-    if shared is None:
+    if p.to_host_shared_bytes_s is None or p.to_gpu_shared_bytes_s is None:
         return ""
-    return (f"; with {ranks} GPUs copying at once {shared[0] / 1e9:.0f} and {shared[1] / 1e9:.0f} GB/s each, idle "
-            "(the plan's rates scaled by that share)")  # fmt: skip
+    return (f"; with {ranks} GPUs copying at once {p.to_host_shared_bytes_s / 1e9:.0f} and "
+            f"{p.to_gpu_shared_bytes_s / 1e9:.0f} GB/s each, idle (the plan's rates scaled by that share)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     """``CONFIG OUT``: probe the config's model on GPU 0 (train/probe.py) and write the figures to OUT (JSON).
-    ``--link N OUT``: the host link's rates one GPU keeps while N GPUs copy at once (train/probe.shared_link_rates),
-    as a JSON pair (to the host, back)."""
+    ``--link N OUT``: the host link's rates one GPU keeps while N GPUs copy at once (train/probe.link_rates), as a
+    JSON pair (to the host, back)."""
     import torch
 
     from trainbench.console import console
     from trainbench.launch.local import allocator_settings, load_run_config
-    from trainbench.train.probe import PROBE_BLOCKS, measure, shared_link_rates
+    from trainbench.train.probe import PROBE_BLOCKS, link_rates, measure
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[0] == "--link":
         gpus = min(int(argv[1]), torch.cuda.device_count())
-        Path(argv[2]).write_text(json.dumps(list(shared_link_rates(gpus))) + "\n")
+        Path(argv[2]).write_text(json.dumps(list(link_rates(gpus=gpus))) + "\n")
         return 0
     bench, cfg = load_run_config(Path(argv[0]))
     allocator_settings(bench)

@@ -94,31 +94,13 @@ def _storages(module: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def link_rates(gib: int = 1, reps: int = 3) -> tuple[float, float]:
-    """Pinned copy rates (bytes/s), GPU to host and host to GPU: the median of ``reps`` copies of ``gib`` GiB."""
+def link_rates(gib: int = 1, reps: int = 3, gpus: int = 1) -> tuple[float, float]:
+    """Pinned copy rates (bytes/s) of one GPU, GPU to host and host to GPU: the median of ``reps`` copies of ``gib``
+    GiB after one untimed. With ``gpus`` above 1, that many GPUs of this host copy the same way at once, as the ranks
+    of a node offloading in step do (their forwards send out together, their backwards fetch back together), and
+    each round counts its slowest GPU."""
     n = gib << 30
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    gpu = torch.empty(n, dtype=torch.uint8, device="cuda")
-    rates = []
-    for src, dst in ((gpu, host), (host, gpu)):
-        times = []
-        for _ in range(reps + 1):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        rates.append(n / sorted(times[1:])[reps // 2])
-    return rates[0], rates[1]
-
-
-def shared_link_rates(gpus: int, gib: int = 1, reps: int = 3) -> tuple[float, float]:
-    """Pinned copy rates (bytes/s) of one GPU while ``gpus`` GPUs of this host copy the same way at once, as the
-    ranks of a node offloading in step do (their forwards send out together, their backwards fetch back together):
-    GPU to host, then host to GPU; each round's slowest GPU, the median of ``reps`` rounds after one untimed."""
-    n = gib << 30
-    devices = [torch.device("cuda", i) for i in range(gpus)]
+    devices = [torch.device("cuda", i) for i in range(gpus)] if gpus > 1 else [torch.device("cuda")]
     buffers = [(torch.empty(n, dtype=torch.uint8, device=d), torch.empty(n, dtype=torch.uint8, pin_memory=True))
                for d in devices]  # fmt: skip
     rates = []
