@@ -143,8 +143,9 @@ def test_a_model_that_does_not_fit_is_one_sentence_naming_what_would(tmp_path, c
     )
     assert run_cli("bench", "llama31_8b", "--preset", "tiny", *QUICK, f"output.results_dir={tmp_path}") == 2
     out = capsys.readouterr().out
-    assert "llama31_8b/tiny does not fit in this GPU's 80 GiB at 2 blocks (" in out, out
-    assert "held when an allocation failed); measure fewer blocks" in out
+    assert "llama31_8b/tiny does not fit in this GPU's 80 GiB at 2 blocks (an allocation of 448.00 MiB failed" in out
+    assert "at its peak); a smaller micro-batch (data.micro_batch_size=16), recompute" in out, out
+    assert "--blocks" not in out  # 2 blocks: none fewer to measure
     assert "Traceback" not in out
 
 

@@ -560,6 +560,54 @@ def test_the_host_link_shared_by_every_gpu_here_is_no_faster_than_one_gpu_alone(
     assert all(r > 1e9 for r in json.loads(out.read_text()))
 
 
+def _rank_that_fails_beside_a_waiting_peer(rank: int, port: int) -> None:
+    """Rank 1 enters a second all-reduce that rank 0 never joins; rank 0 fails after the first, leaves the group as
+    a failed rank does (``distributed.shutdown()``) and exits with 3 once it has left."""
+    import os
+
+    import torch.distributed as dist
+
+    from trainbench import distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
+    x = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    if rank == 1:
+        dist.all_reduce(x)  # waits for rank 0, which never comes
+        torch.cuda.synchronize()
+    distributed.shutdown(abort_wait_s=20)
+    os._exit(3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs; fewer are visible")
+def test_a_rank_that_failed_leaves_nccl_at_once_while_a_peer_waits_on_it():
+    """After an error, a rank aborts NCCL rather than waiting for its collectives to be flushed: it exits within
+    seconds although its peer sits in a collective it will never join (before, it hung in destroy_process_group
+    until its launcher's timeout)."""
+    import multiprocessing
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=_rank_that_fails_beside_a_waiting_peer, args=(r, port)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        began = time.monotonic()
+        ranks[0].join(90)
+        assert ranks[0].exitcode in (1, 3), f"rank 0 still running after {time.monotonic() - began:.0f} s"
+    finally:
+        for p in ranks:
+            p.kill()
+            p.join()
+
+
 def test_a_gpu_memory_limit_holds_the_allocator_to_it_on_cuda():
     """perf.gpu_memory_gib: the allocator refuses what a GPU of that size would not have had free, grants what it
     would, and a limit above the GPU's memory is one sentence."""

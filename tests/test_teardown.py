@@ -154,3 +154,40 @@ def test_two_rank_lora_runs_end_cleanly_with_the_cpu_loaded(lora_data, tmp_path)
         for p in load:
             p.kill()
             p.wait()
+
+
+def test_after_an_error_nccl_is_aborted_not_flushed_and_a_stuck_abort_ends_the_rank(monkeypatch):
+    """torch's destroy_process_group lets NCCL's collectives in flight finish first, and one a failed rank left its
+    peers waiting in never does: after an error the communicators are aborted instead (stood in for here: the CPU
+    has no NCCL), and an abort that itself hangs ends the rank with exit code 1 after the wait, not never."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from trainbench import distributed
+
+    calls, stuck = [], threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(c10d, "_abort_process_group", lambda: calls.append("abort"))
+    distributed.shutdown()
+    assert calls == ["abort"]
+
+    calls.clear()
+    distributed.shutdown(drain=True)  # every rank ended normally: flushed, as before
+    assert calls == ["barrier", "destroy"]
+
+    calls.clear()
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    distributed.shutdown()  # gloo's destroy does not wait for its peers
+    assert calls == ["destroy"]
+
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(c10d, "_abort_process_group", stuck.wait)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    began = time.monotonic()
+    distributed.shutdown(abort_wait_s=0.2)
+    assert exits == [1] and time.monotonic() - began < 5
+    stuck.set()

@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import os
 import socket
+import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
@@ -149,18 +150,41 @@ def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return tensor
 
 
-def shutdown(drain: bool = False) -> None:
+def shutdown(drain: bool = False, abort_wait_s: float = 30.0) -> None:
     """Leave the process group. ``drain`` (every rank got here normally): a barrier first, which waits for every
     collective still in flight on this rank (an FSDP prefetch, say); a Gloo worker thread still holding one at exit
     aborted the process ("terminate called without an active exception"). Never after an error: a barrier would wait
     for ranks that will not come. Not closed by the barrier: a Gloo worker thread frees each finished work just after
     it completes, and where the work held a tensor with a Python object and the interpreter is already finalizing,
     taking the GIL for it ends the thread and aborts the process the same way (read from a core dump of a test's
-    spawned rank; tests/conftest.leave_without_finalizing)."""
-    if dist.is_initialized():
-        if drain:
-            dist.barrier()
+    spawned rank; tests/conftest.leave_without_finalizing).
+
+    After an error, NCCL's communicators are aborted, not destroyed: torch's ``destroy_process_group`` first lets
+    every NCCL collective in flight finish, and one that a failed rank left waiting on the others never does, so the
+    rank that raised would hang instead of exiting (and its launcher would never learn of the failure). The abort
+    runs beside the main thread; where it has not ended after ``abort_wait_s`` (an abort can wait on a kernel that
+    waits on a peer), the process leaves at once with exit code 1, its output flushed, rather than let the
+    interpreter's exit unwind a thread inside NCCL (which aborts the process). Its launcher then stops the others."""
+    if not dist.is_initialized():
+        return
+    if drain:
+        dist.barrier()
         dist.destroy_process_group()
+        return
+    if "nccl" not in str(dist.get_backend()):
+        dist.destroy_process_group()
+        return
+    import threading
+
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    ender = threading.Thread(target=_abort_process_group, name="trainbench-nccl-abort", daemon=True)
+    ender.start()
+    ender.join(abort_wait_s)
+    if ender.is_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 @dataclass

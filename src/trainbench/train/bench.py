@@ -4,6 +4,7 @@ made in memory, timed after a warm-up. Never a time-to-train result: no MLPerf l
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -108,18 +109,33 @@ def _steps_or_why_not(cfg, bench, run, info, autocast, steps, warmup, profile_st
     snapshot = snapshot and info.device.type == "cuda" and info.is_main
     try:
         timed = _timed_steps(cfg, bench, run, info, autocast, steps, warmup, profile_steps, run_dir, out)
-    except torch.OutOfMemoryError:
-        gib = torch.cuda.get_device_properties(info.device).total_memory / 2**30
-        held = torch.cuda.memory_allocated(info.device) / 2**30
-        account = memory_account(info.device, run_dir, "oom") if snapshot else ""
-        layers = bench.depth(cfg)
-        at = f" at {layers} blocks" if layers else ""
-        raise UserError(f"{bench.name}/{cfg.preset} does not fit in this GPU's {gib:.0f} GiB{at} ({held:.1f} GiB "
-                        f"held when an allocation failed{account}); measure fewer blocks (--blocks 2,4), recompute or "
-                        "offload more (perf.*), or use more GPUs (--nproc)") from None  # fmt: skip
+    except torch.OutOfMemoryError as exc:
+        raise UserError(_does_not_fit(cfg, bench, info, exc, memory_account(info.device, run_dir, "oom")
+                                      if snapshot else "")) from None  # fmt: skip
     if snapshot:
         memory_account(info.device, run_dir, "peak")
     return timed
+
+
+def _does_not_fit(cfg: RunConfig, bench: Benchmark, info: DistInfo, exc: torch.OutOfMemoryError,
+                  account: str) -> str:  # fmt: skip
+    """The sentence for a measurement out of GPU memory: the allocation that failed (from torch's message), the peak
+    this rank held before it (what is held once the error unwound says little), and what would make it fit."""
+    gib = torch.cuda.get_device_properties(info.device).total_memory / 2**30
+    peak = torch.cuda.max_memory_allocated(info.device) / 2**30
+    asked = re.search(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)", str(exc))
+    failed = f"an allocation of {asked.group(1)} failed" if asked else "an allocation failed"
+    layers = bench.depth(cfg)
+    at = f" at {layers} blocks" if layers else ""
+    ways = ["measure fewer blocks (--blocks)"] if layers and layers > 2 else []
+    micro = cfg.data.micro_batch_size
+    ways += [f"a smaller micro-batch (data.micro_batch_size={micro // 2})"] if micro > 1 else []
+    ways += ["recompute or offload more (perf.*)", "use more GPUs (--nproc)"]
+    rank = f" on rank {info.rank}" if info.world_size > 1 else ""
+    return (
+        f"{bench.name}/{cfg.preset} does not fit in this GPU's {gib:.0f} GiB{at} ({failed} with {peak:.1f} GiB "
+        f"at its peak{rank}{account}); {', '.join(ways[:-1])} or {ways[-1]}"
+    )
 
 
 @dataclasses.dataclass
