@@ -767,6 +767,18 @@ def test_tiny_gpt_oss_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsy
     assert {e["key"]: e["value"] for e in events}["lowest_numerical_precision_in_linear"] == "fp8"
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs; fewer are visible")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_tiny_gpt_oss_reaches_its_target_with_its_experts_on_two_gpus(tmp_path, precision):
+    """distributed.ep=2 over NCCL, compiled: each GPU holds half the experts, tokens reach them by all-to-all; in FP8
+    each rank pads the rows that arrive for its experts to the grouped product's 16 (moe._experts_padded)."""
+    if precision == "fp8":
+        pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    run_dir = tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", "tiny", "perf.compile=true",
+                                         "--nproc", "2", "distributed.ep=2", f"model.precision={precision}")  # fmt: skip
+    assert "on each of 2 ranks (all-to-all)" in (run_dir / "console.log").read_text()
+
+
 @pytest.mark.parametrize("activation, bias", [("silu", False), ("gpt_oss", True)])
 def test_the_experts_in_fp8_match_bf16_in_output_and_every_gradient_on_cuda(activation, bias):
     """models/moe with fp8 (FP8 grouped products, each expert's rows padded to 16) against the same layer
