@@ -774,8 +774,8 @@ def test_tiny_gpt_oss_reaches_its_target_with_its_experts_on_two_gpus(tmp_path, 
     each rank pads the rows that arrive for its experts to the grouped product's 16 (moe._experts_padded)."""
     if precision == "fp8":
         pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
-    run_dir = tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", "tiny", "perf.compile=true",
-                                         "--nproc", "2", "distributed.ep=2", f"model.precision={precision}")  # fmt: skip
+    keys = ("perf.compile=true", "--nproc", "2", "distributed.ep=2", f"model.precision={precision}")
+    run_dir = tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", "tiny", *keys)
     assert "on each of 2 ranks (all-to-all)" in (run_dir / "console.log").read_text()
 
 
