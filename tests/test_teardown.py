@@ -191,3 +191,48 @@ def test_after_an_error_nccl_is_aborted_not_flushed_and_a_stuck_abort_ends_the_r
     distributed.shutdown(abort_wait_s=0.2)
     assert exits == [1] and time.monotonic() - began < 5
     stuck.set()
+
+
+def test_what_other_ranks_said_is_named_once_with_how_many_said_it(tmp_path):
+    from trainbench.runfiles import other_ranks_error, rank_error
+
+    assert other_ranks_error(tmp_path, "run0") == ""
+    rank_error(tmp_path, "run0", 3).write_text("the shard is short\n")
+    rank_error(tmp_path, "run0", 1).write_text("the shard is short\n")
+    rank_error(tmp_path, "run0", 2).write_text("something else\n")
+    rank_error(tmp_path, "run1", 1).write_text("another run's\n")
+    (tmp_path / "error_run0_rankX.txt").write_text("not a rank's\n")
+    assert other_ranks_error(tmp_path, "run0") == "rank 1 (and 1 more rank): the shard is short"
+    assert other_ranks_error(tmp_path, "run1") == "rank 1: another run's"
+
+
+_RANK_ONE_FAILS = """
+import os
+if os.environ.get("RANK") == "1":
+    import trainbench.train.bench
+    import trainbench.train.loop
+    from trainbench.errors import UserError
+
+    def fail(*args, **kwargs):
+        raise UserError("rank 1 alone could not go on")
+
+    trainbench.train.bench.measure = trainbench.train.loop.train = fail
+"""
+
+
+@pytest.mark.parametrize("command", ["bench", "run"])
+def test_an_error_on_a_rank_other_than_0_alone_reaches_the_console(command, llm_data, tmp_path):
+    """Only rank 0 prints its errors; a sentence that only rank 1 raised is named by the launcher's own, and the
+    command exits non-zero (rank 1 raises here through a start-up hook; rank 0's next collective then fails)."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(_RANK_ONE_FAILS)
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "hook"), str(src)]), COLUMNS="300")
+    extra = ["--steps", "2", "--warmup", "1"] if command == "bench" else [f"data.dir={llm_data}"]
+    done = subprocess.run([sys.executable, "-m", "trainbench", command, "llama31_8b", "--preset", "tiny", "--nproc",
+                           "2", "progress=false", "telemetry_hz=0", f"output.results_dir={tmp_path / 'r'}", *extra],
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode != 0
+    assert "failed under torchrun" in done.stdout and "rank 1: rank 1 alone could not go on" in done.stdout, (
+        done.stdout[-3000:] + done.stderr[-3000:]
+    )

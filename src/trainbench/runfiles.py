@@ -82,6 +82,28 @@ def read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def rank_error(run_dir: Path, what: str, rank: int) -> Path:
+    """Where rank ``rank`` (not 0, which prints its own) leaves the one sentence of the error that ended it in
+    ``what`` (``run<i>``, ``bench<depth>``), for its launcher to name: otherwise only rank 0's errors reach the
+    console, and a failure on another rank alone would show none."""
+    return Path(run_dir) / f"error_{what}_rank{rank}.txt"
+
+
+def other_ranks_error(run_dir: Path, what: str) -> str:
+    """The first distinct sentence the other ranks left (:func:`rank_error`) for ``what``, as ``rank N: ...``
+    (the count of ranks that said it), or ""; read as text, never run."""
+    said: dict[str, list[int]] = {}
+    for path in Path(run_dir).glob(f"error_{what}_rank*.txt"):
+        rank = path.stem.rpartition("_rank")[2]
+        if rank.isdigit():
+            said.setdefault(path.read_text(errors="replace").strip()[:2000], []).append(int(rank))
+    if not said:
+        return ""
+    sentence, ranks = min(said.items(), key=lambda item: min(item[1]))
+    also = f" (and {len(ranks) - 1} more rank{'s' if len(ranks) > 2 else ''})" if len(ranks) > 1 else ""
+    return f"rank {min(ranks)}{also}: {sentence}"
+
+
 LOCK = ".lock"
 
 

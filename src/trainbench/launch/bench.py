@@ -14,7 +14,7 @@ from trainbench.console import RunConsole
 from trainbench.errors import ConfigError, UserError
 from trainbench.launch.local import allocator_settings, new_run_dir, preflight_device, torchrun_worker
 from trainbench.launch.systems import System
-from trainbench.runfiles import CONFIG, CONSOLE
+from trainbench.runfiles import CONFIG, CONSOLE, other_ranks_error
 
 REQUEST = "bench_request.json"
 RAW = "bench_raw_{depth}.json"
@@ -212,5 +212,6 @@ def _torchrun(cfg: RunConfig, run_dir: Path, depth: int) -> None:
     cmd, env = torchrun_worker(cfg.distributed.nproc, str(run_dir), "0", "--bench")
     code = subprocess.run(cmd, env=env).returncode
     if code != 0 or not (run_dir / RAW.format(depth=depth)).exists():
-        raise UserError(f"the measurement failed under torchrun (exit code {code}); see the messages above and "
-                        f"{run_dir / CONSOLE}")  # fmt: skip
+        said = other_ranks_error(run_dir, f"bench{depth}")
+        raise UserError(f"the measurement failed under torchrun (exit code {code}){'; ' + said if said else ''}; "
+                        f"see the messages above and {run_dir / CONSOLE}")  # fmt: skip

@@ -23,7 +23,16 @@ from trainbench.distributed import available_slots, init_distributed, resolve_de
 from trainbench.errors import ConfigError, DataError, Preempted, UserError
 from trainbench.launch.systems import largest_micro_batch
 from trainbench.mlperf import ComplianceResult, check_compliance, constants, read_log
-from trainbench.runfiles import CONFIG, CONSOLE, INPUTS, SUMMARY, FolderLock, RunFiles, read_json
+from trainbench.runfiles import (
+    CONFIG,
+    CONSOLE,
+    INPUTS,
+    SUMMARY,
+    FolderLock,
+    RunFiles,
+    other_ranks_error,
+    read_json,
+)
 
 
 def build_config(
@@ -369,6 +378,8 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
     env[RUN_LOCKED] = "1"  # this process holds the run's lock for its ranks
     files = RunFiles(run_dir, index)
     files.preempted_marker.unlink(missing_ok=True)
+    for stale in run_dir.glob(f"error_run{index}_rank*.txt"):  # from an attempt before this resume
+        stale.unlink()
     proc = subprocess.Popen(cmd, env=env)
     # Ctrl-C: torchrun passes it on to the ranks, which checkpoint at their next log point and stop; this process
     # waits for them instead of killing torchrun (which would kill the ranks mid-checkpoint).
@@ -392,6 +403,8 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
     if code != 0:
         outcome = read_json(files.outcome) or None
         why = f": {outcome['reason']}" if outcome and outcome.get("status") == "interrupted" else ""
+        said = other_ranks_error(run_dir, f"run{index}")
+        why += f"; {said}" if said else ""
         raise UserError(
             f"run {index} failed under torchrun (exit code {code}){why}; see the messages above and "
             f"{run_dir / CONSOLE}; resume=true continues it from its last checkpoint"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -20,7 +21,7 @@ from trainbench.launch.local import (
     load_run_config,
 )
 from trainbench.launch.systems import format_cpus, parse_cpus
-from trainbench.runfiles import CONFIG, FolderLock, RunFiles
+from trainbench.runfiles import CONFIG, FolderLock, RunFiles, rank_error
 from trainbench.train.duties import StopSignal
 from trainbench.train.loop import train
 
@@ -59,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             RunFiles(run_dir, index).preempted_marker.touch()
         return Preempted.exit_code
     except UserError as exc:
-        if info.is_main:
-            console.print(f"[red]error:[/red] {escape(str(exc))}")
+        _say_error(exc, info, run_dir, f"run{index}")
         return 1
     finally:
         shutdown(drain=ended)
@@ -100,12 +100,20 @@ def bench_rank(run_dir: Path) -> int:
             (run_dir / RAW.format(depth=depth)).write_text(json.dumps(raw, indent=2))
         ended = True
     except UserError as exc:
-        if info.is_main:
-            console.print(f"[red]error:[/red] {escape(str(exc))}")
+        _say_error(exc, info, run_dir, f"bench{depth}")
         return 1
     finally:
         shutdown(drain=ended)
     return 0
+
+
+def _say_error(exc: UserError, info, run_dir: Path, what: str) -> None:
+    """Rank 0 prints the sentence; another rank leaves it in the run folder for its launcher to name."""
+    if info.is_main:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+    else:
+        with contextlib.suppress(OSError):  # the exit code still says it failed
+            rank_error(run_dir, what, info.rank).write_text(str(exc) + "\n")
 
 
 def bind_cpus(info) -> None:
