@@ -182,8 +182,9 @@ def _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system,
         if not raw.exists():
             logs = sorted(run_dir.glob("slurm-bench-*.out"), key=lambda p: p.stat().st_mtime)
             tail = logs[-1].read_text(errors="replace").strip().splitlines()[-3:] if logs else []
+            said = other_ranks_error(run_dir, f"bench{depth}")
             raise UserError(f"the measurement's job ended without figures{f' ({logs[-1]})' if logs else ''}"
-                            + (": " + " / ".join(tail) if tail else ""))  # fmt: skip
+                            + (": " + " / ".join(tail) if tail else "") + (f"; {said}" if said else ""))  # fmt: skip
         raws[depth] = json.loads(raw.read_text())
     return run_dir, raws, layers, depths, {}
 
