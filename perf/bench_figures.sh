@@ -19,6 +19,9 @@
 #   perf/bench_figures.sh gpt-oss-fp8-hf  the same unprofiled, transformers beside at micro-batches of 4 (--compare hf)
 #   perf/bench_figures.sh gpt-oss-fp8-ref the reference's block in FP8, micro-batches of 4
 #   perf/bench_figures.sh gpt-oss-mb4 gpt_oss_20b (GPT-OSS's block) in bf16, micro-batches of 4: FP8's baseline
+#   perf/bench_figures.sh gpt-oss-fp8-hf-80  gpt-oss-fp8-hf within an 80 GB GPU: micro-batches of 1, 1 and 3 blocks
+#                                     (a whole repeat of windowed and whole-prefix blocks apart; 4 blocks' fp32
+#                                     weights and AdamW state do not leave room on an H100), transformers beside
 #   perf/bench_figures.sh flux-hf     flux1's MMDiT, 2 and 4 blocks (2 + 4 and 4 + 8 double + single) to 19, with
 #                                     diffusers' FluxTransformer2DModel beside (--compare hf); a step of 64
 #                                     samples (16 micro-batches), not the preset's 512, to keep the call short
@@ -92,6 +95,8 @@ for what in "$@"; do
         --blocks 2,4 data.micro_batch_size=4 --steps 3 --warmup 2 --profile-steps 1 ;;
     gpt-oss-fp8-hf) bench gpt_oss_fp8_hf gpt_oss_20b --preset gpt-oss-20b-hf perf.compile=true model.precision=fp8 \
         --blocks 2,4 data.micro_batch_size=4 --steps 3 --warmup 2 --profile-steps 0 --compare hf ;;
+    gpt-oss-fp8-hf-80) bench gpt_oss_fp8_hf_80 gpt_oss_20b --preset gpt-oss-20b-hf perf.compile=true \
+        model.precision=fp8 --blocks 1,3 data.micro_batch_size=1 --steps 3 --warmup 2 --profile-steps 0 --compare hf ;;
     gpt-oss-mb4) bench gpt_oss_mb4 gpt_oss_20b --preset gpt-oss-20b-hf perf.compile=true --blocks 2,4 \
         data.micro_batch_size=4 --steps 3 --warmup 2 --profile-steps 0 ;;
     gpt-oss-fp8-ref) bench gpt_oss_fp8_ref gpt_oss_20b --preset gpt-oss-20b perf.compile=true model.precision=fp8 \
@@ -130,6 +135,6 @@ for what in "$@"; do
             cp "$(ls -d "$RESULTS/tiny_$name"/*/ | tail -n 1)summary.json" "$OUT/tiny_$name.json" || true
         done ;;
     *) echo "unknown measurement $what (lora, lora-auto, lora-auto-80, llm, llm-shard1, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
-        "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, node-lora, node-llm, node-moe, node-bert, node-tiny)" >&2; exit 2 ;;
+        "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, node-lora, node-llm, node-moe, node-bert, node-tiny)" >&2; exit 2 ;;
     esac
 done

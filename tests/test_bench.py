@@ -109,6 +109,9 @@ def test_flux_blocks_are_a_double_block_and_its_share_of_single_ones(tmp_path, m
         (["llama31_8b", "--preset", "tiny", "--blocks", "1,9"], "the model has 2 blocks"),
         (["llama31_8b", "--preset", "tiny", "--blocks", "2"], "give at least two different depths"),
         (["llama31_8b", "--preset", "tiny", "--blocks", "a,b"], "give block counts as integers"),
+        (["gpt_oss_20b", "--preset", "gpt-oss-20b", "--blocks", "2,3"], "repeat every 2 (a windowed block, then 1"),
+        (["gpt_oss_20b", "--preset", "gpt-oss-20b", "--blocks", "1,3,4"], "2 apart, e.g. --blocks 1,3"),
+        (["gpt_oss_20b", "--preset", "gpt-oss-20b", "model.window_every=3", "--blocks", "2,4"], "every 3"),
         (["bert", "--preset", "tiny", "--warmup", "-1"], "--warmup must be 0 or more"),
         (["bert", "--preset", "tiny", "--profile-steps", "-2"], "--profile-steps must be 0 or more"),
     ],
@@ -372,3 +375,20 @@ def test_kernel_kinds_tell_fp8_gemms_attention_and_compiled_casts_apart():
     assert kind("Memcpy HtoD (Pageable -> Device)") == "copy"
     assert kind("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>") == "other"
     assert kind("void lamb_stage_1<float>") == "optimizer"
+
+
+def test_depths_a_whole_repeat_of_the_blocks_apart_are_taken():
+    """gpt_oss_20b's windowed and whole-prefix blocks alternate: 1 and 3 blocks (one of each kind between them) or 2
+    and 4 are measured; with no window every block is alike and any two depths do."""
+    from trainbench.benchmarks import get_benchmark
+    from trainbench.launch.bench import parse_blocks
+    from trainbench.launch.local import build_config
+
+    bench, cfg = build_config("gpt_oss_20b", "gpt-oss-20b", [], {})
+    assert parse_blocks("1,3", 24, bench.block_period(cfg)) == [1, 3]
+    assert parse_blocks("4,2,6", 24, bench.block_period(cfg)) == [2, 4, 6]
+    _, plain = build_config("gpt_oss_20b", "gpt-oss-20b", [], {"model.sliding_window": "0"})
+    assert bench.block_period(plain) == (1, "")
+    assert parse_blocks("2,3", 24, bench.block_period(plain)) == [2, 3]
+    llm = get_benchmark("llama31_8b")
+    assert llm.block_period(cfg) == (1, "")

@@ -314,6 +314,12 @@ class Benchmark(ABC):
         the model's own: a decoder's layer by default."""
         return getattr(cfg.model, "num_layers", None)
 
+    def block_period(self, cfg: RunConfig) -> tuple[int, str]:
+        """After how many blocks the model's blocks repeat (1: all alike), and what alternates, for a sentence: the
+        depths `trainbench bench --blocks` measures must lie a multiple of it apart, so that each difference between
+        them adds whole repeats and the slope is that of the model's average block."""
+        return 1, ""
+
     def truncated(self, cfg: RunConfig, depth: int) -> RunConfig:
         """``cfg`` with its model cut to ``depth`` of :meth:`depth`'s blocks (UserError, one sentence, where it cannot
         be cut that way)."""

@@ -107,6 +107,13 @@ class GptOssBenchmark(Llama31Benchmark):
         "model.max_seq_length": "its positions are rotary",
     }
 
+    def block_period(self, cfg: RunConfig) -> tuple[int, str]:
+        m = cfg.model
+        if m.sliding_window > 0 and m.window_every > 1:
+            whole = m.window_every - 1
+            return m.window_every, f"a windowed block, then {whole} over the whole prefix: model.window_every"
+        return 1, ""
+
     def validate(self, cfg: RunConfig) -> None:
         m = cfg.model
         super().validate(cfg)

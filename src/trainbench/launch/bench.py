@@ -21,8 +21,9 @@ RAW = "bench_raw_{depth}.json"
 KIND = "throughput measurement (trainbench bench): not a time-to-train result"
 
 
-def parse_blocks(text: str | None, layers: int) -> list[int] | None:
-    """``--blocks 2,6``: two or more truncated depths, each below the model's ``layers``."""
+def parse_blocks(text: str | None, layers: int, period: tuple[int, str] = (1, "")) -> list[int] | None:
+    """``--blocks 2,6``: two or more truncated depths, each below the model's ``layers``, a multiple of the blocks'
+    ``period`` (:meth:`Benchmark.block_period`) apart."""
     if text is None:
         return None
     try:
@@ -33,6 +34,11 @@ def parse_blocks(text: str | None, layers: int) -> list[int] | None:
         raise UserError(f"--blocks {text}: give at least two different depths of 1 block or more, e.g. --blocks 2,6")
     if depths[-1] > layers:
         raise UserError(f"--blocks {text}: the model has {layers} blocks; give depths of at most {layers}")
+    every, what = period
+    if any((d - depths[0]) % every for d in depths):
+        raise UserError(f"--blocks {text}: the model's blocks repeat every {every} ({what}), and depths that differ by "
+                        "other than whole repeats would extrapolate from some kinds of block alone; give depths a "
+                        f"multiple of {every} apart, e.g. --blocks {depths[0]},{depths[0] + every}")  # fmt: skip
     return depths
 
 
@@ -53,7 +59,7 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
     if cfg.resume:
         raise ConfigError("resume=true does not apply to trainbench bench: a measurement starts afresh")
     layers = bench.depth(cfg)
-    depths = parse_blocks(blocks, layers) if layers is not None else None
+    depths = parse_blocks(blocks, layers, bench.block_period(cfg)) if layers is not None else None
     if blocks is not None and layers is None:
         raise UserError(f"--blocks: {bench.name}'s model has no blocks to truncate")
     if depths:
