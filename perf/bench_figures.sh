@@ -57,11 +57,16 @@ if [ -n "${INDUCTOR:-}" ]; then
     export PYTHONPATH="$PWD/perf/inductor_options${PYTHONPATH:+:$PYTHONPATH}" TRAINBENCH_INDUCTOR_OPTIONS=$INDUCTOR
 fi
 
-bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT
-    local name=$1${TAG:-}
+failed=()
+bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT. A failed one is named at the end
+    local name=$1${TAG:-}     # and does not stop the measurements after it (the call's exit code says it failed)
     shift
     # shellcheck disable=SC2086  # EXTRA: keys split on spaces
-    python3 -m trainbench bench "$@" ${EXTRA:-} output.results_dir="$RESULTS/$name" progress=false 2>&1 | tee "$OUT/$name.log"
+    if ! python3 -m trainbench bench "$@" ${EXTRA:-} output.results_dir="$RESULTS/$name" progress=false 2>&1 \
+        | tee "$OUT/$name.log"; then
+        failed+=("$name")
+        return 0
+    fi
     local folder
     folder=$(ls -d "$RESULTS/$name"/*/ | tail -n 1)
     cp "$folder/bench.json" "$OUT/$name.json"
@@ -138,3 +143,7 @@ for what in "$@"; do
         "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, node-lora, node-llm, node-moe, node-bert, node-tiny)" >&2; exit 2 ;;
     esac
 done
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "failed: ${failed[*]} (their consoles: $OUT/<name>.log)" >&2
+    exit 1
+fi

@@ -94,3 +94,28 @@ def test_the_inductor_options_hook_sets_known_options_and_refuses_unknown_ones_i
         "error: TRAINBENCH_INDUCTOR_OPTIONS: 'triton.tile_reduction=1' is not key=value with a key of "
         "torch._inductor.config"
     ]
+
+
+def test_a_failed_measurement_of_bench_figures_is_named_and_the_next_still_runs(tmp_path):
+    """perf/bench_figures.sh with a stand-in `python3` on PATH whose `trainbench bench llama31_8b` fails: the bert
+    measurement after it still runs and its bench.json comes back, and the call ends non-zero naming the failed one."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "python3"
+    stand_in.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" llama31_8b "*) echo "error: does not fit"; exit 1 ;; esac\n'
+        'for a in "$@"; do case $a in output.results_dir=*) d=${a#output.results_dir=} ;; esac; done\n'
+        'mkdir -p "$d/20261127T000000Z-bert" && echo \'{"tokens_per_s": 1}\' > "$d/20261127T000000Z-bert/bench.json"\n'
+    )
+    stand_in.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               RESULTS=str(tmp_path / "results"), NPROC="1")  # fmt: skip
+    done = subprocess.run(["bash", str(SCRIPTS / "bench_figures.sh"), "llm", "bert"], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 1 and "failed: llm" in done.stderr, (done.stdout, done.stderr)
+    assert json.loads((tmp_path / "out" / "bert.json").read_text()) == {"tokens_per_s": 1}
+    assert "does not fit" in (tmp_path / "out" / "llm.log").read_text()
