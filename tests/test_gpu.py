@@ -561,9 +561,11 @@ def test_the_host_link_shared_by_every_gpu_here_is_no_faster_than_one_gpu_alone(
 
 
 def _rank_that_fails_beside_a_waiting_peer(rank: int, port: int) -> None:
-    """Rank 1 enters a second all-reduce that rank 0 never joins; rank 0 fails after the first, leaves the group as
-    a failed rank does (``distributed.shutdown()``) and exits with 3 once it has left."""
+    """Rank 0 enqueues a second all-reduce that rank 1 never joins (as a rank that failed mid-step left one in
+    flight), then leaves the group as a failed rank does (``distributed.shutdown()``) and exits with 3 once it has
+    left; rank 1 sleeps."""
     import os
+    import time
 
     import torch.distributed as dist
 
@@ -576,8 +578,8 @@ def _rank_that_fails_beside_a_waiting_peer(rank: int, port: int) -> None:
     dist.all_reduce(x)
     torch.cuda.synchronize()
     if rank == 1:
-        dist.all_reduce(x)  # waits for rank 0, which never comes
-        torch.cuda.synchronize()
+        time.sleep(600)
+    dist.all_reduce(x, async_op=True)  # never completes: rank 1 does not come
     distributed.shutdown(abort_wait_s=20)
     os._exit(3)
 
@@ -585,8 +587,8 @@ def _rank_that_fails_beside_a_waiting_peer(rank: int, port: int) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs; fewer are visible")
 def test_a_rank_that_failed_leaves_nccl_at_once_while_a_peer_waits_on_it():
     """After an error, a rank aborts NCCL rather than waiting for its collectives to be flushed: it exits within
-    seconds although its peer sits in a collective it will never join (before, it hung in destroy_process_group
-    until its launcher's timeout)."""
+    seconds although a collective of its own waits for a peer that will never join (destroy_process_group flushes
+    it first, and would wait for ever)."""
     import multiprocessing
     import socket
     import time
