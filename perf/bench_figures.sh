@@ -32,7 +32,8 @@
 #   perf/bench_figures.sh flux-bf16-hf  the same as flux (bf16) with diffusers beside
 # On one node of several GPUs (NPROC, default: every GPU nvidia-smi lists), each with telemetry in its bench.json:
 #   perf/bench_figures.sh node-lora   the 70B LoRA with its layout planned for NPROC GPUs (replicas or a sharded base)
-#   perf/bench_figures.sh node-llm    Llama 3.1 8B in FP8, the whole 32-block model sharded over NPROC GPUs
+#   perf/bench_figures.sh node-llm    Llama 3.1 8B in FP8, the whole 32-block model sharded over NPROC GPUs, the
+#                                     blocks recomputed planned for them (perf.layout=auto: none where they fit)
 #   perf/bench_figures.sh node-moe    gpt_oss_20b, experts spread over NPROC GPUs (distributed.ep); the whole model
 #                                     on 8 GPUs, 2 and 4 blocks extrapolated on fewer; in FP8:
 #                                     EXTRA=model.precision=fp8 TAG=-fp8 perf/bench_figures.sh node-moe
@@ -118,7 +119,7 @@ for what in "$@"; do
         data.global_batch_size=64 data.micro_batch_size=16 --steps 5 --warmup 2 --profile-steps 0 --compare hf ;;
     node-lora) bench node_lora llama2_70b_lora --preset llama2-70b --nproc "$NPROC" --steps 2 --warmup 1 ;;
     node-llm) bench node_llm llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --nproc "$NPROC" \
-        --steps 3 --warmup 2 ;;
+        perf.layout=auto --steps 3 --warmup 2 ;;
     node-moe)
         if [ "$NPROC" -ge 8 ]; then depth=(); else depth=(--blocks 2,4); fi
         bench node_moe gpt_oss_20b --preset gpt-oss-20b perf.compile=true distributed.ep="$NPROC" --nproc "$NPROC" \

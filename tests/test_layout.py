@@ -282,3 +282,113 @@ def test_a_gpu_memory_limit_plans_a_smaller_gpu_and_is_refused_without_a_gpu(tmp
                    f"output.results_dir={tmp_path / 'r'}") == 2  # fmt: skip
     assert "perf.gpu_memory_gib=10 limits a GPU's memory: it needs a GPU" in capsys.readouterr().out
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+# A block of Llama 3.1 8B in FP8 at one 8,192-token row: 218.1 M parameters (fp32 weights 0.81 GiB; fp32 gradient
+# and AdamW's two moments 2.44 GiB), 0.86 GiB kept for its backward (docs/performance.md, "memory the forward keeps"),
+# its fp32 input 128 MiB; 6.0 + 12.4 ms (18.4 ms a row on one H100, notes/llm.md, "One H100 at HEAD"). Outside the
+# blocks: the embedding and the output layer, 1.05 B parameters (3.91 GiB; 11.74 GiB of gradients and state).
+P8 = BlockProbe(kept_bytes=int(0.86 * GIB), input_bytes=8192 * 4096 * 4, block_weight_bytes=int(0.812 * GIB),
+                other_weight_bytes=int(3.91 * GIB), optimizer_bytes_per_block=int(2.437 * GIB), working_bytes=6 * GIB,
+                forward_s=0.006, backward_s=0.0124, head_s=0.046, to_host_bytes_s=52e9, to_gpu_bytes_s=50e9,
+                other_optimizer_bytes=int(11.74 * GIB))  # fmt: skip
+
+
+def _llama_cfg(**keys):
+    from trainbench.launch.local import build_config
+
+    return build_config("llama31_8b", "llama31-8b", [], {"device": "cuda", "model.precision": "fp8",
+                                                          "perf.layout": "auto", **keys})  # fmt: skip
+
+
+def test_fsdp2_shares_the_weights_gradients_and_state_of_the_8b_and_recomputes_only_where_they_crowd_a_gpu():
+    """The 8B sharded over 4 H100: nothing recomputed, about the 66.0 GiB a GPU measured there (notes/node.md); over
+    2 H100 (where nothing recomputed did not fit: refused at 76.2 GiB held) the fewest blocks recomputed that fit;
+    over 2 H200 nothing; one H200 fits only with most blocks recomputed; one H100 not at all."""
+    from trainbench.layout import sharded
+
+    bench, cfg = _llama_cfg()
+    four, lines = bench.plan_layout(cfg, dataclasses.replace(H100, gpus=4), P8)
+    assert not four.perf.activation_checkpointing and four.perf.recompute_blocks == 0
+    memory = evaluate(32, sharded(P8, 4), 0, 0, False).gpu_bytes
+    assert 62 * GIB < memory < 70 * GIB
+    assert "4 x H100" in lines[0] and "FSDP2 over the 4 ranks" in lines[0] and "not modelled" in lines[-1]
+    two, lines = bench.plan_layout(cfg, dataclasses.replace(H100, gpus=2), P8)
+    assert two.perf.activation_checkpointing and 20 <= two.perf.recompute_blocks < 32
+    assert two.perf.offload_blocks == 0  # the plan recomputes; it offloads only where told to
+    fewer = evaluate(32, sharded(P8, 2), two.perf.recompute_blocks - 1, 0, False)
+    assert fewer.gpu_bytes > H100.gpu_bytes * 0.97  # one block fewer recomputed would not fit
+    assert "gradients and optimizer state" in lines[2]
+    h200s, _ = bench.plan_layout(cfg, dataclasses.replace(H200, gpus=2), P8)
+    assert h200s.perf.recompute_blocks == 0
+    one, lines = bench.plan_layout(cfg, H200, P8)
+    assert one.perf.recompute_blocks > 20 and "the whole model on the GPU" in lines[0]
+    with pytest.raises(ConfigError, match=r"does not fit 1 x H100 of 79.1 GiB: even with every block recomputed it "
+                                          r"needs .* use more GPUs \(--nproc N\)"):  # fmt: skip
+        bench.plan_layout(cfg, H100, P8)
+
+
+def test_the_8b_keeps_layout_keys_given_by_hand_and_refuses_a_plan_with_tensor_parallelism():
+    bench, cfg = _llama_cfg(**{"perf.activation_checkpointing": "true", "perf.recompute_blocks": "30"})
+    planned, lines = bench.plan_layout(cfg, dataclasses.replace(H100, gpus=2), P8)
+    assert planned.perf.recompute_blocks == 30 and "kept as given: perf.activation_checkpointing=True" in lines[0]
+    bench, tp = _llama_cfg(**{"distributed.tp": "2", "distributed.nproc": "2", "model.fused_qkv": "false"})
+    with pytest.raises(ConfigError, match="with distributed.tp=2 set the layout keys by hand"):
+        bench.plan_layout(tp, dataclasses.replace(H100, gpus=2), P8)
+
+
+def test_gpt_oss_has_no_plan_of_its_own():
+    from trainbench.benchmarks import get_benchmark
+
+    assert get_benchmark("llama31_8b").plans_layout and not get_benchmark("gpt_oss_20b").plans_layout
+
+
+def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path, monkeypatch):
+    """The launcher's path (launch/plan.planned) with a probe of the 8B cached as the probe would write it: 2 ranks of
+    H100 recompute blocks, with the probe's line; the gradients and state outside the blocks are read from it, and a
+    probe of the older format (without them) is not used."""
+    from trainbench.launch.plan import planned
+    from trainbench.train import probe
+
+    monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    bench, cfg = _llama_cfg(**{"distributed.nproc": "2"})
+    data = {f.name: getattr(P8, f.name) for f in dataclasses.fields(P8)}
+    data |= {"gpu_name": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "gpu_free_bytes": H100.gpu_bytes,
+             "gpu_total_bytes": 80 * GIB, "host_available_bytes": 480 * GIB}  # fmt: skip
+    probe.save(bench.probe_config(cfg), data)
+    done, lines = planned(bench, cfg, print, here=False)
+    assert done.perf.activation_checkpointing and 20 <= done.perf.recompute_blocks < 32
+    assert "2 x NVIDIA H100 80GB HBM3" in lines[0] and "FSDP2 over the 2 ranks" in lines[0]
+    assert "gradients and optimizer state 44.9 GiB" in lines[2]  # (32 x 2.437 + 11.74) / 2: the embedding's too
+    assert lines[-1].startswith("  probe: NVIDIA H100 80GB HBM3, a block keeps 0.86 GiB, forward 6.0 ms")
+    monkeypatch.setattr(probe, "PROBE_FORMAT", 2)  # another format's key: this cache is not found
+    with pytest.raises(UserError, match="none is cached for llama31_8b/llama31-8b"):
+        planned(bench, cfg, print, here=False)
+
+
+def test_the_probe_counts_a_block_s_own_optimizer_state_and_puts_the_embedding_s_outside_the_blocks():
+    """train/probe._optimizer_bytes after an AdamW step of a model whose embedding and output layer train too: a
+    block's share is its own state (two fp32 moments) and gradient; the rest (what the step left beyond the weights,
+    less the blocks' share, plus the gradients outside the blocks) is the embedding's and the output layer's."""
+    import types
+
+    import torch
+
+    from trainbench.train.probe import _optimizer_bytes
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(100, 8)
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+    model.head = torch.nn.Linear(8, 100, bias=False)
+    optimizer = torch.optim.AdamW(model.parameters())
+    loss = model.head(model.model.layers[1](model.model.layers[0](model.embed(torch.arange(4))))).sum()
+    loss.backward()
+    optimizer.step()
+    run = types.SimpleNamespace(placed=types.SimpleNamespace(module=model), optimizer=optimizer)
+    block = (8 * 8 + 8) * 4  # a Linear(8, 8)'s fp32 parameters
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
+    ours, others = _optimizer_bytes(run, model.model.layers[1], persistent=state)
+    outside = (100 * 8 + 8 * 100) * 4  # the embedding's and the head's parameters
+    assert ours == 2 * block + block + 2 * 4  # two moments, the gradient, AdamW's step count a parameter (4 bytes)
+    assert others == 2 * outside + outside + 2 * 4

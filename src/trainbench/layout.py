@@ -29,6 +29,8 @@ GIB = 2**30
 # The offload releases an offloaded block's GPU copy two blocks after its forward and fetches two blocks ahead in the
 # backward (models/offload.py): about two blocks' saved tensors are on the GPU besides those kept there.
 IN_FLIGHT_BLOCKS = 2
+# FSDP2 holds about two blocks whole at a time besides the shards (the one computing and the one gathered ahead).
+GATHERED_BLOCKS = 2
 # GPU memory left unplanned: the allocator's rounding and stray buffers (expandable segments keep it small).
 MARGIN = 0.03
 # Host memory a plan may pin, of what the host has available: the rest stays for the data, the page cache, the ranks.
@@ -57,7 +59,7 @@ class BlockProbe:
     input_bytes: int  # a recomputed block's input (all it saves)
     block_weight_bytes: int  # one block's parameters and buffers (FP8 base and its scales, adapters)
     other_weight_bytes: int  # everything else the model holds: embedding, output layer, norms
-    optimizer_bytes_per_block: int  # the adapters' gradients and optimizer state of one block
+    optimizer_bytes_per_block: int  # the gradients and optimizer state of one block's trained parameters
     working_bytes: int  # the step's peak beyond weights, optimizer and the blocks' saved tensors (output layer, loss)
     forward_s: float  # one block's forward, per micro-batch
     backward_s: float  # one block's backward (not recomputing), per micro-batch
@@ -71,6 +73,9 @@ class BlockProbe:
     # measured): the share of its own link a GPU keeps when the node's GPUs share the host's
     to_host_shared_bytes_s: float | None = None
     to_gpu_shared_bytes_s: float | None = None
+    # The gradients and optimizer state of what the blocks do not hold (a trained embedding and output layer; 0 for
+    # LoRA, whose adapters are all in the blocks)
+    other_optimizer_bytes: int = 0
 
     def rates(self) -> tuple[float, float]:
         """The copy rates a plan can count on, to the host and back: those measured while the GPU computes, times
@@ -114,7 +119,7 @@ def evaluate(layers: int, p: BlockProbe, recompute: int, offload: int, inputs: b
                                                                   if inputs else 0)  # fmt: skip
     account = {
         "weights": layers * p.block_weight_bytes + p.other_weight_bytes,
-        "adapters' gradients and optimizer state": layers * p.optimizer_bytes_per_block,
+        "gradients and optimizer state": layers * p.optimizer_bytes_per_block + p.other_optimizer_bytes,
         f"{kept_here} blocks' saved activations": kept_here * p.kept_bytes,
         f"{recompute} recomputed blocks' inputs": 0 if inputs else recompute * p.input_bytes,
         "offload copies in flight": in_flight,
@@ -127,6 +132,24 @@ def evaluate(layers: int, p: BlockProbe, recompute: int, offload: int, inputs: b
     stall = max(0.0, to_host / out_rate - forward) + max(0.0, to_host / back_rate - backward)
     seconds = p.head_s + forward + backward + stall
     return Plan(recompute, offload, inputs, sum(account.values()), to_host, seconds, account, stall)
+
+
+def sharded(p: BlockProbe, ranks: int) -> BlockProbe:
+    """One GPU's share of ``p``'s memory where FSDP2 shards every parameter, its gradient and its optimizer state
+    over ``ranks``: the shards, plus :data:`GATHERED_BLOCKS` blocks held whole at a time (the one computing and the
+    next, gathered ahead; in backward a block's gradient before its reduce-scatter), counted at the probe's own size
+    of a block's weights as an upper bound (the gathered copies are bf16 or FP8, not fp32). The times are one GPU's
+    alone: the collectives' own time is not modelled (they overlap the compute; notes/node.md measured 2.6 % of the
+    step exposed on 4 H100)."""
+    if ranks <= 1:
+        return p
+    return dataclasses.replace(
+        p,
+        block_weight_bytes=p.block_weight_bytes // ranks,
+        other_weight_bytes=p.other_weight_bytes // ranks + GATHERED_BLOCKS * p.block_weight_bytes,
+        optimizer_bytes_per_block=p.optimizer_bytes_per_block // ranks,
+        other_optimizer_bytes=p.other_optimizer_bytes // ranks,
+    )
 
 
 def best(layers: int, p: BlockProbe, r: Resources, fixed: dict[str, Any]) -> tuple[Plan | None, Plan]:

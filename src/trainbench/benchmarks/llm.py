@@ -413,6 +413,43 @@ class Llama31Benchmark(LLMBenchmark):
         "llama-1b": lambda: llama("llama-1b", LLAMA_1B, gbs=32, micro=1, lr=1e-3),
         "llama31-8b": lambda: llama("llama31-8b", LLAMA31_8B, gbs=32, micro=1, lr=1e-3),
     }
+    plans_layout = True
+
+    def plan_layout(self, cfg: RunConfig, resources, probe) -> tuple[RunConfig, list[str]]:
+        """``perf.layout=auto``: the fewest blocks recomputed (the last ones) with which the model fits each GPU,
+        FSDP2 sharding its parameters, gradients and optimizer state over the ranks (layout.sharded, from a probe of
+        two unsharded blocks on one GPU); nothing offloaded unless given. ConfigError, one sentence, where even
+        every block recomputed does not fit."""
+        from trainbench.config import apply_overrides
+        from trainbench.layout import MARGIN, best, describe, fixed_keys, gib, sharded
+
+        if cfg.distributed.tp > 1:
+            raise ConfigError(f"perf.layout=auto plans FSDP2 over all the ranks; with distributed.tp="
+                              f"{cfg.distributed.tp} set the layout keys by hand (perf.layout=manual)")  # fmt: skip
+        given = fixed_keys(cfg, self.config(cfg.preset))
+        layers, name = cfg.model.num_layers, f"{self.name}/{cfg.preset}"
+        shards = resources.gpus if resources.gpus > 1 or cfg.distributed.shard_one_rank else 1
+        fixed = {"perf.offload_blocks": 0, "perf.offload_recomputed_inputs": False} | given
+        fastest, smallest = best(layers, sharded(probe, shards), resources, fixed)
+        if fastest is None:
+            need, held = smallest.gpu_bytes / (1 - MARGIN), smallest.account
+            raise ConfigError(
+                f"{name} does not fit {resources.gpus} x {resources.gpu_name} of {gib(resources.gpu_bytes)}: even "
+                f"with every block recomputed it needs {gib(need)} a GPU (weights {gib(held['weights'])}, gradients "
+                f"and optimizer state {gib(held['gradients and optimizer state'])}); use more GPUs (--nproc N) or "
+                "larger ones"
+            )
+        keys = fastest.keys()
+        planned = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf))
+        apply_overrides(planned, {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in keys.items()})
+        self.validate(planned)
+        lines = describe(fastest, layers, resources, given, cfg.data.micro_batch_size * cfg.data.seq_length)
+        if shards > 1:
+            lines[0] += f"; FSDP2 over the {shards} ranks"
+            lines.append("  not modelled: FSDP2's gathers and reduce-scatters, which overlap the compute")
+        else:
+            lines[0] += "; the whole model on the GPU"
+        return planned, lines
 
     def waived_checks(self, cfg: RunConfig) -> frozenset[str]:
         waived = set()

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 PROBE_BLOCKS = 2  # block 1 is measured: its input comes from block 0, so it requires grad as every later one does
-# What a probe measures: a cached probe of an older format is measured again (2: copy rates while a step runs).
-PROBE_FORMAT = 2
+# What a probe measures: a cached probe of an older format is measured again (2: copy rates while a step runs; 3: the
+# optimizer state of the measured block's own parameters, and that of the parameters outside the blocks).
+PROBE_FORMAT = 3
 
 
 def cache_dir() -> Path:
@@ -85,6 +86,26 @@ def probe_config(cfg):
         distributed=dataclasses.replace(cfg.distributed, nproc=1, nodes=1),
         device="cuda",
     )
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer, params) -> int:
+    """The bytes of the optimizer's state tensors for ``params``."""
+    return sum(t.numel() * t.element_size() for p in params for t in optimizer.state.get(p, {}).values()
+               if isinstance(t, torch.Tensor))  # fmt: skip
+
+
+def _optimizer_bytes(run, block: torch.nn.Module, persistent: int) -> tuple[int, int]:
+    """The gradients and optimizer state of ``block``'s trained parameters (its own state tensors, and one more copy
+    of the parameters for their gradients during a step), and of all else: ``persistent``, what the first step left
+    allocated beyond the weights (the whole optimizer state, and any buffer kept across steps), less the blocks'
+    share, plus the gradients of the trained parameters outside the blocks (a trained embedding and output layer)."""
+
+    def trained(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
+    everything = list(run.placed.module.parameters())
+    ours = _state_bytes(run.optimizer, block.parameters()) + trained(block.parameters())
+    return ours, max(0, persistent + trained(everything) - PROBE_BLOCKS * ours)
 
 
 def _storages(module: torch.nn.Module) -> int:
@@ -230,7 +251,6 @@ def measure(cfg, bench) -> dict[str, Any]:
     block = run.placed.module.model.layers[1]
     weights = torch.cuda.memory_allocated(device)
     block_weights = _storages(block)
-    trainable = sum(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad)
     marks = _BlockMarks(block, device)
     step = _stepper(run, bench, pcfg, info)
     try:
@@ -238,7 +258,7 @@ def measure(cfg, bench) -> dict[str, Any]:
     finally:
         marks.remove()
     to_host_busy, to_gpu_busy = busy_link_rates(lambda: step(4), last["step_s"], to_host, to_gpu)
-    optimizer = last["base"] - weights  # the optimizer's state, made by the first step (gradients are freed after)
+    block_optimizer, other_optimizer = _optimizer_bytes(run, block, last["base"] - weights)
     return {
         "gpu_name": torch.cuda.get_device_name(device),
         "capability": list(torch.cuda.get_device_capability(device)),
@@ -249,8 +269,8 @@ def measure(cfg, bench) -> dict[str, Any]:
         "input_bytes": marks.input_bytes,
         "block_weight_bytes": block_weights,
         "other_weight_bytes": weights - PROBE_BLOCKS * block_weights,
-        # state now, gradients during the step: one more copy of the trainable parameters
-        "optimizer_bytes_per_block": max(0, optimizer // PROBE_BLOCKS) + trainable,
+        "optimizer_bytes_per_block": block_optimizer,
+        "other_optimizer_bytes": other_optimizer,
         "working_bytes": max(0, last["peak"] - PROBE_BLOCKS * marks.kept),
         "forward_s": last["forward_s"],
         "backward_s": last["backward_s"],
