@@ -95,8 +95,9 @@ def other_ranks_error(run_dir: Path, what: str) -> str:
     said: dict[str, list[int]] = {}
     for path in Path(run_dir).glob(f"error_{what}_rank*.txt"):
         rank = path.stem.rpartition("_rank")[2]
-        if rank.isdigit():
-            said.setdefault(path.read_text(errors="replace").strip()[:2000], []).append(int(rank))
+        if rank.isdigit() and path.is_file():
+            with path.open(errors="replace") as f:  # a sentence: what is past its first 2,000 characters is not read
+                said.setdefault(f.read(2000).strip(), []).append(int(rank))
     if not said:
         return ""
     sentence, ranks = min(said.items(), key=lambda item: min(item[1]))
