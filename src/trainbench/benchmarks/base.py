@@ -301,6 +301,16 @@ class Benchmark(ABC):
         (layout.BlockProbe), and the console lines saying what and why; ConfigError where nothing fits."""
         raise ConfigError(f"perf.layout=auto: {self.name} has no layout to plan")
 
+    def with_layout(self, cfg: RunConfig, keys: dict[str, Any]) -> RunConfig:
+        """A copy of ``cfg`` with the layout ``keys`` a plan chose (layout.Plan.keys and the like), validated; ``cfg``
+        itself is left as it was."""
+        from trainbench.config import apply_overrides
+
+        planned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model), perf=dataclasses.replace(cfg.perf))
+        apply_overrides(planned, {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in keys.items()})
+        self.validate(planned)
+        return planned
+
     # -- throughput (trainbench bench) ----------------------------------------------------------
     def bench_data(self, cfg: RunConfig, rank: int, world_size: int) -> BenchmarkData:
         """Rows shaped like the benchmark's data, made in memory from the seed (no data set needed): what `trainbench

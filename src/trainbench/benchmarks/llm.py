@@ -420,7 +420,6 @@ class Llama31Benchmark(LLMBenchmark):
         FSDP2 sharding its parameters, gradients and optimizer state over the ranks (layout.sharded, from a probe of
         two unsharded blocks on one GPU); nothing offloaded unless given. ConfigError, one sentence, where even
         every block recomputed does not fit."""
-        from trainbench.config import apply_overrides
         from trainbench.layout import MARGIN, best, describe, fixed_keys, gib, sharded
 
         if cfg.distributed.tp > 1:
@@ -428,9 +427,8 @@ class Llama31Benchmark(LLMBenchmark):
                               f"{cfg.distributed.tp} set the layout keys by hand (perf.layout=manual)")  # fmt: skip
         given = fixed_keys(cfg, self.config(cfg.preset))
         layers, name = cfg.model.num_layers, f"{self.name}/{cfg.preset}"
-        shards = resources.gpus if resources.gpus > 1 or cfg.distributed.shard_one_rank else 1
         fixed = {"perf.offload_blocks": 0, "perf.offload_recomputed_inputs": False} | given
-        fastest, smallest = best(layers, sharded(probe, shards), resources, fixed)
+        fastest, smallest = best(layers, sharded(probe, resources.gpus), resources, fixed)
         if fastest is None:
             need, held = smallest.gpu_bytes / (1 - MARGIN), smallest.account
             raise ConfigError(
@@ -439,13 +437,10 @@ class Llama31Benchmark(LLMBenchmark):
                 f"and optimizer state {gib(held['gradients and optimizer state'])}); use more GPUs (--nproc N) or "
                 "larger ones"
             )
-        keys = fastest.keys()
-        planned = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf))
-        apply_overrides(planned, {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in keys.items()})
-        self.validate(planned)
+        planned = self.with_layout(cfg, fastest.keys())
         lines = describe(fastest, layers, resources, given, cfg.data.micro_batch_size * cfg.data.seq_length)
-        if shards > 1:
-            lines[0] += f"; FSDP2 over the {shards} ranks"
+        if resources.gpus > 1:
+            lines[0] += f"; FSDP2 over the {resources.gpus} ranks"
             lines.append("  not modelled: FSDP2's gathers and reduce-scatters, which overlap the compute")
         else:
             lines[0] += "; the whole model on the GPU"

@@ -257,7 +257,6 @@ class LoraBenchmark(LLMBenchmark):
     def plan_layout(self, cfg: RunConfig, resources, probe) -> tuple[RunConfig, list[str]]:
         """The FP8 base on every GPU with the fastest mix of kept, offloaded and recomputed blocks that fits
         (layout.best); where no FP8 replica fits, the sentence says what would (the bf16 base sharded over GPUs)."""
-        from trainbench.config import apply_overrides
         from trainbench.layout import best, describe, refusal
 
         given = self._given(cfg)
@@ -276,10 +275,7 @@ class LoraBenchmark(LLMBenchmark):
             return self._plan_fp8_sharded(cfg, resources, probe, refusal(name, smallest, layers, resources, probe))
         if fastest is None:
             raise ConfigError(refusal(name, smallest, layers, resources, probe))
-        keys = {"model.base_precision": "fp8", **fastest.keys()}
-        planned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model), perf=dataclasses.replace(cfg.perf))
-        apply_overrides(planned, {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in keys.items()})
-        self.validate(planned)
+        planned = self.with_layout(cfg, {"model.base_precision": "fp8", **fastest.keys()})
         tokens = cfg.data.micro_batch_size * cfg.data.seq_length
         return planned, describe(fastest, layers, resources, given, tokens)
 
