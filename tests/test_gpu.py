@@ -544,6 +544,27 @@ def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_t
     assert planned.model.base_precision == "fp8" and "predicted:" in lines[1]
 
 
+@pytest.mark.parametrize("precision", ["auto", "fp8"])
+def test_the_layout_probe_measures_a_compiled_block_of_the_8b_model(precision):
+    """perf.layout=auto for llama31_8b probes its blocks compiled (Module.compile) as the run builds them: the marks
+    around a block run outside its graph, so its forward, backward and kept bytes are measured (traced into the
+    graph, the probe's CUDA events were never recorded and it failed)."""
+    from trainbench.launch.local import build_config
+    from trainbench.train import probe
+
+    if precision == "fp8":
+        pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    bench, cfg = build_config("llama31_8b", "llama31-8b", [], {
+        "device": "cuda", "perf.compile": "true", "model.precision": precision, "model.hidden_size": "1024",
+        "model.num_heads": "8", "model.num_kv_heads": "2", "model.intermediate_size": "3584",
+        "data.seq_length": "2048"})  # fmt: skip
+    data = probe.measure(bench.probe_config(cfg), bench)
+    hidden = 2048 * 1024 * 2  # a row of bf16 activations (the residual stream is fp32 under autocast: twice that)
+    assert 0 < data["forward_s"] < 1 and 0 < data["backward_s"] < 1, data
+    assert data["input_bytes"] in (hidden, 2 * hidden) and 2 * hidden < data["kept_bytes"] < 40 * hidden, data
+    assert data["optimizer_bytes_per_block"] > 0 and data["other_optimizer_bytes"] > 0, data
+
+
 def test_the_host_link_shared_by_every_gpu_here_is_no_faster_than_one_gpu_alone(tmp_path):
     """train/probe.link_rates on every GPU of this machine at once (one GPU: the same as alone): each GPU's
     rate both ways is real and no more than its rate copying alone (timing spread aside); the ``--link`` entry writes
@@ -770,10 +791,11 @@ def test_tiny_gpt_oss_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsy
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs; fewer are visible")
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["auto", "fp8"])
 def test_tiny_gpt_oss_reaches_its_target_with_its_experts_on_two_gpus(tmp_path, precision):
-    """distributed.ep=2 over NCCL, compiled: each GPU holds half the experts, tokens reach them by all-to-all; in FP8
-    each rank pads the rows that arrive for its experts to the grouped product's 16 (moe._experts_padded)."""
+    """distributed.ep=2 over NCCL, compiled, in bf16 (auto) and FP8: each GPU holds half the experts, tokens reach
+    them by all-to-all; in FP8 each rank pads the rows that arrive for its experts to the grouped product's 16
+    (moe._experts_padded)."""
     if precision == "fp8":
         pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     keys = ("perf.compile=true", "--nproc", "2", "distributed.ep=2", f"model.precision={precision}")

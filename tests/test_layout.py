@@ -392,3 +392,24 @@ def test_the_probe_counts_a_block_s_own_optimizer_state_and_puts_the_embedding_s
     outside = (100 * 8 + 8 * 100) * 4  # the embedding's and the head's parameters
     assert ours == 2 * block + block + 2 * 4  # two moments, the gradient, AdamW's step count a parameter (4 bytes)
     assert others == 2 * outside + outside + 2 * 4
+
+
+def test_the_probe_marks_a_compiled_block_from_outside_its_graph(monkeypatch):
+    """The probe's hooks around a block compiled with ``Module.compile`` (as the 8B's blocks are) run eagerly in
+    every step: traced into the block's graph, their CUDA events were never recorded and the probe failed."""
+    import torch
+
+    from trainbench.train import probe
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(probe._BlockMarks, "_event",
+                        lambda self, name: calls.append((name, torch.compiler.is_compiling())))  # fmt: skip
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    block.compile(dynamic=False, backend="eager")
+    marks = probe._BlockMarks(block, torch.device("cpu"))
+    for _ in range(2):
+        block(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    marks.remove()
+    assert [name for name, _ in calls] == ["forward_start", "forward_end", "backward_start", "backward_end"] * 2
+    assert not any(compiling for _, compiling in calls), calls

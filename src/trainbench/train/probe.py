@@ -172,11 +172,14 @@ def busy_link_rates(step, step_s: float, to_host: float, to_gpu: float) -> tuple
 
 class _BlockMarks:
     """CUDA events and memory counts around one block: its forward (pre- and post-hooks) and its backward (the
-    gradient reaching its output, then its input)."""
+    gradient reaching its output, then its input). The hooks run outside ``torch.compile``: a compiled block
+    (``Module.compile``) would otherwise trace them into its graph, where the events are never recorded and the
+    memory counts are constants of the trace."""
 
     def __init__(self, block: torch.nn.Module, device: torch.device):
         self.device, self.events, self.kept, self.input_bytes = device, {}, 0, 0
-        self.hooks = [block.register_forward_pre_hook(self._before), block.register_forward_hook(self._after)]
+        self.hooks = [block.register_forward_pre_hook(torch._dynamo.disable(self._before)),
+                      block.register_forward_hook(torch._dynamo.disable(self._after))]  # fmt: skip
 
     def _event(self, name: str) -> None:
         self.events[name] = torch.cuda.Event(enable_timing=True)
