@@ -10,7 +10,7 @@ import pytest
 from conftest import run_cli
 
 from trainbench.errors import ConfigError, UserError
-from trainbench.layout import GIB, BlockProbe, Resources, best, evaluate
+from trainbench.layout import GIB, BlockProbe, Resources, best, evaluate, with_rows
 
 # A block of the 70B LoRA with its FP8 base, as measured on one H100 and H200 (docs/notes/lora-fp8-one-gpu.md): it
 # keeps 1.36 GiB for its backward, its input is 128 MiB, 12 ms forward and 28 ms backward, 52/50 GB/s to and from
@@ -319,8 +319,12 @@ def test_fsdp2_shares_the_weights_gradients_and_state_of_the_8b_and_recomputes_o
     fewer = evaluate(32, sharded(P8, 2), two.perf.recompute_blocks - 1, 0, False)
     assert fewer.gpu_bytes > H100.gpu_bytes * 0.97  # one block fewer recomputed would not fit
     assert "gradients and optimizer state" in lines[2]
-    h200s, _ = bench.plan_layout(cfg, dataclasses.replace(H200, gpus=2), P8)
+    h200s, lines = bench.plan_layout(cfg, dataclasses.replace(H200, gpus=2), P8)
     assert h200s.perf.recompute_blocks == 0
+    # two rows a micro-batch fit there with nothing recomputed (the 4 H100 would need blocks recomputed for them)
+    assert h200s.data.micro_batch_size == 2 and four.data.micro_batch_size == 1 and two.data.micro_batch_size == 1
+    assert "micro-batches of 2 rows" in lines[0] and "rows: 2 a micro-batch" in lines[3], lines
+    assert h200s.data.global_batch_size == cfg.data.global_batch_size and cfg.data.micro_batch_size == 1
     one, lines = bench.plan_layout(cfg, H200, P8)
     assert one.perf.recompute_blocks > 20 and "the whole model on the GPU" in lines[0]
     with pytest.raises(ConfigError, match=r"does not fit 1 x H100 of 79.1 GiB: even with every block recomputed it "
@@ -332,6 +336,13 @@ def test_the_8b_keeps_layout_keys_given_by_hand_and_refuses_a_plan_with_tensor_p
     bench, cfg = _llama_cfg(**{"perf.activation_checkpointing": "true", "perf.recompute_blocks": "30"})
     planned, lines = bench.plan_layout(cfg, dataclasses.replace(H100, gpus=2), P8)
     assert planned.perf.recompute_blocks == 30 and "kept as given: perf.activation_checkpointing=True" in lines[0]
+    # rows a micro-batch: a number given is kept; two only where a rank's share of the global batch divides by two
+    bench, cfg = _llama_cfg(**{"data.micro_batch_size": "4"})
+    planned, lines = bench.plan_layout(cfg, dataclasses.replace(H200, gpus=2), with_rows(P8, 4))
+    assert planned.data.micro_batch_size == 4 and "micro-batches of 4 rows" in lines[0]
+    bench, cfg = _llama_cfg(**{"data.global_batch_size": "16"})
+    planned, _ = bench.plan_layout(cfg, dataclasses.replace(H200, gpus=16), P8)
+    assert planned.data.micro_batch_size == 1
     bench, tp = _llama_cfg(**{"distributed.tp": "2", "distributed.nproc": "2", "model.fused_qkv": "false"})
     with pytest.raises(ConfigError, match="with distributed.tp=2 set the layout keys by hand"):
         bench.plan_layout(tp, dataclasses.replace(H100, gpus=2), P8)

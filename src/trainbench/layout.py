@@ -152,6 +152,21 @@ def sharded(p: BlockProbe, ranks: int) -> BlockProbe:
     )
 
 
+def with_rows(p: BlockProbe, factor: int) -> BlockProbe:
+    """``p`` at ``factor`` times the probe's rows a micro-batch: what a block saves, a recomputed block's input and
+    the working set grow with the rows (all of the working set, an upper bound), and so do the times: the model
+    counts a row's time as the same in a larger micro-batch (what a larger one gains is measured, not modelled)."""
+    return dataclasses.replace(
+        p,
+        kept_bytes=p.kept_bytes * factor,
+        input_bytes=p.input_bytes * factor,
+        working_bytes=p.working_bytes * factor,
+        forward_s=p.forward_s * factor,
+        backward_s=p.backward_s * factor,
+        head_s=p.head_s * factor,
+    )
+
+
 def best(layers: int, p: BlockProbe, r: Resources, fixed: dict[str, Any]) -> tuple[Plan | None, Plan]:
     """The fastest layout that fits (None where none does) and the one needing the least GPU memory (what the
     refusal names). ``fixed``: layout keys given by hand."""

@@ -306,7 +306,8 @@ class Benchmark(ABC):
         itself is left as it was."""
         from trainbench.config import apply_overrides
 
-        planned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model), perf=dataclasses.replace(cfg.perf))
+        planned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model), perf=dataclasses.replace(cfg.perf),
+                                      data=dataclasses.replace(cfg.data))  # fmt: skip
         apply_overrides(planned, {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in keys.items()})
         self.validate(planned)
         return planned

@@ -152,6 +152,10 @@ def kept_blocks(cfg: RunConfig) -> int:
     return cfg.model.num_layers - (cfg.perf.recompute_blocks or cfg.model.num_layers)
 
 
+# The most rows a micro-batch llama31_8b's perf.layout=auto chooses: two rows of 8,192 tokens measured 5-7 % faster a
+# token than one on one H200 (the compiled elementwise kernels, half the gradient accumulations; docs/llm.md), more
+# not measured. Chosen only where they fit with no more blocks recomputed: a recomputed block costs more than that.
+PLANNED_ROWS = 2
 EVAL_SEQUENCES = 1024  # MLPerf's C4 validation sequences (llama31_8b; a throughput run's eval set where none is set)
 
 
@@ -418,14 +422,16 @@ class Llama31Benchmark(LLMBenchmark):
     def plan_layout(self, cfg: RunConfig, resources, probe) -> tuple[RunConfig, list[str]]:
         """``perf.layout=auto``: the fewest blocks recomputed (the last ones) with which the model fits each GPU,
         FSDP2 sharding its parameters, gradients and optimizer state over the ranks (layout.sharded, from a probe of
-        two unsharded blocks on one GPU); nothing offloaded unless given. ConfigError, one sentence, where even
-        every block recomputed does not fit."""
-        from trainbench.layout import MARGIN, best, describe, fixed_keys, gib, sharded
+        two unsharded blocks on one GPU); nothing offloaded unless given. Then the rows a micro-batch: up to
+        :data:`PLANNED_ROWS` where they fit with no more blocks recomputed (a micro-batch other than the preset's is
+        kept as given). ConfigError, one sentence, where even every block recomputed does not fit."""
+        from trainbench.layout import MARGIN, best, describe, fixed_keys, gib, sharded, with_rows
 
         if cfg.distributed.tp > 1:
             raise ConfigError(f"perf.layout=auto plans FSDP2 over all the ranks; with distributed.tp="
                               f"{cfg.distributed.tp} set the layout keys by hand (perf.layout=manual)")  # fmt: skip
-        given = fixed_keys(cfg, self.config(cfg.preset))
+        preset = self.config(cfg.preset)
+        given = fixed_keys(cfg, preset)
         layers, name = cfg.model.num_layers, f"{self.name}/{cfg.preset}"
         fixed = {"perf.offload_blocks": 0, "perf.offload_recomputed_inputs": False} | given
         fastest, smallest = best(layers, sharded(probe, resources.gpus), resources, fixed)
@@ -437,8 +443,24 @@ class Llama31Benchmark(LLMBenchmark):
                 f"and optimizer state {gib(held['gradients and optimizer state'])}); use more GPUs (--nproc N) or "
                 "larger ones"
             )
-        planned = self.with_layout(cfg, fastest.keys())
-        lines = describe(fastest, layers, resources, given, cfg.data.micro_batch_size * cfg.data.seq_length)
+        rows, probed = cfg.data.micro_batch_size, cfg.data.micro_batch_size
+        per_rank = cfg.data.global_batch_size // resources.gpus
+        if rows == preset.data.micro_batch_size:
+            for more in range(PLANNED_ROWS, rows, -1):
+                if more % probed or per_rank % more:
+                    continue
+                plan, _ = best(layers, sharded(with_rows(probe, more // probed), resources.gpus), resources, fixed)
+                if plan is not None and plan.recompute <= fastest.recompute and plan.offload <= fastest.offload:
+                    rows, fastest = more, plan
+                    break
+        keys = fastest.keys() | ({"data.micro_batch_size": rows} if rows != cfg.data.micro_batch_size else {})
+        planned = self.with_layout(cfg, keys)
+        lines = describe(fastest, layers, resources, given, rows * cfg.data.seq_length)
+        lines[0] += f"; micro-batches of {rows} row{'s' if rows > 1 else ''}"
+        if rows != probed:
+            lines.append(f"  rows: {rows} a micro-batch, the most up to {PLANNED_ROWS} that fit with no more blocks "
+                         f"recomputed (the prediction counts a row's time as at {probed}; measured faster a token: "
+                         "docs/llm.md)")  # fmt: skip
         if resources.gpus > 1:
             lines[0] += f"; FSDP2 over the {resources.gpus} ranks"
             lines.append("  not modelled: FSDP2's gathers and reduce-scatters, which overlap the compute")
