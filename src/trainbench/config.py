@@ -204,8 +204,9 @@ class PerfConfig:
     layout: str = option(
         "manual",
         "How recompute, offload and the base's precision are chosen (llama2_70b_lora; llama31_8b: the blocks "
-        "recomputed and up to 2 rows a micro-batch where they fit with no more recomputed): manual (the keys as given) or auto (planned from this GPU's memory, host memory and a probe "
-        "of one block, cached per machine; keys given by hand are kept, docs/lora.md, docs/llm.md).",
+        "recomputed and up to 2 rows a micro-batch where they fit with no more recomputed): manual (the keys as "
+        "given) or auto (planned from this GPU's memory, host memory and a probe of one block, cached per machine; "
+        "keys given by hand are kept, docs/lora.md, docs/llm.md).",
         choices=("manual", "auto"),
     )
     gpu_memory_gib: float | None = option(
