@@ -6,6 +6,8 @@
 #                                     78.7 GiB usable, what one H100 had free), profiled
 #   perf/bench_figures.sh llm       Llama 3.1 8B in FP8, 2 and 6 blocks measured, extrapolated to 32
 #   perf/bench_figures.sh llm-row   the same with an optimizer step per row (global batch 1)
+#   perf/bench_figures.sh llm-auto  the same as llm with the layout planned for this GPU at each depth
+#                                     (perf.layout=auto: the rows a micro-batch, blocks recomputed only where needed)
 #   perf/bench_figures.sh llm-shard1  the same as llm sharded by FSDP2 over the one GPU (distributed.shard_one_rank),
 #                                     the FP8 weights gathered in FP8: run beside llm, in the same call
 #   perf/bench_figures.sh bert      BERT-large at MLPerf's batch (768 = 48 x 16 accumulation on one GPU), fixed rows
@@ -84,6 +86,8 @@ for what in "$@"; do
         --steps 3 --warmup 2 ;;
     llm-shard1) bench llm_shard1 llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
         distributed.shard_one_rank=true --steps 3 --warmup 2 ;;
+    llm-auto) bench llm_auto llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true perf.layout=auto \
+        --blocks 2,6 --steps 3 --warmup 2 ;;
     llm-row) bench llm_row llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
         data.global_batch_size=1 --steps 8 --warmup 3 ;;  # an optimizer step per row
     bert) bench bert bert --preset large perf.compile=true --steps 5 --warmup 3 ;;
@@ -140,7 +144,7 @@ for what in "$@"; do
                 || true  # the summary says how each ended; one failure does not stop the others
             cp "$(ls -d "$RESULTS/tiny_$name"/*/ | tail -n 1)summary.json" "$OUT/tiny_$name.json" || true
         done ;;
-    *) echo "unknown measurement $what (lora, lora-auto, lora-auto-80, llm, llm-shard1, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
+    *) echo "unknown measurement $what (lora, lora-auto, lora-auto-80, llm, llm-auto, llm-shard1, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
         "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, node-lora, node-llm, node-moe, node-bert, node-tiny)" >&2; exit 2 ;;
     esac
 done
