@@ -229,6 +229,59 @@ def test_rows_padded_per_expert_under_expert_parallelism_give_the_one_rank_layer
         assert torch.allclose(g, w, rtol=1e-12, atol=1e-12), name
 
 
+def _compiled_expert_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The padded expert-parallel layer compiled as a block is (``Module.compile``, fixed shapes), 6 calls on new
+    tokens each (each rank's arriving rows, and each expert's, change every call); rank 0 writes what dynamo compiled."""
+    import os
+
+    import torch.distributed as dist
+    from conftest import leave_without_finalizing
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    from trainbench.distributed import shutdown
+    from trainbench.models.decoder_parallel import apply_expert_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    finished = False
+    try:
+        layer, _, _ = _expert_parallel_case()
+        apply_expert_parallel(torch.nn.Sequential(layer), "cpu", world, world)
+        layer.gather_rows, layer.align_rows = True, 16
+        layer.compile(dynamic=False, backend="eager")
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(6):
+            x = torch.randn(30, 32, dtype=torch.float64, generator=g, requires_grad=True)
+            result, _ = layer(x)
+            result.sum().backward()
+        if rank == 0:
+            entries = len(_debug_get_cache_entry_list(MoE._experts_parallel.__code__))
+            torch.save({"entries": entries, "graphs": counters["stats"]["unique_graphs"]}, out)
+        finished = True
+    finally:
+        shutdown(drain=finished)
+    leave_without_finalizing()
+
+
+def test_the_expert_parallel_dispatch_is_not_compiled_for_each_call_s_row_counts(tmp_path):
+    """Under expert parallelism the rows a rank receives, and each expert's, are known only on the host and change
+    every call; compiled for fixed shapes, the dispatch was compiled anew for each call until dynamo's limit (the
+    FP8 experts' padded layout each time, slow enough that a tiny run on 2 GPUs did not finish in 200 s). It runs
+    uncompiled from the first call: the block's graphs before and after it are compiled once."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "compiled.pt"
+    torch.multiprocessing.spawn(_compiled_expert_parallel_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    assert got["entries"] == 0, got
+    assert got["graphs"] <= 4, got  # before: 63 graphs, the dispatch compiled for each call
+
+
 def test_the_weight_gradient_operands_take_one_power_of_two_scale_an_expert_and_are_transposed():
     """moe._group_scaled_transpose (the FP8 weight gradient's operands): [rows, n] becomes row-major [n, rows] in e4m3
     whose scale is constant over each expert's rows (the grouped product sums along them), a power of two that

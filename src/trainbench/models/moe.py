@@ -278,10 +278,13 @@ class MoE(nn.Module):
                                           output_size=size)  # fmt: skip
         return self._experts(buffer, experts, padded, *weights)[slot]
 
+    @torch.compiler.disable
     def _experts_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """:meth:`_experts` with the experts spread over the ranks of ``ep_group`` (rank j holds the j-th contiguous
         share, as DTensors sharded by expert): each row goes to its expert's rank by all-to-all, through the expert,
-        and back, in the order it left."""
+        and back, in the order it left. Never compiled: the rows a rank receives, and each of its experts', are
+        known only on the host and change every call, so a compiled block (fixed shapes) compiled this anew for
+        each call until dynamo's limit and then ran it uncompiled anyway (docs/notes/node.md)."""
         from torch.distributed.nn.functional import all_to_all_single
 
         ranks = dist.get_world_size(self.ep_group)
