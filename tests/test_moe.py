@@ -231,7 +231,8 @@ def test_rows_padded_per_expert_under_expert_parallelism_give_the_one_rank_layer
 
 def _compiled_expert_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
     """The padded expert-parallel layer compiled as a block is (``Module.compile``, fixed shapes), 6 calls on new
-    tokens each (each rank's arriving rows, and each expert's, change every call); rank 0 writes what dynamo compiled."""
+    tokens each (each rank's arriving rows, and each expert's, change every call); rank 0 writes what dynamo
+    compiled."""
     import os
 
     import torch.distributed as dist
