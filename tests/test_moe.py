@@ -155,9 +155,9 @@ def test_the_experts_with_the_activation_backward_as_one_op_equal_autograd(activ
         assert torch.allclose(a, b, rtol=1e-11, atol=1e-11)
 
 
-def _expert_parallel_worker(rank, world, port, align, out):
-    """One rank of two: the layer of ``test_rows_padded_per_expert_under_expert_parallelism_...``, its experts
-    spread over the ranks, each rank's half of the tokens; rank 0 writes the outputs and gradients gathered."""
+def _on_gloo_ranks(rank: int, world: int, port: int, body) -> None:
+    """``body(layer, x, direction)`` on one of ``world`` gloo ranks, with the layer of :func:`_expert_parallel_case`
+    and its experts spread over the ranks; the process group shut down after, drained only if ``body`` returned."""
     import os
 
     import torch.distributed as dist
@@ -173,6 +173,19 @@ def _expert_parallel_worker(rank, world, port, align, out):
     try:
         layer, x, direction = _expert_parallel_case()
         apply_expert_parallel(torch.nn.Sequential(layer), "cpu", world, world)
+        body(layer, x, direction)
+        finished = True
+    finally:
+        shutdown(drain=finished)
+    leave_without_finalizing()
+
+
+def _expert_parallel_worker(rank, world, port, align, out):
+    """One rank of two: the layer of ``test_rows_padded_per_expert_under_expert_parallelism_...``, its experts
+    spread over the ranks, each rank's half of the tokens; rank 0 writes the outputs and gradients gathered."""
+    import torch.distributed as dist
+
+    def body(layer, x, direction):
         layer.gather_rows, layer.align_rows = True, align
         mine = x.chunk(world)[rank].clone().requires_grad_()
         result, _ = layer(mine)
@@ -190,10 +203,8 @@ def _expert_parallel_worker(rank, world, port, align, out):
         everything = [gathered(result.detach()), gathered(mine.grad), router, *experts]  # collectives: every rank
         if rank == 0:
             torch.save(everything, out)
-        finished = True
-    finally:
-        shutdown(drain=finished)
-    leave_without_finalizing()
+
+    _on_gloo_ranks(rank, world, port, body)
 
 
 _EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
@@ -233,23 +244,10 @@ def _compiled_expert_parallel_worker(rank: int, world: int, port: int, out: str)
     """The padded expert-parallel layer compiled as a block is (``Module.compile``, fixed shapes), 6 calls on new
     tokens each (each rank's arriving rows, and each expert's, change every call); rank 0 writes what dynamo
     compiled."""
-    import os
-
-    import torch.distributed as dist
-    from conftest import leave_without_finalizing
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
 
-    from trainbench.distributed import shutdown
-    from trainbench.models.decoder_parallel import apply_expert_parallel
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    finished = False
-    try:
-        layer, _, _ = _expert_parallel_case()
-        apply_expert_parallel(torch.nn.Sequential(layer), "cpu", world, world)
+    def body(layer, x, direction):
         layer.gather_rows, layer.align_rows = True, 16
         layer.compile(dynamic=False, backend="eager")
         g = torch.Generator().manual_seed(rank)
@@ -260,10 +258,8 @@ def _compiled_expert_parallel_worker(rank: int, world: int, port: int, out: str)
         if rank == 0:
             entries = len(_debug_get_cache_entry_list(MoE._experts_parallel.__code__))
             torch.save({"entries": entries, "graphs": counters["stats"]["unique_graphs"]}, out)
-        finished = True
-    finally:
-        shutdown(drain=finished)
-    leave_without_finalizing()
+
+    _on_gloo_ranks(rank, world, port, body)
 
 
 def test_the_expert_parallel_dispatch_is_not_compiled_for_each_call_s_row_counts(tmp_path):
