@@ -392,3 +392,34 @@ def test_depths_a_whole_repeat_of_the_blocks_apart_are_taken():
     assert parse_blocks("2,3", 24, bench.block_period(plain)) == [2, 3]
     llm = get_benchmark("llama31_8b")
     assert llm.block_period(cfg) == (1, "")
+
+
+def test_truncated_depths_under_a_planned_layout_share_the_deepest_depth_s_rows(tmp_path, monkeypatch, capsys):
+    """bench --blocks with perf.layout=auto: the whole model is not planned (it need not fit this GPU: the 8B on one
+    H100 was refused before any depth was measured); each depth is planned for its own blocks, all at the deepest
+    depth's rows a micro-batch, so that the rate between them is extrapolated at one micro-batch. A stand-in
+    planner, as a GPU's probe would plan: the whole model does not fit, 1 block takes 32 rows, 2 blocks 16."""
+    from trainbench.errors import ConfigError
+    from trainbench.launch import plan
+    from trainbench.launch.local import load_run_config
+
+    asked = []
+
+    def planned(bench, cfg, say, here=True):
+        if cfg.perf.layout != "auto":
+            return cfg, []
+        asked.append(cfg.model.num_layers)
+        if cfg.model.num_layers > 2:
+            raise ConfigError("the whole model does not fit this GPU")
+        rows = 16 if cfg.model.num_layers == 2 else 32
+        return bench.with_layout(cfg, {"data.micro_batch_size": rows}), [f"layout for {rows} rows"]
+
+    monkeypatch.setattr(plan, "planned", planned)
+    folder, result = measured("llama31_8b", tmp_path / "r", "--blocks", "1,2", "model.num_layers=4",
+                              "perf.layout=auto")  # fmt: skip
+    printed = capsys.readouterr().out
+    assert 4 not in asked and result["figures"] == "extrapolated"
+    for depth in (1, 2):
+        assert load_run_config(folder / f"config_{depth}_blocks.yaml")[1].data.micro_batch_size == 16
+    assert "all at 16 rows a micro-batch (the deepest's)" in printed
+    assert "at 1 blocks: layout for 32 rows (measured at 16 a micro-batch, as the deepest)" in printed

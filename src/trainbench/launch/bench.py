@@ -82,8 +82,16 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         return _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system, command or [], plan)
     allocator_settings(bench)
     device = preflight_device(cfg)
-    unplanned = cfg
-    cfg, plan = planned(bench, cfg, console.print)  # before any folder: a layout that cannot fit stops here
+    unplanned, rows = cfg, None
+    if depths and cfg.perf.layout == "auto":
+        # Truncated: the whole model need not fit this GPU (that is what the depths are for). Each depth is planned
+        # for its own blocks, all at the deepest's rows a micro-batch, which fit the shallower ones too: the rate
+        # between depths is extrapolated, so they share their micro-batch. Before any folder, as below.
+        rows = planned(bench, bench.truncated(cfg, max(depths)), console.print)[0].data.micro_batch_size
+        plan = [f"perf.layout=auto: each depth measured is planned for its own blocks, all at {rows} row"
+                f"{'s' if rows > 1 else ''} a micro-batch (the deepest's); the whole model is not planned"]  # fmt: skip
+    else:
+        cfg, plan = planned(bench, cfg, console.print)  # before any folder: a layout that cannot fit stops here
     run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-bench")
     save_config(cfg, run_dir / CONFIG)
     out = RunConsole(run_dir / CONSOLE)
@@ -95,7 +103,7 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         if depths:
             out.say(f"measuring {depth} of {layers} blocks")
         _request(run_dir, steps, warmup, depth, profile_steps, snapshot)
-        run_cfg = _truncated(cfg, depth, layers, run_dir, unplanned, out)
+        run_cfg = _truncated(cfg, depth, layers, run_dir, unplanned, out, rows)
         if cfg.distributed.nproc == 1:
             from trainbench.distributed import init_distributed
             from trainbench.train.bench import measure
@@ -136,10 +144,11 @@ def _request(run_dir: Path, steps: int, warmup: int, depth: int | None, profile_
 
 
 def _truncated(cfg: RunConfig, depth: int | None, layers: int | None, run_dir: Path, unplanned: RunConfig | None = None,
-               out: RunConsole | None = None) -> RunConfig:  # fmt: skip
+               out: RunConsole | None = None, rows: int | None = None) -> RunConfig:  # fmt: skip
     """The config measured at ``depth`` blocks, saved beside the folder's own where it is not the model's depth; under
-    perf.layout=auto planned again for that depth (from ``unplanned``, the config before the model's plan). The
-    benchmark says what a block is (:meth:`~trainbench.benchmarks.base.Benchmark.truncated`)."""
+    perf.layout=auto planned again for that depth (from ``unplanned``, the config before any plan), at ``rows`` a
+    micro-batch where given. The benchmark says what a block is
+    (:meth:`~trainbench.benchmarks.base.Benchmark.truncated`)."""
     if depth == layers:
         return cfg
     bench = bench_of(cfg)
@@ -147,6 +156,9 @@ def _truncated(cfg: RunConfig, depth: int | None, layers: int | None, run_dir: P
         from trainbench.launch.plan import planned
 
         truncated, lines = planned(bench, bench.truncated(unplanned, depth), out.say)
+        if rows is not None and truncated.data.micro_batch_size != rows:
+            truncated = bench.with_layout(truncated, {"data.micro_batch_size": rows})
+            lines[:1] = [f"{lines[0]} (measured at {rows} a micro-batch, as the deepest)"] if lines else []
         for line in lines[:1]:
             out.say(f"at {depth} blocks: {line}")
     else:
