@@ -178,8 +178,8 @@ class _BlockMarks:
 
     def __init__(self, block: torch.nn.Module, device: torch.device):
         self.device, self.events, self.kept, self.input_bytes = device, {}, 0, 0
-        self.hooks = [block.register_forward_pre_hook(torch._dynamo.disable(self._before)),
-                      block.register_forward_hook(torch._dynamo.disable(self._after))]  # fmt: skip
+        self.hooks = [block.register_forward_pre_hook(torch.compiler.disable(self._before)),
+                      block.register_forward_hook(torch.compiler.disable(self._after))]  # fmt: skip
 
     def _event(self, name: str) -> None:
         self.events[name] = torch.cuda.Event(enable_timing=True)
