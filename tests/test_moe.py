@@ -4,6 +4,8 @@ load-balancing loss."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -155,9 +157,10 @@ def test_the_experts_with_the_activation_backward_as_one_op_equal_autograd(activ
         assert torch.allclose(a, b, rtol=1e-11, atol=1e-11)
 
 
-def _on_gloo_ranks(rank: int, world: int, port: int, body) -> None:
-    """``body(layer, x, direction)`` on one of ``world`` gloo ranks, with the layer of :func:`_expert_parallel_case`
-    and its experts spread over the ranks; the process group shut down after, drained only if ``body`` returned."""
+def _on_gloo_ranks(rank: int, world: int, port: int, body, case=None) -> None:
+    """``body(layer, x, direction)`` on one of ``world`` gloo ranks, with the layer of ``case()`` (default
+    :func:`_expert_parallel_case`; a module holding several layers too) and the experts of every layer in it spread
+    over the ranks; the process group shut down after, drained only if ``body`` returned."""
     import os
 
     import torch.distributed as dist
@@ -171,7 +174,7 @@ def _on_gloo_ranks(rank: int, world: int, port: int, body) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     finished = False
     try:
-        layer, x, direction = _expert_parallel_case()
+        layer, x, direction = (case or _expert_parallel_case)()
         apply_expert_parallel(torch.nn.Sequential(layer), "cpu", world, world)
         body(layer, x, direction)
         finished = True
@@ -277,6 +280,101 @@ def test_the_expert_parallel_dispatch_is_not_compiled_for_each_call_s_row_counts
     got = torch.load(out)
     assert got["entries"] == 0, got
     assert got["graphs"] <= 4, got  # before: 63 graphs, the dispatch compiled for each call
+
+
+def _scaled_grouped_mm_on_cpu(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
+    """torch's FP8 grouped product (CUDA only) in float32 on the CPU, to the same contract: ``a`` [rows, k] grouped
+    by rows times ``b`` [groups, k, n] (scales per row of ``a``, per group's output column of ``b``), or ``a`` [m, K]
+    times ``b`` [K, n] grouped along K into [groups, m, n] (scales per group's row and column)."""
+    ends = offs.tolist()
+    spans = list(zip([0, *ends[:-1]], ends, strict=True))
+    a, b, scale_a, scale_b = a.float(), b.float(), scale_a.float(), scale_b.float()
+    if b.dim() == 3:
+        a, b = a * scale_a[:, None], b * scale_b.view(len(ends), 1, -1)
+        out = torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(spans)])
+    else:
+        sa, sb = scale_a.view(len(ends), -1, 1), scale_b.view(len(ends), 1, -1)
+        out = torch.stack([(a[:, s:e] @ b[s:e]) * sa[g] * sb[g] for g, (s, e) in enumerate(spans)])
+    return out.to(out_dtype)
+
+
+def _two_fp8_expert_layers():
+    """Two copies of :func:`_expert_parallel_case`'s layer in float32, its experts in FP8 (each expert's rows padded
+    to 16, the weights' gradient in FP8 too), and bf16 rows, as autocast hands them."""
+    layer, x, direction = _expert_parallel_case()
+    pair = torch.nn.ModuleList([layer.float(), copy.deepcopy(layer.float())])
+    for m in pair:
+        m.gather_rows, m.fp8, m.align_rows, m.fp8_weight_grad = True, True, 16, True
+    return pair, x.to(torch.bfloat16), direction.float()
+
+
+def _cached_casts_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of two: the same FP8 expert-parallel layer with and without cache_fp8_weight_casts, 2 steps of 2
+    micro-batches of this rank's tokens each, a sign-descent step between; rank 0 writes what it saw."""
+    from trainbench.models import moe
+
+    def body(pair, x, direction):
+        torch._scaled_grouped_mm = _scaled_grouped_mm_on_cpu
+        casts = {"forward": 0, "input_grad": 0}
+
+        def counted(cast, key):
+            def call(w):
+                casts[key] += 1
+                return cast(w)
+
+            return call
+
+        moe._weight_for_forward = counted(moe._weight_for_forward, "forward")
+        moe._weight_for_input_grad = counted(moe._weight_for_input_grad, "input_grad")
+        uncached, cached = pair[0], torch.nn.Sequential(pair[1])
+        after_step = moe.cache_fp8_weight_casts(cached, compiled=False)
+        mine = [t.chunk(world)[rank].chunk(2) for t in (x, direction)]
+        seen = {"equal": [], "casts": []}
+        for _ in range(2):
+            results = []
+            for model in (uncached, cached):
+                casts.update(forward=0, input_grad=0)
+                outs = []
+                for micro, d in zip(*mine, strict=True):
+                    result, _ = model(micro)
+                    (result.float() * d).sum().backward()
+                    outs.append(result.detach())
+                params = list(model.parameters())
+                results.append(outs + [getattr(p.grad, "_local_tensor", p.grad).clone() for p in params])
+                seen["casts"].append(dict(casts))
+                with torch.no_grad():  # a step: every weight moves
+                    for p in params:
+                        p.sub_(1e-2 * p.grad.sign())
+                model.zero_grad()
+            after_step()
+            seen["equal"].append([torch.equal(a, b) for a, b in zip(*results, strict=True)])
+        seen["buffers"] = sorted(k for k in pair[1]._buffers if k.startswith("_fp8_"))
+        seen["cast_shape"] = tuple(pair[1]._buffers["_fp8_gate_up_proj_0"].shape)
+        if rank == 0:
+            torch.save(seen, out)
+
+    _on_gloo_ranks(rank, world, port, body, case=_two_fp8_expert_layers)
+
+
+def test_under_expert_parallelism_each_rank_casts_its_share_of_the_fp8_experts_once_a_step(tmp_path):
+    """cache_fp8_weight_casts with the experts spread over 2 gloo ranks (each rank's share a DTensor that FSDP2
+    leaves alone): each rank casts its own share once a step, for the forward and for the input's gradient, instead
+    of in each micro-batch's forward and backward (2 micro-batches: 4 casts of each kind become 2), and the outputs and
+    every gradient equal the uncached layer's bit for bit, also after a step has moved the weights (torch's FP8
+    grouped product stood in for on the CPU)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "cached.pt"
+    torch.multiprocessing.spawn(_cached_casts_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    seen = torch.load(out)
+    assert seen["casts"] == [{"forward": 4, "input_grad": 4}, {"forward": 2, "input_grad": 2}] * 2, seen["casts"]
+    for equal in seen["equal"]:
+        assert equal and all(equal), seen["equal"]
+    assert seen["buffers"] == [f"_fp8_{n}_{i}" for n in ("down_proj", "gate_up_proj") for i in range(4)]
+    assert seen["cast_shape"] == (3, 32, 48)  # this rank's 3 of the 6 experts
 
 
 def test_the_weight_gradient_operands_take_one_power_of_two_scale_an_expert_and_are_transposed():

@@ -192,6 +192,17 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
     return model
 
 
+def _one_after_another(*functions: Callable[[], None] | None) -> Callable[[], None]:
+    """What runs after each optimizer step: each of ``functions`` given, in order."""
+    chosen = [f for f in functions if f is not None]
+
+    def after_step() -> None:
+        for f in chosen:
+            f()
+
+    return after_step
+
+
 def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int, bf16: bool, checkpointing: bool,
                   compile_blocks: bool, seed: int, ep: int = 1, shard_one_rank: bool = False) -> Placed:  # fmt: skip
     """``model`` (built on the meta device) sharded over the ranks (on one rank too where ``shard_one_rank``),
@@ -221,9 +232,11 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
             out.notes.append(f"the experts' grouped products of {experts} blocks in FP8 (forward and input "
                              f"gradient; the weights' gradient in {wgrad}), each expert's rows padded to a multiple "
                              "of 16")  # fmt: skip
-            if not sharded:  # (sharded, FSDP2 gathers the weights anew for each forward, and after_step is taken)
+            # Sharded by FSDP2, the experts' weights are gathered anew for each forward: cast there. Spread by expert
+            # parallelism, FSDP2 leaves them alone and each rank casts its share once a step.
+            if not sharded or ep > 1:
                 from trainbench.models.moe import cache_fp8_weight_casts
 
-                out.after_step = cache_fp8_weight_casts(placed, compile_blocks)
+                out.after_step = _one_after_another(out.after_step, cache_fp8_weight_casts(placed, compile_blocks))
                 out.notes.append("the experts' weights cast to FP8 once a step, not in every micro-batch")
     return out

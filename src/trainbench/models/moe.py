@@ -261,8 +261,11 @@ class MoE(nn.Module):
 
     def _casts(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The FP8 casts of the weight ``name`` made once a step (:func:`cache_fp8_weight_casts`), where ``weight`` is
-        that parameter itself (not an expert-parallel shard) and they exist; else None (cast in each call)."""
-        if not self.fp8 or weight is not self.get_parameter(name) or f"_fp8_{name}_0" not in self._buffers:
+        that parameter itself or, under expert parallelism, this rank's share of it (what :meth:`_experts_parallel`
+        hands on; the casts are of that share), and they exist; else None (cast in each call)."""
+        if not self.fp8 or f"_fp8_{name}_0" not in self._buffers:
+            return None
+        if weight is not self.get_parameter(name) and self.ep_group is None:
             return None
         return tuple(self._buffers[f"_fp8_{name}_{i}"] for i in range(4))
 
@@ -494,15 +497,22 @@ class _Fp32GradStandIn(torch.autograd.Function):
         return None, None, None
 
 
+def _own_share(w: torch.Tensor) -> torch.Tensor:
+    """``w`` itself, or this rank's share of it where expert parallelism spread it (a DTensor), without autograd."""
+    return w.to_local().detach() if hasattr(w, "to_local") else w.detach()
+
+
 def cache_fp8_weight_casts(model: nn.Module, compiled: bool = True) -> Callable[[], None]:
-    """The FP8 experts of ``model`` (one unsharded rank) cast their weights once a step instead of in each
-    micro-batch's forward and backward: before a forward of ``model``, each :class:`MoE`'s weights are cast
-    (:func:`fp8_weight_casts`, compiled where ``compiled``) into buffers that its grouped products read, where the
-    weights changed since the last casts. A forward that takes gradients hands the products a stand-in for each
-    weight (:class:`_Fp32GradStandIn`), through which their bf16 gradients are added into the fp32 ``.grad``
-    directly. Returns what must run after every optimizer step: the fused optimizer updates the weights without
-    touching their version counters, so the step itself marks the casts stale (a weight's version or storage that
-    changed otherwise, as a checkpoint's load does, marks them too)."""
+    """The FP8 experts of ``model`` cast their weights once a step instead of in each micro-batch's forward and
+    backward: before a forward of ``model``, each :class:`MoE`'s weights (on one unsharded rank, or each rank's share
+    of the experts under expert parallelism, which FSDP2 leaves alone) are cast (:func:`fp8_weight_casts`, compiled
+    where ``compiled``) into buffers that its grouped products read, where the weights changed since the last casts.
+    On one rank a forward that takes gradients hands the products a stand-in for each weight
+    (:class:`_Fp32GradStandIn`), through which their bf16 gradients are added into the fp32 ``.grad`` directly;
+    under expert parallelism the gradients take autograd's way back to the shared weight, as uncached. Returns what
+    must run after every optimizer step: the fused optimizer updates the weights without touching their version
+    counters, so the step itself marks the casts stale (a weight's version or storage that changed otherwise, as a
+    checkpoint's load does, marks them too)."""
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.fp8]
     names = ("gate_up_proj", "down_proj")
     cast = torch.compile(fp8_weight_casts, dynamic=False) if compiled else fp8_weight_casts
@@ -510,22 +520,23 @@ def cache_fp8_weight_casts(model: nn.Module, compiled: bool = True) -> Callable[
     state: dict = {"stale": True, "seen": None}
 
     def seen() -> list[tuple[int, int]]:
-        return [(w._version, w.data_ptr()) for m in layers for w in (m.get_parameter(n) for n in names)]
+        return [(w._version, w.data_ptr()) for m in layers for w in (_own_share(m.get_parameter(n)) for n in names)]
 
     def refresh(module: nn.Module, args) -> None:
         with torch.no_grad():
             recast()
         grads = torch.is_grad_enabled()
         for m in layers:  # a new stand-in for each forward: each one's backward adds one micro-batch's gradient
+            standins = grads and m.ep_group is None
             m._grad_standins = {n: _Fp32GradStandIn.apply(w, *gradients) for n in names
-                                if grads and (w := m.get_parameter(n)).requires_grad}  # fmt: skip
+                                if standins and (w := m.get_parameter(n)).requires_grad}  # fmt: skip
 
     def recast() -> None:
         if not state["stale"] and state["seen"] == seen():
             return
         for m in layers:
             for name in names:
-                for i, t in enumerate(cast(m.get_parameter(name).detach())):
+                for i, t in enumerate(cast(_own_share(m.get_parameter(name)))):
                     key = f"_fp8_{name}_{i}"
                     if key in m._buffers:
                         m._buffers[key].copy_(t)
