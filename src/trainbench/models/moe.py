@@ -83,6 +83,23 @@ def _e4m3(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.reciprocal().squeeze(dim)
 
 
+_compiled_row_cast: Callable | None = None
+
+
+def _rows_e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_e4m3` along the rows of ``t`` [rows, n]. Inside a compiled block the plain tensor operations, which
+    the compiler fuses into the kernels that make ``t``. Outside one on CUDA (the expert-parallel dispatch runs
+    uncompiled) one compiled function for every number of rows: torch's eager operations made a float32 copy of the
+    rows and took 5 passes over it, the largest cost of FP8's experts under expert parallelism
+    (docs/notes/node.md)."""
+    global _compiled_row_cast
+    if not t.is_cuda or torch.compiler.is_compiling():
+        return _e4m3(t, -1)
+    if _compiled_row_cast is None:
+        _compiled_row_cast = torch.compile(_e4m3, dynamic=True)
+    return _compiled_row_cast(t, -1)
+
+
 def _weight_for_forward(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts' weights ``w`` [groups, a, b] in e4m3 with a scale per (group, output column), each group's matrix
     column-major, as the FP8 grouped product requires; and the scales' reciprocals."""
@@ -142,7 +159,7 @@ class _FP8Grouped(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                 casts: tuple[torch.Tensor, ...] | None = None,
                 group: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        qx, sx = _e4m3(x, -1)
+        qx, sx = _rows_e4m3(x)
         ctx.cast_weights = casts is None
         if casts is None:
             qw, sw = _weight_for_forward(w)
@@ -161,7 +178,7 @@ class _FP8Grouped(torch.autograd.Function):
         sx, group = rest[:2] if ctx.fp8_weight_grad else (None, None)
         cast = rest[2:] if ctx.fp8_weight_grad else rest
         grad = grad.contiguous()
-        qg, sg = _e4m3(grad, -1)
+        qg, sg = _rows_e4m3(grad)
         qw, sw = _weight_for_input_grad(w) if ctx.cast_weights else cast
         grad_x = torch._scaled_grouped_mm(qg, qw.transpose(-2, -1), sg, sw, offs=offsets, out_dtype=torch.bfloat16,
                                           use_fast_accum=True)  # fmt: skip
