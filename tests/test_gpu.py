@@ -563,6 +563,8 @@ def test_the_layout_probe_measures_a_compiled_block_of_the_8b_model(precision):
     assert 0 < data["forward_s"] < 1 and 0 < data["backward_s"] < 1, data
     assert data["input_bytes"] in (hidden, 2 * hidden) and 2 * hidden < data["kept_bytes"] < 40 * hidden, data
     assert data["optimizer_bytes_per_block"] > 0 and data["other_optimizer_bytes"] > 0, data
+    # the clock its timed steps ran at, where NVML sampled one (steps this short may fall between two samples)
+    assert "sm_clock_mhz" in data and (data["sm_clock_mhz"] is None or 100 < data["sm_clock_mhz"] < 5000), data
 
 
 def test_the_host_link_shared_by_every_gpu_here_is_no_faster_than_one_gpu_alone(tmp_path):

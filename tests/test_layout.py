@@ -372,9 +372,24 @@ def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path,
     assert "2 x NVIDIA H100 80GB HBM3" in lines[0] and "FSDP2 over the 2 ranks" in lines[0]
     assert "gradients and optimizer state 44.9 GiB" in lines[2]  # (32 x 2.437 + 11.74) / 2: the embedding's too
     assert lines[-1].startswith("  probe: NVIDIA H100 80GB HBM3, a block keeps 0.86 GiB, forward 6.0 ms")
+    assert "MHz" not in lines[-1]  # a probe without the clock its steps ran at (older, or no NVML)
+    probe.save(bench.probe_config(cfg), data | {"sm_clock_mhz": 1755.0, "power_w": 698.2})
+    _, lines = planned(bench, cfg, print, here=False)
+    assert "backward 12.4 ms (at 1,755 MHz, 698 W); host link" in lines[-1], lines[-1]
     monkeypatch.setattr(probe, "PROBE_FORMAT", 2)  # another format's key: this cache is not found
     with pytest.raises(UserError, match="none is cached for llama31_8b/llama31-8b"):
         planned(bench, cfg, print, here=False)
+
+
+def test_the_probe_reports_the_clock_and_power_of_the_gpu_its_steps_kept_busy():
+    """train/probe.busiest_gpu over telemetry.measured_window's summary: the GPU with the most busy samples (on a node,
+    the probe's one; the idle ones are not in the summary or have fewer), or None where nothing was sampled."""
+    from trainbench.train.probe import busiest_gpu
+
+    summary = {"node_gpu0": {"busy_samples": 9, "sm_clock_mhz": 1755.0, "power_w": 698.2},
+               "node_gpu3": {"busy_samples": 1, "sm_clock_mhz": 1980.0, "power_w": 120.0}}  # fmt: skip
+    assert busiest_gpu(summary) == {"sm_clock_mhz": 1755.0, "power_w": 698.2}
+    assert busiest_gpu({}) == {"sm_clock_mhz": None, "power_w": None}
 
 
 def test_the_probe_counts_a_block_s_own_optimizer_state_and_puts_the_embedding_s_outside_the_blocks():

@@ -115,9 +115,16 @@ def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[R
     planned_cfg, lines = bench.plan_layout(cfg, resources(cfg, data, here), p)
     return planned_cfg, lines + [f"  probe: {data['gpu_name']}, a block keeps {data['kept_bytes'] / GIB:.2f} GiB, "
                                  f"forward {data['forward_s'] * 1e3:.1f} ms, backward {data['backward_s'] * 1e3:.1f} "
-                                 f"ms; host link {data['to_host_bytes_s'] / 1e9:.0f} GB/s out, "
+                                 f"ms{_clock(data)}; host link {data['to_host_bytes_s'] / 1e9:.0f} GB/s out, "
                                  f"{data['to_gpu_bytes_s'] / 1e9:.0f} GB/s back{_busy(data)}"
                                  f"{_shared(p, ranks)}"]  # fmt: skip
+
+
+def _clock(data: dict) -> str:
+    """The SM clock and power the probe's timed steps ran at, where sampled: a step of the whole model may run at a
+    lower clock (a power cap), and then slower than planned."""
+    mhz, watts = data.get("sm_clock_mhz"), data.get("power_w")
+    return f" (at {mhz:,.0f} MHz, {watts:.0f} W)" if mhz and watts else ""
 
 
 def _busy(data: dict) -> str:

@@ -242,6 +242,7 @@ def measure(cfg, bench) -> dict[str, Any]:
     """The probe on this process's GPU (see the module's docstring)."""
     from trainbench.distributed import DistInfo
     from trainbench.layout import host_available_bytes
+    from trainbench.telemetry import measured_window
     from trainbench.train.setup import build_run
 
     device = torch.device("cuda", 0)
@@ -257,7 +258,8 @@ def measure(cfg, bench) -> dict[str, Any]:
     marks = _BlockMarks(block, device)
     step = _stepper(run, bench, pcfg, info)
     try:
-        last = _timed_steps(step, device, marks)
+        with measured_window(rate_hz=20.0) as seen:  # the SM clock and power its timed steps ran at
+            last = _timed_steps(step, device, marks)
     finally:
         marks.remove()
     to_host_busy, to_gpu_busy = busy_link_rates(lambda: step(4), last["step_s"], to_host, to_gpu)
@@ -285,4 +287,15 @@ def measure(cfg, bench) -> dict[str, Any]:
         "seq": cfg.data.seq_length,
         "micro_batch": cfg.data.micro_batch_size,
         "torch": torch.__version__,
+        **busiest_gpu(seen),
     }
+
+
+def busiest_gpu(summary: dict[str, dict]) -> dict[str, Any]:
+    """The median SM clock (MHz) and power (W) of the GPU the probe's timed steps kept busiest, from
+    telemetry.measured_window's summary (every GPU of the machine, the idle ones left out); None for each where
+    nothing was sampled (no NVML, or steps too short for a sample)."""
+    if not summary:
+        return {"sm_clock_mhz": None, "power_w": None}
+    busiest = max(summary.values(), key=lambda g: g["busy_samples"])
+    return {"sm_clock_mhz": busiest["sm_clock_mhz"], "power_w": busiest["power_w"]}
