@@ -906,6 +906,21 @@ def _two_fp8_expert_layers() -> list[torch.nn.Module]:
     return layers
 
 
+def test_the_rows_fp8_casts_compiled_outside_a_block_equal_the_eager_ones_for_every_row_count_on_cuda():
+    """moe._rows_e4m3 with ``compiled`` (the expert-parallel dispatch runs outside the compiled blocks): the e4m3 rows
+    and their scales' reciprocals equal the eager casts' bit for bit, at row counts that change every call (as the
+    rows that arrive at a rank do) and at both of the experts' widths, without a compilation for each count."""
+    from trainbench.models import moe
+
+    torch._dynamo.utils.counters.clear()
+    for i, rows in enumerate((4096, 4112, 65_536, 12_304, 16, 30_000, 4128)):
+        t = torch.randn(rows, 2880 if i % 2 else 5760, device="cuda", dtype=torch.bfloat16) * (i + 1)
+        (q, recip), (want_q, want_recip) = moe._rows_e4m3(t, compiled=True), moe._e4m3(t, -1)
+        assert q.dtype == torch.float8_e4m3fn and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(recip, want_recip)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3  # (a first shape, then one dynamic graph)
+
+
 def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_step_on_cuda():
     """cache_fp8_weight_casts (one unsharded rank): over 3 steps of 2 micro-batches with the fused AdamW (which leaves
     the weights' version counters alone), the layer that casts its weights once a step gives the outputs and

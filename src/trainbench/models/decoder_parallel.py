@@ -169,7 +169,7 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
 
         fp8.min_capability(device)
         fp8.train_blocks_in_fp8(model, sharded=sharded)
-        experts_in_fp8(model, device, getattr(model.cfg, "expert_weight_grad", "fp8"))
+        experts_in_fp8(model, device, getattr(model.cfg, "expert_weight_grad", "fp8"), compile_blocks)
     wrap_blocks(model, checkpointing, compile_blocks)
     use_flex_for_packed_rows(model, device, compile_blocks)
     if sharded:

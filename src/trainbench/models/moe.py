@@ -55,13 +55,14 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, fp8: bool = False,
-             casts: tuple[torch.Tensor, ...] | None = None,
-             group: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+             casts: tuple[torch.Tensor, ...] | None = None, group: torch.Tensor | None = None,
+             compiled_casts: bool = False) -> torch.Tensor:  # fmt: skip
     """Rows of ``x`` [n, a], sorted by group with ``counts`` [groups] rows each, times their group's ``w`` [groups,
     a, b]: [n, b]. ``fp8``: in FP8 (:class:`_FP8Grouped`: CUDA, bf16 rows, every count a multiple of 16; ``casts``:
-    ``w``'s, made beforehand; ``group`` [n], each row's group: the weights' gradient in FP8 too, else in bf16)."""
+    ``w``'s, made beforehand; ``group`` [n], each row's group: the weights' gradient in FP8 too, else in bf16;
+    ``compiled_casts``: the rows' casts compiled where they run outside a compiled block, :func:`_rows_e4m3`)."""
     if fp8:
-        return _FP8Grouped.apply(x, w, torch.cumsum(counts, 0, dtype=torch.int32), casts, group)
+        return _FP8Grouped.apply(x, w, torch.cumsum(counts, 0, dtype=torch.int32), casts, group, compiled_casts)
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w.to(x.dtype), offs=offsets)
@@ -86,14 +87,14 @@ def _e4m3(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 _compiled_row_cast: Callable | None = None
 
 
-def _rows_e4m3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows_e4m3(t: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_e4m3` along the rows of ``t`` [rows, n]. Inside a compiled block the plain tensor operations, which
-    the compiler fuses into the kernels that make ``t``. Outside one on CUDA (the expert-parallel dispatch runs
-    uncompiled) one compiled function for every number of rows: torch's eager operations made a float32 copy of the
-    rows and took 5 passes over it, the largest cost of FP8's experts under expert parallelism
-    (docs/notes/node.md)."""
+    the compiler fuses into the kernels that make ``t``. Outside one on CUDA, where ``compiled`` (the run compiles
+    its blocks, and the expert-parallel dispatch runs outside them), one compiled function for every number of rows:
+    torch's eager operations made a float32 copy of the rows and took 5 passes over it, the largest cost of FP8's
+    experts under expert parallelism (docs/notes/node.md)."""
     global _compiled_row_cast
-    if not t.is_cuda or torch.compiler.is_compiling():
+    if not compiled or not t.is_cuda or torch.compiler.is_compiling():
         return _e4m3(t, -1)
     if _compiled_row_cast is None:
         _compiled_row_cast = torch.compile(_e4m3, dynamic=True)
@@ -157,10 +158,10 @@ class _FP8Grouped(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-                casts: tuple[torch.Tensor, ...] | None = None,
-                group: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        qx, sx = _rows_e4m3(x)
-        ctx.cast_weights = casts is None
+                casts: tuple[torch.Tensor, ...] | None = None, group: torch.Tensor | None = None,
+                compiled_casts: bool = False) -> torch.Tensor:  # fmt: skip
+        qx, sx = _rows_e4m3(x, compiled_casts)
+        ctx.cast_weights, ctx.compiled_casts = casts is None, compiled_casts
         if casts is None:
             qw, sw = _weight_for_forward(w)
             weight = ()
@@ -178,7 +179,7 @@ class _FP8Grouped(torch.autograd.Function):
         sx, group = rest[:2] if ctx.fp8_weight_grad else (None, None)
         cast = rest[2:] if ctx.fp8_weight_grad else rest
         grad = grad.contiguous()
-        qg, sg = _rows_e4m3(grad)
+        qg, sg = _rows_e4m3(grad, ctx.compiled_casts)
         qw, sw = _weight_for_input_grad(w) if ctx.cast_weights else cast
         grad_x = torch._scaled_grouped_mm(qg, qw.transpose(-2, -1), sg, sw, offs=offsets, out_dtype=torch.bfloat16,
                                           use_fast_accum=True)  # fmt: skip
@@ -186,7 +187,7 @@ class _FP8Grouped(torch.autograd.Function):
             grad_w = fp8_weight_grad(x, sx, grad, sg, group, w.shape[0], offsets)
         else:
             grad_w = torch._grouped_mm(x.transpose(0, 1), grad.to(x.dtype), offs=offsets)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 class MoE(nn.Module):
@@ -213,8 +214,10 @@ class MoE(nn.Module):
         # expert's group (16 for FP8; 1: the groups packed back to back)
         self.fp8 = False
         self.align_rows = 1
-        # With fp8: the weights' gradient an FP8 grouped product too (fp8_weight_grad), else a bf16 one
+        # With fp8: the weights' gradient an FP8 grouped product too (fp8_weight_grad), else a bf16 one; the rows'
+        # casts outside a compiled block compiled (_rows_e4m3) where the run compiles its blocks
         self.fp8_weight_grad = False
+        self.compiled_casts = False
         # With the weights' FP8 casts made once a step (cache_fp8_weight_casts): for each weight, where this forward
         # takes gradients, the tensor its products take the place of the weight with (_Fp32GradStandIn)
         self._grad_standins: dict[str, torch.Tensor] = {}
@@ -262,7 +265,7 @@ class MoE(nn.Module):
             gate_up = self._grad_standins.get("gate_up_proj", gate_up)
         if down_casts is not None:
             down = self._grad_standins.get("down_proj", down)
-        h = _grouped(rows, gate_up, counts, self.fp8, gate_up_casts, wgrad_group)
+        h = _grouped(rows, gate_up, counts, self.fp8, gate_up_casts, wgrad_group, self.compiled_casts)
         if rows.is_cuda if self.glu_kernel is None else self.glu_kernel:
             s = self.shape
             act = BiasGLU.apply(h, gate_up_bias, group if gate_up_bias is not None else None, s.activation, s.alpha,
@@ -271,7 +274,7 @@ class MoE(nn.Module):
             if gate_up_bias is not None:
                 h = _add_group_bias(h, gate_up_bias, group, product)
             act = self.activation(h)
-        out = _grouped(act, down, counts, self.fp8, down_casts, wgrad_group)
+        out = _grouped(act, down, counts, self.fp8, down_casts, wgrad_group, self.compiled_casts)
         if down_bias is not None:
             out = _add_group_bias(out, down_bias, group, product)
         return out
@@ -568,10 +571,12 @@ def cache_fp8_weight_casts(model: nn.Module, compiled: bool = True) -> Callable[
     return after_step
 
 
-def experts_in_fp8(model: nn.Module, device: torch.device, weight_grad: str = "fp8") -> int:
+def experts_in_fp8(model: nn.Module, device: torch.device, weight_grad: str = "fp8",
+                   compiled_casts: bool = False) -> int:  # fmt: skip
     """Every :class:`MoE` of ``model`` multiplies its experts in FP8 (:func:`_grouped`), its groups aligned to 16
-    rows, the weights' gradient in ``weight_grad`` (fp8 or bf16); returns how many. torch's FP8 grouped product runs
-    on Hopper (compute capability 9.0) and newer."""
+    rows, the weights' gradient in ``weight_grad`` (fp8 or bf16), the rows' casts outside a compiled block compiled
+    where ``compiled_casts`` (the run compiles its blocks); returns how many. torch's FP8 grouped product runs on
+    Hopper (compute capability 9.0) and newer."""
     if weight_grad not in ("fp8", "bf16"):
         raise ValueError(f"the experts' weight gradient is fp8 or bf16, not {weight_grad!r}")
     layers = [m for m in model.modules() if isinstance(m, MoE)]
@@ -579,4 +584,5 @@ def experts_in_fp8(model: nn.Module, device: torch.device, weight_grad: str = "f
         min_capability(device, (9, 0), "the experts' FP8 grouped products", "Hopper, Blackwell")
     for moe in layers:
         moe.fp8, moe.align_rows, moe.fp8_weight_grad = True, 16, weight_grad == "fp8"
+        moe.compiled_casts = compiled_casts
     return len(layers)
