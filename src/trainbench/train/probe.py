@@ -220,29 +220,33 @@ def _stepper(run, bench, pcfg, info):
     return step
 
 
-def _timed_steps(step, device: torch.device, marks: _BlockMarks) -> dict[str, float]:
-    """Four steps (compile, settle, two measured); the faster measured one's times and memory."""
+def _timed_steps(step, device: torch.device, marks: _BlockMarks) -> dict[str, Any]:
+    """Four steps (compile, settle, two measured); the faster measured one's times and memory, and the SM clock and
+    power the steps ran at (:func:`busiest_gpu`)."""
+    from trainbench.telemetry import measured_window
+
     times = []
-    for i in range(4):
-        torch.cuda.synchronize(device)
-        if i >= 2:
-            torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        t = time.perf_counter()
-        step(i)
-        torch.cuda.synchronize(device)
-        if i >= 2:
-            times.append({"step_s": time.perf_counter() - t, "forward_s": marks.seconds("forward_start", "forward_end"),
-                          "backward_s": marks.seconds("backward_start", "backward_end"),
-                          "peak": torch.cuda.max_memory_allocated(device) - base, "base": base})  # fmt: skip
-    return min(times, key=lambda x: x["step_s"])
+    with measured_window(rate_hz=20.0) as seen:
+        for i in range(4):
+            torch.cuda.synchronize(device)
+            if i >= 2:
+                torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            t = time.perf_counter()
+            step(i)
+            torch.cuda.synchronize(device)
+            if i >= 2:
+                times.append({"step_s": time.perf_counter() - t,
+                              "forward_s": marks.seconds("forward_start", "forward_end"),
+                              "backward_s": marks.seconds("backward_start", "backward_end"),
+                              "peak": torch.cuda.max_memory_allocated(device) - base, "base": base})  # fmt: skip
+    return min(times, key=lambda x: x["step_s"]) | busiest_gpu(seen)
 
 
 def measure(cfg, bench) -> dict[str, Any]:
     """The probe on this process's GPU (see the module's docstring)."""
     from trainbench.distributed import DistInfo
     from trainbench.layout import host_available_bytes
-    from trainbench.telemetry import measured_window
     from trainbench.train.setup import build_run
 
     device = torch.device("cuda", 0)
@@ -258,8 +262,7 @@ def measure(cfg, bench) -> dict[str, Any]:
     marks = _BlockMarks(block, device)
     step = _stepper(run, bench, pcfg, info)
     try:
-        with measured_window(rate_hz=20.0) as seen:  # the SM clock and power its timed steps ran at
-            last = _timed_steps(step, device, marks)
+        last = _timed_steps(step, device, marks)
     finally:
         marks.remove()
     to_host_busy, to_gpu_busy = busy_link_rates(lambda: step(4), last["step_s"], to_host, to_gpu)
@@ -287,7 +290,7 @@ def measure(cfg, bench) -> dict[str, Any]:
         "seq": cfg.data.seq_length,
         "micro_batch": cfg.data.micro_batch_size,
         "torch": torch.__version__,
-        **busiest_gpu(seen),
+        **{key: last[key] for key in ("sm_clock_mhz", "power_w")},
     }
 
 
