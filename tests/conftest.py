@@ -196,17 +196,26 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def spawn_ranks(worker, world: int, out: Path, *args):
-    """``worker(rank, world, port, *args, out)`` in ``world`` processes that meet at a free port of this machine; what
-    rank 0 wrote to ``out``, as JSON."""
+def free_port() -> int:
+    """A TCP port of this machine free at the time of asking, for processes to meet at."""
     import socket
-
-    import torch
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(worker, args=(world, port, *args, str(out)), nprocs=world, join=True)
+        return s.getsockname()[1]
+
+
+def spawned(worker, world: int, *args) -> None:
+    """``worker(rank, world, port, *args)`` in ``world`` processes that meet at a free port of this machine."""
+    import torch
+
+    torch.multiprocessing.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+def spawn_ranks(worker, world: int, out: Path, *args):
+    """``worker(rank, world, port, *args, out)`` in ``world`` processes that meet at a free port of this machine; what
+    rank 0 wrote to ``out``, as JSON."""
+    spawned(worker, world, *args, str(out))
     return json.loads(out.read_text())
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import only_run_dir, run_cli
+from conftest import free_port, only_run_dir, run_cli
 
 pytestmark = [
     pytest.mark.gpu,
@@ -613,12 +613,9 @@ def test_a_rank_that_failed_leaves_nccl_at_once_while_a_peer_waits_on_it():
     seconds although a collective of its own waits for a peer that will never join (destroy_process_group flushes
     it first, and would wait for ever)."""
     import multiprocessing
-    import socket
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     spawn = multiprocessing.get_context("spawn")
     ranks = [spawn.Process(target=_rank_that_fails_beside_a_waiting_peer, args=(r, port)) for r in (0, 1)]
     for p in ranks:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import spawn_ranks
 
 from trainbench.errors import DataError
 from trainbench.models import lora
@@ -113,18 +113,10 @@ def _fsdp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.full
 def test_two_fsdp_ranks_read_only_their_slices_and_give_transformers_logits(checkpoints, tmp_path):
     root, hf = checkpoints
-    out = tmp_path / "fsdp.json"
-    torch.multiprocessing.spawn(_fsdp_worker, args=(2, free_port(), str(root), str(out)), nprocs=2, join=True)
-    got = json.loads(out.read_text())
+    got = spawn_ranks(_fsdp_worker, 2, tmp_path / "fsdp.json", str(root))
     ids = torch.randint(0, CFG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits

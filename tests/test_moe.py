@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from conftest import spawned
 
 from trainbench.models.glu_kernel import glu, glu_backward
 from trainbench.models.moe import MoE, MoEShape, load_balancing_loss, route
@@ -226,18 +227,13 @@ def test_rows_padded_per_expert_under_expert_parallelism_give_the_one_rank_layer
     """Expert parallelism over 2 gloo ranks (3 experts each, all-to-all) with each expert's arriving rows padded to
     a multiple of 16 (as the experts' FP8 grouped product needs) against the layer on one rank, unpadded, in
     float64: the same outputs, input gradients, router and expert gradients (biases included)."""
-    import socket
-
     layer, x, direction = _expert_parallel_case()
     x.requires_grad_()
     want, _ = layer(x)
     (want * direction).sum().backward()
     want = [want.detach(), x.grad, layer.router.weight.grad] + [layer.get_parameter(n).grad for n in _EXPERT_TENSORS]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "ep.pt"
-    torch.multiprocessing.spawn(_expert_parallel_worker, args=(2, port, 16, str(out)), nprocs=2, join=True)
+    spawned(_expert_parallel_worker, 2, 16, str(out))
     got = torch.load(out)
     for name, g, w in zip(["output", "input", "router", *_EXPERT_TENSORS], got, want, strict=True):
         assert torch.allclose(g, w, rtol=1e-12, atol=1e-12), name
@@ -270,13 +266,8 @@ def test_the_expert_parallel_dispatch_is_not_compiled_for_each_call_s_row_counts
     every call; compiled for fixed shapes, the dispatch was compiled anew for each call until dynamo's limit (the
     FP8 experts' padded layout each time, slow enough that a tiny run on 2 GPUs did not finish in 200 s). It runs
     uncompiled from the first call: the block's graphs before and after it are compiled once."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "compiled.pt"
-    torch.multiprocessing.spawn(_compiled_expert_parallel_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    spawned(_compiled_expert_parallel_worker, 2, str(out))
     got = torch.load(out)
     assert got["entries"] == 0, got
     assert got["graphs"] <= 4, got  # before: 63 graphs, the dispatch compiled for each call
@@ -362,13 +353,8 @@ def test_under_expert_parallelism_each_rank_casts_its_share_of_the_fp8_experts_o
     of in each micro-batch's forward and backward (2 micro-batches: 4 casts of each kind become 2), and the outputs and
     every gradient equal the uncached layer's bit for bit, also after a step has moved the weights (torch's FP8
     grouped product stood in for on the CPU)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "cached.pt"
-    torch.multiprocessing.spawn(_cached_casts_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    spawned(_cached_casts_worker, 2, str(out))
     seen = torch.load(out)
     assert seen["casts"] == [{"forward": 4, "input_grad": 4}, {"forward": 2, "input_grad": 2}] * 2, seen["casts"]
     for equal in seen["equal"]:

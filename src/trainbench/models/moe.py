@@ -25,6 +25,7 @@ to the host.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -84,7 +85,10 @@ def _e4m3(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.reciprocal().squeeze(dim)
 
 
-_compiled_row_cast: Callable | None = None
+@functools.cache
+def _compiled_row_cast() -> Callable:
+    """:func:`_e4m3` compiled once for every shape (made at its first use)."""
+    return torch.compile(_e4m3, dynamic=True)
 
 
 def _rows_e4m3(t: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,12 +97,9 @@ def _rows_e4m3(t: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, t
     its blocks, and the expert-parallel dispatch runs outside them), one compiled function for every number of rows:
     torch's eager operations made a float32 copy of the rows and took 5 passes over it, the largest cost of FP8's
     experts under expert parallelism (docs/notes/node.md)."""
-    global _compiled_row_cast
     if not compiled or not t.is_cuda or torch.compiler.is_compiling():
         return _e4m3(t, -1)
-    if _compiled_row_cast is None:
-        _compiled_row_cast = torch.compile(_e4m3, dynamic=True)
-    return _compiled_row_cast(t, -1)
+    return _compiled_row_cast()(t, -1)
 
 
 def _weight_for_forward(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
