@@ -915,7 +915,7 @@ def test_the_rows_fp8_casts_compiled_outside_a_block_equal_the_eager_ones_for_ev
         (q, recip), (want_q, want_recip) = moe._rows_e4m3(t, compiled=True), moe._e4m3(t, -1)
         assert q.dtype == torch.float8_e4m3fn and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(recip, want_recip)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3  # (a first shape, then one dynamic graph)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # one a width: the rows dynamic, the width not
 
 
 def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_step_on_cuda():

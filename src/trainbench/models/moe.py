@@ -87,8 +87,10 @@ def _e4m3(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def _compiled_row_cast() -> Callable:
-    """:func:`_e4m3` compiled once for every shape (made at its first use)."""
-    return torch.compile(_e4m3, dynamic=True)
+    """:func:`_e4m3` compiled for a fixed row width and any number of rows (:func:`_rows_e4m3` marks the rows
+    dynamic): one graph a width. With every dimension dynamic, as first written, the width was unknown to the
+    compiler and the cast ran at about a fifth of the memory's bandwidth (docs/notes/node.md)."""
+    return torch.compile(_e4m3, dynamic=False)
 
 
 def _rows_e4m3(t: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +101,7 @@ def _rows_e4m3(t: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, t
     experts under expert parallelism (docs/notes/node.md)."""
     if not compiled or not t.is_cuda or torch.compiler.is_compiling():
         return _e4m3(t, -1)
+    torch._dynamo.maybe_mark_dynamic(t, 0)
     return _compiled_row_cast()(t, -1)
 
 
