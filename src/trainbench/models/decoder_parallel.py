@@ -227,6 +227,13 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         experts = sum(isinstance(m, MoE) for m in placed.modules())
         unchanged = "the output layer and the embedding" + (", the routers" if experts else "")
         finish_placement(out, sharded, unchanged)
+        if not sharded:  # (sharded, FSDP2's gathers cast once a step: fp8.precompute_scales)
+            from trainbench.models.fp8 import cast_weights_once_a_step
+
+            linear_after_step = cast_weights_once_a_step(placed, compile_blocks)
+            if linear_after_step is not None:
+                out.after_step = _one_after_another(out.after_step, linear_after_step)
+                out.notes.append("their weights cast to FP8 once a step, their gradients added into fp32 in one pass")
         if experts:
             wgrad = getattr(cfg, "expert_weight_grad", "fp8")
             out.notes.append(f"the experts' grouped products of {experts} blocks in FP8 (forward and input "

@@ -306,6 +306,112 @@ def finish_placement(placed: Placed, sharded: bool, unchanged: str) -> None:
         placed.notes.append("FSDP2 gathers their weights in FP8, the scales computed once a step after the optimizer")
 
 
+def grad_as_fp32(grad: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's bf16 gradient of an fp32 weight as its first fp32 ``.grad``."""
+    return grad.float()
+
+
+def add_grad_into(total: torch.Tensor, grad: torch.Tensor) -> None:
+    """A micro-batch's bf16 gradient added into the fp32 ``.grad`` ``total`` in one pass (compiled where it runs on
+    CUDA: torch's eager kernels for mixed dtypes run at about 60 % of the bandwidth of the compiled ones)."""
+    total.add_(grad)
+
+
+class _CastWeight(torch.autograd.Function):
+    """A layer's weight cast to FP8 beforehand (``cast_t``: ``weight.t()`` as a torchao ``Float8TrainingTensor``
+    that reports bf16, the precision torchao's products give their gradients in) in the weight's place: the forward
+    gives the cast; the backward adds the bf16 gradient into the fp32 ``weight.grad`` in one pass (``add_into``; the
+    first micro-batch's cast into it by ``as_fp32``). Autograd would cast it to fp32 in a pass of its own and add that
+    copy in another: 8 bytes more a weight in every micro-batch after the first, for the same sum bit for bit."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, cast_t: torch.Tensor, as_fp32: Callable, add_into: Callable) -> torch.Tensor:
+        ctx.weight, ctx.as_fp32, ctx.add_into = weight, as_fp32, add_into
+        return cast_t.view(cast_t.shape)
+
+    @staticmethod
+    def backward(ctx, grad_t: torch.Tensor) -> tuple[None, None, None, None]:
+        w, grad = ctx.weight, grad_t.t()
+        with torch.no_grad():
+            if w.grad is None:
+                w.grad = ctx.as_fp32(grad)
+            else:
+                ctx.add_into(w.grad, grad)
+        return None, None, None, None
+
+
+def _float8_forward(self, input: torch.Tensor) -> torch.Tensor:
+    """torchao's ``Float8Linear.forward`` with the weight's cast made once a step (``_trainbench_weight_t``, set by
+    :func:`cast_weights_once_a_step` before each forward of the model) where there is one."""
+    cast_t = getattr(self, "_trainbench_weight_t", None)
+    if cast_t is None:
+        return type(self).forward(self, input)
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    if torch.is_autocast_enabled():  # as torchao's forward: the output in the autocast precision
+        input = input.to(torch.get_autocast_gpu_dtype())
+    output = matmul_with_hp_or_float8_args.apply(input, cast_t, self.linear_mm_config, self.config)
+    return output if self.bias is None else output + self.bias.to(output.dtype)
+
+
+def _weight_cast(m: nn.Module) -> torch.Tensor:
+    """``m.weight.t()`` cast as torchao's float8 layer casts it in each call (the same amax, scale and bytes), as a
+    tensor that reports bf16: the precision of the products' gradients, so that none is cast on its way back."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    c = m.config.cast_config_weight
+    cast = hp_tensor_to_float8_dynamic(m.weight.detach().t(), c.target_dtype, m.linear_mm_config,
+                                       gemm_input_role=GemmInputRole.WEIGHT,
+                                       round_scales_to_power_of_2=m.config.round_scales_to_power_of_2)  # fmt: skip
+    return Float8TrainingTensor(cast._data, cast._scale, torch.bfloat16, cast._linear_mm_config,
+                                cast._gemm_input_role, cast._axiswise_dim)  # fmt: skip
+
+
+def cast_weights_once_a_step(model: nn.Module, compiled: bool = True) -> Callable[[], None] | None:
+    """The FP8 layers of ``model`` (torchao's ``Float8Linear``, tensorwise scales, one unsharded rank without data
+    parallelism: the weights' gradients do not pass through autograd's accumulation, which DDP's hooks watch) cast
+    their weights once a step instead of in each micro-batch's forward and again in its backward: before a forward
+    of ``model``, each weight whose value changed since its last cast is cast as torchao casts it, and handed to the
+    layer through :class:`_CastWeight`, which adds the gradient into the weight's fp32 ``.grad`` in one pass
+    (``compiled``: the add compiled, on CUDA). torchao's matmul takes a weight already in FP8 as it is, in the
+    forward and for the input's gradient. Costs one byte a weight of GPU memory. Returns what must run after every
+    optimizer step (the fused optimizer leaves the weights' version counters alone, so the step itself marks the
+    casts stale; a weight's version or storage changed otherwise, as by a checkpoint's load, marks them too); None
+    where no layer qualifies (no FP8 layer, or not tensorwise). Blocks that keep their saved tensors in host memory
+    (``models.offload``) are left to torchao's casts in each call."""
+    from torchao.float8.config import ScalingGranularity
+
+    layers = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+    layers = [m for m in layers if m.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
+              and m.config.cast_config_weight_for_grad_input == m.config.cast_config_weight]  # fmt: skip
+    if not layers:
+        return None
+    gradients = tuple(torch.compile(f, dynamic=False) if compiled else f for f in (grad_as_fp32, add_grad_into))
+    state: dict = {"stale": True, "seen": None, "casts": {}}
+
+    def seen() -> list[tuple[int, int]]:
+        return [(m.weight._version, m.weight.data_ptr()) for m in layers]
+
+    def refresh(module: nn.Module, args) -> None:
+        if state.setdefault("offloaded", any(getattr(b, "saved_to_host", None) is not None for b in model.modules())):
+            return  # (blocks whose saved tensors go to the host: their layers cast in each call, as torchao does)
+        if state["stale"] or state["seen"] != seen():
+            with torch.no_grad():
+                state["casts"] = {m: _weight_cast(m) for m in layers}
+            state.update(stale=False, seen=seen())
+        for m in layers:
+            m._trainbench_weight_t = _CastWeight.apply(m.weight, state["casts"][m], *gradients)
+
+    def after_step() -> None:
+        state["stale"] = True
+
+    for m in layers:
+        m.forward = _float8_forward.__get__(m)
+    model.register_forward_pre_hook(refresh)
+    return after_step
+
+
 def precompute_scales(model: nn.Module) -> Callable[[], None]:
     """What runs after each optimizer step of a model whose FP8 weights FSDP2 gathers in FP8: every weight's scale from
     its amax over all ranks' shards, in one all-reduce, so that the next step's gathers need none of their own. The

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainbench.models.fp8 import E4M3, E4M3_MAX, cast_transpose_e4m3, min_capability
+from trainbench.models.fp8 import E4M3, E4M3_MAX, add_grad_into, cast_transpose_e4m3, grad_as_fp32, min_capability
 from trainbench.models.glu_kernel import BiasGLU, glu, group_sums
 
 
@@ -488,14 +488,6 @@ def load_balancing_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return experts * (share * probs.mean(0)).sum()
 
 
-def _as_fp32(grad: torch.Tensor) -> torch.Tensor:
-    return grad.float()
-
-
-def _add_into(total: torch.Tensor, grad: torch.Tensor) -> None:
-    total.add_(grad)
-
-
 class _Fp32GradStandIn(torch.autograd.Function):
     """Stands in for an fp32 weight ``w`` in products that read it through casts made beforehand and give its
     gradient in bf16 (:class:`_FP8Grouped` with ``casts``): a bf16 tensor of ``w``'s shape with no storage of its own
@@ -506,7 +498,8 @@ class _Fp32GradStandIn(torch.autograd.Function):
     CUDA: torch's eager kernels for mixed dtypes run at about 60 % of the bandwidth of the compiled ones."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, as_fp32: Callable = _as_fp32, add_into: Callable = _add_into) -> torch.Tensor:
+    def forward(ctx, w: torch.Tensor, as_fp32: Callable = grad_as_fp32,
+                add_into: Callable = add_grad_into) -> torch.Tensor:  # fmt: skip
         ctx.weight, ctx.as_fp32, ctx.add_into = w, as_fp32, add_into
         return w.new_empty((), dtype=torch.bfloat16).expand(w.shape)
 
@@ -540,7 +533,7 @@ def cache_fp8_weight_casts(model: nn.Module, compiled: bool = True) -> Callable[
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.fp8]
     names = ("gate_up_proj", "down_proj")
     cast = torch.compile(fp8_weight_casts, dynamic=False) if compiled else fp8_weight_casts
-    gradients = tuple(torch.compile(f, dynamic=False) if compiled else f for f in (_as_fp32, _add_into))
+    gradients = tuple(torch.compile(f, dynamic=False) if compiled else f for f in (grad_as_fp32, add_grad_into))
     state: dict = {"stale": True, "seen": None}
 
     def seen() -> list[tuple[int, int]]:
