@@ -322,7 +322,9 @@ class _CastWeight(torch.autograd.Function):
     that reports bf16, the precision torchao's products give their gradients in) in the weight's place: the forward
     gives the cast; the backward adds the bf16 gradient into the fp32 ``weight.grad`` in one pass (``add_into``; the
     first micro-batch's cast into it by ``as_fp32``). Autograd would cast it to fp32 in a pass of its own and add that
-    copy in another: 8 bytes more a weight in every micro-batch after the first, for the same sum bit for bit."""
+    copy in another: 8 bytes more a weight in every micro-batch after the first, for the same sum bit for bit.
+    Made before the model's first block, its backward runs only once the whole backward is done, so each gradient
+    waits until then (docs/notes/llm.md)."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, cast_t: torch.Tensor, as_fp32: Callable, add_into: Callable) -> torch.Tensor:
@@ -375,7 +377,8 @@ def cast_weights_once_a_step(model: nn.Module, compiled: bool = True) -> Callabl
     of ``model``, each weight whose value changed since its last cast is cast as torchao casts it, and handed to the
     layer through :class:`_CastWeight`, which adds the gradient into the weight's fp32 ``.grad`` in one pass
     (``compiled``: the add compiled, on CUDA). torchao's matmul takes a weight already in FP8 as it is, in the
-    forward and for the input's gradient. Costs one byte a weight of GPU memory. Returns what must run after every
+    forward and for the input's gradient. The casts hold a byte a weight; the 8B width measured more than that
+    (about 1.4 GiB a block, docs/notes/llm.md). Returns what must run after every
     optimizer step (the fused optimizer leaves the weights' version counters alone, so the step itself marks the
     casts stale; a weight's version or storage changed otherwise, as by a checkpoint's load, marks them too); None
     where no layer qualifies (no FP8 layer, or not tensorwise). Blocks that keep their saved tensors in host memory
