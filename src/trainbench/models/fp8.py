@@ -317,6 +317,21 @@ def add_grad_into(total: torch.Tensor, grad: torch.Tensor) -> None:
     total.add_(grad)
 
 
+def grad_adders(compiled: bool) -> tuple[Callable, Callable]:
+    """:func:`grad_as_fp32` and :func:`add_grad_into`, compiled where ``compiled`` (one graph a weight's shape)."""
+    return tuple(torch.compile(f, dynamic=False) if compiled else f for f in (grad_as_fp32, add_grad_into))
+
+
+def add_micro_batch_grad(w: torch.Tensor, grad: torch.Tensor, as_fp32: Callable, add_into: Callable) -> None:
+    """A micro-batch's bf16 gradient ``grad`` of the fp32 weight ``w`` into ``w.grad``: cast into it by ``as_fp32``
+    where it has none yet, else added in one pass by ``add_into`` (:func:`grad_adders`)."""
+    with torch.no_grad():
+        if w.grad is None:
+            w.grad = as_fp32(grad)
+        else:
+            add_into(w.grad, grad)
+
+
 class _CastWeight(torch.autograd.Function):
     """A layer's weight cast to FP8 beforehand (``cast_t``: ``weight.t()`` as a torchao ``Float8TrainingTensor``
     that reports bf16, the precision torchao's products give their gradients in) in the weight's place: the forward
@@ -333,12 +348,7 @@ class _CastWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_t: torch.Tensor) -> tuple[None, None, None, None]:
-        w, grad = ctx.weight, grad_t.t()
-        with torch.no_grad():
-            if w.grad is None:
-                w.grad = ctx.as_fp32(grad)
-            else:
-                ctx.add_into(w.grad, grad)
+        add_micro_batch_grad(ctx.weight, grad_t.t(), ctx.as_fp32, ctx.add_into)
         return None, None, None, None
 
 
@@ -390,7 +400,7 @@ def cast_weights_once_a_step(model: nn.Module, compiled: bool = True) -> Callabl
               and m.config.cast_config_weight_for_grad_input == m.config.cast_config_weight]  # fmt: skip
     if not layers:
         return None
-    gradients = tuple(torch.compile(f, dynamic=False) if compiled else f for f in (grad_as_fp32, add_grad_into))
+    gradients = grad_adders(compiled)
     state: dict = {"stale": True, "seen": None, "casts": {}}
 
     def seen() -> list[tuple[int, int]]:

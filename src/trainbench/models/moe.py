@@ -33,7 +33,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainbench.models.fp8 import E4M3, E4M3_MAX, add_grad_into, cast_transpose_e4m3, grad_as_fp32, min_capability
+from trainbench.models.fp8 import (
+    E4M3,
+    E4M3_MAX,
+    add_grad_into,
+    add_micro_batch_grad,
+    cast_transpose_e4m3,
+    grad_adders,
+    grad_as_fp32,
+    min_capability,
+)
 from trainbench.models.glu_kernel import BiasGLU, glu, group_sums
 
 
@@ -505,12 +514,7 @@ class _Fp32GradStandIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
-        w = ctx.weight
-        with torch.no_grad():
-            if w.grad is None:
-                w.grad = ctx.as_fp32(grad)
-            else:
-                ctx.add_into(w.grad, grad)
+        add_micro_batch_grad(ctx.weight, grad, ctx.as_fp32, ctx.add_into)
         return None, None, None
 
 
@@ -533,7 +537,7 @@ def cache_fp8_weight_casts(model: nn.Module, compiled: bool = True) -> Callable[
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.fp8]
     names = ("gate_up_proj", "down_proj")
     cast = torch.compile(fp8_weight_casts, dynamic=False) if compiled else fp8_weight_casts
-    gradients = tuple(torch.compile(f, dynamic=False) if compiled else f for f in (grad_as_fp32, add_grad_into))
+    gradients = grad_adders(compiled)
     state: dict = {"stale": True, "seen": None}
 
     def seen() -> list[tuple[int, int]]:
