@@ -219,6 +219,52 @@ def spawn_ranks(worker, world: int, out: Path, *args):
     return json.loads(out.read_text())
 
 
+def train_float8_layers(once: bool, stale_step: int | None = None, device: str = "cpu", width: int = 64,
+                        compiled: bool = False) -> list:  # fmt: skip
+    """Two of torchao's float8 training layers (``width`` to twice that, and back), under a holder named as a decoder's
+    blocks are (``model.layers``), trained 3 steps of 2 micro-batches with the fused AdamW (which leaves the weights'
+    version counters alone); each micro-batch's output and each step's fp32 gradients. ``once``: the weights cast once
+    a step (``fp8.cast_weights_once_a_step``); ``stale_step``: that step's casts left stale (no after_step);
+    ``compiled``: the layers and the gradients' adds compiled. On CUDA the rows go through bf16 autocast, on the CPU
+    they are bf16."""
+    import torch
+
+    from trainbench.models import fp8
+
+    torch.manual_seed(0)
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.layers = torch.nn.ModuleList([torch.nn.Linear(width, 2 * width, device=device),
+                                             torch.nn.Linear(2 * width, width, bias=False, device=device)])  # fmt: skip
+    assert fp8.train_blocks_in_fp8(root) == 2
+    root.forward = lambda x: root.model.layers[1](torch.relu(root.model.layers[0](x)))
+    after_step = fp8.cast_weights_once_a_step(root, compiled=compiled) if once else None
+    if compiled:
+        for layer in root.model.layers:  # (compiled after the forward is swapped, as the blocks are)
+            layer.compile(dynamic=False)
+    opt = torch.optim.AdamW(root.parameters(), lr=1e-2, fused=True)
+    cuda = device == "cuda"
+    xs = [torch.randn(4, 128, width, generator=torch.Generator(device).manual_seed(i), device=device)
+          for i in range(2)]  # fmt: skip
+    xs = xs if cuda else [x.bfloat16() for x in xs]
+    seen = []
+    for step in range(3):
+        for x in xs:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                out = root(x)
+            out.float().square().mean().backward()
+            seen.append(out.detach().float())
+        seen += [p.grad.detach().clone() for p in root.parameters()]
+        assert all(p.grad.dtype == torch.float32 for p in root.parameters())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if after_step is not None and step != stale_step:
+            after_step()
+    if once:
+        assert all(getattr(layer, "_trainbench_weight_t", None) is not None for layer in root.model.layers)
+    return seen
+
+
 def losses_and_evals(common: list[str], runs: dict[str, list[str]], results: Path, metric: str) -> tuple[dict, dict]:
     """Each run of ``common`` plus its own arguments into ``results / name`` (a short run may stop before the target:
     its exit code is not asked): its losses and its evals' ``metric``, by name."""

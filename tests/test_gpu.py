@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, only_run_dir, run_cli
+from conftest import free_port, only_run_dir, run_cli, train_float8_layers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -698,42 +698,9 @@ def test_fp8_weights_cast_once_a_step_follow_every_optimizer_step_compiled_on_cu
     in every call, within FP8's rounding (the compiled per-call casts may round a scale's product otherwise), their
     gradients added into fp32 by the compiled one-pass add; a step left stale (no after_step) does not match."""
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
-    from trainbench.models import fp8
-
-    def model() -> torch.nn.Module:
-        torch.manual_seed(0)
-        holder = torch.nn.Module()
-        holder.model = torch.nn.Module()
-        holder.model.layers = torch.nn.ModuleList([torch.nn.Linear(256, 512, device="cuda"),
-                                                   torch.nn.Linear(512, 256, bias=False, device="cuda")])  # fmt: skip
-        assert fp8.train_blocks_in_fp8(holder) == 2
-        holder.forward = lambda x: holder.model.layers[1](torch.relu(holder.model.layers[0](x)))
-        return holder
-
-    xs = [torch.randn(4, 128, 256, device="cuda") for _ in range(2)]
 
     def train(once: bool, stale_step: int | None = None) -> list[torch.Tensor]:
-        root = model()
-        after_step = fp8.cast_weights_once_a_step(root) if once else None
-        for layer in root.model.layers:  # (compiled after the forward is swapped, as the blocks are)
-            layer.compile(dynamic=False)
-        opt = torch.optim.AdamW(root.parameters(), lr=1e-2, fused=True)
-        seen = []
-        for step in range(3):
-            for x in xs:
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    out = root(x)
-                out.float().square().mean().backward()
-                seen.append(out.detach().float())
-            seen += [p.grad.detach().clone() for p in root.parameters()]
-            assert all(p.grad.dtype == torch.float32 for p in root.parameters())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if after_step is not None and step != stale_step:
-                after_step()
-        if once:
-            assert all(getattr(layer, "_trainbench_weight_t", None) is not None for layer in root.model.layers)
-        return seen
+        return train_float8_layers(once, stale_step, device="cuda", width=256, compiled=True)
 
     def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
         return max(float((x - y).norm() / y.norm()) for x, y in zip(a, b, strict=True))
