@@ -219,14 +219,9 @@ def spawn_ranks(worker, world: int, out: Path, *args):
     return json.loads(out.read_text())
 
 
-def train_float8_layers(once: bool, stale_step: int | None = None, device: str = "cpu", width: int = 64,
-                        compiled: bool = False) -> list:  # fmt: skip
-    """Two of torchao's float8 training layers (``width`` to twice that, and back), under a holder named as a decoder's
-    blocks are (``model.layers``), trained 3 steps of 2 micro-batches with the fused AdamW (which leaves the weights'
-    version counters alone); each micro-batch's output and each step's fp32 gradients. ``once``: the weights cast once
-    a step (``fp8.cast_weights_once_a_step``); ``stale_step``: that step's casts left stale (no after_step);
-    ``compiled``: the layers and the gradients' adds compiled. On CUDA the rows go through bf16 autocast, on the CPU
-    they are bf16."""
+def float8_layers(device: str = "cpu", width: int = 64):
+    """Two of torchao's float8 training layers (``width`` to twice that, and back, seed 0) under a holder named as a
+    decoder's blocks are (``root.model.layers``), whose forward runs one after the other."""
     import torch
 
     from trainbench.models import fp8
@@ -238,6 +233,21 @@ def train_float8_layers(once: bool, stale_step: int | None = None, device: str =
                                              torch.nn.Linear(2 * width, width, bias=False, device=device)])  # fmt: skip
     assert fp8.train_blocks_in_fp8(root) == 2
     root.forward = lambda x: root.model.layers[1](torch.relu(root.model.layers[0](x)))
+    return root
+
+
+def train_float8_layers(once: bool, stale_step: int | None = None, device: str = "cpu", width: int = 64,
+                        compiled: bool = False) -> list:  # fmt: skip
+    """:func:`float8_layers` trained 3 steps of 2 micro-batches with the fused AdamW (which leaves the weights'
+    version counters alone); each micro-batch's output and each step's fp32 gradients. ``once``: the weights cast once
+    a step (``fp8.cast_weights_once_a_step``); ``stale_step``: that step's casts left stale (no after_step);
+    ``compiled``: the layers and the gradients' adds compiled. On CUDA the rows go through bf16 autocast, on the CPU
+    they are bf16."""
+    import torch
+
+    from trainbench.models import fp8
+
+    root = float8_layers(device, width)
     after_step = fp8.cast_weights_once_a_step(root, compiled=compiled) if once else None
     if compiled:
         for layer in root.model.layers:  # (compiled after the forward is swapped, as the blocks are)

@@ -4,7 +4,7 @@ and the transpose's fallback."""
 from __future__ import annotations
 
 import torch
-from conftest import train_float8_layers
+from conftest import float8_layers, train_float8_layers
 
 from trainbench.models import fp8
 from trainbench.models.decoder import silu_mul
@@ -51,3 +51,23 @@ def test_float8_weights_cast_once_a_step_give_the_per_call_casts_outputs_and_gra
     assert added == [(torch.float32, torch.bfloat16, True)] * (3 * 2)  # 3 steps x 2 weights x (2 - 1) micro-batches
     stale = train_float8_layers(True, stale_step=0)
     assert not all(torch.equal(a, b) for a, b in zip(stale, per_call, strict=True))
+
+
+def test_float8_weights_cast_once_a_step_add_each_layers_gradient_as_the_backward_leaves_the_layer():
+    """fp8.cast_weights_once_a_step hands each layer its cast as a leaf of its own (fp8.grad_leaf): the later layer's
+    weight gradient is in its fp32 ``.grad`` before the backward reaches the earlier layer, in each micro-batch, so no
+    layer's bf16 gradient is held to the end of the whole backward (a node made before the first layer, as by the
+    model's pre-hook, runs only then: what this would catch)."""
+    root = float8_layers()
+    assert fp8.cast_weights_once_a_step(root, compiled=False) is not None
+    first, second = root.model.layers
+    seen = []
+
+    def watch(module, args, out: torch.Tensor) -> None:  # when the gradient reaches the first layer's output
+        out.register_hook(lambda grad: seen.append((second.weight.grad is not None, first.weight.grad is not None)))
+
+    first.register_forward_hook(watch)
+    for _ in range(2):
+        root(torch.randn(4, 128, 64, dtype=torch.bfloat16)).float().square().mean().backward()
+    assert seen == [(True, False), (True, True)]
+    assert all(p.grad.dtype == torch.float32 for p in root.parameters())

@@ -982,7 +982,7 @@ def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_st
 
 def test_the_experts_weight_gradients_added_through_their_stand_ins_equal_autograds_compiled_on_cuda():
     """With the weights' casts made once a step, the compiled layer's experts add their bf16 weight gradients into
-    the fp32 ``.grad`` through stand-ins (moe._Fp32GradStandIn, its cast and addition compiled): over 3 steps of 2
+    the fp32 ``.grad`` through stand-ins (moe._fp32_grad_stand_in, its cast and addition compiled): over 3 steps of 2
     micro-batches every gradient and output equals, bit for bit, the same layer's with the stand-ins taken away
     (autograd's cast and add), and the steps after the first compile nothing new."""
     from trainbench.models.moe import cache_fp8_weight_casts

@@ -406,11 +406,11 @@ class _ProductThroughACast(torch.autograd.Function):
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_weights_gradient_added_through_its_bf16_stand_in_equals_autograds_cast_and_add(compiled):
-    """The experts' weights cast once a step hand their products a stand-in (moe._Fp32GradStandIn), whose backward
-    adds each micro-batch's bf16 gradient into the fp32 ``.grad`` itself: over 3 micro-batches the gradient equals,
-    bit for bit, autograd's (each bf16 gradient cast to fp32, then accumulated). Compiled (AOTAutograd, as the
-    blocks compile), a new stand-in in each micro-batch compiles once."""
-    from trainbench.models.moe import _Fp32GradStandIn
+    """The experts' weights cast once a step hand their products a stand-in (moe._fp32_grad_stand_in), a leaf
+    whose hook adds each micro-batch's bf16 gradient into the fp32 ``.grad`` itself: over 3 micro-batches the
+    gradient equals, bit for bit, autograd's (each bf16 gradient cast to fp32, then accumulated). Compiled
+    (AOTAutograd, as the blocks compile), a new stand-in in each micro-batch compiles once."""
+    from trainbench.models.moe import _fp32_grad_stand_in
 
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(3, 16, 24))
@@ -425,7 +425,7 @@ def test_a_weights_gradient_added_through_its_bf16_stand_in_equals_autograds_cas
     torch._dynamo.utils.counters.clear()
     standin_loss = torch.compile(loss, backend="aot_eager", dynamic=False) if compiled else loss
     for x in xs:
-        standin = _Fp32GradStandIn.apply(weight)
+        standin = _fp32_grad_stand_in(weight)
         assert standin.dtype == torch.bfloat16 and standin.shape == weight.shape and standin.stride() == (0, 0, 0)
         standin_loss(x, standin).backward()
         loss(x.detach().requires_grad_(), plain).backward()

@@ -332,24 +332,25 @@ def add_micro_batch_grad(w: torch.Tensor, grad: torch.Tensor, as_fp32: Callable,
             add_into(w.grad, grad)
 
 
-class _CastWeight(torch.autograd.Function):
-    """A layer's weight cast to FP8 beforehand (``cast_t``: ``weight.t()`` as a torchao ``Float8TrainingTensor``
-    that reports bf16, the precision torchao's products give their gradients in) in the weight's place: the forward
-    gives the cast; the backward adds the bf16 gradient into the fp32 ``weight.grad`` in one pass (``add_into``; the
-    first micro-batch's cast into it by ``as_fp32``). Autograd would cast it to fp32 in a pass of its own and add that
-    copy in another: 8 bytes more a weight in every micro-batch after the first, for the same sum bit for bit.
-    Made before the model's first block, its backward runs only once the whole backward is done, so each gradient
-    waits until then (docs/notes/llm.md)."""
+def grad_leaf(t: torch.Tensor, w: torch.Tensor, as_fp32: Callable, add_into: Callable,
+              transposed: bool = False) -> torch.Tensor:  # fmt: skip
+    """``t``, which products read in the place of the fp32 weight ``w`` (a cast of it made beforehand, or a stand-in
+    with no values), as a leaf of autograd of its own: each time autograd has accumulated its bf16 gradient (one a
+    micro-batch; ``transposed``: of ``w.t()``), a hook adds that into ``w.grad`` in one pass and drops it
+    (:func:`add_micro_batch_grad`). Autograd would cast the bf16 gradient to fp32 in a pass of its own and add that
+    copy in another: 8 bytes more a weight in every micro-batch after the first, for the same sum bit for bit. A
+    leaf's accumulation runs as soon as its gradient is made (autograd ranks accumulation above every other node), so
+    each block's weight gradients are added and freed as the backward leaves the block; a node made before the first
+    block (as by a pre-hook of the model) would run only once the whole backward is done, and hold them all until
+    then (docs/notes/llm.md)."""
+    leaf = t.detach().requires_grad_()
 
-    @staticmethod
-    def forward(ctx, weight: torch.Tensor, cast_t: torch.Tensor, as_fp32: Callable, add_into: Callable) -> torch.Tensor:
-        ctx.weight, ctx.as_fp32, ctx.add_into = weight, as_fp32, add_into
-        return cast_t.view(cast_t.shape)
+    def add(leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        add_micro_batch_grad(w, grad.t() if transposed else grad, as_fp32, add_into)
 
-    @staticmethod
-    def backward(ctx, grad_t: torch.Tensor) -> tuple[None, None, None, None]:
-        add_micro_batch_grad(ctx.weight, grad_t.t(), ctx.as_fp32, ctx.add_into)
-        return None, None, None, None
+    leaf.register_post_accumulate_grad_hook(add)
+    return leaf
 
 
 def _float8_forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -385,14 +386,13 @@ def cast_weights_once_a_step(model: nn.Module, compiled: bool = True) -> Callabl
     parallelism: the weights' gradients do not pass through autograd's accumulation, which DDP's hooks watch) cast
     their weights once a step instead of in each micro-batch's forward and again in its backward: before a forward
     of ``model``, each weight whose value changed since its last cast is cast as torchao casts it, and handed to the
-    layer through :class:`_CastWeight`, which adds the gradient into the weight's fp32 ``.grad`` in one pass
-    (``compiled``: the add compiled, on CUDA). torchao's matmul takes a weight already in FP8 as it is, in the
-    forward and for the input's gradient. The casts hold a byte a weight; the 8B width measured more than that
-    (about 1.4 GiB a block, docs/notes/llm.md). Returns what must run after every
-    optimizer step (the fused optimizer leaves the weights' version counters alone, so the step itself marks the
-    casts stale; a weight's version or storage changed otherwise, as by a checkpoint's load, marks them too); None
-    where no layer qualifies (no FP8 layer, or not tensorwise). Blocks that keep their saved tensors in host memory
-    (``models.offload``) are left to torchao's casts in each call."""
+    layer as a leaf of its own (:func:`grad_leaf`), whose gradient is added into the weight's fp32 ``.grad`` in one
+    pass as soon as it is made (``compiled``: the add compiled, on CUDA). torchao's matmul takes a weight already in
+    FP8 as it is, in the forward and for the input's gradient. The casts hold a byte a weight. Returns what must run
+    after every optimizer step (the fused optimizer leaves the weights' version counters alone, so the step itself
+    marks the casts stale; a weight's version or storage changed otherwise, as by a checkpoint's load, marks them
+    too); None where no layer qualifies (no FP8 layer, or not tensorwise). Blocks that keep their saved tensors in
+    host memory (``models.offload``) are left to torchao's casts in each call."""
     from torchao.float8.config import ScalingGranularity
 
     layers = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
@@ -411,10 +411,10 @@ def cast_weights_once_a_step(model: nn.Module, compiled: bool = True) -> Callabl
             return  # (blocks whose saved tensors go to the host: their layers cast in each call, as torchao does)
         if state["stale"] or state["seen"] != seen():
             with torch.no_grad():
-                state["casts"] = {m: _weight_cast(m) for m in layers}
+                state["casts"] = {m: grad_leaf(_weight_cast(m), m.weight, *gradients, transposed=True) for m in layers}
             state.update(stale=False, seen=seen())
         for m in layers:
-            m._trainbench_weight_t = _CastWeight.apply(m.weight, state["casts"][m], *gradients)
+            m._trainbench_weight_t = state["casts"][m]
 
     def after_step() -> None:
         state["stale"] = True

@@ -37,10 +37,10 @@ from trainbench.models.fp8 import (
     E4M3,
     E4M3_MAX,
     add_grad_into,
-    add_micro_batch_grad,
     cast_transpose_e4m3,
     grad_adders,
     grad_as_fp32,
+    grad_leaf,
     min_capability,
 )
 from trainbench.models.glu_kernel import BiasGLU, glu, group_sums
@@ -232,7 +232,7 @@ class MoE(nn.Module):
         self.fp8_weight_grad = False
         self.compiled_casts = False
         # With the weights' FP8 casts made once a step (cache_fp8_weight_casts): for each weight, where this forward
-        # takes gradients, the tensor its products take the place of the weight with (_Fp32GradStandIn)
+        # takes gradients, the tensor its products take the place of the weight with (_fp32_grad_stand_in)
         self._grad_standins: dict[str, torch.Tensor] = {}
         if s.bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(s.experts, 2 * s.ffn))
@@ -497,25 +497,16 @@ def load_balancing_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return experts * (share * probs.mean(0)).sum()
 
 
-class _Fp32GradStandIn(torch.autograd.Function):
-    """Stands in for an fp32 weight ``w`` in products that read it through casts made beforehand and give its
+def _fp32_grad_stand_in(w: torch.Tensor, as_fp32: Callable = grad_as_fp32,
+                        add_into: Callable = add_grad_into) -> torch.Tensor:  # fmt: skip
+    """What stands in for an fp32 weight ``w`` in products that read it through casts made beforehand and give its
     gradient in bf16 (:class:`_FP8Grouped` with ``casts``): a bf16 tensor of ``w``'s shape with no storage of its own
-    (zero strides), whose gradient the backward adds into ``w.grad`` in one pass, reading the bf16 values as they are
-    (``add_into``; the first micro-batch's gradient is cast into ``w.grad`` by ``as_fp32``). Autograd would cast the
-    bf16 gradient to fp32 in a pass of its own and add that copy in another, reading and writing 8 more bytes a
-    weight in every micro-batch after the first; the sum is the same, bit for bit. Compile the two functions on
-    CUDA: torch's eager kernels for mixed dtypes run at about 60 % of the bandwidth of the compiled ones."""
-
-    @staticmethod
-    def forward(ctx, w: torch.Tensor, as_fp32: Callable = grad_as_fp32,
-                add_into: Callable = add_grad_into) -> torch.Tensor:  # fmt: skip
-        ctx.weight, ctx.as_fp32, ctx.add_into = w, as_fp32, add_into
-        return w.new_empty((), dtype=torch.bfloat16).expand(w.shape)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:
-        add_micro_batch_grad(ctx.weight, grad, ctx.as_fp32, ctx.add_into)
-        return None, None, None
+    (zero strides), a leaf whose gradient is added into ``w.grad`` in one pass as soon as autograd has it, reading the
+    bf16 values as they are (:func:`fp8.grad_leaf`; the first micro-batch's gradient cast into ``w.grad`` by
+    ``as_fp32``, the next added by ``add_into``). Compile the two functions on CUDA: torch's eager kernels for mixed
+    dtypes run at about 60 % of the bandwidth of the compiled ones."""
+    values = torch.empty_strided(w.shape, (0,) * w.dim(), dtype=torch.bfloat16, device=w.device)
+    return grad_leaf(values, w, as_fp32, add_into)
 
 
 def _own_share(w: torch.Tensor) -> torch.Tensor:
@@ -529,7 +520,7 @@ def cache_fp8_weight_casts(model: nn.Module, compiled: bool = True) -> Callable[
     of the experts under expert parallelism, which FSDP2 leaves alone) are cast (:func:`fp8_weight_casts`, compiled
     where ``compiled``) into buffers that its grouped products read, where the weights changed since the last casts.
     On one rank a forward that takes gradients hands the products a stand-in for each weight
-    (:class:`_Fp32GradStandIn`), through which their bf16 gradients are added into the fp32 ``.grad`` directly;
+    (:func:`_fp32_grad_stand_in`), through which their bf16 gradients are added into the fp32 ``.grad`` directly;
     under expert parallelism the gradients take autograd's way back to the shared weight, as uncached. Returns what
     must run after every optimizer step: the fused optimizer updates the weights without touching their version
     counters, so the step itself marks the casts stale (a weight's version or storage that changed otherwise, as a
@@ -549,7 +540,7 @@ def cache_fp8_weight_casts(model: nn.Module, compiled: bool = True) -> Callable[
         grads = torch.is_grad_enabled()
         for m in layers:  # a new stand-in for each forward: each one's backward adds one micro-batch's gradient
             standins = grads and m.ep_group is None
-            m._grad_standins = {n: _Fp32GradStandIn.apply(w, *gradients) for n in names
+            m._grad_standins = {n: _fp32_grad_stand_in(w, *gradients) for n in names
                                 if standins and (w := m.get_parameter(n)).requires_grad}  # fmt: skip
 
     def recast() -> None:
