@@ -381,6 +381,29 @@ def _weight_cast(m: nn.Module) -> torch.Tensor:
                                 cast._gemm_input_role, cast._axiswise_dim)  # fmt: skip
 
 
+def once_a_step(weights: Callable[[], list[torch.Tensor]],
+                recast: Callable[[], None]) -> tuple[Callable[[], None], Callable[[], None]]:  # fmt: skip
+    """The bookkeeping of casts made once a step: ``(refresh, after_step)``. ``refresh`` runs ``recast`` (without
+    autograd) where the casts are due: after ``after_step`` has marked them stale (the fused optimizer updates the
+    weights without touching their version counters, so the step itself must say so), or where one of ``weights()``
+    changed its version or storage otherwise, as a checkpoint's load does."""
+    state: dict = {"stale": True, "seen": None}
+
+    def seen() -> list[tuple[int, int]]:
+        return [(w._version, w.data_ptr()) for w in weights()]
+
+    def refresh() -> None:
+        if state["stale"] or state["seen"] != seen():
+            with torch.no_grad():
+                recast()
+            state.update(stale=False, seen=seen())
+
+    def after_step() -> None:
+        state["stale"] = True
+
+    return refresh, after_step
+
+
 def cast_weights_once_a_step(model: nn.Module, compiled: bool = True) -> Callable[[], None] | None:
     """The FP8 layers of ``model`` (torchao's ``Float8Linear``, tensorwise scales, one unsharded rank without data
     parallelism: the weights' gradients do not pass through autograd's accumulation, which DDP's hooks watch) cast
@@ -401,23 +424,20 @@ def cast_weights_once_a_step(model: nn.Module, compiled: bool = True) -> Callabl
     if not layers:
         return None
     gradients = grad_adders(compiled)
-    state: dict = {"stale": True, "seen": None, "casts": {}}
+    casts: dict = {}
 
-    def seen() -> list[tuple[int, int]]:
-        return [(m.weight._version, m.weight.data_ptr()) for m in layers]
+    def recast() -> None:
+        casts.update({m: grad_leaf(_weight_cast(m), m.weight, *gradients, transposed=True) for m in layers})
+
+    refresh_casts, after_step = once_a_step(lambda: [m.weight for m in layers], recast)
+    state: dict = {}  # whether the blocks keep their saved tensors in host memory, seen at the first forward
 
     def refresh(module: nn.Module, args) -> None:
         if state.setdefault("offloaded", any(getattr(b, "saved_to_host", None) is not None for b in model.modules())):
             return  # (blocks whose saved tensors go to the host: their layers cast in each call, as torchao does)
-        if state["stale"] or state["seen"] != seen():
-            with torch.no_grad():
-                state["casts"] = {m: grad_leaf(_weight_cast(m), m.weight, *gradients, transposed=True) for m in layers}
-            state.update(stale=False, seen=seen())
+        refresh_casts()
         for m in layers:
-            m._trainbench_weight_t = state["casts"][m]
-
-    def after_step() -> None:
-        state["stale"] = True
+            m._trainbench_weight_t = casts[m]
 
     for m in layers:
         m.forward = _float8_forward.__get__(m)

@@ -42,6 +42,7 @@ from trainbench.models.fp8 import (
     grad_as_fp32,
     grad_leaf,
     min_capability,
+    once_a_step,
 )
 from trainbench.models.glu_kernel import BiasGLU, glu, group_sums
 
@@ -529,23 +530,16 @@ def cache_fp8_weight_casts(model: nn.Module, compiled: bool = True) -> Callable[
     names = ("gate_up_proj", "down_proj")
     cast = torch.compile(fp8_weight_casts, dynamic=False) if compiled else fp8_weight_casts
     gradients = grad_adders(compiled)
-    state: dict = {"stale": True, "seen": None}
-
-    def seen() -> list[tuple[int, int]]:
-        return [(w._version, w.data_ptr()) for m in layers for w in (_own_share(m.get_parameter(n)) for n in names)]
 
     def refresh(module: nn.Module, args) -> None:
-        with torch.no_grad():
-            recast()
+        refresh_casts()
         grads = torch.is_grad_enabled()
-        for m in layers:  # a new stand-in for each forward: each one's backward adds one micro-batch's gradient
+        for m in layers:  # new stand-ins for each forward: the hook of each adds that micro-batch's gradient
             standins = grads and m.ep_group is None
             m._grad_standins = {n: _fp32_grad_stand_in(w, *gradients) for n in names
                                 if standins and (w := m.get_parameter(n)).requires_grad}  # fmt: skip
 
     def recast() -> None:
-        if not state["stale"] and state["seen"] == seen():
-            return
         for m in layers:
             for name in names:
                 for i, t in enumerate(cast(_own_share(m.get_parameter(name)))):
@@ -554,10 +548,10 @@ def cache_fp8_weight_casts(model: nn.Module, compiled: bool = True) -> Callable[
                         m._buffers[key].copy_(t)
                     else:
                         m.register_buffer(key, t, persistent=False)
-        state.update(stale=False, seen=seen())
 
-    def after_step() -> None:
-        state["stale"] = True
+    refresh_casts, after_step = once_a_step(
+        lambda: [_own_share(m.get_parameter(n)) for m in layers for n in names], recast
+    )
 
     model.register_forward_pre_hook(refresh)
     return after_step
