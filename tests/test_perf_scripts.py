@@ -119,3 +119,26 @@ def test_a_failed_measurement_of_bench_figures_is_named_and_the_next_still_runs(
     assert done.returncode == 1 and "failed: llm" in done.stderr, (done.stdout, done.stderr)
     assert json.loads((tmp_path / "out" / "bert.json").read_text()) == {"tokens_per_s": 1}
     assert "does not fit" in (tmp_path / "out" / "llm.log").read_text()
+
+
+def test_the_saved_tensors_listing_names_what_each_way_keeps_from_the_forward_for_the_backward():
+    """perf/saved_for_backward.py at a tiny width: with the per-call casts the backward takes the fp32 weights from
+    the block's inputs, with the casts once a step their FP8 casts instead; in both the forward's own tensors (the
+    activations kept per micro-batch) are listed with their bytes."""
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    import torch
+
+    from trainbench.models.decoder import Block, DecoderConfig
+
+    saved_for_backward = load("saved_for_backward")
+    cfg = DecoderConfig(vocab_size=64, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                        intermediate_size=128, max_seq_length=32, fused_qkv=True)  # fmt: skip
+    torch._dynamo.reset()
+    ways = {once: saved_for_backward.saved(cfg, 2, 32, once) for once in (False, True)}
+    for tensors in ways.values():
+        own = [t for t in tensors if not t["input"]]
+        assert own and all(t["bytes"] > 0 for t in own)
+    weights = {tuple(w.shape) for w in Block(cfg).parameters() if w.dim() == 2}  # the linear layers'
+    for once, tensors in ways.items():  # the weights as the backward takes them, in either orientation
+        kept = {t["dtype"] for t in tensors if t["input"] and {tuple(t["shape"]), tuple(t["shape"][::-1])} & weights}
+        assert kept == ({"torch.float8_e4m3fn"} if once else {"torch.float32"}), (once, kept)
