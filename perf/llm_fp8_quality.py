@@ -8,7 +8,7 @@ through ``trainbench prepare``. For each seed, bf16 and FP8 see the same samples
 perplexity and every logged training loss are recorded.
 
     python perf/llm_fp8_quality.py --out OUT/quality.json --text wikitext-2/ --vocab vocab.txt \\
-        [--width 1024 --layers 8 --seq 1024 --batch 16 --samples 6144 --seeds 1 2 3]
+        [--width 1024 --layers 8 --seq 1024 --batch 16 --samples 6144 --seeds 1 2 3 --pad-vocab 64]
 """
 
 from __future__ import annotations
@@ -84,7 +84,12 @@ def main() -> None:
     p.add_argument("--also", nargs="+", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
                    help="more runs beside bf16 and FP8 for each seed, e.g. "
                         "fp8-bf16-wgrad:model.precision=fp8,model.expert_weight_grad=bf16")  # fmt: skip
+    p.add_argument("--pad-vocab", type=int, default=1, metavar="N",
+                   help="the model's vocabulary rounded up to a multiple of N (16 or more for "
+                        "model.output_precision=fp8, whose products take multiples of 16)")  # fmt: skip
     args = p.parse_args()
+    if args.pad_vocab < 1:
+        raise SystemExit(f"--pad-vocab {args.pad_vocab}: give a positive multiple")
     if args.width % 512:
         raise SystemExit(f"--width {args.width}: give a multiple of 512 (heads of 128, a quarter as many KV heads)")
     work = Path(tempfile.mkdtemp())
@@ -96,7 +101,8 @@ def main() -> None:
     manifest = json.loads((work / "data" / "manifest.json").read_text())
     eval_tokens = sum(f["tokens"] for n, f in manifest["files"].items() if "validation" in n)
     shape = {
-        "model.vocab_size": manifest["vocab_size"], "model.hidden_size": args.width, "model.num_layers": args.layers,
+        "model.vocab_size": -(-manifest["vocab_size"] // args.pad_vocab) * args.pad_vocab,
+        "model.hidden_size": args.width, "model.num_layers": args.layers,
         "model.num_heads": args.width // 128, "model.num_kv_heads": args.width // 512,
         "model.intermediate_size": args.width * 7 // 2, "data.seq_length": args.seq,
         "data.global_batch_size": args.batch, "data.micro_batch_size": args.batch,

@@ -300,6 +300,21 @@ def test_fp8_training_swaps_only_the_blocks_linear_layers_keeping_their_names():
     assert type(model.model.layers[0].mlp.down_proj).__name__ == "Float8Linear"
 
 
+def test_the_output_layer_in_fp8_is_refused_in_one_sentence_where_it_cannot_be_honoured():
+    fp8 = {"model.precision": "fp8", "device": "cuda", "model.output_precision": "fp8"}
+    _, cfg = build_config("gpt_oss_20b", "tiny", overrides=fp8)
+    assert cfg.model.output_precision == "fp8"
+    with pytest.raises(ConfigError, match=r"^model.output_precision=fp8 needs model.precision=fp8 .*precision=auto$"):
+        build_config("llama31_8b", "tiny", overrides={"model.output_precision": "fp8"})
+    with pytest.raises(ConfigError, match="needs model.tie_embeddings=false"):
+        build_config("llama31_8b", "tiny", overrides=fp8 | {"model.tie_embeddings": "true"})
+    with pytest.raises(ConfigError, match=r"multiples of 16 .*; model.vocab_size=30522$"):
+        build_config("llama31_8b", "tiny", overrides=fp8 | {"model.vocab_size": "30522"})
+    assert "model.output_precision" in BENCHMARKS["llama2_70b_lora"].unused_for(
+        build_config("llama2_70b_lora", "tiny")[1]
+    )
+
+
 def test_tied_embeddings_on_several_ranks_are_refused_before_anything_runs(tmp_path, capsys):
     with pytest.raises(ConfigError, match="model.tie_embeddings=true runs on one rank only.*this run has 2 ranks"):
         build_config("llama31_8b", "tiny", overrides={"model.tie_embeddings": "true", "distributed.nproc": "2"})

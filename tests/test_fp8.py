@@ -71,3 +71,37 @@ def test_float8_weights_cast_once_a_step_add_each_layers_gradient_as_the_backwar
         root(torch.randn(4, 128, 64, dtype=torch.bfloat16)).float().square().mean().backward()
     assert seen == [(True, False), (True, True)]
     assert all(p.grad.dtype == torch.float32 for p in root.parameters())
+
+
+def test_the_output_layer_in_fp8_swaps_lm_head_and_its_loss_follows_the_unswapped_within_fp8_rounding():
+    """model.output_precision=fp8: the tiny decoder's output layer becomes torchao's float8 layer beside the blocks'
+    (the embedding stays); the loss through it is the unswapped model's within FP8's rounding, and not that of the
+    model with only its blocks in FP8; its weight gradient too; the weight is cast once a step as the blocks' are
+    (its gradient added into fp32, as theirs)."""
+    from trainbench.launch.local import build_config
+    from trainbench.models.decoder import DecoderLM
+
+    _, cfg = build_config("llama31_8b", "tiny")
+    torch.manual_seed(0)
+    ref = DecoderLM(cfg.model)
+    model = DecoderLM(cfg.model)
+    model.load_state_dict(ref.state_dict())
+    blocks_only = DecoderLM(cfg.model)
+    blocks_only.load_state_dict(ref.state_dict())
+    swapped = fp8.train_blocks_in_fp8(blocks_only)
+    assert fp8.train_blocks_in_fp8(model, in_blocks=fp8.in_decoder_blocks_or_output) == swapped + 1
+    assert type(model.lm_head).__name__ == "Float8Linear" and type(model.model.embed_tokens) is torch.nn.Embedding
+    assert fp8.cast_weights_once_a_step(model, compiled=False) is not None
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for m in (ref, model, blocks_only):
+        loss = m(ids[:, :-1], targets=ids[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[1] - losses[0]) / losses[0] < 1e-3, losses
+    assert losses[1] != losses[2]  # the output layer's FP8 products did run
+    assert getattr(model.lm_head, "_trainbench_weight_t", None) is not None  # cast once a step, as the blocks'
+    got, want = model.lm_head.weight.grad, ref.lm_head.weight.grad
+    assert got.dtype == torch.float32
+    rel = float((got - want).norm() / want.norm())
+    assert 1e-4 < rel < 0.08, rel

@@ -199,6 +199,16 @@ def test_data_of_another_tokenizer_is_refused_in_one_sentence(tmp_path):
     cfg.data.dir = str(tmp_path)
     with pytest.raises(DataError, match="vocabulary of 32,000 but model.vocab_size=512"):
         bench.check_data(cfg)
+    (tmp_path / "manifest.json").write_text(json.dumps({"source": "c4", "eod_id": 2, "vocab_size": 380}))
+    with pytest.raises(DataError, match=r"vocabulary of 380 but model.vocab_size=512 \(that vocabulary, or it"):
+        bench.check_data(cfg)  # more than the data's multiple of 128 (384)
+    cfg.model.vocab_size = 384  # the data's vocabulary padded as Megatron pads it: rows no token reaches
+    with pytest.raises(DataError, match="train data: .* does not exist"):  # past the vocabulary's check
+        bench.check_data(cfg)
+    cfg.model.vocab_size = 379
+    with pytest.raises(DataError, match="vocabulary of 380 but model.vocab_size=379"):
+        bench.check_data(cfg)
+    cfg.model.vocab_size = 512
     (tmp_path / "manifest.json").write_text(json.dumps({"source": "c4", "vocab_size": 512}))
     with pytest.raises(DataError, match="names no end-of-document token"):
         bench.check_data(cfg)

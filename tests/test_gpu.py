@@ -718,6 +718,17 @@ def test_tiny_llama_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys)
     )
 
 
+@pytest.mark.parametrize("sharded", ["false", "true"])
+def test_tiny_llama_reaches_its_target_with_its_output_layer_in_fp8_on_cuda(tmp_path, capsys, sharded):
+    """model.output_precision=fp8, compiled: the output layer's products in FP8 through the compiled loss, unsharded
+    (its weight cast once a step) and sharded by FSDP2 over the one GPU (gathered in FP8)."""
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    tiny_run_to_target_on_cuda(tmp_path, "llama31_8b", "--preset", "tiny", "perf.compile=true", "model.precision=fp8",
+                               "model.output_precision=fp8", f"distributed.shard_one_rank={sharded}")  # fmt: skip
+    out = capsys.readouterr().out
+    assert "14 linear layers of the blocks and the output layer train in FP8" in out and "; the embedding as" in out
+
+
 def test_fp8_sharded_over_one_gpu_trains_the_losses_of_the_unsharded_fp8_path_on_cuda(tmp_path):
     """distributed.shard_one_rank in FP8: FSDP2 over one GPU gathers the FP8 weights in FP8 with scales precomputed
     after each step; over 20 steps its losses stay within FP8's tolerance of the unsharded FP8 path's (FSDP2 keeps

@@ -159,6 +159,22 @@ PLANNED_ROWS = 2
 EVAL_SEQUENCES = 1024  # MLPerf's C4 validation sequences (llama31_8b; a throughput run's eval set where none is set)
 
 
+def output_layer_in_fp8(cfg: RunConfig) -> None:
+    """ConfigError, one sentence, where ``model.output_precision=fp8`` cannot be honoured: without the blocks in FP8,
+    with the output layer tied to the embedding, or with a vocabulary or width FP8's products cannot take."""
+    m = cfg.model
+    if m.precision != "fp8":
+        raise ConfigError(f"model.output_precision=fp8 needs model.precision=fp8 (the blocks in FP8 too); this run "
+                          f"has model.precision={m.precision}")  # fmt: skip
+    if m.tie_embeddings:
+        raise ConfigError("model.output_precision=fp8 needs model.tie_embeddings=false: the embedding shares the "
+                          "output layer's weight, and a lookup cannot read an FP8 cast")  # fmt: skip
+    odd = [f"model.{k}={v}" for k, v in (("vocab_size", m.vocab_size), ("hidden_size", m.hidden_size)) if v % 16]
+    if odd:
+        raise ConfigError(f"model.output_precision=fp8 needs a vocabulary and width that are multiples of 16 (FP8 "
+                          f"tensor cores); {' and '.join(odd)}")  # fmt: skip
+
+
 def decoder_flops_per_token(model: DecoderConfig, seq: int) -> float:
     """Forward and backward FLOPs per token of a decoder trained in full: 6 x the parameters in matrix products (the
     output layer's included) plus the causal attention's QK^T and AV (half the positions on average) x 3."""
@@ -214,6 +230,8 @@ class LLMBenchmark(Benchmark):
                               "blocks")  # fmt: skip
         if getattr(m, "precision", "auto") == "fp8":
             fp8.require(cfg.device)
+        if getattr(m, "output_precision", "auto") == "fp8":
+            output_layer_in_fp8(cfg)
         offloads = [f"perf.offload_blocks={cfg.perf.offload_blocks}"] if cfg.perf.offload_blocks else []
         offloads += ["perf.offload_recomputed_inputs=true"] if cfg.perf.offload_recomputed_inputs else []
         if offloads:

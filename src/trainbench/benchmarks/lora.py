@@ -110,6 +110,7 @@ class LoraBenchmark(LLMBenchmark):
         "model.init_std": "its base is read from model.base_weights, and adapters start as peft's",
         "data.layout": "its rows are always packed (data.global_batch_size counts rows)",
         "model.precision": "its frozen base's precision is model.base_precision; the adapters train in fp32",
+        "model.output_precision": "its output layer is part of the frozen base (model.base_precision)",
     }
 
     def validate(self, cfg: RunConfig) -> None:

@@ -61,6 +61,14 @@ class DecoderConfig:
         "capability 8.9 or newer.",
         choices=("auto", "fp8"),
     )
+    output_precision: str = option(
+        "auto",
+        "The output layer over the vocabulary: auto (the run's precision: bf16 on a GPU) or fp8 (with precision=fp8: "
+        "its three products on FP8 tensor cores as the blocks' layers, the logits' gradient cast with a scale per "
+        "tensor; the loss itself stays in fp32). Needs a vocabulary and width that are multiples of 16 and untied "
+        "embeddings.",
+        choices=("auto", "fp8"),
+    )
 
     @property
     def kv_heads(self) -> int:
@@ -278,11 +286,12 @@ class Body(nn.Module):
         return self.norm(x)
 
 
-def lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy of the output layer ``weight`` on ``hidden`` [batch, seq, width], taken in
-    fp32. One function, so that compiled the cast, the log-sum-exp and its backward fuse into a few passes over
-    the logits instead of several eager passes over an fp32 copy of them."""
-    logits = F.linear(hidden, weight)
+def lm_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy of the output layer ``head`` (an ``nn.Linear`` without bias, or torchao's
+    float8 form of one) on ``hidden`` [batch, seq, width], taken in fp32. One function, so that compiled the cast,
+    the log-sum-exp and its backward fuse into a few passes over the logits instead of several eager passes over an
+    fp32 copy of them."""
+    logits = head(hidden)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
@@ -311,7 +320,7 @@ class DecoderLM(nn.Module):
         hidden = self.model(input_ids, positions, segments)
         if targets is None:
             return self.lm_head(hidden)
-        return self.loss_fn(hidden, self.lm_head.weight, targets)
+        return self.loss_fn(hidden, self.lm_head, targets)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

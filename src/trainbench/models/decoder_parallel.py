@@ -168,7 +168,10 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
         from trainbench.models.moe import experts_in_fp8
 
         fp8.min_capability(device)
-        fp8.train_blocks_in_fp8(model, sharded=sharded)
+        output = getattr(model.cfg, "output_precision", "auto") == "fp8"
+        fp8.train_blocks_in_fp8(
+            model, sharded=sharded, in_blocks=fp8.in_decoder_blocks_or_output if output else fp8.in_decoder_blocks
+        )
         experts_in_fp8(model, device, getattr(model.cfg, "expert_weight_grad", "fp8"), compile_blocks)
     wrap_blocks(model, checkpointing, compile_blocks)
     use_flex_for_packed_rows(model, device, compile_blocks)
@@ -225,7 +228,8 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         from trainbench.models.moe import MoE
 
         experts = sum(isinstance(m, MoE) for m in placed.modules())
-        unchanged = "the output layer and the embedding" + (", the routers" if experts else "")
+        output = "" if getattr(cfg, "output_precision", "auto") == "fp8" else "the output layer and "
+        unchanged = output + "the embedding" + (", the routers" if experts else "")
         finish_placement(out, sharded, unchanged)
         if not sharded:  # (sharded, FSDP2's gathers cast once a step: fp8.precompute_scales)
             from trainbench.models.fp8 import cast_weights_once_a_step

@@ -271,6 +271,11 @@ def in_decoder_blocks(name: str) -> bool:
     return name.startswith("model.layers.") and not name.endswith(".router")
 
 
+def in_decoder_blocks_or_output(name: str) -> bool:
+    """:func:`in_decoder_blocks`, and the output layer (``lm_head``) too: ``model.output_precision=fp8``."""
+    return in_decoder_blocks(name) or name == "lm_head"
+
+
 def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE, sharded: bool = False,
                         in_blocks: Callable[[str], bool] = in_decoder_blocks) -> int:  # fmt: skip
     """Swap every linear layer whose name ``in_blocks`` accepts (by default a decoder's blocks, ``model.layers.*``)
@@ -299,8 +304,12 @@ def finish_placement(placed: Placed, sharded: bool, unchanged: str) -> None:
     do and what stays as it was (``unchanged``), and, where FSDP2 shards it (``sharded``), the scales' update after
     each optimizer step."""
     n = sum(type(m).__name__ == "Float8Linear" for m in placed.module.modules())
-    placed.notes.append(f"{n} linear layers of the blocks train in FP8 (torchao's float8 training, {TRAINING_RECIPE} "
-                        f"scales); {unchanged} as before")  # fmt: skip
+    output = type(getattr(placed.module, "lm_head", None)).__name__ == "Float8Linear"
+    layers = (
+        f"{n - 1} linear layers of the blocks and the output layer" if output else f"{n} linear layers of the blocks"
+    )
+    placed.notes.append(f"{layers} train in FP8 (torchao's float8 training, {TRAINING_RECIPE} scales); {unchanged} "
+                        "as before")  # fmt: skip
     if sharded:
         placed.after_step = precompute_scales(placed.module)
         placed.notes.append("FSDP2 gathers their weights in FP8, the scales computed once a step after the optimizer")
