@@ -77,7 +77,8 @@ def test_the_output_layer_in_fp8_swaps_lm_head_and_its_loss_follows_the_unswappe
     """model.output_precision=fp8: the tiny decoder's output layer becomes torchao's float8 layer beside the blocks'
     (the embedding stays); the loss through it is the unswapped model's within FP8's rounding, and not that of the
     model with only its blocks in FP8; its weight gradient too; the weight is cast once a step as the blocks' are
-    (its gradient added into fp32, as theirs)."""
+    (its gradient added into fp32, as theirs); the console's line says which side the output layer is on."""
+    from trainbench.distributed import Placed
     from trainbench.launch.local import build_config
     from trainbench.models.decoder import DecoderLM
 
@@ -105,3 +106,9 @@ def test_the_output_layer_in_fp8_swaps_lm_head_and_its_loss_follows_the_unswappe
     assert got.dtype == torch.float32
     rel = float((got - want).norm() / want.norm())
     assert 1e-4 < rel < 0.08, rel
+    for m, line in ((model, f"{swapped} linear layers of the blocks and the output layer train in FP8"),
+                    (blocks_only, f"{swapped} linear layers of the blocks train in FP8")):  # fmt: skip
+        placed = Placed(module=m, model=m, comm_precision="bf16")
+        fp8.finish_placement(placed, False, "the embedding")  # the console's line names the output layer's side
+        after = "the embedding as before" if m is model else "the output layer and the embedding as before"
+        assert placed.notes[0].startswith(line) and placed.notes[0].endswith(f"; {after}"), placed.notes

@@ -228,8 +228,7 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         from trainbench.models.moe import MoE
 
         experts = sum(isinstance(m, MoE) for m in placed.modules())
-        output = "" if getattr(cfg, "output_precision", "auto") == "fp8" else "the output layer and "
-        unchanged = output + "the embedding" + (", the routers" if experts else "")
+        unchanged = "the embedding" + (", the routers" if experts else "")
         finish_placement(out, sharded, unchanged)
         if not sharded:  # (sharded, FSDP2's gathers cast once a step: fp8.precompute_scales)
             from trainbench.models.fp8 import cast_weights_once_a_step

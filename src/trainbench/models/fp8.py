@@ -302,12 +302,15 @@ def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE, sharded
 def finish_placement(placed: Placed, sharded: bool, unchanged: str) -> None:
     """A placed model whose blocks train in FP8 (:func:`train_blocks_in_fp8`): the console's line on how many layers
     do and what stays as it was (``unchanged``), and, where FSDP2 shards it (``sharded``), the scales' update after
-    each optimizer step."""
+    each optimizer step. A decoder's output layer (``lm_head``) is named on whichever side it is."""
     n = sum(type(m).__name__ == "Float8Linear" for m in placed.module.modules())
-    output = type(getattr(placed.module, "lm_head", None)).__name__ == "Float8Linear"
+    head = getattr(placed.module, "lm_head", None)
+    output = type(head).__name__ == "Float8Linear"
     layers = (
         f"{n - 1} linear layers of the blocks and the output layer" if output else f"{n} linear layers of the blocks"
     )
+    if head is not None and not output:
+        unchanged = f"the output layer and {unchanged}"
     placed.notes.append(f"{layers} train in FP8 (torchao's float8 training, {TRAINING_RECIPE} scales); {unchanged} "
                         "as before")  # fmt: skip
     if sharded:
