@@ -73,42 +73,51 @@ def test_float8_weights_cast_once_a_step_add_each_layers_gradient_as_the_backwar
     assert all(p.grad.dtype == torch.float32 for p in root.parameters())
 
 
-def test_the_output_layer_in_fp8_swaps_lm_head_and_its_loss_follows_the_unswapped_within_fp8_rounding():
-    """model.output_precision=fp8: the tiny decoder's output layer becomes torchao's float8 layer beside the blocks'
-    (the embedding stays); the loss through it is the unswapped model's within FP8's rounding, and not that of the
-    model with only its blocks in FP8; its weight gradient too; the weight is cast once a step as the blocks' are
-    (its gradient added into fp32, as theirs); the console's line says which side the output layer is on."""
+def test_the_output_layer_in_fp8_follows_the_unswapped_loss_within_fp8_rounding():
+    """model.output_precision=fp8: the tiny decoder (blocks in torchao's FP8) computes its loss through the output
+    layer's own FP8 function (fp8_output.lm_loss_fp8); the loss is the unswapped model's within FP8's rounding, and
+    not that of the model with only its blocks in FP8; its fp32 weight gradient too; the weight is cast once a step
+    (the same casts for a step's two micro-batches, new ones after the step); the console's line says which side the
+    output layer is on."""
     from trainbench.distributed import Placed
     from trainbench.launch.local import build_config
+    from trainbench.models import fp8_output
     from trainbench.models.decoder import DecoderLM
 
     _, cfg = build_config("llama31_8b", "tiny")
     torch.manual_seed(0)
     ref = DecoderLM(cfg.model)
-    model = DecoderLM(cfg.model)
-    model.load_state_dict(ref.state_dict())
-    blocks_only = DecoderLM(cfg.model)
-    blocks_only.load_state_dict(ref.state_dict())
-    swapped = fp8.train_blocks_in_fp8(blocks_only)
-    assert fp8.train_blocks_in_fp8(model, in_blocks=fp8.in_decoder_blocks_or_output) == swapped + 1
-    assert type(model.lm_head).__name__ == "Float8Linear" and type(model.model.embed_tokens) is torch.nn.Embedding
-    assert fp8.cast_weights_once_a_step(model, compiled=False) is not None
+    model, blocks_only = DecoderLM(cfg.model), DecoderLM(cfg.model)
+    for m in (model, blocks_only):
+        m.load_state_dict(ref.state_dict())
+        swapped = fp8.train_blocks_in_fp8(m)
+    model.loss_fn = fp8_output.lm_loss_fp8
+    after_step = fp8_output.cache_output_casts(model)
+    assert type(model.lm_head) is torch.nn.Linear and type(model.model.embed_tokens) is torch.nn.Embedding
     ids = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
-    losses = []
+    losses, casts = [], []
     for m in (ref, model, blocks_only):
         loss = m(ids[:, :-1], targets=ids[:, 1:])
         loss.backward()
         losses.append(loss.item())
     assert abs(losses[1] - losses[0]) / losses[0] < 1e-3, losses
     assert losses[1] != losses[2]  # the output layer's FP8 products did run
-    assert getattr(model.lm_head, "_trainbench_weight_t", None) is not None  # cast once a step, as the blocks'
     got, want = model.lm_head.weight.grad, ref.lm_head.weight.grad
     assert got.dtype == torch.float32
     rel = float((got - want).norm() / want.norm())
     assert 1e-4 < rel < 0.08, rel
-    for m, line in ((model, f"{swapped} linear layers of the blocks and the output layer train in FP8"),
-                    (blocks_only, f"{swapped} linear layers of the blocks train in FP8")):  # fmt: skip
+    casts.append(model.lm_head._fp8_casts)
+    model(ids[:, :-1], targets=ids[:, 1:])  # the step's second micro-batch: the same casts
+    casts.append(model.lm_head._fp8_casts)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    after_step()
+    model(ids[:, :-1], targets=ids[:, 1:])
+    assert casts[1] is casts[0] and model.lm_head._fp8_casts is not casts[0]
+    assert torch.equal(model.lm_head._fp8_casts[2], 2 * casts[0][2])  # cast anew from the stepped weight
+    for m, also in ((model, ", the output layer and its loss too"), (blocks_only, "")):
         placed = Placed(module=m, model=m, comm_precision="bf16")
         fp8.finish_placement(placed, False, "the embedding")  # the console's line names the output layer's side
         after = "the embedding as before" if m is model else "the output layer and the embedding as before"
-        assert placed.notes[0].startswith(line) and placed.notes[0].endswith(f"; {after}"), placed.notes
+        line = f"{swapped} linear layers of the blocks train in FP8 (torchao's float8 training, tensorwise scales)"
+        assert placed.notes[0].startswith(line + also) and placed.notes[0].endswith(f"; {after}"), placed.notes

@@ -720,13 +720,55 @@ def test_tiny_llama_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys)
 
 @pytest.mark.parametrize("sharded", ["false", "true"])
 def test_tiny_llama_reaches_its_target_with_its_output_layer_in_fp8_on_cuda(tmp_path, capsys, sharded):
-    """model.output_precision=fp8, compiled: the output layer's products in FP8 through the compiled loss, unsharded
-    (its weight cast once a step) and sharded by FSDP2 over the one GPU (gathered in FP8)."""
+    """model.output_precision=fp8, compiled blocks: the output layer and its loss through fp8_output's function,
+    unsharded (its weight cast once a step) and sharded by FSDP2 over the one GPU (its weight gathered with the
+    model's root, cast in each micro-batch)."""
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     tiny_run_to_target_on_cuda(tmp_path, "llama31_8b", "--preset", "tiny", "perf.compile=true", "model.precision=fp8",
                                "model.output_precision=fp8", f"distributed.shard_one_rank={sharded}")  # fmt: skip
     out = capsys.readouterr().out
-    assert "14 linear layers of the blocks and the output layer train in FP8" in out and "; the embedding as" in out
+    assert "14 linear layers of the blocks train in FP8" in out and ", the output layer and its loss too" in out
+    assert "; the embedding as" in out
+
+
+@pytest.mark.parametrize("g", [1.0 / 3, -2.0])
+def test_the_fp8_output_kernels_compute_the_cpus_values_and_the_loss_follows_bf16_on_cuda(g):
+    """fp8_output's Triton kernels against the same functions on the CPU (torch's operations), at a vocabulary and a
+    row count that are not multiples of the tiles: each row's log-sum-exp and term within fp32's rounding of exp;
+    the logits' gradient in e5m2 the same bytes but where exp's last bit moved a value across a rounding boundary
+    (one step of e5m2 then), its transposed copy the same bytes; and the whole function's loss and gradients
+    against bf16's products within FP8's rounding, for a negative loss gradient too."""
+    from trainbench.models import fp8_output
+
+    rows, width, vocab = 1040, 256, 1008
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, width, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(vocab, width, generator=gen) * 0.2
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    targets[::7] = fp8_output.IGNORE
+    logits = (hidden.float() @ weight.t()).to(torch.bfloat16)
+    lse, terms = fp8_output.rows_lse(logits.cuda(), targets.cuda())
+    lse_cpu, terms_cpu = fp8_output.rows_lse(logits, targets)
+    assert torch.allclose(lse.cpu(), lse_cpu, atol=1e-5) and torch.allclose(terms.cpu(), terms_cpu, atol=1e-5)
+    q, q_t, scale = fp8_output.grad_casts(logits.cuda(), lse, targets.cuda(), torch.tensor(g, device="cuda"))
+    q_cpu, _, scale_cpu = fp8_output.grad_casts(logits, lse_cpu, targets, torch.tensor(g))
+    assert torch.equal(q_t.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    assert scale.item() == scale_cpu.item()
+    steps = (q.cpu().view(torch.uint8).int() - q_cpu.view(torch.uint8).int()).abs()
+    assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-3, (steps > 0).float().mean()
+    head = torch.nn.Linear(width, vocab, bias=False, device="cuda")
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    h = hidden.cuda().requires_grad_()
+    loss = fp8_output.lm_loss_fp8(h[None], head, targets.cuda()[None])
+    loss.backward(torch.tensor(g, device="cuda"))
+    h_ref, w_ref = hidden.cuda().requires_grad_(), weight.cuda().to(torch.bfloat16).requires_grad_()
+    ref = torch.nn.functional.cross_entropy((h_ref @ w_ref.t()).float(), targets.cuda(), reduction="sum")
+    (ref * g).backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=2e-3)
+    for got, want in ((h.grad, h_ref.grad), (head.weight.grad, w_ref.grad)):
+        rel = float((got.float() - want.float()).norm() / want.float().norm())
+        assert 1e-4 < rel < 0.06, rel
 
 
 def test_fp8_sharded_over_one_gpu_trains_the_losses_of_the_unsharded_fp8_path_on_cuda(tmp_path):

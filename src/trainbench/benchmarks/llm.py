@@ -167,8 +167,8 @@ def output_layer_in_fp8(cfg: RunConfig) -> None:
         raise ConfigError(f"model.output_precision=fp8 needs model.precision=fp8 (the blocks in FP8 too); this run "
                           f"has model.precision={m.precision}")  # fmt: skip
     if m.tie_embeddings:
-        raise ConfigError("model.output_precision=fp8 needs model.tie_embeddings=false: the embedding shares the "
-                          "output layer's weight, and a lookup cannot read an FP8 cast")  # fmt: skip
+        raise ConfigError("model.output_precision=fp8 needs model.tie_embeddings=false: its FP8 output layer is "
+                          "built for a weight of its own, not one the embedding shares")  # fmt: skip
     odd = [f"model.{k}={v}" for k, v in (("vocab_size", m.vocab_size), ("hidden_size", m.hidden_size)) if v % 16]
     if odd:
         raise ConfigError(f"model.output_precision=fp8 needs a vocabulary and width that are multiples of 16 (FP8 "

@@ -64,9 +64,9 @@ class DecoderConfig:
     output_precision: str = option(
         "auto",
         "The output layer over the vocabulary: auto (the run's precision: bf16 on a GPU) or fp8 (with precision=fp8: "
-        "its three products on FP8 tensor cores as the blocks' layers, the logits' gradient cast with a scale per "
-        "tensor; the loss itself stays in fp32). Needs a vocabulary and width that are multiples of 16 and untied "
-        "embeddings.",
+        "its three products on FP8 tensor cores with a scale per tensor, the logits' gradient written in FP8 by the "
+        "loss's backward at a fixed scale, its known bound; the loss itself stays in fp32). Needs a vocabulary and "
+        "width that are multiples of 16 and untied embeddings.",
         choices=("auto", "fp8"),
     )
 

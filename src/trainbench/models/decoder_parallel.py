@@ -168,12 +168,13 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
         from trainbench.models.moe import experts_in_fp8
 
         fp8.min_capability(device)
-        output = getattr(model.cfg, "output_precision", "auto") == "fp8"
-        fp8.train_blocks_in_fp8(
-            model, sharded=sharded, in_blocks=fp8.in_decoder_blocks_or_output if output else fp8.in_decoder_blocks
-        )
+        fp8.train_blocks_in_fp8(model, sharded=sharded)
         experts_in_fp8(model, device, getattr(model.cfg, "expert_weight_grad", "fp8"), compile_blocks)
     wrap_blocks(model, checkpointing, compile_blocks)
+    if getattr(model.cfg, "output_precision", "auto") == "fp8":  # (its own FP8 function, not compiled: see there)
+        from trainbench.models.fp8_output import lm_loss_fp8
+
+        model.loss_fn = lm_loss_fp8
     use_flex_for_packed_rows(model, device, compile_blocks)
     if sharded:
         experts = apply_expert_parallel(model, device.type, ep, world) if ep > 1 else None
@@ -237,6 +238,10 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
             if linear_after_step is not None:
                 out.after_step = _one_after_another(out.after_step, linear_after_step)
                 out.notes.append("their weights cast to FP8 once a step, their gradients added into fp32 in one pass")
+            if getattr(cfg, "output_precision", "auto") == "fp8":
+                from trainbench.models.fp8_output import cache_output_casts
+
+                out.after_step = _one_after_another(out.after_step, cache_output_casts(placed))
         if experts:
             wgrad = getattr(cfg, "expert_weight_grad", "fp8")
             out.notes.append(f"the experts' grouped products of {experts} blocks in FP8 (forward and input "

@@ -271,11 +271,6 @@ def in_decoder_blocks(name: str) -> bool:
     return name.startswith("model.layers.") and not name.endswith(".router")
 
 
-def in_decoder_blocks_or_output(name: str) -> bool:
-    """:func:`in_decoder_blocks`, and the output layer (``lm_head``) too: ``model.output_precision=fp8``."""
-    return in_decoder_blocks(name) or name == "lm_head"
-
-
 def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE, sharded: bool = False,
                         in_blocks: Callable[[str], bool] = in_decoder_blocks) -> int:  # fmt: skip
     """Swap every linear layer whose name ``in_blocks`` accepts (by default a decoder's blocks, ``model.layers.*``)
@@ -302,17 +297,16 @@ def train_blocks_in_fp8(model: nn.Module, recipe: str = TRAINING_RECIPE, sharded
 def finish_placement(placed: Placed, sharded: bool, unchanged: str) -> None:
     """A placed model whose blocks train in FP8 (:func:`train_blocks_in_fp8`): the console's line on how many layers
     do and what stays as it was (``unchanged``), and, where FSDP2 shards it (``sharded``), the scales' update after
-    each optimizer step. A decoder's output layer (``lm_head``) is named on whichever side it is."""
+    each optimizer step. A decoder's output layer (``lm_head``) is named on whichever side it is: in FP8 where the
+    model's loss is :func:`trainbench.models.fp8_output.lm_loss_fp8` (``model.output_precision=fp8``)."""
     n = sum(type(m).__name__ == "Float8Linear" for m in placed.module.modules())
     head = getattr(placed.module, "lm_head", None)
-    output = type(head).__name__ == "Float8Linear"
-    layers = (
-        f"{n - 1} linear layers of the blocks and the output layer" if output else f"{n} linear layers of the blocks"
-    )
+    output = getattr(getattr(placed.module, "loss_fn", None), "output_in_fp8", False)
     if head is not None and not output:
         unchanged = f"the output layer and {unchanged}"
-    placed.notes.append(f"{layers} train in FP8 (torchao's float8 training, {TRAINING_RECIPE} scales); {unchanged} "
-                        "as before")  # fmt: skip
+    also = ", the output layer and its loss too (FP8 products, the logits' gradient at a fixed scale)" if output else ""
+    placed.notes.append(f"{n} linear layers of the blocks train in FP8 (torchao's float8 training, {TRAINING_RECIPE} "
+                        f"scales){also}; {unchanged} as before")  # fmt: skip
     if sharded:
         placed.after_step = precompute_scales(placed.module)
         placed.notes.append("FSDP2 gathers their weights in FP8, the scales computed once a step after the optimizer")

@@ -1,0 +1,228 @@
+"""A decoder's output layer over the vocabulary and its cross entropy in FP8, as one autograd function of our own
+(``model.output_precision=fp8``).
+
+The three products are FP8 products (``torch._scaled_mm``, one scale a tensor, as torchao's tensorwise recipe of the
+blocks): the logits from the final hidden states and the weight, both in e4m3; in the backward, the hidden states'
+gradient and the weight's, from the logits' gradient in e5m2. What torchao's float8 layer cannot know, and this
+function does, is the logits' gradient's range: the summed cross entropy's gradient with respect to a logit is
+``g * (softmax - onehot)`` (``g`` the loss's own gradient), so every element lies within ``[-|g|, |g|]``. Its FP8
+scale is therefore fixed (``E5M2_MAX / |g|``) and needs no pass to find an amax, and one kernel computes the gradient
+from the bf16 logits and their log-sum-exp and writes it in e5m2 in both layouts the two products take (row-major,
+and transposed for the weight's: FP8 products on Hopper take both operands with the summed dimension contiguous).
+The bf16 gradient of the logits is never made: the layer through torchao made it (12.3 GiB for 4 x 8,192 rows over
+201,088 words), found its amax, and cast it twice, once transposed.
+
+On CUDA the log-sum-exp and the gradient's casts are Triton kernels; elsewhere (tests) torch's operations give the same
+values, and the products are taken with the casts' values in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from trainbench.models.fp8 import E4M3, E4M3_MAX, cast_transpose_e4m3, once_a_step, transpose_fp8
+from trainbench.models.triton_kernels import lazy_kernel
+
+E5M2 = torch.float8_e5m2
+E5M2_MAX = torch.finfo(E5M2).max
+IGNORE = -100  # a target that counts nothing, as F.cross_entropy's ignore_index
+ROWS_MULTIPLE = 16  # FP8 products sum over a multiple of 16: the weight's gradient sums over the rows
+
+
+def _define_lse(triton, tl):
+    """Each row's log-sum-exp over its bf16 logits in fp32 (one program a row, one pass, an online maximum), and its
+    summed cross entropy's term: the log-sum-exp less the target's logit, 0 for an ignored target."""
+
+    @triton.jit
+    def kernel(logits, targets, lse, loss, cols, ignore, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = logits + row * cols
+        m = tl.full([BLOCK], -1e30, tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, cols, BLOCK):
+            c = start + tl.arange(0, BLOCK)
+            x = tl.load(base + c, mask=c < cols, other=float("-inf")).to(tl.float32)
+            top = tl.maximum(m, x)
+            s = s * tl.exp(m - top) + tl.exp(x - top)
+            m = top
+        peak = tl.max(m, axis=0)
+        total = tl.log(tl.sum(s * tl.exp(m - peak), axis=0)) + peak
+        t = tl.load(targets + row)
+        kept = t != ignore
+        picked = tl.load(base + tl.where(kept, t, 0)).to(tl.float32)
+        tl.store(lse + row, total)
+        tl.store(loss + row, tl.where(kept, total - picked, 0.0))
+
+    return kernel
+
+
+def _define_grad(triton, tl):
+    """The logits' gradient ``softmax - onehot`` (0 for an ignored target's row), times ``limit`` with the sign of the
+    loss's gradient, in e5m2, written row-major and transposed from one tile."""
+
+    @triton.jit
+    def kernel(logits, lse, targets, g, dst, dst_t, rows, cols, ignore, limit,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        x = tl.load(logits + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        total = tl.load(lse + r, mask=r < rows, other=0.0)
+        t = tl.load(targets + r, mask=r < rows, other=ignore)
+        p = tl.exp(x - total[:, None]) - tl.where(c[None, :] == t[:, None], 1.0, 0.0)
+        p = tl.where((t != ignore)[:, None], p, 0.0)
+        sign = tl.where(tl.load(g) < 0, -limit, limit)
+        q = tl.clamp(p * sign, -limit, limit).to(dst.dtype.element_ty)
+        tl.store(dst + r[:, None] * cols + c[None, :], q, mask=mask)
+        tl.store(dst_t + c[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(mask))
+
+    return kernel
+
+
+_lse_kernel = lazy_kernel(_define_lse)
+_grad_kernel = lazy_kernel(_define_grad)
+GRAD_TILE = (64, 128)  # rows x columns of the gradient's tiles (perf/output_loss.py)
+LSE_BLOCK = 2048  # the columns of a row the log-sum-exp reads at a time (perf/output_loss.py)
+
+
+def rows_lse(logits: torch.Tensor, targets: torch.Tensor,
+             block: int = LSE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(lse, terms)`` [rows] fp32 for bf16 ``logits`` [rows, vocab] and ``targets`` [rows]: each row's
+    log-sum-exp, and its term of the summed cross entropy (``lse`` less the target's logit; 0 where the target is
+    ignored, -100). ``block``: the columns a CUDA program reads at a time."""
+    built = _lse_kernel() if logits.is_cuda else None
+    if built is None:
+        lse = torch.logsumexp(logits.float(), dim=-1)
+        kept = targets != IGNORE
+        picked = logits.gather(1, torch.where(kept, targets, 0)[:, None])[:, 0].float()
+        return lse, torch.where(kept, lse - picked, 0.0)
+    kernel, _ = built
+    rows, cols = logits.shape
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    terms = torch.empty_like(lse)
+    kernel[(rows,)](logits, targets, lse, terms, cols, IGNORE, BLOCK=block, num_warps=8)
+    return lse, terms
+
+
+def grad_casts(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor,
+               tile: tuple[int, int] = GRAD_TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The logits' gradient ``g * (softmax - onehot)`` as e5m2 with a fixed scale: ``(q [rows, vocab], q transposed
+    [vocab, rows], scale)``, the gradient being ``q * scale``, with ``scale = |g| / E5M2_MAX`` (a 0-d fp32 tensor)."""
+    scale = g.detach().float().abs() / E5M2_MAX
+    built = _grad_kernel() if logits.is_cuda else None
+    if built is None:
+        kept = (targets != IGNORE)[:, None]
+        onehot = torch.zeros_like(logits, dtype=torch.float32)
+        onehot.scatter_(1, torch.where(kept[:, 0], targets, 0)[:, None], 1.0)
+        p = torch.where(kept, torch.exp(logits.float() - lse[:, None]) - onehot, 0.0)
+        q = (p * torch.where(g < 0, -E5M2_MAX, E5M2_MAX)).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2)
+        return q, q.t().contiguous(), scale
+    kernel, cdiv = built
+    rows, cols = logits.shape
+    q = torch.empty(rows, cols, dtype=E5M2, device=logits.device)
+    q_t = torch.empty(cols, rows, dtype=E5M2, device=logits.device)
+    kernel[(cdiv(rows, tile[0]), cdiv(cols, tile[1]))](logits, lse, targets, g.detach().float().reshape(1), q, q_t,
+                                                       rows, cols, IGNORE, E5M2_MAX, BLOCK_R=tile[0],
+                                                       BLOCK_C=tile[1], num_warps=8)  # fmt: skip
+    return q, q_t, scale
+
+
+def tensor_e4m3(t: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``t`` [rows, cols] in e4m3 with one scale for the whole tensor (its amax brought to 448, as torchao's
+    tensorwise recipe): ``(q, scale, q transposed or None)``, ``t ~ q * scale``; ``transposed``: its transpose too,
+    [cols, rows] row-major, cast from ``t`` in one tiled pass on CUDA (:func:`fp8.cast_transpose_e4m3`)."""
+    t = t.detach()
+    scale = (t.abs().amax().float().clamp(min=1e-12) / E4M3_MAX).reshape(())
+    q = (t.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    if not transposed:
+        return q, scale, None
+    return q, scale, cast_transpose_e4m3(t, scale.expand(t.shape[0]))
+
+
+def weight_casts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output layer's weight [vocab, width] as the three products read it: ``(q, q transposed, scale)``, e4m3
+    with one scale, the transpose a tiled copy of ``q``'s bytes (:func:`fp8.transpose_fp8`)."""
+    q, scale, _ = tensor_e4m3(weight)
+    return q, transpose_fp8(q), scale
+
+
+def _mm(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, dtype: torch.dtype,
+        fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
+    """``(a * a_scale) @ (b_t * b_scale).T`` for FP8 ``a`` [m, k] and ``b_t`` [n, k], 0-d fp32 scales."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b_t.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=dtype,
+                                use_fast_accum=fast_accum)  # fmt: skip
+    return ((a.float() * a_scale) @ (b_t.float() * b_scale).t()).to(dtype)
+
+
+class _Fp8OutputLoss(torch.autograd.Function):
+    """The summed cross entropy of ``hidden`` [rows, width] through the output layer ``weight`` [vocab, width]
+    against ``targets`` [rows], the products in FP8 (module docstring). ``casts``: the weight's
+    (:func:`weight_casts`), made beforehand, else made here. The forward products accumulate fast, the gradients'
+    do not, as torchao's defaults. The bf16 logits are kept for the backward and freed as soon as it has cast their
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                casts: tuple[torch.Tensor, ...] | None) -> torch.Tensor:  # fmt: skip
+        wq, wq_t, w_scale = casts if casts is not None else weight_casts(weight)
+        grads = any(ctx.needs_input_grad)
+        hq, h_scale, hq_t = tensor_e4m3(hidden, transposed=any(ctx.needs_input_grad[:2]))
+        out_dtype = hidden.dtype if hidden.dtype != torch.float32 else torch.bfloat16
+        logits = _mm(hq, h_scale, wq, w_scale, out_dtype, fast_accum=True)
+        lse, terms = rows_lse(logits, targets)
+        if grads:
+            ctx.logits = logits
+            ctx.save_for_backward(lse, targets, hq_t, h_scale, wq_t, w_scale)
+            ctx.dtypes = hidden.dtype, weight.dtype
+        return terms.sum()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        lse, targets, hq_t, h_scale, wq_t, w_scale = ctx.saved_tensors
+        logits, ctx.logits = ctx.logits, None
+        gq, gq_t, g_scale = grad_casts(logits, lse, targets, g)
+        del logits
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = _mm(gq, g_scale, wq_t, w_scale, ctx.dtypes[0])
+        if ctx.needs_input_grad[1]:
+            grad_weight = _mm(gq_t, g_scale, hq_t, h_scale, ctx.dtypes[1])
+        return grad_hidden, grad_weight, None, None
+
+
+def lm_loss_fp8(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    """:func:`trainbench.models.decoder.lm_loss` with the output layer's products in FP8 (:class:`_Fp8OutputLoss`):
+    the summed next-token cross entropy of ``head`` (an ``nn.Linear`` without bias) on ``hidden`` [batch, seq,
+    width]. The weight's casts made once a step (:func:`cache_output_casts`) are used where there are some. Rows are
+    padded with ignored targets to a multiple of 16, which the weight's FP8 product sums over."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    flat = targets.reshape(-1)
+    pad = -rows.shape[0] % ROWS_MULTIPLE
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+        flat = torch.cat([flat, flat.new_full((pad,), IGNORE)])
+    casts = getattr(head, "_fp8_casts", None)
+    return _Fp8OutputLoss.apply(rows.contiguous(), head.weight, flat.contiguous(), casts)
+
+
+lm_loss_fp8.output_in_fp8 = True  # (what fp8.finish_placement reads from the model's loss)
+
+
+def cache_output_casts(model: nn.Module) -> Callable[[], None]:
+    """The output layer (``model.lm_head``) of a model on one unsharded rank casts its weight once a step instead of
+    in each micro-batch: before a forward of ``model``, where the weight changed since its last cast
+    (``fp8.once_a_step``: the step marks it, as does a checkpoint's load), its casts (:func:`weight_casts`) are made
+    and kept on the layer for :func:`lm_loss_fp8`. They hold 2 bytes a weight. Returns what must run after every
+    optimizer step."""
+    head = model.lm_head
+
+    def recast() -> None:
+        head._fp8_casts = weight_casts(head.weight)
+
+    refresh, after_step = once_a_step(lambda: [head.weight], recast)
+    model.register_forward_pre_hook(lambda module, args: refresh())
+    return after_step
