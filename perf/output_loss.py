@@ -7,7 +7,7 @@ micro-batches a step and the step's after-step work (the weight's casts made ane
 - ``torchao``: the same compiled loss through torchao's float8 layer (``fp8.train_blocks_in_fp8`` on the output layer),
   its weight cast once a step (``fp8.cast_weights_once_a_step``): ``model.output_precision=fp8`` as first built;
 - ``fp8_output``: ``fp8_output.lm_loss_fp8`` with its casts once a step (``fp8_output.cache_output_casts``): the
-  product's way now.
+  product's way now (its gradients taken in the forward, ``fp8_output.CHUNK_ROWS`` rows at a time).
 Each way: milliseconds a micro-batch (median over the steps), peak memory above what the inputs and the weight hold,
 its loss and gradients against ``bf16``'s. Then the product's two kernels alone (the log-sum-exp at several column
 blocks, the gradient's casts at several tiles, a bf16 copy of the logits as the bandwidth's yardstick) and the kernel
@@ -111,7 +111,6 @@ def kernels_alone(rows: int, vocab: int) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(2)
     logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16, generator=gen)
     targets = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
-    g = torch.tensor(1.0 / rows, device="cuda")
     out = [{"kernel": "bf16 copy of the logits", "ms": min(cuda_ms(logits.clone) for _ in range(5)),
             "bytes": 4 * logits.numel()}]  # fmt: skip
     lse = None
@@ -120,7 +119,7 @@ def kernels_alone(rows: int, vocab: int) -> list[dict]:
         out.append({"kernel": "log-sum-exp", "block": block, "ms": ms, "bytes": 2 * logits.numel()})
         lse = fp8_output.rows_lse(logits, targets)[0]
     for tile in ((64, 64), (64, 128), (128, 64), (128, 128), (32, 256)):
-        ms = min(cuda_ms(lambda t=tile: fp8_output.grad_casts(logits, lse, targets, g, tile=t)) for _ in range(5))
+        ms = min(cuda_ms(lambda t=tile: fp8_output.grad_casts(logits, lse, targets, tile=t)) for _ in range(5))
         out.append({"kernel": "gradient's casts", "tile": list(tile), "ms": ms, "bytes": 4 * logits.numel()})
     for r in out:
         r["tb_per_s"] = round(r["bytes"] / r["ms"] / 1e9, 2)
@@ -151,12 +150,13 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=2880)
     parser.add_argument("--vocab", type=int, default=201088)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--ways", default="bf16,torchao,fp8_output", help="which ways, comma-separated (bf16 first)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("error: perf/output_loss.py times CUDA kernels and needs a GPU", file=sys.stderr)
         return 2
     ways, grads = [], {}
-    for way in ("bf16", "torchao", "fp8_output"):
+    for way in args.ways.split(","):
         result, grad, weight_grad = measure(way, args.rows, args.width, args.vocab, args.steps)
         grads[way] = grad.float(), weight_grad.float()
         torch.cuda.empty_cache()

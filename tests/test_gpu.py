@@ -732,12 +732,13 @@ def test_tiny_llama_reaches_its_target_with_its_output_layer_in_fp8_on_cuda(tmp_
 
 
 @pytest.mark.parametrize("g", [1.0 / 3, -2.0])
-def test_the_fp8_output_kernels_compute_the_cpus_values_and_the_loss_follows_bf16_on_cuda(g):
+def test_the_fp8_output_kernels_compute_the_cpus_values_and_the_loss_follows_bf16_on_cuda(g, monkeypatch):
     """fp8_output's Triton kernels against the same functions on the CPU (torch's operations), at a vocabulary and a
     row count that are not multiples of the tiles: each row's log-sum-exp and term within fp32's rounding of exp;
     the logits' gradient in e5m2 the same bytes but where exp's last bit moved a value across a rounding boundary
-    (one step of e5m2 then), its transposed copy the same bytes; and the whole function's loss and gradients
-    against bf16's products within FP8's rounding, for a negative loss gradient too."""
+    (one step of e5m2 then), its transposed copy the same bytes, also written into a column slice of a larger
+    tensor; and the whole function, in chunks of 512 rows (the last one 16), its loss and gradients against bf16's
+    products within FP8's rounding, for a negative loss gradient too."""
     from trainbench.models import fp8_output
 
     rows, width, vocab = 1040, 256, 1008
@@ -750,12 +751,16 @@ def test_the_fp8_output_kernels_compute_the_cpus_values_and_the_loss_follows_bf1
     lse, terms = fp8_output.rows_lse(logits.cuda(), targets.cuda())
     lse_cpu, terms_cpu = fp8_output.rows_lse(logits, targets)
     assert torch.allclose(lse.cpu(), lse_cpu, atol=1e-5) and torch.allclose(terms.cpu(), terms_cpu, atol=1e-5)
-    q, q_t, scale = fp8_output.grad_casts(logits.cuda(), lse, targets.cuda(), torch.tensor(g, device="cuda"))
-    q_cpu, _, scale_cpu = fp8_output.grad_casts(logits, lse_cpu, targets, torch.tensor(g))
+    q, q_t = fp8_output.grad_casts(logits.cuda(), lse, targets.cuda())
+    q_cpu, _ = fp8_output.grad_casts(logits, lse_cpu, targets)
     assert torch.equal(q_t.view(torch.uint8), q.t().contiguous().view(torch.uint8))
-    assert scale.item() == pytest.approx(scale_cpu.item(), rel=1e-6)  # (CUDA divides by a scalar's reciprocal)
+    wide = torch.zeros(vocab, rows + 64, dtype=torch.float8_e5m2, device="cuda")
+    fp8_output.grad_casts(logits.cuda(), lse, targets.cuda(), wide[:, 32 : 32 + rows])
+    assert torch.equal(wide[:, 32 : 32 + rows].view(torch.uint8), q_t.view(torch.uint8))
+    assert wide[:, :32].float().abs().sum() == 0 and wide[:, 32 + rows :].float().abs().sum() == 0
     steps = (q.cpu().view(torch.uint8).int() - q_cpu.view(torch.uint8).int()).abs()
     assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-3, (steps > 0).float().mean()
+    monkeypatch.setattr(fp8_output, "CHUNK_ROWS", 512)
     head = torch.nn.Linear(width, vocab, bias=False, device="cuda")
     with torch.no_grad():
         head.weight.copy_(weight)

@@ -2,15 +2,20 @@
 (``model.output_precision=fp8``).
 
 The three products are FP8 products (``torch._scaled_mm``, one scale a tensor, as torchao's tensorwise recipe of the
-blocks): the logits from the final hidden states and the weight, both in e4m3; in the backward, the hidden states'
-gradient and the weight's, from the logits' gradient in e5m2. What torchao's float8 layer cannot know, and this
-function does, is the logits' gradient's range: the summed cross entropy's gradient with respect to a logit is
-``g * (softmax - onehot)`` (``g`` the loss's own gradient), so every element lies within ``[-|g|, |g|]``. Its FP8
-scale is therefore fixed (``E5M2_MAX / |g|``) and needs no pass to find an amax, and one kernel computes the gradient
-from the bf16 logits and their log-sum-exp and writes it in e5m2 in both layouts the two products take (row-major,
-and transposed for the weight's: FP8 products on Hopper take both operands with the summed dimension contiguous).
-The bf16 gradient of the logits is never made: the layer through torchao made it (12.3 GiB for 4 x 8,192 rows over
-201,088 words), found its amax, and cast it twice, once transposed.
+blocks): the logits from the final hidden states and the weight, both in e4m3; the hidden states' gradient and the
+weight's, from the logits' gradient in e5m2. What torchao's float8 layer cannot know, and this function does, is the
+logits' gradient's range: the summed cross entropy's gradient with respect to a logit is ``g * (softmax - onehot)``
+(``g`` the loss's own gradient), so every element lies within ``[-|g|, |g|]``. Its FP8 scale is therefore fixed and
+needs no pass to find an amax, and one kernel computes ``softmax - onehot`` from the bf16 logits and their
+log-sum-exp and writes it in e5m2 in both layouts the two products take (row-major, and transposed for the weight's:
+FP8 products on Hopper take both operands with the summed dimension contiguous). The bf16 gradient of the logits is
+never made: the layer through torchao made it (12.3 GiB for 4 x 8,192 rows over 201,088 words), found its amax, and
+cast it twice, once transposed.
+
+Because ``g`` only scales the result, the gradients are taken in the forward, for ``g = 1``, a chunk of rows at a
+time (``CHUNK_ROWS``): each chunk's logits exist only until their gradient is cast, and what waits for the backward
+is the two gradients themselves (the hidden states', and the weight's in bf16), which the backward multiplies by
+``g``. The bf16 logits of a whole micro-batch are never held, as the compiled bf16 loss holds them for its backward.
 
 On CUDA the log-sum-exp and the gradient's casts are Triton kernels; elsewhere (tests) torch's operations give the same
 values, and the products are taken with the casts' values in fp32.
@@ -60,11 +65,11 @@ def _define_lse(triton, tl):
 
 
 def _define_grad(triton, tl):
-    """The logits' gradient ``softmax - onehot`` (0 for an ignored target's row), times ``limit`` with the sign of the
-    loss's gradient, in e5m2, written row-major and transposed from one tile."""
+    """The logits' gradient at a loss gradient of 1, ``softmax - onehot`` (0 for an ignored target's row), times
+    ``limit``, in e5m2, written row-major and transposed (into rows ``stride_t`` apart) from one tile."""
 
     @triton.jit
-    def kernel(logits, lse, targets, g, dst, dst_t, rows, cols, ignore, limit,
+    def kernel(logits, lse, targets, dst, dst_t, rows, cols, stride_t, ignore, limit,
                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
@@ -74,10 +79,9 @@ def _define_grad(triton, tl):
         t = tl.load(targets + r, mask=r < rows, other=ignore)
         p = tl.exp(x - total[:, None]) - tl.where(c[None, :] == t[:, None], 1.0, 0.0)
         p = tl.where((t != ignore)[:, None], p, 0.0)
-        sign = tl.where(tl.load(g) < 0, -limit, limit)
-        q = tl.clamp(p * sign, -limit, limit).to(dst.dtype.element_ty)
+        q = tl.clamp(p * limit, -limit, limit).to(dst.dtype.element_ty)
         tl.store(dst + r[:, None] * cols + c[None, :], q, mask=mask)
-        tl.store(dst_t + c[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(mask))
+        tl.store(dst_t + c[:, None] * stride_t + r[None, :], tl.trans(q), mask=tl.trans(mask))
 
     return kernel
 
@@ -86,6 +90,8 @@ _lse_kernel = lazy_kernel(_define_lse)
 _grad_kernel = lazy_kernel(_define_grad)
 GRAD_TILE = (64, 128)  # rows x columns of the gradient's tiles (perf/output_loss.py)
 LSE_BLOCK = 2048  # the columns of a row the log-sum-exp reads at a time (perf/output_loss.py)
+GRAD_SCALE = 1.0 / E5M2_MAX  # what the logits' gradient cast at a loss gradient of 1 is multiplied back by
+CHUNK_ROWS = 8192  # rows whose logits exist at a time: 3.1 GiB of bf16 logits over 201,088 words
 
 
 def rows_lse(logits: torch.Tensor, targets: torch.Tensor,
@@ -107,27 +113,29 @@ def rows_lse(logits: torch.Tensor, targets: torch.Tensor,
     return lse, terms
 
 
-def grad_casts(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor,
-               tile: tuple[int, int] = GRAD_TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The logits' gradient ``g * (softmax - onehot)`` as e5m2 with a fixed scale: ``(q [rows, vocab], q transposed
-    [vocab, rows], scale)``, the gradient being ``q * scale``, with ``scale = |g| / E5M2_MAX`` (a 0-d fp32 tensor)."""
-    scale = g.detach().float().abs() / E5M2_MAX
+def grad_casts(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, q_t: torch.Tensor | None = None,
+               tile: tuple[int, int] = GRAD_TILE) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The logits' gradient at a loss gradient of 1, ``softmax - onehot``, as e5m2 at its fixed scale: ``(q [rows,
+    vocab], q_t)``, the gradient being ``q * GRAD_SCALE``, and ``q_t`` its transpose [vocab, rows]: written into
+    ``q_t`` where given (a column slice of a larger [vocab, n] tensor, its rows contiguous), else made."""
+    if q_t is None:
+        q_t = torch.empty(logits.shape[1], logits.shape[0], dtype=E5M2, device=logits.device)
     built = _grad_kernel() if logits.is_cuda else None
     if built is None:
         kept = (targets != IGNORE)[:, None]
         onehot = torch.zeros_like(logits, dtype=torch.float32)
         onehot.scatter_(1, torch.where(kept[:, 0], targets, 0)[:, None], 1.0)
         p = torch.where(kept, torch.exp(logits.float() - lse[:, None]) - onehot, 0.0)
-        q = (p * torch.where(g < 0, -E5M2_MAX, E5M2_MAX)).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2)
-        return q, q.t().contiguous(), scale
+        q = (p * E5M2_MAX).clamp(-E5M2_MAX, E5M2_MAX).to(E5M2)
+        q_t.copy_(q.t())
+        return q, q_t
     kernel, cdiv = built
     rows, cols = logits.shape
     q = torch.empty(rows, cols, dtype=E5M2, device=logits.device)
-    q_t = torch.empty(cols, rows, dtype=E5M2, device=logits.device)
-    kernel[(cdiv(rows, tile[0]), cdiv(cols, tile[1]))](logits, lse, targets, g.detach().float().reshape(1), q, q_t,
-                                                       rows, cols, IGNORE, E5M2_MAX, BLOCK_R=tile[0],
-                                                       BLOCK_C=tile[1], num_warps=8)  # fmt: skip
-    return q, q_t, scale
+    kernel[(cdiv(rows, tile[0]), cdiv(cols, tile[1]))](logits, lse, targets, q, q_t, rows, cols, q_t.stride(0), IGNORE,
+                                                       E5M2_MAX, BLOCK_R=tile[0], BLOCK_C=tile[1],
+                                                       num_warps=8)  # fmt: skip
+    return q, q_t
 
 
 def tensor_e4m3(t: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -160,38 +168,45 @@ def _mm(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torc
 
 class _Fp8OutputLoss(torch.autograd.Function):
     """The summed cross entropy of ``hidden`` [rows, width] through the output layer ``weight`` [vocab, width]
-    against ``targets`` [rows], the products in FP8 (module docstring). ``casts``: the weight's
-    (:func:`weight_casts`), made beforehand, else made here. The forward products accumulate fast, the gradients'
-    do not, as torchao's defaults. The bf16 logits are kept for the backward and freed as soon as it has cast their
-    gradient."""
+    against ``targets`` [rows], the products in FP8 (module docstring), taken ``chunk`` rows at a time. ``casts``: the
+    weight's (:func:`weight_casts`), made beforehand, else made here. Where gradients are wanted the forward takes
+    them too, for a loss gradient of 1 (each chunk's logits are dropped once their gradient is cast, and only the
+    hidden states' and the weight's gradients, bf16, are kept); the backward multiplies them by the loss's gradient.
+    The forward products accumulate fast, the gradients' do not, as torchao's defaults."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                casts: tuple[torch.Tensor, ...] | None) -> torch.Tensor:  # fmt: skip
+                casts: tuple[torch.Tensor, ...] | None, chunk: int) -> torch.Tensor:  # fmt: skip
         wq, wq_t, w_scale = casts if casts is not None else weight_casts(weight)
-        grads = any(ctx.needs_input_grad)
-        hq, h_scale, hq_t = tensor_e4m3(hidden, transposed=any(ctx.needs_input_grad[:2]))
-        out_dtype = hidden.dtype if hidden.dtype != torch.float32 else torch.bfloat16
-        logits = _mm(hq, h_scale, wq, w_scale, out_dtype, fast_accum=True)
-        lse, terms = rows_lse(logits, targets)
-        if grads:
-            ctx.logits = logits
-            ctx.save_for_backward(lse, targets, hq_t, h_scale, wq_t, w_scale)
-            ctx.dtypes = hidden.dtype, weight.dtype
-        return terms.sum()
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        hq, h_scale, hq_t = tensor_e4m3(hidden, transposed=want_weight)
+        out_dtype = hidden.dtype if hidden.dtype != torch.float32 or not hidden.is_cuda else torch.bfloat16
+        rows, vocab = hidden.shape[0], wq.shape[0]
+        unit = torch.full((), GRAD_SCALE, device=hidden.device)
+        q_t = torch.empty(vocab, rows, dtype=E5M2, device=hidden.device) if want_weight else None
+        grad_hidden, total = [], torch.zeros((), device=hidden.device)
+        for start in range(0, rows, chunk):
+            part = slice(start, min(start + chunk, rows))
+            logits = _mm(hq[part], h_scale, wq, w_scale, out_dtype, fast_accum=True)
+            lse, terms = rows_lse(logits, targets[part])
+            total += terms.sum()
+            if want_hidden or want_weight:
+                q, _ = grad_casts(logits, lse, targets[part], q_t[:, part] if want_weight else None)
+                del logits
+                grad_hidden += [_mm(q, unit, wq_t, w_scale, out_dtype)] if want_hidden else []
+        grad_weight = _mm(q_t, unit, hq_t, h_scale, out_dtype) if want_weight else None
+        ctx.save_for_backward(torch.cat(grad_hidden) if want_hidden else None, grad_weight)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return total
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        lse, targets, hq_t, h_scale, wq_t, w_scale = ctx.saved_tensors
-        logits, ctx.logits = ctx.logits, None
-        gq, gq_t, g_scale = grad_casts(logits, lse, targets, g)
-        del logits
-        grad_hidden = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_hidden = _mm(gq, g_scale, wq_t, w_scale, ctx.dtypes[0])
-        if ctx.needs_input_grad[1]:
-            grad_weight = _mm(gq_t, g_scale, hq_t, h_scale, ctx.dtypes[1])
-        return grad_hidden, grad_weight, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = (grad_hidden.float() * g).to(ctx.dtypes[0])
+        if grad_weight is not None:
+            grad_weight = (grad_weight.float() * g).to(ctx.dtypes[1])
+        return grad_hidden, grad_weight, None, None, None
 
 
 def lm_loss_fp8(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
@@ -206,7 +221,7 @@ def lm_loss_fp8(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) ->
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
         flat = torch.cat([flat, flat.new_full((pad,), IGNORE)])
     casts = getattr(head, "_fp8_casts", None)
-    return _Fp8OutputLoss.apply(rows.contiguous(), head.weight, flat.contiguous(), casts)
+    return _Fp8OutputLoss.apply(rows.contiguous(), head.weight, flat.contiguous(), casts, CHUNK_ROWS)
 
 
 lm_loss_fp8.output_in_fp8 = True  # (what fp8.finish_placement reads from the model's loss)
