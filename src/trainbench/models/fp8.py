@@ -47,14 +47,14 @@ def _define_transpose(triton, tl):
     """A tiled transpose of a byte matrix."""
 
     @triton.jit
-    def kernel(src, dst, rows, cols, BLOCK: tl.constexpr):
+    def tb_transpose_bytes(src, dst, rows, cols, BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         mask = (r[:, None] < rows) & (c[None, :] < cols)
         tile = tl.load(src + r[:, None] * cols + c[None, :], mask=mask)
         tl.store(dst + c[:, None] * rows + r[None, :], tl.trans(tile), mask=tl.trans(mask))
 
-    return kernel
+    return tb_transpose_bytes
 
 
 _transpose_kernel = lazy_kernel(_define_transpose)
@@ -79,7 +79,7 @@ def _define_cast_transpose(triton, tl):
     """A tiled cast of a bf16 matrix to e4m3, each row divided by its own divisor, written transposed."""
 
     @triton.jit
-    def kernel(src, div, dst, rows, cols, limit, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    def tb_cast_transpose(src, div, dst, rows, cols, limit, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
         mask = (r[:, None] < rows) & (c[None, :] < cols)
@@ -88,7 +88,7 @@ def _define_cast_transpose(triton, tl):
         q = tl.clamp(tile / d[:, None], -limit, limit).to(dst.dtype.element_ty)
         tl.store(dst + c[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(mask))
 
-    return kernel
+    return tb_cast_transpose
 
 
 _cast_transpose_kernel = lazy_kernel(_define_cast_transpose)

@@ -42,7 +42,7 @@ def _define_lse(triton, tl):
     summed cross entropy's term: the log-sum-exp less the target's logit, 0 for an ignored target."""
 
     @triton.jit
-    def kernel(logits, targets, lse, loss, cols, ignore, BLOCK: tl.constexpr):
+    def tb_output_lse(logits, targets, lse, loss, cols, ignore, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = logits + row * cols
         m = tl.full([BLOCK], -1e30, tl.float32)
@@ -61,7 +61,7 @@ def _define_lse(triton, tl):
         tl.store(lse + row, total)
         tl.store(loss + row, tl.where(kept, total - picked, 0.0))
 
-    return kernel
+    return tb_output_lse
 
 
 def _define_grad(triton, tl):
@@ -69,7 +69,7 @@ def _define_grad(triton, tl):
     ``limit``, in e5m2, written row-major and transposed (into rows ``stride_t`` apart) from one tile."""
 
     @triton.jit
-    def kernel(logits, lse, targets, dst, dst_t, rows, cols, stride_t, ignore, limit,
+    def tb_output_grad(logits, lse, targets, dst, dst_t, rows, cols, stride_t, ignore, limit,
                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         c = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
@@ -83,7 +83,7 @@ def _define_grad(triton, tl):
         tl.store(dst + r[:, None] * cols + c[None, :], q, mask=mask)
         tl.store(dst_t + c[:, None] * stride_t + r[None, :], tl.trans(q), mask=tl.trans(mask))
 
-    return kernel
+    return tb_output_grad
 
 
 _lse_kernel = lazy_kernel(_define_lse)

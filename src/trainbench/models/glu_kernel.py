@@ -55,8 +55,8 @@ def _define_backward(triton, tl):
     """The activation's backward: the gradients of gate and up from the output's, h's bias added as in the forward."""
 
     @triton.jit
-    def kernel(h, bias, group, grad, out, ffn, alpha, limit, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-               BLOCK: tl.constexpr):  # fmt: skip
+    def tb_glu_backward(h, bias, group, grad, out, ffn, alpha, limit, HAS_BIAS: tl.constexpr,
+                        CLAMPED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = j < ffn
@@ -82,7 +82,7 @@ def _define_backward(triton, tl):
             d_up = g * silu
         tl.store(out + row * 2 * ffn + pair, tl.join(d_gate, d_up).to(out.dtype.element_ty), mask=mask[:, None])
 
-    return kernel
+    return tb_glu_backward
 
 
 _backward_kernel = lazy_kernel(_define_backward)
@@ -92,8 +92,8 @@ def _define_forward(triton, tl):
     """The activation's forward, h's bias added in h's precision."""
 
     @triton.jit
-    def kernel(h, bias, group, out, ffn, alpha, limit, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-               BLOCK: tl.constexpr):  # fmt: skip
+    def tb_glu_forward(h, bias, group, out, ffn, alpha, limit, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+                       BLOCK: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = j < ffn
@@ -112,7 +112,7 @@ def _define_forward(triton, tl):
             act = gate * tl.sigmoid(gate) * up
         tl.store(out + row * ffn + j, act.to(out.dtype.element_ty), mask=mask)
 
-    return kernel
+    return tb_glu_forward
 
 
 _forward_kernel = lazy_kernel(_define_forward)

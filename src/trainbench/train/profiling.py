@@ -159,9 +159,15 @@ KERNEL_KINDS = (  # first match wins: (kind, substrings of the lower-cased kerne
 )
 
 
+OWN_KERNEL_PREFIX = "tb_"  # the Triton kernels of models/ (fp8, fp8_output, glu_kernel) are named so
+
+
 def kernel_kind(name: str) -> str:
-    """The kind of a GPU kernel by its name: FP8 or bf16 GEMM, attention, compiled elementwise work, ..."""
+    """The kind of a GPU kernel by its name: FP8 or bf16 GEMM, attention, compiled elementwise work, ..., or one of
+    trainbench's own Triton kernels (``tb_...``)."""
     low = name.lower()
+    if low.startswith(OWN_KERNEL_PREFIX):
+        return "own kernels"
     return next(kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys))
 
 
