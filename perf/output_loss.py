@@ -113,11 +113,10 @@ def kernels_alone(rows: int, vocab: int) -> list[dict]:
     targets = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
     out = [{"kernel": "bf16 copy of the logits", "ms": min(cuda_ms(logits.clone) for _ in range(5)),
             "bytes": 4 * logits.numel()}]  # fmt: skip
-    lse = None
     for block in (1024, 2048, 4096, 8192):
         ms = min(cuda_ms(lambda b=block: fp8_output.rows_lse(logits, targets, block=b)) for _ in range(5))
         out.append({"kernel": "log-sum-exp", "block": block, "ms": ms, "bytes": 2 * logits.numel()})
-        lse = fp8_output.rows_lse(logits, targets)[0]
+    lse = fp8_output.rows_lse(logits, targets)[0]
     for tile in ((64, 64), (64, 128), (128, 64), (128, 128), (32, 256)):
         ms = min(cuda_ms(lambda t=tile: fp8_output.grad_casts(logits, lse, targets, tile=t)) for _ in range(5))
         out.append({"kernel": "gradient's casts", "tile": list(tile), "ms": ms, "bytes": 4 * logits.numel()})

@@ -238,9 +238,9 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
             if linear_after_step is not None:
                 out.after_step = _one_after_another(out.after_step, linear_after_step)
                 out.notes.append("their weights cast to FP8 once a step, their gradients added into fp32 in one pass")
-            if getattr(cfg, "output_precision", "auto") == "fp8":
-                from trainbench.models.fp8_output import cache_output_casts
+            from trainbench.models.fp8_output import cache_output_casts, lm_loss_fp8
 
+            if placed.loss_fn is lm_loss_fp8:  # (set by parallelize where model.output_precision=fp8)
                 out.after_step = _one_after_another(out.after_step, cache_output_casts(placed))
         if experts:
             wgrad = getattr(cfg, "expert_weight_grad", "fp8")

@@ -36,10 +36,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
-def _mm(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, dtype) -> torch.Tensor:
-    """(a * a_scale) @ (b_t * b_scale).T for e4m3 ``a`` [m, k] and ``b_t`` [n, k], scales [m, 1] and [n, 1]."""
+def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor, dtype,
+        fast_accum: bool = False) -> torch.Tensor:  # fmt: skip
+    """(a * a_scale) @ (b_t * b_scale).T for FP8 ``a`` [m, k] and ``b_t`` [n, k], scales [m, 1] and [n, 1] (a scale
+    a row) or 0-d fp32 (one a tensor); ``fast_accum``: cuBLAS's faster, less precise accumulation."""
     if a.is_cuda:
-        return torch._scaled_mm(a, b_t.t(), scale_a=a_scale, scale_b=b_scale.t(), out_dtype=dtype)
+        return torch._scaled_mm(a, b_t.t(), scale_a=a_scale, scale_b=b_scale.t(), out_dtype=dtype,
+                                use_fast_accum=fast_accum)  # fmt: skip
     return ((a.float() * a_scale) @ (b_t.float() * b_scale).t()).to(dtype)
 
 
@@ -122,7 +125,7 @@ def fp8_grad_input(
     """``grad_q * grad_scale`` [m, out] times the e4m3 weight [out, in]. One opaque op, so that a compiler cannot
     hoist the weight's transposed copy into the forward and keep one per layer alive until the backward."""
     ones = torch.ones(weight.shape[1], 1, device=weight.device)
-    return _mm(grad_q, grad_scale, transpose_fp8(weight), ones, dtype)
+    return scaled_mm(grad_q, grad_scale, transpose_fp8(weight), ones, dtype)
 
 
 @fp8_grad_input.register_fake
@@ -136,7 +139,7 @@ class _Fp8Matmul(torch.autograd.Function):
         shape = x.shape
         out_dtype = x.dtype if x.dtype != torch.float32 or not x.is_cuda else torch.bfloat16
         xq, xs = quantize_rows(x.reshape(-1, shape[-1]))
-        y = _mm(xq, xs, weight, scale, out_dtype)
+        y = scaled_mm(xq, xs, weight, scale, out_dtype)
         ctx.save_for_backward(weight, scale)
         ctx.in_dtype = x.dtype
         return y.reshape(*shape[:-1], weight.shape[0])
@@ -300,8 +303,10 @@ def finish_placement(placed: Placed, sharded: bool, unchanged: str) -> None:
     each optimizer step. A decoder's output layer (``lm_head``) is named on whichever side it is: in FP8 where the
     model's loss is :func:`trainbench.models.fp8_output.lm_loss_fp8` (``model.output_precision=fp8``)."""
     n = sum(type(m).__name__ == "Float8Linear" for m in placed.module.modules())
+    from trainbench.models.fp8_output import lm_loss_fp8
+
     head = getattr(placed.module, "lm_head", None)
-    output = getattr(getattr(placed.module, "loss_fn", None), "output_in_fp8", False)
+    output = getattr(placed.module, "loss_fn", None) is lm_loss_fp8
     if head is not None and not output:
         unchanged = f"the output layer and {unchanged}"
     also = ", the output layer and its loss too (FP8 products, the logits' gradient at a fixed scale)" if output else ""
