@@ -18,12 +18,14 @@
 #   perf/bench_figures.sh gpt-oss     gpt_oss_20b with the reference's block, 2 and 4 blocks to 24
 #   perf/bench_figures.sh gpt-oss-fp8 gpt_oss_20b (GPT-OSS's block) in FP8 (model.precision=fp8: the experts' grouped
 #                                     products and the attention projections), micro-batches of 4, profiled
-#   perf/bench_figures.sh gpt-oss-fp8-hf  the same unprofiled, transformers beside at micro-batches of 4 (--compare hf)
+#   perf/bench_figures.sh gpt-oss-fp8-hf  the same unprofiled, transformers compiled beside at micro-batches of 4
+#                                     (--compare hf-compiled: its eager step does not fit at 4 blocks)
 #   perf/bench_figures.sh gpt-oss-fp8-ref the reference's block in FP8, micro-batches of 4
 #   perf/bench_figures.sh gpt-oss-mb4 gpt_oss_20b (GPT-OSS's block) in bf16, micro-batches of 4: FP8's baseline
 #   perf/bench_figures.sh gpt-oss-fp8-hf-80  gpt-oss-fp8-hf within an 80 GB GPU: micro-batches of 1, 1 and 3 blocks
 #                                     (a whole repeat of windowed and whole-prefix blocks apart; 4 blocks' fp32
-#                                     weights and AdamW state do not leave room on an H100), transformers beside
+#                                     weights and AdamW state do not leave room on an H100), transformers compiled
+#                                     beside
 #   perf/bench_figures.sh flux-hf     flux1's MMDiT, 2 and 4 blocks (2 + 4 and 4 + 8 double + single) to 19, with
 #                                     diffusers' FluxTransformer2DModel beside (--compare hf); a step of 64
 #                                     samples (16 micro-batches), not the preset's 512, to keep the call short
@@ -104,9 +106,10 @@ for what in "$@"; do
     gpt-oss-fp8) bench gpt_oss_fp8 gpt_oss_20b --preset gpt-oss-20b-hf perf.compile=true model.precision=fp8 \
         --blocks 2,4 data.micro_batch_size=4 --steps 3 --warmup 2 --profile-steps 1 ;;
     gpt-oss-fp8-hf) bench gpt_oss_fp8_hf gpt_oss_20b --preset gpt-oss-20b-hf perf.compile=true model.precision=fp8 \
-        --blocks 2,4 data.micro_batch_size=4 --steps 3 --warmup 2 --profile-steps 0 --compare hf ;;
+        --blocks 2,4 data.micro_batch_size=4 --steps 3 --warmup 2 --profile-steps 0 --compare hf-compiled ;;
     gpt-oss-fp8-hf-80) bench gpt_oss_fp8_hf_80 gpt_oss_20b --preset gpt-oss-20b-hf perf.compile=true \
-        model.precision=fp8 --blocks 1,3 data.micro_batch_size=1 --steps 3 --warmup 2 --profile-steps 0 --compare hf ;;
+        model.precision=fp8 --blocks 1,3 data.micro_batch_size=1 --steps 3 --warmup 2 --profile-steps 0 \
+        --compare hf-compiled ;;
     gpt-oss-mb4) bench gpt_oss_mb4 gpt_oss_20b --preset gpt-oss-20b-hf perf.compile=true --blocks 2,4 \
         data.micro_batch_size=4 --steps 3 --warmup 2 --profile-steps 0 ;;
     gpt-oss-fp8-ref) bench gpt_oss_fp8_ref gpt_oss_20b --preset gpt-oss-20b perf.compile=true model.precision=fp8 \

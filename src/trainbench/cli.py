@@ -153,9 +153,10 @@ def _parser() -> argparse.ArgumentParser:
         "an allocation fails)",
     )
     bench.add_argument("--ruleset", help="ruleset whose reference convergence points the projection uses")
-    bench.add_argument("--compare", choices=("hf",), help="hf: also time HF transformers (+ peft for LoRA; diffusers "
-                       "for flux1), eager and compiled, at the same shape and depth, in the same call (one "
-                       "process)")  # fmt: skip
+    bench.add_argument("--compare", choices=("hf", "hf-compiled"), help="hf: also time HF transformers (+ peft for "
+                       "LoRA; diffusers for flux1), eager and compiled, at the same shape and depth, in the same "
+                       "call (one process); hf-compiled: compiled only (at large shapes the eager step is slow "
+                       "and may not fit)")  # fmt: skip
     bench.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
     subm = sub.add_parser(

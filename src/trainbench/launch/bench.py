@@ -42,6 +42,9 @@ def parse_blocks(text: str | None, layers: int, period: tuple[int, str] = (1, ""
     return depths
 
 
+COMPARE = {"hf": (False, True), "hf-compiled": (True,)}  # --compare: HF's steps eager and/or compiled
+
+
 def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks: str | None,
               compare: str | None = None, profile_steps: int = 2, system: System | None = None,
               command: list[str] | None = None, snapshot: bool = False
@@ -49,7 +52,7 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
     """Measure, into a new results folder: in this process, under torchrun (``--nproc``), or as one Slurm job a depth
     on ``system`` (``command``: what the user typed, recorded in the job script). Returns the folder, rank 0's
     figures by depth measured, the model's depth, the truncated depths measured (None: the model's own) and the
-    peers' figures (``compare="hf"``: HF's, eager and compiled, by depth)."""
+    peers' figures (``compare="hf"``: HF's, eager and compiled, by depth; ``"hf-compiled"``: compiled only)."""
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
     if warmup < 0:
@@ -68,11 +71,11 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
     if compare is not None:
         from trainbench.train import compare_hf
 
-        if compare != "hf":
+        if compare not in COMPARE:
             raise UserError(f"--compare {compare}: the one peer trainbench measures is hf (transformers, peft, "
-                            "diffusers)")  # fmt: skip
+                            "diffusers), eager and compiled, or hf-compiled (compiled only)")  # fmt: skip
         if system is not None:
-            raise UserError("--compare hf runs in this process: drop --system")
+            raise UserError(f"--compare {compare} runs in this process: drop --system")
         family = compare_hf.require(bench, cfg)
     from trainbench.console import console
     from trainbench.launch.plan import planned
@@ -116,7 +119,7 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         raws[depth] = json.loads((run_dir / RAW.format(depth=depth)).read_text())
         out.say(_depth_line(raws[depth], depth))
         if family is not None:
-            _compare_at(bench, run_cfg, family, steps, warmup, device, peers, depth, out)
+            _compare_at(bench, run_cfg, family, steps, warmup, device, peers, depth, out, COMPARE[compare])
     return run_dir, raws, layers, depths, peers
 
 
@@ -207,8 +210,8 @@ def _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system,
     return run_dir, raws, layers, depths, {}
 
 
-def _compare_at(bench, cfg, family, steps, warmup, device, peers, depth, out) -> None:
-    """HF's eager and compiled steps at ``depth``, after ours has let go of the GPU."""
+def _compare_at(bench, cfg, family, steps, warmup, device, peers, depth, out, ways: tuple[bool, ...]) -> None:
+    """HF's steps at ``depth`` (``ways``: compiled or not), after ours has let go of the GPU."""
     import gc
 
     import torch
@@ -218,7 +221,7 @@ def _compare_at(bench, cfg, family, steps, warmup, device, peers, depth, out) ->
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    for compiled in (False, True):
+    for compiled in ways:
         name = f"hf_{'compiled' if compiled else 'eager'}"
         out.say(f"measuring {name} ({family}){f' at {depth} blocks' if depth else ''}")
         peers.setdefault(name, {})[depth] = compare_hf.measure(bench, cfg, family, compiled, steps, warmup,
