@@ -378,6 +378,7 @@ def test_kernel_kinds_tell_fp8_gemms_attention_and_compiled_casts_apart():
     assert kind("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>") == "other"
     assert kind("void lamb_stage_1<float>") == "optimizer"
     assert kind("tb_output_grad") == kind("tb_glu_backward") == "own kernels"  # models/'s Triton kernels
+    assert kind("tb_adamw") == "optimizer"  # optim/adamw's update counts with the optimizer
 
 
 def test_depths_a_whole_repeat_of_the_blocks_apart_are_taken():

@@ -159,15 +159,16 @@ KERNEL_KINDS = (  # first match wins: (kind, substrings of the lower-cased kerne
 )
 
 
-OWN_KERNEL_PREFIX = "tb_"  # the Triton kernels of models/ (fp8, fp8_output, glu_kernel) are named so
+OWN_KERNEL_PREFIX = "tb_"  # trainbench's Triton kernels (models/fp8, fp8_output, glu_kernel; optim/adamw) are named so
+OWN_KERNEL_KINDS = {"tb_adamw": "optimizer"}  # those counted with a kind of their own; the rest are "own kernels"
 
 
 def kernel_kind(name: str) -> str:
     """The kind of a GPU kernel by its name: FP8 or bf16 GEMM, attention, compiled elementwise work, ..., or one of
-    trainbench's own Triton kernels (``tb_...``)."""
+    trainbench's own Triton kernels (``tb_...``; the optimizer's update counts as optimizer)."""
     low = name.lower()
     if low.startswith(OWN_KERNEL_PREFIX):
-        return "own kernels"
+        return next((kind for own, kind in OWN_KERNEL_KINDS.items() if low.startswith(own)), "own kernels")
     return next(kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys))
 
 
