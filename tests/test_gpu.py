@@ -878,6 +878,41 @@ def test_own_adamw_kernel_matches_torchs_fused_update_and_keeps_its_state_on_cud
         torch.testing.assert_close(b, c, rtol=2e-6, atol=1e-6)
 
 
+def test_own_adamw_kernel_updates_sharded_parameters_as_torchs_fused_update_on_cuda():
+    """optim/adamw under FSDP2's DTensors (one rank, Shard(0)): tb_adamw updates each local shard, the clip (a
+    separate pass for sharded gradients) before it, as torch's fused update does."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from trainbench.optim.adamw import OWN_KERNEL_MIN, AdamClipped
+
+    def g(seed: int, shape) -> torch.Tensor:
+        return torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+
+    shapes = [(1024, OWN_KERNEL_MIN // 1024 + 3), (512,)]
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        weights = {}
+        for own in (False, True):
+            params = [torch.nn.Parameter(distribute_tensor(g(i, s), mesh, [Shard(0)])) for i, s in enumerate(shapes)]
+            opt = AdamClipped(params, 1e-3, own_kernel=own, lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1,
+                              fused=True)  # fmt: skip
+            for step in range(3):
+                for i, p in enumerate(params):
+                    p.grad = distribute_tensor(g(10 * (step + 1) + i, p.shape), mesh, [Shard(0)])
+                assert [opt._own(opt.param_groups[0], p) for p in params] == [own, False]
+                opt.step()
+            weights[own] = [p.detach().full_tensor() for p in params]
+    finally:
+        dist.destroy_process_group()
+    for i, (a, b) in enumerate(zip(weights[True], weights[False], strict=True)):
+        change = float((b - g(i, shapes[i])).abs().max())
+        assert change > 1e-3
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6 * change)
+
+
 def test_the_experts_grouped_product_on_cuda_matches_the_padded_batched_one():
     """models/moe: torch's grouped GEMM (bf16, CUDA) against the padded batched product, groups of uneven sizes
     (one empty)."""
