@@ -114,12 +114,16 @@ class AdamClipped(torch.optim.AdamW):
     def update(self, closure=None):
         """The AdamW update of the (clipped) gradients: the large CUDA parameters' through ``tb_adamw``, the rest
         through torch's update (their gradients hidden from it while it runs)."""
+        loss = None
+        if closure is not None:  # first, so that the gradients it makes are all there to be split
+            with torch.enable_grad():
+                loss = closure()
         own = [(group, p) for group in self.param_groups for p in group["params"] if self._own(group, p)]
         grads = [p.grad for _, p in own]
         try:
             for _, p in own:
                 p.grad = None
-            loss = super().step(closure)
+            super().step()
         finally:
             for (_, p), grad in zip(own, grads, strict=True):
                 p.grad = grad
