@@ -96,3 +96,31 @@ def test_chunks_of_rows_change_no_gradient_and_keep_no_logits(monkeypatch):
     assert torch.equal(h_all, h_16) and torch.equal(w_all, w_16)
     assert loss_16 == pytest.approx(loss_all, rel=1e-6)
     assert kept == [torch.Size([48, 64]), torch.Size([160, 64])]
+
+
+def test_on_one_rank_the_weights_gradient_goes_into_its_grad_as_autograd_would_add_it():
+    """With the casts made once a step (one unsharded rank: fp8_output.cache_output_casts), the backward adds g times
+    the weight's gradient into the fp32 .grad itself, in one pass, and hands autograd none: over 3 micro-batches of
+    different loss gradients, the same .grad bit for bit as autograd's cast, scale and accumulation (the same two
+    roundings), the hidden states' gradients the same too."""
+    hidden, weight, targets = inputs()
+    grads = []
+    for direct in (False, True):
+        model = torch.nn.Module()
+        model.lm_head = torch.nn.Linear(64, 160, bias=False)
+        model.lm_head.weight = torch.nn.Parameter(weight.clone())
+        if direct:
+            fp8_output.cache_output_casts(model, compiled=False)
+            model.lm_head._fp8_casts = fp8_output.weight_casts(model.lm_head.weight.detach())  # (its pre-hook's)
+        hs = []
+        for i, g in enumerate((1.0, -0.25, 3.0)):
+            h = (hidden * (i + 1)).requires_grad_()
+            loss = fp8_output.lm_loss_fp8(h[None], model.lm_head, targets[None])
+            assert (loss.grad_fn.into is not None) is direct
+            loss.backward(torch.tensor(g))
+            hs.append(h.grad)
+        grads.append((model.lm_head.weight.grad, hs))
+    (w_autograd, h_autograd), (w_direct, h_direct) = grads
+    assert w_direct.dtype == torch.float32 and torch.equal(w_direct, w_autograd)
+    assert all(torch.equal(a, b) for a, b in zip(h_autograd, h_direct, strict=True))
+    assert w_direct.abs().sum() > 0

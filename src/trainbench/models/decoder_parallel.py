@@ -241,7 +241,7 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
             from trainbench.models.fp8_output import cache_output_casts, lm_loss_fp8
 
             if placed.loss_fn is lm_loss_fp8:  # (set by parallelize where model.output_precision=fp8)
-                out.after_step = _one_after_another(out.after_step, cache_output_casts(placed))
+                out.after_step = _one_after_another(out.after_step, cache_output_casts(placed, compile_blocks))
         if experts:
             wgrad = getattr(cfg, "expert_weight_grad", "fp8")
             out.notes.append(f"the experts' grouped products of {experts} blocks in FP8 (forward and input "
