@@ -795,6 +795,9 @@ def test_fp8_sharded_over_one_gpu_trains_the_losses_of_the_unsharded_fp8_path_on
     assert max(abs(a - b) for a, b in zip(evals["unsharded"], evals["sharded"], strict=True)) <= 2e-2, evals
     console = (only_run_dir(tmp_path / "r" / "sharded") / "console.log").read_text()
     assert "FSDP2 gathers their weights in FP8" in console and "FSDP2 over this one rank" in console
+    rows = "the embedding's gradient added into .grad by the rows each micro-batch touches"
+    assert rows not in console  # (sharded: FSDP2 reduce-scatters the whole gradient)
+    assert rows in (only_run_dir(tmp_path / "r" / "unsharded") / "console.log").read_text()
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped, and a norm under the limit (factor 1)
@@ -911,6 +914,27 @@ def test_own_adamw_kernel_updates_sharded_parameters_as_torchs_fused_update_on_c
         change = float((b - g(i, shapes[i])).abs().max())
         assert change > 1e-3
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6 * change)
+
+
+def test_embedding_rows_into_grad_is_torchs_embedding_gradient_bit_for_bit_on_cuda():
+    """models/embedding_rows on CUDA at gpt_oss_20b's vocabulary (a narrow table): over 3 micro-batches of 32,768
+    tokens with repeats, the .grad equals torch's embedding backward and autograd's accumulation bit for bit (the
+    adds into .grad never meet on a row, so their order does not matter)."""
+    from trainbench.models.embedding_rows import rows_into_grad
+
+    torch.manual_seed(0)
+    plain = torch.nn.Embedding(201088, 64).cuda()
+    ours = torch.nn.Embedding(201088, 64).cuda()
+    ours.load_state_dict(plain.state_dict())
+    rows_into_grad(ours)
+    gen = torch.Generator("cuda").manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 5000, (4, 8192), device="cuda", generator=gen)  # many repeats
+        upstream = torch.randn(4, 8192, 64, device="cuda", generator=gen)
+        (plain(ids) * upstream).sum().backward()
+        (ours(ids) * upstream).sum().backward()
+        assert torch.equal(plain.weight.grad, ours.weight.grad)
+    assert int((plain.weight.grad.abs().sum(1) > 0).sum()) > 4000
 
 
 def test_the_experts_grouped_product_on_cuda_matches_the_padded_batched_one():

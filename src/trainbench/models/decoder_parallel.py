@@ -224,6 +224,11 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
     out = Placed(module=placed, model=placed, comm_precision=sharded_comm_precision(info.world_size, mixed, fp8))
     if info.world_size == 1 and shard_one_rank:
         out.notes.append("FSDP2 over this one rank (distributed.shard_one_rank), placed as several ranks place it")
+    if not sharded and info.device.type == "cuda" and not cfg.tie_embeddings:
+        from trainbench.models.embedding_rows import rows_into_grad
+
+        rows_into_grad(placed.model.embed_tokens)
+        out.notes.append("the embedding's gradient added into .grad by the rows each micro-batch touches")
     if fp8:
         from trainbench.models.fp8 import finish_placement
         from trainbench.models.moe import MoE
