@@ -30,6 +30,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from timing import cuda_ms  # noqa: E402  (perf/timing.py, beside this script)
+
 from trainbench.launch.local import build_config  # noqa: E402
 from trainbench.optim.adamw import OWN_KERNEL_BLOCK, AdamClipped  # noqa: E402
 
@@ -43,15 +45,6 @@ def model_and_grads(benchmark: str, preset: str, blocks: int):
         p.detach().normal_(0, 0.02, generator=gen)
     grads = [torch.randn(p.shape, device="cuda", generator=gen) * 1e-3 for p in params]
     return bench, cfg, model, params, grads
-
-
-def cuda_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def optimizer(way: str, bench, cfg, model, clip: bool):

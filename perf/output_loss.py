@@ -29,6 +29,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from timing import cuda_ms  # noqa: E402  (perf/timing.py, beside this script)
+
 from trainbench.models import fp8, fp8_output  # noqa: E402
 from trainbench.models.decoder import lm_loss  # noqa: E402
 
@@ -61,15 +63,6 @@ def build(way: str, width: int, vocab: int):
     elif way == "fp8_output":
         after_step = fp8_output.cache_output_casts(head)
     return head, after_step
-
-
-def cuda_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def measure(way: str, rows: int, width: int, vocab: int, steps: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
