@@ -328,9 +328,10 @@ def add_grad_into(total: torch.Tensor, grad: torch.Tensor) -> None:
     total.add_(grad)
 
 
-def grad_adders(compiled: bool) -> tuple[Callable, Callable]:
-    """:func:`grad_as_fp32` and :func:`add_grad_into`, compiled where ``compiled`` (one graph a weight's shape)."""
-    return tuple(torch.compile(f, dynamic=False) if compiled else f for f in (grad_as_fp32, add_grad_into))
+def grad_adders(compiled: bool, adders: tuple[Callable, Callable] | None = None) -> tuple[Callable, Callable]:
+    """``adders`` (None: :func:`grad_as_fp32` and :func:`add_grad_into`), compiled where ``compiled`` (one graph a
+    weight's shape)."""
+    return tuple(torch.compile(f, dynamic=False) if compiled else f for f in adders or (grad_as_fp32, add_grad_into))
 
 
 def add_micro_batch_grad(w: torch.Tensor, grad: torch.Tensor, as_fp32: Callable, add_into: Callable) -> None:

@@ -32,7 +32,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from trainbench.models.fp8 import E4M3, E4M3_MAX, cast_transpose_e4m3, once_a_step, scaled_mm, transpose_fp8
+from trainbench.models.fp8 import (
+    E4M3,
+    E4M3_MAX,
+    add_micro_batch_grad,
+    cast_transpose_e4m3,
+    grad_adders,
+    once_a_step,
+    scaled_mm,
+    transpose_fp8,
+)
 from trainbench.models.triton_kernels import lazy_kernel
 
 E5M2 = torch.float8_e5m2
@@ -174,9 +183,9 @@ def add_scaled_into(total: torch.Tensor, grad: torch.Tensor, g: torch.Tensor) ->
 
 
 def grad_into(compiled: bool) -> tuple[Callable, Callable]:
-    """:func:`scaled_as_fp32` and :func:`add_scaled_into`, compiled where ``compiled`` (torch's eager kernels for
-    mixed dtypes run below the bandwidth of the compiled ones: fp8.add_grad_into)."""
-    return tuple(torch.compile(f, dynamic=False) if compiled else f for f in (scaled_as_fp32, add_scaled_into))
+    """:func:`scaled_as_fp32` and :func:`add_scaled_into`, compiled where ``compiled`` (``fp8.grad_adders``: torch's
+    eager kernels for mixed dtypes run below the bandwidth of the compiled ones)."""
+    return grad_adders(compiled, (scaled_as_fp32, add_scaled_into))
 
 
 class _Fp8OutputLoss(torch.autograd.Function):
@@ -225,11 +234,8 @@ class _Fp8OutputLoss(torch.autograd.Function):
             grad_hidden = grad_hidden.to(ctx.dtypes[0], copy=True).mul_(g)
         if grad_weight is not None and ctx.into is not None:
             weight, as_fp32, add_into = ctx.into
-            with torch.no_grad():
-                if weight.grad is None:
-                    weight.grad = as_fp32(grad_weight, g)
-                else:
-                    add_into(weight.grad, grad_weight, g)
+            add_micro_batch_grad(weight, grad_weight, lambda grad: as_fp32(grad, g),
+                                 lambda total, grad: add_into(total, grad, g))  # fmt: skip
             grad_weight = None
         elif grad_weight is not None:
             grad_weight = grad_weight.to(ctx.dtypes[1], copy=True).mul_(g)
