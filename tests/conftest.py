@@ -169,19 +169,6 @@ def lock_held_elsewhere(folder: Path, what: str):
         holder.wait()
 
 
-def leave_without_finalizing() -> None:
-    """End a spawned gloo rank that finished its work without Python's finalization. A Gloo worker thread frees a
-    finished collective's work (and the tensors it held) just after the collective returns; where that tensor has a
-    Python object, freeing it takes the GIL, and a thread that asks for the GIL while the interpreter finalizes is
-    ended by pthread_exit, whose unwinding through the work's destructor aborts the process ("terminate called without
-    an active exception"; seen in CI, read from a core dump: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork ->
-    ~AsyncAllgatherWork -> decref_pyobject -> take_gil -> PyThread_exit_thread). A barrier before leaving does not
-    close it: the barrier's own work holds the works before it."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def run_cli(*args: str) -> int:
     return cli_main([str(a) for a in args])
 

@@ -218,10 +218,9 @@ def _two_d_worker(rank: int, world: int, port: int, out: str) -> None:
 
     import torch
     import torch.distributed as dist
-    from conftest import leave_without_finalizing
 
     from trainbench.benchmarks.llm import TINY_MODEL
-    from trainbench.distributed import shutdown
+    from trainbench.distributed import leave, shutdown
     from trainbench.models.decoder import DecoderLM
     from trainbench.models.decoder_parallel import parallelize
     from trainbench.optim.adamw import AdamClipped
@@ -251,7 +250,7 @@ def _two_d_worker(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(losses))
     shutdown(drain=True)
-    leave_without_finalizing()
+    leave(0)
 
 
 @pytest.mark.full

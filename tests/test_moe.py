@@ -165,9 +165,8 @@ def _on_gloo_ranks(rank: int, world: int, port: int, body, case=None) -> None:
     import os
 
     import torch.distributed as dist
-    from conftest import leave_without_finalizing
 
-    from trainbench.distributed import shutdown
+    from trainbench.distributed import leave, shutdown
     from trainbench.models.decoder_parallel import apply_expert_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -181,7 +180,7 @@ def _on_gloo_ranks(rank: int, world: int, port: int, body, case=None) -> None:
         finished = True
     finally:
         shutdown(drain=finished)
-    leave_without_finalizing()
+    leave(0)
 
 
 def _expert_parallel_worker(rank, world, port, align, out):

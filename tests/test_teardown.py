@@ -85,18 +85,40 @@ def test_a_process_that_leaves_the_prefetcher_over_torch_work_exits_cleanly(tmp_
         assert proc.returncode == 0 and "terminate called" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])
 
 
+def test_a_rank_leaves_with_its_code_and_its_output_flushed_without_finalization(tmp_path):
+    """A rank ends through ``distributed.leave``: a Gloo worker thread freeing a finished collective's tensors while
+    the interpreter finalizes aborts the process, so a rank never reaches finalization (atexit's handlers stand in
+    for it here), yet what it printed and logged is kept and its exit code is the one it gave."""
+    log = tmp_path / "rank.log"
+    script = textwrap.dedent(f"""
+        import atexit, logging
+        from trainbench.distributed import leave
+
+        atexit.register(lambda: print("finalized"))
+        logger = logging.getLogger("rank")
+        logger.addHandler(logging.FileHandler({str(log)!r}))
+        logger.warning("logged")
+        print("printed", end="")
+        leave(3)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (3, "printed"), (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert log.read_text() == "logged\n"
+
+
 # -- a crash after run_stop ----------------------------------------------------------------------------------------
 
 QUICK = ["progress=false", "telemetry_hz=0", "eval_samples=256", "eval.every_samples=320", "schedule.max_samples=320"]
 
 
 def _abort_at_exit_on_rank_1(tmp_path: Path) -> str:
-    """A sitecustomize that aborts rank 1 of any torchrun child when its interpreter exits: after the rank's work,
-    its run_stop, its process group's end and its return code, as a library's thread at exit would."""
+    """A sitecustomize that aborts rank 1 of any torchrun child as its process ends (``os._exit``, which
+    ``distributed.leave`` ends a rank with): after the rank's work, its run_stop, its process group's end and its
+    return code, as a library's thread at exit would."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
-        "import atexit, os\nif os.environ.get('RANK') == '1':\n    atexit.register(os.abort)\n"
+        "import os\nif os.environ.get('RANK') == '1':\n    os._exit = lambda code: os.abort()\n"
     )
     return os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import socket
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -154,10 +156,8 @@ def shutdown(drain: bool = False, abort_wait_s: float = 30.0) -> None:
     """Leave the process group. ``drain`` (every rank got here normally): a barrier first, which waits for every
     collective still in flight on this rank (an FSDP prefetch, say); a Gloo worker thread still holding one at exit
     aborted the process ("terminate called without an active exception"). Never after an error: a barrier would wait
-    for ranks that will not come. Not closed by the barrier: a Gloo worker thread frees each finished work just after
-    it completes, and where the work held a tensor with a Python object and the interpreter is already finalizing,
-    taking the GIL for it ends the thread and aborts the process the same way (read from a core dump of a test's
-    spawned rank; tests/conftest.leave_without_finalizing).
+    for ranks that will not come. Not closed by the barrier: a finished work freed by a Gloo worker thread while the
+    interpreter finalizes aborts the process the same way; a rank's process therefore ends through :func:`leave`.
 
     After an error, NCCL's communicators are aborted, not destroyed: torch's ``destroy_process_group`` first lets
     every NCCL collective in flight finish, and one that a failed rank left waiting on the others never does, so the
@@ -185,6 +185,24 @@ def shutdown(drain: bool = False, abort_wait_s: float = 30.0) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+def leave(code: int) -> NoReturn:
+    """End a rank's process with ``code`` once its work is written and its process group left, without Python's
+    finalization. A Gloo worker thread frees a finished collective's work (and the tensors it held) just after the
+    collective returns; where such a tensor has a Python object, freeing it takes the GIL, and a thread that asks for
+    the GIL while the interpreter finalizes is ended by pthread_exit, whose unwinding through the work's destructor
+    aborts the process ("terminate called without an active exception"; read from a core dump: ProcessGroupGloo::
+    runLoop -> ~AsyncBarrierWork -> ~AsyncAllgatherWork -> decref_pyobject -> take_gil -> PyThread_exit_thread). A
+    barrier before leaving does not close it: the barrier's own work holds the works before it. A rank that had
+    finished its measurement died so after its last step, and its launcher reported the run failed.
+
+    What finalization would still do is done here first: logging's handlers flushed and closed, stdout and stderr
+    flushed. Every file the run writes is closed by then (the loop's ``finally``)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass

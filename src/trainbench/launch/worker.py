@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.markup import escape
 
 from trainbench.console import console
-from trainbench.distributed import init_distributed, resolve_device, shutdown
+from trainbench.distributed import init_distributed, leave, resolve_device, shutdown
 from trainbench.errors import Preempted, UserError
 from trainbench.launch.local import (
     RUN_LOCKED,
@@ -138,4 +138,4 @@ def bind_cpus(info) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # never through Python's finalization: see leave()
