@@ -138,6 +138,19 @@ def test_a_rank_that_crashes_after_run_stop_leaves_the_result_standing(small_dat
     assert summary["runs"][0]["status"] == "aborted" and "failed under torchrun" not in printed
 
 
+@pytest.mark.full
+def test_a_rank_that_crashes_after_the_figures_are_written_leaves_the_measurement_standing(tmp_path, monkeypatch,
+                                                                                          capsys):  # fmt: skip
+    monkeypatch.setenv("PYTHONPATH", _abort_at_exit_on_rank_1(tmp_path))
+    code = run_cli("bench", "bert", "--preset", "tiny", "--nproc", "2", "--steps", "2", "--warmup", "1",
+                   f"output.results_dir={tmp_path / 'r'}", "progress=false", "telemetry_hz=0")  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-3000:]
+    assert "after rank 0 had written the figures" in printed and "a rank failed after them" in printed, printed[-3000:]
+    result = json.loads((only_run_dir(tmp_path / "r") / "bench.json").read_text())
+    assert result["tokens_per_s"] > 0
+
+
 def test_the_slurm_job_of_a_run_whose_log_holds_run_stop_completes_whatever_a_rank_exited_with(converged, tmp_path):
     import shutil
 

@@ -115,7 +115,7 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
             raw = measure(run_cfg, bench, run_dir, info, steps, warmup, profile_steps, snapshot)
             (run_dir / RAW.format(depth=depth)).write_text(json.dumps(raw, indent=2))
         else:
-            _torchrun(run_cfg, run_dir, depth)
+            _torchrun(run_cfg, run_dir, depth, out)
         raws[depth] = json.loads((run_dir / RAW.format(depth=depth)).read_text())
         out.say(_depth_line(raws[depth], depth))
         if family is not None:
@@ -230,10 +230,18 @@ def _compare_at(bench, cfg, family, steps, warmup, device, peers, depth, out, wa
         out.say(_depth_line(peers[name][depth], depth, name))
 
 
-def _torchrun(cfg: RunConfig, run_dir: Path, depth: int) -> None:
+def _torchrun(cfg: RunConfig, run_dir: Path, depth: int, out: RunConsole) -> None:
+    """One depth measured by ``nproc`` ranks under torchrun. Rank 0 writes the figures after the timed steps' last
+    collective, so every rank had done those steps: a rank that fails after that (on its way out, a thread of its own
+    at interpreter exit) does not undo them."""
     cmd, env = torchrun_worker(cfg.distributed.nproc, str(run_dir), "0", "--bench")
     code = subprocess.run(cmd, env=env).returncode
-    if code != 0 or not (run_dir / RAW.format(depth=depth)).exists():
+    written = (run_dir / RAW.format(depth=depth)).exists()
+    if code != 0 and written:
+        out.say(f"torchrun exited with code {code} after rank 0 had written the figures at {depth} blocks (every "
+                "rank's timed steps done): a rank failed after them; the figures stand", style="yellow")  # fmt: skip
+        return
+    if code != 0 or not written:
         said = other_ranks_error(run_dir, f"bench{depth}")
         raise UserError(f"the measurement failed under torchrun (exit code {code}){'; ' + said if said else ''}; "
                         f"see the messages above and {run_dir / CONSOLE}")  # fmt: skip
