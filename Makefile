@@ -12,7 +12,12 @@ DEMO_RESULTS ?= results
 # Independent test modules run in parallel, one worker per core; a module's tests stay on one worker.
 PYTEST := $(BIN)/python -m pytest -n auto --dist loadgroup
 
-.PHONY: demo test test-all lint clean image
+# The GPU tiers (docs/testing.md) run on a machine with NVIDIA GPUs, in .venv where make built one, else with the
+# python3 that holds torch (a GPU machine's own image: trainbench from src/).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_PYTEST := PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pytest -q --dist load
+
+.PHONY: demo test test-all test-gpu test-gpu-multi lint clean image
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +35,15 @@ test: lint
 
 test-all: lint
 	$(PYTEST) -q
+
+# One GPU: three workers share it, then the tests that measure its speed run with it to themselves.
+test-gpu:
+	$(GPU_PYTEST) -n 3 -m "gpu and not multigpu and not alone" tests/test_gpu.py
+	$(GPU_PYTEST) -n 0 -m "gpu and alone" tests/test_gpu.py
+
+# Two GPUs or more of one host: every parallel path over NCCL, three workers sharing the first two GPUs.
+test-gpu-multi:
+	$(GPU_PYTEST) -n 3 -m multigpu tests/test_gpu_multi.py
 
 # The container image from the package registries alone (podman, mmdebstrap): docs/containers.md.
 image:

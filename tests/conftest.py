@@ -262,6 +262,41 @@ def train_float8_layers(once: bool, stale_step: int | None = None, device: str =
     return seen
 
 
+@pytest.fixture
+def empty_compile_caches():
+    """Each test compiles from empty dynamo caches, as a `trainbench` process (one model) does. The tests of many
+    models in one process can otherwise fill the recompile limit of the code they share (a block's forward), past
+    which dynamo runs that code eagerly: a path no run takes."""
+    import torch
+
+    torch._dynamo.reset()
+
+
+def _why_a_run_failed(results: Path, code: int) -> str:
+    """What a failed run left in ``results`` to say why: each run folder's outcome (run_0.json) and last metrics."""
+    lines = [f"the run exited with {code}"]
+    for run_dir in sorted(d for d in results.glob("*") if d.is_dir()):
+        outcome, metrics = run_dir / "run_0.json", run_dir / "metrics.jsonl"
+        lines.append(f"{run_dir.name}: " + (outcome.read_text().strip() if outcome.exists() else "no run_0.json"))
+        lines += metrics.read_text().splitlines()[-4:] if metrics.exists() else ["no metrics.jsonl"]
+    return "\n".join(lines)
+
+
+def tiny_run_to_target_on_cuda(tmp_path, benchmark: str, *keys: str) -> Path:
+    """``benchmark``'s tiny data prepared, then a run on CUDA with ``keys`` (a preset, overrides): it succeeds and its
+    log passes the checker. Returns its run folder."""
+    data = tmp_path / "data"
+    assert run_cli("prepare", benchmark, "--synthetic", "--preset", "tiny", "--out", data) == 0
+    code = run_cli("run", benchmark, *keys, f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}", "device=cuda",
+                   "progress=false")  # fmt: skip
+    if code != 0:
+        pytest.fail(_why_a_run_failed(tmp_path / "r", code))
+    run_dir = only_run_dir(tmp_path / "r")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
+    return run_dir
+
+
 def losses_and_evals(common: list[str], runs: dict[str, list[str]], results: Path, metric: str) -> tuple[dict, dict]:
     """Each run of ``common`` plus its own arguments into ``results / name`` (a short run may stop before the target:
     its exit code is not asked): its losses and its evals' ``metric``, by name."""

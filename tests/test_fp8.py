@@ -121,3 +121,31 @@ def test_the_output_layer_in_fp8_follows_the_unswapped_loss_within_fp8_rounding(
         after = "the embedding as before" if m is model else "the output layer and the embedding as before"
         line = f"{swapped} linear layers of the blocks train in FP8 (torchao's float8 training, tensorwise scales)"
         assert placed.notes[0].startswith(line + also) and placed.notes[0].endswith(f"; {after}"), placed.notes
+
+
+def test_the_optimizers_own_kernel_is_handed_an_fp8_gathered_weights_memory_never_its_wrapper():
+    """Under FSDP2 with the weights gathered in FP8, a weight's shard is torchao's wrapper subclass, whose own data
+    pointer is 0; optim/adamw hands ``tb_adamw`` the tensor inside it (the same memory), and refuses a wrapper of
+    several same-shaped tensors rather than guess."""
+    import pytest
+
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from trainbench.optim.adamw import _memory
+
+    inner = torch.randn(8, 16)
+    wrapped = WeightWithDynamicFloat8CastTensor(inner, LinearMMConfig(), torch.float8_e4m3fn, torch.ones(()))
+    assert wrapped.data_ptr() == 0  # what a kernel handed the wrapper would write through
+    assert _memory(wrapped) is inner and _memory(inner) is inner
+    twice = torch.nn.Parameter(wrapped)  # (a parameter of it, as FSDP2 holds it)
+    assert _memory(twice).data_ptr() == inner.data_ptr()
+
+    class Pair(WeightWithDynamicFloat8CastTensor):  # two inner tensors of the wrapper's shape: which one is not known
+        def __tensor_flatten__(self):
+            return ["_tensor", "_other"], {}
+
+    pair = Pair(inner, LinearMMConfig(), torch.float8_e4m3fn)
+    pair._other = inner.clone()
+    assert _memory(pair) is None

@@ -1,52 +1,20 @@
-"""GPU tier: runs only where CUDA is present (skipped on CI, which has no GPU)."""
+"""Single-GPU tier (``make test-gpu``): runs only where CUDA is present (skipped on CI, which has no GPU). The tests of
+2 GPUs or more are in test_gpu_multi.py."""
 
 import dataclasses
 import gc
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, only_run_dir, run_cli, train_float8_layers
+from conftest import only_run_dir, run_cli, tiny_run_to_target_on_cuda, train_float8_layers
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.usefixtures("empty_compile_caches"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _empty_compile_caches():
-    """Each test compiles from empty dynamo caches, as a `trainbench` process (one model) does. The tests of many
-    models in one process can otherwise fill the recompile limit of the code they share (a block's forward), past
-    which dynamo runs that code eagerly: a path no run takes."""
-    torch._dynamo.reset()
-
-
-def _why_a_run_failed(results: Path, code: int) -> str:
-    """What a failed run left in ``results`` to say why: each run folder's outcome (run_0.json) and last metrics."""
-    lines = [f"the run exited with {code}"]
-    for run_dir in sorted(d for d in results.glob("*") if d.is_dir()):
-        outcome, metrics = run_dir / "run_0.json", run_dir / "metrics.jsonl"
-        lines.append(f"{run_dir.name}: " + (outcome.read_text().strip() if outcome.exists() else "no run_0.json"))
-        lines += metrics.read_text().splitlines()[-4:] if metrics.exists() else ["no metrics.jsonl"]
-    return "\n".join(lines)
-
-
-def tiny_run_to_target_on_cuda(tmp_path, benchmark: str, *keys: str) -> Path:
-    """``benchmark``'s tiny data prepared, then a run on CUDA with ``keys`` (a preset, overrides): it succeeds and its
-    log passes the checker. Returns its run folder."""
-    data = tmp_path / "data"
-    assert run_cli("prepare", benchmark, "--synthetic", "--preset", "tiny", "--out", data) == 0
-    code = run_cli("run", benchmark, *keys, f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}", "device=cuda",
-                   "progress=false")  # fmt: skip
-    if code != 0:
-        pytest.fail(_why_a_run_failed(tmp_path / "r", code))
-    run_dir = only_run_dir(tmp_path / "r")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["runs"][0]["status"] == "success" and summary["runs"][0]["compliance"]["passed"]
-    return run_dir
 
 
 def test_bf16_forward_agrees_with_fp32_on_cuda():
@@ -520,6 +488,7 @@ def test_recomputed_blocks_with_their_inputs_on_the_host_train_like_kept_ones_on
     moved.remove()
 
 
+@pytest.mark.alone  # (compares the host link's rates while a step runs and while none does)
 def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_this_gpu(tmp_path, monkeypatch):
     """The probe (two blocks of a 2048-wide LoRA model through the run's own build) measures what the planner needs,
     and the plan made from it for a 48-block model of that width fits this GPU by its own account."""
@@ -567,6 +536,7 @@ def test_the_layout_probe_measures_a_compiled_block_of_the_8b_model(precision):
     assert "sm_clock_mhz" in data and (data["sm_clock_mhz"] is None or 100 < data["sm_clock_mhz"] < 5000), data
 
 
+@pytest.mark.alone  # (the host link's rates)
 def test_the_host_link_shared_by_every_gpu_here_is_no_faster_than_one_gpu_alone(tmp_path):
     """train/probe.link_rates on every GPU of this machine at once (one GPU: the same as alone): each GPU's
     rate both ways is real and no more than its rate copying alone (timing spread aside); the ``--link`` entry writes
@@ -581,53 +551,6 @@ def test_the_host_link_shared_by_every_gpu_here_is_no_faster_than_one_gpu_alone(
     out = tmp_path / "link.json"
     assert main(["--link", str(torch.cuda.device_count()), str(out)]) == 0
     assert all(r > 1e9 for r in json.loads(out.read_text()))
-
-
-def _rank_that_fails_beside_a_waiting_peer(rank: int, port: int) -> None:
-    """Rank 0 enqueues a second all-reduce that rank 1 never joins (as a rank that failed mid-step left one in
-    flight), then leaves the group as a failed rank does (``distributed.shutdown()``) and exits with 3 once it has
-    left; rank 1 sleeps."""
-    import os
-    import time
-
-    import torch.distributed as dist
-
-    from trainbench import distributed
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
-    x = torch.ones(1 << 20, device="cuda")
-    dist.all_reduce(x)
-    torch.cuda.synchronize()
-    if rank == 1:
-        time.sleep(600)
-    dist.all_reduce(x, async_op=True)  # never completes: rank 1 does not come
-    distributed.shutdown(abort_wait_s=20)
-    os._exit(3)
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs; fewer are visible")
-def test_a_rank_that_failed_leaves_nccl_at_once_while_a_peer_waits_on_it():
-    """After an error, a rank aborts NCCL rather than waiting for its collectives to be flushed: it exits within
-    seconds although a collective of its own waits for a peer that will never join (destroy_process_group flushes
-    it first, and would wait for ever)."""
-    import multiprocessing
-    import time
-
-    port = free_port()
-    spawn = multiprocessing.get_context("spawn")
-    ranks = [spawn.Process(target=_rank_that_fails_beside_a_waiting_peer, args=(r, port)) for r in (0, 1)]
-    for p in ranks:
-        p.start()
-    try:
-        began = time.monotonic()
-        ranks[0].join(90)
-        assert ranks[0].exitcode in (1, 3), f"rank 0 still running after {time.monotonic() - began:.0f} s"
-    finally:
-        for p in ranks:
-            p.kill()
-            p.join()
 
 
 def test_a_gpu_memory_limit_holds_the_allocator_to_it_on_cuda():
@@ -971,19 +894,6 @@ def test_tiny_gpt_oss_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsy
     assert "the experts' grouped products of 2 blocks in FP8" in out
     events = [json.loads(line.split(":::MLLOG ")[1]) for line in (run_dir / "result_0.txt").read_text().splitlines()]
     assert {e["key"]: e["value"] for e in events}["lowest_numerical_precision_in_linear"] == "fp8"
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs; fewer are visible")
-@pytest.mark.parametrize("precision", ["auto", "fp8"])
-def test_tiny_gpt_oss_reaches_its_target_with_its_experts_on_two_gpus(tmp_path, precision):
-    """distributed.ep=2 over NCCL, compiled, in bf16 (auto) and FP8: each GPU holds half the experts, tokens reach
-    them by all-to-all; in FP8 each rank pads the rows that arrive for its experts to the grouped product's 16
-    (moe._experts_padded)."""
-    if precision == "fp8":
-        pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
-    keys = ("perf.compile=true", "--nproc", "2", "distributed.ep=2", f"model.precision={precision}")
-    run_dir = tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", "tiny", *keys)
-    assert "on each of 2 ranks (all-to-all)" in (run_dir / "console.log").read_text()
 
 
 @pytest.mark.parametrize("activation, bias", [("silu", False), ("gpt_oss", True)])

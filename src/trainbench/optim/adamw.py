@@ -15,6 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from trainbench.models.triton_kernels import lazy_kernel
 from trainbench.optim.sqrt import sqrt
@@ -56,6 +57,25 @@ _adamw_kernel = lazy_kernel(_define_adamw)
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _memory(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor whose memory holds ``t``'s elements, for a kernel that reads and writes them through a
+    pointer: a DTensor's local shard, and within a wrapper subclass (torchao's FP8-gathered weights under FSDP2) the
+    one inner tensor of its shape, dtype and strides; None where there is no such tensor. A wrapper's own data pointer
+    is 0: a kernel handed the wrapper itself writes at address 0 and the GPU faults (an illegal memory access, seen on
+    every rank of FSDP2 over 4 GPUs with the weights gathered in FP8)."""
+    t = _local(t)
+    while is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, name) for name in names]
+        same = [
+            x for x in inner if (x.shape, x.dtype, x.device, x.stride()) == (t.shape, t.dtype, t.device, t.stride())
+        ]
+        if len(same) != 1:
+            return None
+        t = _local(same[0])
+    return t
 
 
 class AdamClipped(torch.optim.AdamW):
@@ -106,7 +126,9 @@ class AdamClipped(torch.optim.AdamW):
             return False
         if not all(isinstance(b, float) and 0 < b < 1 for b in group["betas"]):
             return False
-        local, grad = _local(p), _local(p.grad)
+        local, grad = _memory(p), _memory(p.grad)
+        if local is None or grad is None:
+            return False
         return (local.dtype == grad.dtype == torch.float32 and local.numel() >= OWN_KERNEL_MIN
                 and local.is_contiguous() and grad.is_contiguous() and _adamw_kernel() is not None)  # fmt: skip
 
@@ -148,9 +170,12 @@ class AdamClipped(torch.optim.AdamW):
         divisor = getattr(self, "grad_scale", None)
         for group, p in own:
             state, (beta1, beta2) = self.state[p], group["betas"]
-            n, block = _local(p).numel(), self.own_kernel_block
-            kernel[(cdiv(n, block),)](_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                                      state["step"], divisor if divisor is not None else state["step"], n,
+            memory = [_memory(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+            n, block = memory[0].numel(), self.own_kernel_block
+            assert all(m is not None and m.is_contiguous() and m.numel() == n for m in memory), (
+                "tb_adamw: 4 equal tensors"
+            )
+            kernel[(cdiv(n, block),)](*memory, state["step"], divisor if divisor is not None else state["step"], n,
                                       float(group["lr"]), float(group["weight_decay"]), beta1, beta2, math.log2(beta1),
                                       math.log2(beta2), group["eps"], HAS_DIVISOR=divisor is not None, BLOCK=block,
                                       num_warps=8)  # fmt: skip
