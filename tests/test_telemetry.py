@@ -1,4 +1,5 @@
-"""Telemetry: the sampler against a fake NVML, the CPU fallback, and energy integration."""
+"""Telemetry: the sampler against a fake NVML, the choice of the GPUs it samples, the CPU fallback, and energy
+integration."""
 
 from __future__ import annotations
 
@@ -9,21 +10,28 @@ import types
 import pytest
 
 from trainbench import telemetry
-from trainbench.telemetry import Sampler, gpu_energy, integrate_power, read_csv, run_energy
+from trainbench.errors import UserError
+from trainbench.telemetry import NvmlDevice, Sampler, gpu_energy, integrate_power, read_csv, run_energy, select_gpus
+
+UUIDS = [f"GPU-{i}a1b2c3d-0000-1111-2222-33334444555{i}" for i in range(4)]
 
 
-def fake_nvml(gpus: int = 2, watts: float = 300.0, start_energy_j: float = 1000.0) -> types.ModuleType:
-    """A stand-in for pynvml: every GPU draws ``watts``; its energy counter rises accordingly."""
+def fake_nvml(watts: tuple[float, ...] = (300.0, 300.001), start_energy_j: float = 1000.0) -> types.ModuleType:
+    """A stand-in for pynvml: GPU i (UUID ``UUIDS[i]``, minor number i, no MIG) draws ``watts[i]``; its energy counter
+    rises accordingly."""
     nv = types.ModuleType("pynvml")
     t0 = time.time()
     nv.NVML_TEMPERATURE_GPU, nv.NVML_CLOCK_SM, nv.NVML_CLOCK_MEM = 0, 1, 2
     nv.calls = []
     nv.nvmlInit = lambda: nv.calls.append("init")
     nv.nvmlShutdown = lambda: nv.calls.append("shutdown")
-    nv.nvmlDeviceGetCount = lambda: gpus
+    nv.nvmlDeviceGetCount = lambda: len(watts)
     nv.nvmlDeviceGetHandleByIndex = lambda i: i
-    nv.nvmlDeviceGetPowerUsage = lambda h: watts * 1000 + h  # mW
-    nv.nvmlDeviceGetTotalEnergyConsumption = lambda h: (start_energy_j + watts * (time.time() - t0)) * 1000  # mJ
+    nv.nvmlDeviceGetUUID = lambda h: UUIDS[h]
+    nv.nvmlDeviceGetMinorNumber = lambda h: h
+    nv.nvmlDeviceGetMaxMigDeviceCount = lambda h: 0
+    nv.nvmlDeviceGetPowerUsage = lambda h: watts[h] * 1000  # mW
+    nv.nvmlDeviceGetTotalEnergyConsumption = lambda h: (start_energy_j + watts[h] * (time.time() - t0)) * 1000  # mJ
     nv.nvmlDeviceGetTemperature = lambda h, sensor: 60 + h
     nv.nvmlDeviceGetClockInfo = lambda h, clock: {1: 1980, 2: 3201}[clock]
     nv.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=97, memory=41)
@@ -39,10 +47,13 @@ def fake_nvml(gpus: int = 2, watts: float = 300.0, start_energy_j: float = 1000.
 def test_sampler_writes_one_csv_per_gpu_at_its_rate(tmp_path, monkeypatch):
     nv = fake_nvml()
     monkeypatch.setitem(sys.modules, "pynvml", nv)
-    sampler = Sampler(tmp_path, rate_hz=10, host="node1").start()
+    sampler = Sampler(tmp_path, rate_hz=10, host="node1", gpus_used=2, env={}).start()
     time.sleep(1.05)
     sampler.stop()
-    assert "2 GPU(s)" in sampler.note and nv.calls == ["init", "shutdown"]
+    assert sampler.note == ("GPU telemetry through NVML: GPUs 0 (GPU-0a1b2c3d), 1 (GPU-1a1b2c3d) of this host's 2, "
+                            "taken in NVML's order for 2 ranks on this node (none of SLURM_STEP_GPUS, SLURM_JOB_GPUS, "
+                            "CUDA_VISIBLE_DEVICES is set)")  # fmt: skip
+    assert nv.calls == ["init", "shutdown"]
     for gpu in (0, 1):
         rows = read_csv(tmp_path / f"telemetry_node1_gpu{gpu}.csv")
         assert 9 <= len(rows) <= 14  # 10 Hz for a second, plus the first and last rows
@@ -63,7 +74,7 @@ def test_without_nvml_the_sampler_records_cpu_and_says_gpu_telemetry_is_absent(t
 
     broken.nvmlInit = no_driver
     monkeypatch.setitem(sys.modules, "pynvml", broken)
-    sampler = Sampler(tmp_path, rate_hz=20, host="laptop").start()
+    sampler = Sampler(tmp_path, rate_hz=20, host="laptop", gpus_used=1, env={}).start()
     time.sleep(0.3)
     sampler.stop()
     assert sampler.note.startswith("GPU telemetry absent")
@@ -122,18 +133,147 @@ def test_a_window_summary_gives_busy_medians_named_throttle_reasons_and_energy(t
     assert telemetry.throttle_names(0) == [] and telemetry.throttle_names(1 << 20) == ["0x100000"]
 
 
-def test_a_measured_window_samples_every_gpu_in_a_folder_of_its_own_and_removes_it(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(gpus=2, watts=300.0))
+def test_a_measured_window_samples_the_gpus_it_is_told_in_a_folder_of_its_own_and_removes_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(watts=(300.0, 300.0, 50.0)))
+    for var in telemetry.GPU_LISTS:
+        monkeypatch.delenv(var, raising=False)
     folders = []
     real_sampler = telemetry.Sampler
-    monkeypatch.setattr(telemetry, "Sampler", lambda folder, rate: folders.append(folder) or real_sampler(folder, rate))
-    with telemetry.measured_window(rate_hz=20) as summary:
+    monkeypatch.setattr(telemetry, "Sampler", lambda folder, rate, gpus_used: folders.append(folder)
+                        or real_sampler(folder, rate, gpus_used=gpus_used))  # fmt: skip
+    with telemetry.measured_window(rate_hz=20, gpus_used=2) as summary:
         time.sleep(0.6)
     assert len(folders) == 1 and not folders[0].exists()
-    assert sorted(g.split("_gpu")[1] for g in summary) == ["0", "1"]
+    assert sorted(g.split("_gpu")[1] for g in summary) == ["0", "1"]  # not GPU 2, which the block does not use
     for gpu in summary.values():
         assert gpu["power_w"] == pytest.approx(300, abs=0.01) and gpu["sm_clock_mhz"] == 1980
         assert gpu["energy_j"] == pytest.approx(300 * 0.6, rel=0.15)  # the counter's rise over the window
+    with telemetry.measured_window(rate_hz=20) as summary:  # a process on one GPU: its cuda:0
+        time.sleep(0.2)
+    assert [g.split("_gpu")[1] for g in summary] == ["0"]
+
+
+# -- which GPUs are sampled ----------------------------------------------------------------------------------------
+
+HOST = [NvmlDevice(i, UUIDS[i], minor=i) for i in range(4)]
+
+
+def chosen(env: dict[str, str], used: int = 4, devices: list[NvmlDevice] = HOST) -> list[int]:
+    """The NVML indices that select_gpus picks."""
+    return [d.index for d in select_gpus(env, devices, used)]
+
+
+def test_cuda_visible_devices_names_gpus_by_index_in_its_own_order_with_whitespace_around():
+    """CUDA's indices, taken as NVML's (both PCI bus order), in the order given: rank 0 runs on the first one."""
+    assert chosen({"CUDA_VISIBLE_DEVICES": "1"}) == [1]
+    assert chosen({"CUDA_VISIBLE_DEVICES": "3,1"}) == [3, 1]
+    assert chosen({"CUDA_VISIBLE_DEVICES": " 2 , 0 "}) == [2, 0]
+    assert chosen({"CUDA_VISIBLE_DEVICES": "1,1,2"}) == [1, 2]  # a GPU listed twice is sampled once
+
+
+def test_cuda_visible_devices_names_gpus_by_uuid_by_a_unique_prefix_or_by_a_mig_device_of_theirs():
+    """A MIG device stands for its GPU: NVML's power and energy are the physical GPU's, and the note says that the
+    GPU is shared."""
+    assert chosen({"CUDA_VISIBLE_DEVICES": f"{UUIDS[2]},{UUIDS[0]}"}) == [2, 0]
+    assert chosen({"CUDA_VISIBLE_DEVICES": "GPU-3a1b"}) == [3]
+    mig = [*HOST[:3], NvmlDevice(3, UUIDS[3], 3, ("MIG-5e6f7a8b-0000-1111-2222-333344445555", "MIG-9c0d1e2f-0000"))]
+    assert chosen({"CUDA_VISIBLE_DEVICES": "MIG-9c0d1e2f-0000"}, devices=mig) == [3]
+    assert chosen({"CUDA_VISIBLE_DEVICES": "MIG-5e6f,MIG-9c0d,0"}, used=2, devices=mig) == [3]  # two ranks, one GPU
+    env = {"CUDA_VISIBLE_DEVICES": "MIG-5e6f"}
+    assert telemetry.sampled_note(select_gpus(env, mig, 1), 4, env, 1) == (
+        "GPU telemetry through NVML: GPU 3 (GPU-3a1b2c3d) of this host's 4, chosen by CUDA_VISIBLE_DEVICES=MIG-5e6f "
+        "for 1 rank on this node; GPU 3 is shared by its MIG devices: its power and energy are the whole GPU's"
+    )
+
+
+def test_an_empty_cuda_visible_devices_hides_every_gpu_and_a_negative_index_ends_the_list():
+    """As CUDA reads it: ``-1`` is the usual way to hide the GPUs, and entries after a negative one are not seen."""
+    assert chosen({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert chosen({"CUDA_VISIBLE_DEVICES": "-1"}) == []
+    assert chosen({"CUDA_VISIBLE_DEVICES": "2,-1,3"}) == [2]
+
+
+def test_the_ranks_of_a_node_use_the_first_visible_gpus_one_each():
+    """Each rank takes the visible GPU of its local rank, so ``used`` ranks use the first ``used``; without a list
+    every GPU NVML lists is visible."""
+    assert chosen({"CUDA_VISIBLE_DEVICES": "3,2,1,0"}, used=2) == [3, 2]
+    assert chosen({}, used=2) == [0, 1]
+    assert chosen({}) == [0, 1, 2, 3]
+
+
+# A node whose Slurm job may see only /dev/nvidia2 and /dev/nvidia3: NVML lists those two, as indices 0 and 1.
+CONFINED = [NvmlDevice(0, UUIDS[2], minor=2), NvmlDevice(1, UUIDS[3], minor=3)]
+
+
+def test_slurm_s_gpu_ids_are_minor_numbers_and_come_before_cuda_visible_devices():
+    """A step's GPUs on the node (SLURM_STEP_GPUS, else the batch step's SLURM_JOB_GPUS) are /dev/nvidiaN numbers,
+    whatever the confinement; they list every rank's GPU where a rank's CUDA_VISIBLE_DEVICES holds its own alone."""
+    assert chosen({"SLURM_STEP_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0"}, used=2, devices=CONFINED) == [0, 1]
+    assert chosen({"SLURM_JOB_GPUS": "3", "CUDA_VISIBLE_DEVICES": "0"}, used=1, devices=CONFINED) == [1]
+    assert chosen({"SLURM_STEP_GPUS": "3", "SLURM_JOB_GPUS": "2,3"}, used=2, devices=CONFINED) == [1]
+    assert chosen({"SLURM_JOB_GPUS": "1-3"}) == [1, 2, 3]
+    no_minor = [NvmlDevice(i, UUIDS[i]) for i in range(4)]  # NVML's index stands in
+    assert chosen({"SLURM_JOB_GPUS": "0,2"}, devices=no_minor) == [0, 2]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"CUDA_VISIBLE_DEVICES": "1,7"}, "CUDA_VISIBLE_DEVICES=1,7 names GPU 7, but this host has 4 GPUs (0-3)"),
+    ({"CUDA_VISIBLE_DEVICES": "GPU-9f"}, "CUDA_VISIBLE_DEVICES=GPU-9f names GPU-9f, which matches none of this "
+                                         "host's 4 GPUs (0-3): GPU-0a1b2c3d, GPU-1a1b2c3d, GPU-2a1b2c3d, GPU-3a1b2c3d"),
+    ({"CUDA_VISIBLE_DEVICES": "GPU-"}, "CUDA_VISIBLE_DEVICES=GPU- names GPU-, which matches 4 of this host's 4 GPUs"),
+    ({"CUDA_VISIBLE_DEVICES": "0,cuda:1"}, "CUDA_VISIBLE_DEVICES=0,cuda:1 names 'cuda:1', which is neither a GPU index "
+                                           "nor a GPU or MIG UUID; this host has 4 GPUs (0-3)"),
+    ({"SLURM_STEP_GPUS": "4,5"}, "SLURM_STEP_GPUS=4,5 names GPU 5, but this host's 2 GPUs (0, 1) have the ids 4, "
+                                 "6 (their /dev/nvidiaN numbers)"),
+    ({"SLURM_JOB_GPUS": "gpu4"}, "SLURM_JOB_GPUS=gpu4 names GPU 'gpu4', which is not a GPU id (a number)"),
+])  # fmt: skip
+def test_a_listed_gpu_this_host_lacks_is_refused_in_one_sentence(env, message):
+    devices = HOST if "CUDA_VISIBLE_DEVICES" in env else [NvmlDevice(0, UUIDS[0], 4), NvmlDevice(1, UUIDS[1], 6)]
+    with pytest.raises(UserError) as refused:
+        select_gpus(env, devices, 1)
+    assert str(refused.value).startswith(message), str(refused.value)
+    assert "\n" not in str(refused.value) and ". " not in str(refused.value)
+
+
+def test_a_run_on_one_gpu_of_four_records_that_gpu_alone_and_counts_its_energy_alone(tmp_path, monkeypatch):
+    """Beside other work on the host, the run's files and energy to train are those of the GPU it runs on."""
+    nv = fake_nvml(watts=(100.0, 200.0, 300.0, 400.0))
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    sampler = Sampler(tmp_path, rate_hz=20, host="node1", gpus_used=1, env={"CUDA_VISIBLE_DEVICES": "1"}).start()
+    time.sleep(0.5)
+    sampler.stop()
+    assert sampler.note == ("GPU telemetry through NVML: GPU 1 (GPU-1a1b2c3d) of this host's 4, chosen by "
+                            "CUDA_VISIBLE_DEVICES=1 for 1 rank on this node")  # fmt: skip
+    assert [p.name for p in tmp_path.iterdir()] == ["telemetry_node1_gpu1.csv"]
+    rows = read_csv(tmp_path / "telemetry_node1_gpu1.csv")
+    assert {r["gpu"] for r in rows} == {"1"} and {float(r["power_w"]) for r in rows} == {200.0}
+    start, stop = int(rows[0]["time_ms"]), int(rows[-1]["time_ms"])
+    energy = run_energy(tmp_path, start, stop)
+    assert list(energy["per_gpu"]) == ["node1_gpu1"]
+    assert energy["total_joules"] == pytest.approx(200 * (stop - start) / 1000, rel=0.05)
+
+
+def test_a_cpu_run_records_the_cpu_alone_on_a_host_with_gpus(tmp_path, monkeypatch):
+    nv = fake_nvml(watts=(100.0, 200.0))
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    sampler = Sampler(tmp_path, rate_hz=20, host="node1", gpus_used=0, env={}).start()
+    sampler.stop()
+    assert sampler.note == "GPU telemetry off (a CPU run); recording CPU and memory" and nv.calls == []
+    assert [p.name for p in tmp_path.iterdir()] == ["telemetry_node1_cpu.csv"]
+
+
+def test_a_gpu_list_naming_a_gpu_the_host_lacks_stops_the_sampler_before_it_writes(tmp_path, monkeypatch):
+    """The one failure of telemetry that stops a run, before training: the run would otherwise record the wrong GPUs
+    or none."""
+    nv = fake_nvml(watts=(100.0, 200.0))
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    sampler = Sampler(tmp_path, host="node1", gpus_used=1, env={"CUDA_VISIBLE_DEVICES": "2"})
+    with pytest.raises(UserError, match="CUDA_VISIBLE_DEVICES=2 names GPU 2, but this host has 2 GPUs \\(0, 1\\)"):
+        sampler.start()
+    assert nv.calls == ["init", "shutdown"] and not list(tmp_path.iterdir())
+    hidden = Sampler(tmp_path, host="node1", gpus_used=1, env={"CUDA_VISIBLE_DEVICES": ""}).start()
+    hidden.stop()
+    assert hidden.note == "GPU telemetry absent (CUDA_VISIBLE_DEVICES= leaves no GPU visible); recording CPU and memory"
 
 
 def test_a_cpu_run_records_telemetry_without_failing(small_data, tmp_path):

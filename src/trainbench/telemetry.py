@@ -1,11 +1,13 @@
 """Machine telemetry during a run: GPU power, energy, temperatures, clocks, utilisation, memory, throttling.
 
-One background thread per node (started by local rank 0) samples every visible NVIDIA GPU through NVML
-(`nvidia-ml-py`) at ``rate_hz`` (default 1 Hz, MLPerf Power's minimum) and appends one row per GPU per
-sample to ``telemetry_<host>_gpu<i>.csv`` in the run folder. Times are Unix milliseconds, the clock of
-the MLPerf log, so rows line up with ``run_start``/``run_stop``. Without NVML (no NVIDIA driver, no GPU)
-it samples CPU utilisation and memory with psutil into ``telemetry_<host>_cpu.csv`` and says that GPU
-telemetry is absent. A failing sensor is recorded as empty, and nothing here ever stops a run.
+One background thread per node (started by local rank 0) samples the NVIDIA GPUs that the node's ranks use
+(:func:`select_gpus`), and no other, through NVML (`nvidia-ml-py`) at ``rate_hz`` (default 1 Hz, MLPerf Power's
+minimum) and appends one row per GPU per sample to ``telemetry_<host>_gpu<i>.csv`` in the run folder, ``i`` being
+NVML's index of the GPU. Times are Unix milliseconds, the clock of the MLPerf log, so rows line up with
+``run_start``/``run_stop``. Without NVML (no NVIDIA driver, no GPU), and on a CPU run, it samples CPU utilisation
+and memory with psutil into ``telemetry_<host>_cpu.csv`` and says that GPU telemetry is absent. A failing sensor is
+recorded as empty and never stops a run; what does is a GPU list in the environment that names a GPU the node
+lacks, at the start.
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ import contextlib
 import csv
 import os
 import platform
+import re
 import socket
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainbench.errors import UserError
 
 GPU_FIELDS = (
     "time_ms",
@@ -45,19 +50,186 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-class Sampler:
-    """Background sampler; ``start()``, then ``stop()`` (idempotent). ``note`` says what is recorded."""
+@dataclass(frozen=True)
+class NvmlDevice:
+    """One GPU as NVML lists it: its index (NVML's order, the PCI bus order), its UUID (``GPU-...``), its minor number
+    (the N of /dev/nvidiaN, Slurm's id for it; None where NVML does not give it) and the UUIDs of its MIG devices
+    (``MIG-...``; none where MIG is off)."""
 
-    def __init__(self, run_dir: Path, rate_hz: float = 1.0, host: str | None = None):
+    index: int
+    uuid: str
+    minor: int | None = None
+    mig_uuids: tuple[str, ...] = ()
+
+
+# Where the GPUs a process may use are listed, first match wins. Slurm's lists come first: with per-task GPU binding
+# a rank's CUDA_VISIBLE_DEVICES holds its own GPU alone (and under cgroup device confinement it is renumbered from 0),
+# while the step's list holds every GPU of the node's ranks, by ids that do not depend on the confinement.
+GPU_LISTS = ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES")
+
+
+def gpu_list_source(env: Mapping[str, str]) -> str | None:
+    """The variable of ``env`` that says which GPUs the ranks may use (:data:`GPU_LISTS`), or None where none is set:
+    then every GPU NVML lists. An empty CUDA_VISIBLE_DEVICES counts (it hides every GPU); an empty Slurm list does
+    not."""
+    for var in GPU_LISTS:
+        if var in env and (var == "CUDA_VISIBLE_DEVICES" or env[var].strip()):
+            return var
+    return None
+
+
+def select_gpus(env: Mapping[str, str], devices: list[NvmlDevice], used: int) -> list[NvmlDevice]:
+    """The GPUs that the ``used`` ranks of this node run on, among NVML's ``devices``, in the ranks' order: each rank
+    takes the visible device of its local rank (``torch.cuda.set_device``), so the first ``used`` of the visible
+    list, a GPU listed twice (two MIG devices of one GPU) once. The visible list is Slurm's (SLURM_STEP_GPUS, else
+    SLURM_JOB_GPUS), else CUDA_VISIBLE_DEVICES, else every device. A listed GPU that this host lacks raises
+    :class:`UserError`, which names the variable, the entry and what the host has."""
+    var = gpu_list_source(env)
+    if var is None:
+        visible = list(devices)
+    elif var == "CUDA_VISIBLE_DEVICES":
+        visible = _cuda_visible(env[var], devices)
+    else:
+        visible = _slurm_gpus(var, env[var], devices)
+    chosen = []
+    for device in visible[:used]:
+        if device not in chosen:
+            chosen.append(device)
+    return chosen
+
+
+def _cuda_visible(value: str, devices: list[NvmlDevice]) -> list[NvmlDevice]:
+    """CUDA_VISIBLE_DEVICES as CUDA reads it: comma-separated integer indices, GPU UUIDs or MIG device UUIDs (any
+    unique prefix of one), whitespace around each allowed; a negative index or an empty entry ends the list. CUDA's
+    indices are taken as NVML's: both are the PCI bus order under CUDA_DEVICE_ORDER=PCI_BUS_ID, and CUDA's default
+    order (fastest first) is that order too on a node of identical GPUs. A MIG device stands for its GPU: NVML's
+    power and energy are the physical GPU's. An entry that is none of these is refused (CUDA would end the list
+    there, silently)."""
+    where = f"CUDA_VISIBLE_DEVICES={value}"
+    visible = []
+    for raw in value.split(","):
+        entry = raw.strip()
+        if not entry:
+            break
+        if re.fullmatch(r"-?[0-9]+", entry):
+            index = int(entry)
+            if index < 0:
+                break
+            if index >= len(devices):
+                raise UserError(f"{where} names GPU {index}, but this host has {_count(devices)}")
+            visible.append(devices[index])
+        elif entry.startswith(("GPU-", "MIG-")):
+            matches = [d for d in devices if any(u.startswith(entry) for u in (d.uuid, *d.mig_uuids))]
+            if not matches:
+                raise UserError(f"{where} names {entry}, which matches none of this host's {_count(devices)}: "
+                                f"{', '.join(_short(d.uuid) for d in devices)}")  # fmt: skip
+            if len(matches) > 1:
+                raise UserError(f"{where} names {entry}, which matches {len(matches)} of this host's "
+                                f"{_count(devices)} ({', '.join(d.uuid for d in matches)}); give enough of the UUID "
+                                "to tell them apart")  # fmt: skip
+            visible.append(matches[0])
+        else:
+            raise UserError(f"{where} names {entry!r}, which is neither a GPU index nor a GPU or MIG UUID; this host "
+                            f"has {_count(devices)}")  # fmt: skip
+    return visible
+
+
+def _slurm_gpus(var: str, value: str, devices: list[NvmlDevice]) -> list[NvmlDevice]:
+    """Slurm's list of a job's or step's GPUs on this node: comma-separated ids (``a-b`` ranges too), each a GPU's
+    minor number (/dev/nvidiaN) whatever the job's device confinement; NVML's index stands in for a GPU whose minor
+    number NVML does not give."""
+    by_id = {d.index if d.minor is None else d.minor: d for d in devices}
+    ids = _id_list(sorted(by_id))
+    visible = []
+    for raw in value.split(","):
+        entry = raw.strip()
+        bounds = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", entry)
+        if bounds is None:
+            raise UserError(f"{var}={value} names GPU {entry!r}, which is not a GPU id (a number); this host's "
+                            f"{_count(devices)} have the ids {ids}")  # fmt: skip
+        for gpu in range(int(bounds[1]), int(bounds[2] or bounds[1]) + 1):
+            if gpu not in by_id:
+                raise UserError(f"{var}={value} names GPU {gpu}, but this host's {_count(devices)} have the ids {ids} "
+                                "(their /dev/nvidiaN numbers)")  # fmt: skip
+            visible.append(by_id[gpu])
+    return visible
+
+
+def _count(devices: list[NvmlDevice]) -> str:
+    """'4 GPUs (0-3)': how many GPUs NVML lists, and their indices."""
+    if not devices:
+        return "no GPU"
+    return f"{len(devices)} GPU{'s' if len(devices) > 1 else ''} ({_id_list([d.index for d in devices])})"
+
+
+def _id_list(ids: list[int]) -> str:
+    """'0-3' for a run of ids, else '0, 2, 5'."""
+    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ", ".join(map(str, ids))
+
+
+def _short(uuid: str) -> str:
+    """A UUID's first group (``GPU-1234abcd``): enough to tell a host's GPUs apart."""
+    return "-".join(uuid.split("-")[:2])
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else value.decode()
+
+
+def nvml_devices(nv) -> list[NvmlDevice]:
+    """Every GPU that NVML (the ``pynvml`` module ``nv``, initialised) lists, in its index order."""
+    devices = []
+    for index in range(nv.nvmlDeviceGetCount()):
+        handle = nv.nvmlDeviceGetHandleByIndex(index)
+        migs = []
+        for i in range(_try(nv.nvmlDeviceGetMaxMigDeviceCount, handle) or 0):
+            mig = _try(nv.nvmlDeviceGetMigDeviceHandleByIndex, handle, i)  # fails for a slot with no MIG device
+            uuid = None if mig is None else _try(nv.nvmlDeviceGetUUID, mig)
+            if uuid is not None:
+                migs.append(_text(uuid))
+        minor = _try(nv.nvmlDeviceGetMinorNumber, handle)
+        devices.append(NvmlDevice(index, _text(nv.nvmlDeviceGetUUID(handle)), minor, tuple(migs)))
+    return devices
+
+
+def sampled_note(chosen: list[NvmlDevice], count: int, env: Mapping[str, str], used: int) -> str:
+    """What the sampler records and why those GPUs: the console's line at the start of a run."""
+    source = gpu_list_source(env)
+    names = ", ".join(f"{d.index} ({_short(d.uuid)})" for d in chosen)
+    ranks = f"{used} rank{'s' if used > 1 else ''} on this node"
+    if source is None:
+        why = f"taken in NVML's order for {ranks} (none of {', '.join(GPU_LISTS)} is set)"
+    else:
+        why = f"chosen by {source}={env[source]} for {ranks}"
+    note = f"GPU telemetry through NVML: GPU{'s' if len(chosen) > 1 else ''} {names} of this host's {count}, {why}"
+    for d in chosen:
+        if d.mig_uuids:
+            note += f"; GPU {d.index} is shared by its MIG devices: its power and energy are the whole GPU's"
+    return note
+
+
+class Sampler:
+    """Background sampler; ``start()``, then ``stop()`` (idempotent). ``note`` says what is recorded.
+
+    ``gpus_used`` is how many GPUs this node's ranks run on (one per rank; 0 for a CPU run, which records CPU and
+    memory): those GPUs are found in ``env`` (:func:`select_gpus`) and sampled, and no other, so that power drawn by
+    other work on the host does not count as the run's."""
+
+    def __init__(self, run_dir: Path, rate_hz: float = 1.0, host: str | None = None, *, gpus_used: int,
+                 env: Mapping[str, str] | None = None):  # fmt: skip
         if not 0 < rate_hz <= 100:
             raise ValueError(f"telemetry rate must be in (0, 100] Hz, got {rate_hz}")
         self.run_dir = Path(run_dir)
         self.period = 1.0 / rate_hz
         self.host = host or socket.gethostname().split(".")[0]
+        self.gpus_used = gpus_used
+        self.env = os.environ if env is None else env
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._nvml = None
-        self._handles: list = []
+        self._handles: list = []  # (NVML index, handle) of each GPU sampled
         self._files: list = []
         self._writers: list = []
         self.note = ""
@@ -65,23 +237,38 @@ class Sampler:
 
     # -- set-up ------------------------------------------------------------------------------------------
     def _open_gpu(self) -> bool:
+        """Open the GPUs the ranks use; False (and a note why) where there are none to sample. A GPU list that names
+        a GPU this host lacks raises UserError: the run stops before training, in one sentence."""
+        if self.gpus_used == 0:
+            self.note = "GPU telemetry off (a CPU run); recording CPU and memory"
+            return False
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            count = pynvml.nvmlDeviceGetCount()
-        except Exception as exc:  # no driver, no library, no device
+        except Exception as exc:  # no driver, no library
             self.note = f"GPU telemetry absent ({type(exc).__name__}: {exc}); recording CPU and memory"
             return False
-        if count == 0:
-            self.note = "GPU telemetry absent (NVML sees no GPU); recording CPU and memory"
-            pynvml.nvmlShutdown()
+        try:
+            devices = nvml_devices(pynvml)
+            chosen = select_gpus(self.env, devices, self.gpus_used)
+            self._handles = [(d.index, pynvml.nvmlDeviceGetHandleByIndex(d.index)) for d in chosen]
+        except Exception as exc:
+            _try(pynvml.nvmlShutdown)
+            if isinstance(exc, UserError):
+                raise
+            self.note = f"GPU telemetry absent ({type(exc).__name__}: {exc}); recording CPU and memory"
+            return False
+        if not chosen:
+            _try(pynvml.nvmlShutdown)
+            source = gpu_list_source(self.env)
+            why = "NVML sees no GPU" if not devices else f"{source}={self.env[source]} leaves no GPU visible"
+            self.note = f"GPU telemetry absent ({why}); recording CPU and memory"
             return False
         self._nvml = pynvml
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        for i in range(count):
-            self._add_writer(self.run_dir / f"telemetry_{self.host}_gpu{i}.csv", GPU_FIELDS)
-        self.note = f"GPU telemetry: {count} GPU(s) through NVML"
+        for d in chosen:
+            self._add_writer(self.run_dir / f"telemetry_{self.host}_gpu{d.index}.csv", GPU_FIELDS)
+        self.note = sampled_note(chosen, len(devices), self.env, self.gpus_used)
         return True
 
     def _add_writer(self, path: Path, fields) -> None:
@@ -114,8 +301,8 @@ class Sampler:
         stamp = _now_ms()
         try:
             if self._nvml is not None:
-                for i, handle in enumerate(self._handles):
-                    self._writers[i].writerow(self._gpu_row(stamp, i, handle))
+                for writer, (index, handle) in zip(self._writers, self._handles, strict=True):
+                    writer.writerow(self._gpu_row(stamp, index, handle))
             else:
                 self._writers[0].writerow(self._cpu_row(stamp))
             for f in self._files:
@@ -171,9 +358,10 @@ class Sampler:
             self._nvml = None
 
 
-def _try(fn):
+def _try(fn, *args):
+    """``fn(*args)``, or None where it raises (a query the GPU or driver does not support)."""
     try:
-        return fn()
+        return fn(*args)
     except Exception:
         return None
 
@@ -380,14 +568,15 @@ def window_summary(run_dir: Path, start_ms: float, stop_ms: float, busy_pct: flo
 
 
 @contextlib.contextmanager
-def measured_window(folder: Path | None = None, rate_hz: float = 10.0) -> Iterator[dict]:
-    """Sample every GPU of this machine into ``folder`` (a temporary one, removed after, where none is given) while
-    the block runs; the dict it yields is filled, on leaving, with :func:`window_summary` of the block's time (GPU
-    name -> power, SM clock, throttle reasons, energy)."""
+def measured_window(folder: Path | None = None, rate_hz: float = 10.0, gpus_used: int = 1) -> Iterator[dict]:
+    """Sample the first ``gpus_used`` GPUs this process sees (:class:`Sampler`; one: the ``cuda:0`` of a process on one
+    GPU) into ``folder`` (a temporary one, removed after, where none is given) while the block runs; the dict it
+    yields is filled, on leaving, with :func:`window_summary` of the block's time (GPU name -> power, SM clock,
+    throttle reasons, energy)."""
     with contextlib.ExitStack() as stack:
         if folder is None:
             folder = stack.enter_context(tempfile.TemporaryDirectory())
-        sampler = Sampler(Path(folder), rate_hz).start()
+        sampler = Sampler(Path(folder), rate_hz, gpus_used=gpus_used).start()
         start = _now_ms()
         summary: dict = {}
         try:

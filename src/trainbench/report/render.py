@@ -124,7 +124,7 @@ def make_plots(run_dir: Path, target: float | None, metric_name: str) -> list[tu
                     label=name)  # fmt: skip
         ax.set(xlabel="seconds", ylabel="CPU utilisation (%)", title="CPU utilisation (no GPU telemetry)")
         ax.legend(fontsize=7)
-        save(fig, "cpu.png", "CPU utilisation (no GPU telemetry on this machine)")
+        save(fig, "cpu.png", "CPU utilisation (no GPU telemetry: a CPU run, or no NVML)")
     return plots
 
 

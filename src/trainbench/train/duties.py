@@ -131,10 +131,13 @@ class Metrics:
 
 
 def start_telemetry(o: OutputConfig, run_dir: Path, index: int, info: DistInfo, out: RunConsole) -> Sampler | None:
-    """The node's telemetry sampler, started by local rank 0 of each node (None when off)."""
+    """The node's telemetry sampler, started by local rank 0 of each node (None when off): it samples the GPUs of the
+    node's ranks, one a rank, or on a CPU run the CPU. A GPU list in the environment that names a GPU the node lacks
+    stops the run here, before training."""
     if o.telemetry_hz <= 0 or info.local_rank != 0:
         return None
-    sampler = Sampler(run_dir, o.telemetry_hz).start()
+    gpus_used = info.local_world_size if info.device.type == "cuda" else 0
+    sampler = Sampler(run_dir, o.telemetry_hz, gpus_used=gpus_used).start()
     out.say(f"run {index}: {sampler.note}")
     return sampler
 

@@ -296,8 +296,8 @@ def measure(cfg, bench) -> dict[str, Any]:
 
 def busiest_gpu(summary: dict[str, dict]) -> dict[str, Any]:
     """The median SM clock (MHz) and power (W) of the GPU the probe's timed steps kept busiest, from
-    telemetry.measured_window's summary (every GPU of the machine, the idle ones left out); None for each where
-    nothing was sampled (no NVML, or steps too short for a sample)."""
+    telemetry.measured_window's summary (the probe's GPU, left out where no sample found it busy); None for each
+    where nothing was sampled (no NVML, or steps too short for a sample)."""
     if not summary:
         return {"sm_clock_mhz": None, "power_w": None}
     busiest = max(summary.values(), key=lambda g: g["busy_samples"])
