@@ -151,7 +151,7 @@ class Flux1Benchmark(Benchmark):
         expected["logvar"] = expected["mean"]
         for split in ("train", "eval"):
             data = flux_data.EncodedSplit(root / split)
-            for name, shape in data.shapes().items():
+            for name, shape in data.check().items():  # every row's shape and type, the timesteps
                 if shape != expected[name]:
                     raise DataError(f"{root / split}: {name} of shape {list(shape)}, the model expects "
                                     f"{list(expected[name])} (model.* must match the data)")  # fmt: skip

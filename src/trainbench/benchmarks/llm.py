@@ -16,6 +16,7 @@ The eval metric is the mean next-token cross entropy (nats) over every token of 
 from __future__ import annotations
 
 import dataclasses
+import json
 from abc import abstractmethod
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 from trainbench.benchmarks import llm_prepare
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
+from trainbench.data import checks
 from trainbench.data.indexed import IndexedDataset, PackedSamples, find_prefixes
 from trainbench.data.steps import CycledSteps, Step, batched, eval_share, rank_share
 from trainbench.distributed import DistInfo, Placed
@@ -281,9 +283,16 @@ class LLMBenchmark(Benchmark):
     def check_data(self, cfg: RunConfig) -> None:
         train, evals = self._split(cfg, "train"), self._split(cfg, "eval")
         vocab = cfg.model.vocab_size
-        for d in train[:1] + evals[:1]:
-            if d.num_tokens and int(np.max(d.tokens[: min(d.num_tokens, 1 << 20)])) >= vocab:
-                raise DataError(f"{d.prefix}: token ids reach past model.vocab_size={vocab}; another tokenizer?")
+        for d in train + evals:  # every shard's every token: a bad id in the last shard would stop the run mid-way
+            d.check_ids(vocab)
+        manifest = Path(cfg.data.dir) / "manifest.json"
+        if manifest.is_file():  # its end-of-document token, where it names one, is a token of the vocabulary
+            try:
+                declared = json.loads(checks.file_in(cfg.data.dir, manifest).read_text())
+            except (OSError, ValueError) as e:
+                raise DataError(f"{manifest}: cannot read it ({e}); prepare the data again") from None
+            if isinstance(declared, dict) and "eod_id" in declared:
+                checks.token_id(declared["eod_id"], vocab, str(manifest), "eod_id (the end-of-document token)")
         n_eval = PackedSamples(evals, cfg.data.seq_length, 0).samples_per_epoch
         if cfg.data.eval_samples and cfg.data.eval_samples > n_eval:
             raise DataError(f"data.eval_samples={cfg.data.eval_samples} but the eval data holds {n_eval} sequences "

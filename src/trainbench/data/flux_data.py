@@ -6,8 +6,8 @@ The reference (mlcommons/training ``text_to_image``, torchtitan's flux) saves ea
 fields ``t5_encodings`` [256, 4096], ``clip_encodings`` [768], ``mean`` and ``logvar`` [16, 32, 32] (the VAE
 encoder's latent distribution), each the bytes of ``np.save`` of a bf16 array viewed as uint16, and (eval) an int32
 ``timestep`` 0-7. The empty prompt's encodings are ``t5_empty.npy`` [1, 256, 4096] and ``clip_empty.npy`` [1, 768]
-(float16) in a folder of their own. Nothing is unpickled: every array loads with ``allow_pickle=False``, and a data
-file named outside its folder is refused.
+(float16) in a folder of their own. Nothing is unpickled: every array loads with ``allow_pickle=False`` after its
+header is checked (data/checks.py), and a data file that resolves outside its folder is refused.
 
 The synthetic set draws each sample from one of a few classes: a smooth latent pattern per class, and prompt
 encodings that name the class through noise, so a model that reads the prompt predicts the latent and its eval loss
@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from trainbench.data import checks
 from trainbench.data.steps import Step, batched, eval_share, rank_share
 from trainbench.errors import DataError
 
@@ -41,42 +42,68 @@ def to_bytes(array: np.ndarray) -> bytes:
 
 
 def from_bytes(blob: bytes, where: str) -> np.ndarray:
-    """A stored field as float32."""
+    """A stored field as float32 (its header checked first: a row declaring a huge array allocates nothing)."""
     try:
-        bits = np.load(io.BytesIO(blob), allow_pickle=False)
-    except ValueError as e:
-        raise DataError(f"{where}: not a numpy array of bf16 bits ({e})") from None
+        bits = checks.npy_from_bytes(blob, where, kinds="u")
+    except DataError as e:
+        raise DataError(f"{where}: not a numpy array of bf16 bits ({str(e).removeprefix(f'{where}: ')})") from None
     if bits.dtype != np.uint16:
         raise DataError(f"{where}: an array of {bits.dtype}, not bf16 bits (uint16)")
-    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy()
+    return torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+
+
+def _is_binary(kind: pa.DataType) -> bool:
+    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
 
 
 class EncodedSplit:
-    """One split's rows (memory-mapped: the full training set is 2.5 TB)."""
+    """One split's rows (memory-mapped: the full training set is 2.5 TB). Opening it checks what is cheap to check
+    (the files inside the folder, one schema of the expected column types, no empty split); :meth:`check` checks every
+    row's encodings and the timesteps before a run starts."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         state = self.folder / STATE
         try:
-            files = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+            files = [f["filename"] for f in json.loads(checks.inside(self.folder, state).read_text())["_data_files"]]
+            if not all(isinstance(name, str) for name in files):
+                raise TypeError("a file name that is not a string")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"{state}: not a saved data set's state ({e}); prepare the data with `trainbench prepare "
                             "flux1`") from None  # fmt: skip
-        tables = []
-        for name in files:
-            path = (self.folder / name).resolve()
-            if path.parent != self.folder.resolve():
-                raise DataError(f"{state} names {name!r}, a file outside its folder")
-            try:
-                tables.append(pa.ipc.open_stream(pa.memory_map(str(path))).read_all())
-            except (OSError, pa.ArrowInvalid) as e:
-                raise DataError(f"{path}: not an Arrow stream ({e})") from None
-        if not tables:
+        if not files:
             raise DataError(f"{state} names no data files")
-        self.table = pa.concat_tables(tables)
-        missing = [f for f in FIELDS if f not in self.table.column_names]
+        self.files: list[tuple[Path, pa.Table]] = []
+        for name in files:
+            path = self.folder / name
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise DataError(f"{state} names {name!r}, a file outside its folder")
+            real = checks.file_in(self.folder, path, f"a data file {state} names")
+            try:
+                table = pa.ipc.open_stream(pa.memory_map(str(real))).read_all()
+            except (OSError, pa.ArrowException, ValueError) as e:
+                raise DataError(f"{path}: not a whole Arrow stream ({str(e)[:160]})") from None
+            self._check_schema(path, table.schema)
+            self.files.append((path, table))
+        self.table = pa.concat_tables([table for _, table in self.files])
+        if self.table.num_rows == 0:
+            raise DataError(f"{self.folder}: the split holds no rows (its Arrow files have a schema and no data)")
+
+    def _check_schema(self, path: Path, schema: pa.Schema) -> None:
+        """The fields flux1 reads, binary (the bytes of ``np.save``), and the eval's timestep an integer; every file
+        of the split with the first one's schema (concatenating them would fail, or mix rows of other meanings)."""
+        missing = [f for f in FIELDS if f not in schema.names]
         if missing:
-            raise DataError(f"{self.folder}: no {', '.join(missing)} column (columns: {self.table.column_names})")
+            raise DataError(f"{path}: no {', '.join(missing)} column (columns: {schema.names})")
+        for name in FIELDS:
+            if not _is_binary(schema.field(name).type):
+                raise DataError(f"{path}: column {name} holds {schema.field(name).type}, not binary (the bytes of a "
+                                "saved bf16 array)")  # fmt: skip
+        if "timestep" in schema.names and not pa.types.is_integer(schema.field("timestep").type):
+            raise DataError(f"{path}: column timestep holds {schema.field('timestep').type}, not integers (0-7)")
+        if self.files and not schema.equals(self.files[0][1].schema):
+            raise DataError(f"{path}: a schema other than {self.files[0][0].name}'s ({schema.to_string()!r} against "
+                            f"{self.files[0][1].schema.to_string()!r})")  # fmt: skip
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -87,16 +114,67 @@ class EncodedSplit:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: self.field(name, 0).shape for name in FIELDS}
 
+    def check(self) -> dict[str, tuple[int, ...]]:
+        """Every row's encodings of one shape and type, read from the Arrow offsets and each row's ``.npy`` header
+        (a few bytes a row, no decoding): a row of another shape is refused here, not mid-run. Returns the shapes."""
+        first: dict[str, tuple[bytes, int]] = {}
+        for name in FIELDS:
+            blob = self.table.column(name)[0].as_py()
+            if blob is None:
+                raise DataError(f"{self.files[0][0]}: row 0 of {name} is null")
+            shape, _, _, offset = checks.npy_header(blob, f"{self.files[0][0]} row 0 {name}", kinds="u")
+            from_bytes(blob, f"{self.files[0][0]} row 0 {name}")  # uint16, as the reference saves it
+            first[name] = (blob[:offset], len(blob))
+        for path, table in self.files:
+            for name in FIELDS:
+                header, length = first[name]
+                row = 0
+                for chunk in table.column(name).chunks:
+                    _check_rows(path, name, chunk, row, header, length)
+                    row += len(chunk)
+        if "timestep" in self.table.column_names:
+            self.timesteps()
+        return {name: self.field(name, 0).shape for name in FIELDS}
+
     def timesteps(self) -> np.ndarray:
         if "timestep" not in self.table.column_names:
             raise DataError(f"{self.folder}: the eval set has no timestep column (its fixed timestep, 0-7)")
-        t = self.table.column("timestep").to_numpy()
+        column = self.table.column("timestep")
+        if column.null_count:
+            raise DataError(f"{self.folder}: {column.null_count} eval timestep(s) are null (each must be 0-7)")
+        t = column.to_numpy()
         if t.min() < 0 or t.max() > 7:
             raise DataError(f"{self.folder}: eval timesteps must lie in 0-7, found {t.min()} to {t.max()}")
         return t
 
     def rows(self, indices) -> dict[str, np.ndarray]:
         return {name: np.stack([self.field(name, int(i)) for i in indices]) for name in FIELDS}
+
+
+def _check_rows(path: Path, name: str, chunk: pa.Array, start: int, header: bytes, length: int) -> None:
+    """Rows ``start`` on of one Arrow chunk of binary values: none null, each ``length`` bytes long and starting with
+    ``header`` (the ``.npy`` header of row 0: one shape, one type). Vectorised over the offsets buffer."""
+    if chunk.null_count:
+        row = start + int(np.argmax(chunk.is_null().to_numpy(zero_copy_only=False)))
+        raise DataError(f"{path}: row {row} of {name} is null")
+    if not len(chunk):
+        return
+    width = np.int64 if pa.types.is_large_binary(chunk.type) else np.int32
+    offsets = np.frombuffer(chunk.buffers()[1], dtype=width)[chunk.offset : chunk.offset + len(chunk) + 1]
+    sizes = np.diff(offsets)
+    if np.any(sizes != length):
+        row = int(np.argmax(sizes != length))
+        raise DataError(f"{path}: row {start + row} of {name} is {int(sizes[row]):,} bytes, not the {length:,} of "
+                        "row 0 (an array of another shape or type)")  # fmt: skip
+    data = np.frombuffer(chunk.buffers()[2], dtype=np.uint8)
+    want = np.frombuffer(header, dtype=np.uint8)
+    starts = offsets[:-1].astype(np.int64)
+    for begin in range(0, len(starts), 8192):  # a few MB of indices at a time
+        at = starts[begin : begin + 8192, None] + np.arange(len(want))
+        differs = np.any(data[at] != want, axis=1)
+        if differs.any():
+            raise DataError(f"{path}: row {start + begin + int(np.argmax(differs))} of {name} is an array of another "
+                            "shape or type than row 0 (its .npy header differs)")  # fmt: skip
 
 
 def write_split(folder: Path, columns: dict[str, list[bytes] | np.ndarray]) -> None:
@@ -111,14 +189,16 @@ def write_split(folder: Path, columns: dict[str, list[bytes] | np.ndarray]) -> N
 
 
 def read_empty(folder: Path) -> dict[str, np.ndarray]:
-    """The empty prompt's encodings [256, 4096] and [768], float32."""
+    """The empty prompt's encodings [256, 4096] and [768], float32: each file a ``.npy`` of floats inside ``folder``
+    holding one encoding ([1, ...]), finite."""
     out = {}
     for field, name in EMPTY.items():
         path = Path(folder) / name
-        try:
-            array = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise DataError(f"{path}: cannot read the empty prompt's encoding ({e})") from None
+        array = checks.load_npy(path, folder, kinds="f")
+        if array.ndim < 2 or array.shape[0] != 1:
+            raise DataError(f"{path}: an array of shape {list(array.shape)}, not one encoding ([1, ...])")
+        if not np.isfinite(array).all():
+            raise DataError(f"{path}: the empty prompt's encoding holds NaN or infinite values")
         out[field] = np.asarray(array, dtype=np.float32)[0]
     return out
 

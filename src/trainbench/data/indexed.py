@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainbench.data import checks
 from trainbench.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -77,7 +78,9 @@ class IndexedWriter:
 
 
 class IndexedDataset:
-    """Read-only, memory-mapped view of ``PREFIX.bin`` / ``PREFIX.idx``."""
+    """Read-only, memory-mapped view of ``PREFIX.bin`` / ``PREFIX.idx``, checked as it opens: both files inside the
+    prefix's folder, an integer token type, and the index's sizes, pointers and document index consistent with each
+    other and with the ``.bin``'s size (:func:`check_index`). Token ids are checked by :meth:`check_ids`."""
 
     def __init__(self, prefix: str | Path):
         self.prefix = Path(prefix)
@@ -85,6 +88,8 @@ class IndexedDataset:
         for p in (idx_path, bin_path):
             if not p.is_file():
                 raise DataError(f"{p} does not exist (an indexed dataset is PREFIX.bin + PREFIX.idx)")
+            checks.inside(self.prefix.parent, p)
+        self.bin_path = bin_path
         with open(idx_path, "rb") as f:
             header = f.read(len(MAGIC) + 8 + 1 + 8 + 8)
         if len(header) < 34 or header[: len(MAGIC)] != MAGIC:
@@ -92,7 +97,7 @@ class IndexedDataset:
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[len(MAGIC) :])
         if version != VERSION or code not in DTYPES:
             raise DataError(f"{idx_path}: version {version}, dtype code {code}: not supported")
-        self.dtype = np.dtype(DTYPES[code])
+        self.dtype = checks.integer_dtype(DTYPES[code], str(idx_path))
         expected = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
         if idx_path.stat().st_size != expected:
             raise DataError(f"{idx_path}: {idx_path.stat().st_size} bytes, expected {expected} (truncated?)")
@@ -100,9 +105,8 @@ class IndexedDataset:
         self.sizes = np.frombuffer(idx, dtype=np.int32, count=n_seq, offset=34)
         self.pointers = np.frombuffer(idx, dtype=np.int64, count=n_seq, offset=34 + 4 * n_seq)
         self.doc_idx = np.frombuffer(idx, dtype=np.int64, count=n_doc, offset=34 + 12 * n_seq)
+        check_index(idx_path, self.sizes, self.pointers, self.doc_idx, self.dtype.itemsize, bin_path.stat().st_size)
         tokens = int(self.sizes.sum(dtype=np.int64))
-        if bin_path.stat().st_size != tokens * self.dtype.itemsize:
-            raise DataError(f"{bin_path}: {bin_path.stat().st_size} bytes, the index describes {tokens} tokens")
         self.tokens = np.memmap(bin_path, mode="r", dtype=self.dtype) if tokens else np.zeros(0, self.dtype)
 
     def __len__(self) -> int:
@@ -115,6 +119,42 @@ class IndexedDataset:
     @property
     def num_tokens(self) -> int:
         return int(self.sizes.sum(dtype=np.int64))
+
+    def check_ids(self, vocab: int) -> None:
+        """Every token id of the ``.bin`` in ``[0, vocab)``: one streamed pass over the file (numpy reads a few GB
+        a second; the full C4 set takes minutes, the tiny one milliseconds)."""
+        checks.ids_in_vocabulary([(str(self.bin_path), self.tokens)], vocab)
+
+
+def check_index(idx_path: Path, sizes: np.ndarray, pointers: np.ndarray, doc_idx: np.ndarray, itemsize: int,
+                bin_bytes: int) -> None:  # fmt: skip
+    """The ``.idx``'s arrays against each other and the ``.bin``: sizes non-negative; pointers non-negative, whole
+    tokens, in order, each document ending before the next begins and within the ``.bin``, which holds exactly the
+    tokens the sizes count; the document index rising from 0 to the sequence count. A pointer past the end would
+    fail mid-run; one that overlaps or skips would train on other tokens than the data's, silently."""
+
+    def bad(what: str) -> DataError:
+        return DataError(f"{idx_path}: {what}; the index does not describe its .bin (damaged or altered)")
+
+    if len(sizes) and int(sizes.min()) < 0:
+        raise bad(f"sequence {int(np.argmax(sizes < 0))} has a negative size ({int(sizes.min())})")
+    tokens = int(sizes.sum(dtype=np.int64))
+    checks.declared_size(idx_path.with_suffix(".bin"), tokens * itemsize, bin_bytes, f"{idx_path.name} ({tokens:,} "
+                         f"tokens of {itemsize} bytes)")  # fmt: skip
+    if len(pointers):
+        ends = pointers + sizes.astype(np.int64) * itemsize
+        past_end = (pointers > bin_bytes) | (ends > bin_bytes)
+        unaligned = pointers % itemsize != 0
+        for what, wrong in (("a negative byte pointer", pointers < 0), ("a pointer inside a token", unaligned),
+                            ("a document that runs past the end of the .bin", past_end)):  # fmt: skip
+            if np.any(wrong):
+                raise bad(f"sequence {int(np.argmax(wrong))} has {what}")
+        overlap = pointers[1:] < ends[:-1]
+        if np.any(overlap):
+            raise bad(f"sequence {int(np.argmax(overlap)) + 1} starts before the previous one ends (out of order or "
+                      "overlapping)")  # fmt: skip
+    if len(doc_idx) and (doc_idx[0] != 0 or doc_idx[-1] != len(sizes) or np.any(np.diff(doc_idx) < 0)):
+        raise bad(f"the document index does not rise from 0 to the {len(sizes):,} sequences")
 
 
 class PackedSamples:
