@@ -106,13 +106,33 @@ def other_ranks_error(run_dir: Path, what: str) -> str:
 
 
 LOCK = ".lock"
+# Held shared by every rank a local launcher starts, so the folder stays in use while any of them lives, even where
+# the launcher itself is gone (killed with SIGKILL): a second run or resume probes it before it takes the folder.
+RANKS_LOCK = ".lock.ranks"
+
+
+def holder_text(what: str) -> str:
+    """``what``, by whom, where, which process and since when: what a refused process prints about a lock's holder."""
+    import getpass
+    import os
+    import socket
+    import time
+
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a container without the user in its passwd
+        user = f"uid {os.getuid()}"
+    return f"{what} by {user} on {socket.gethostname()}, process {os.getpid()}, since {since}"
 
 
 class FolderLock:
     """One process at a time works in a results folder (or on one of its runs): an exclusive ``flock`` on
     ``<folder>/.lock`` (``.lock.run<i>``), held while the process trains (or submits) there and released by the
     kernel when it ends, however it ends. The lock file
-    names its holder (user, host, process, command and since when), so a second process can say who holds it.
+    names its holder (user, host, process, command and since when), so a second process can say who holds it. The
+    ranks a local launcher starts hold ``.lock.ranks`` shared for as long as each lives; taking any lock of the
+    folder probes that one too, so the folder stays in use until the last rank of a run has ended.
 
     ``acquire`` raises :class:`~trainbench.errors.UserError` when another process holds the lock."""
 
@@ -137,10 +157,7 @@ class FolderLock:
 
     def acquire(self) -> FolderLock:
         import fcntl
-        import getpass
         import os
-        import socket
-        import time
 
         from trainbench.errors import UserError
 
@@ -149,19 +166,58 @@ class FolderLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            what = self.folder if self.name == LOCK else f"{self.folder} (run {self.name.rsplit('run', 1)[-1]})"
-            raise UserError(f"{what} is in use: {self.holder()}; wait for it to end or stop it, then try "
+            raise UserError(f"{self._named()} is in use: {self.holder()}; wait for it to end or stop it, then try "
                             "again") from None  # fmt: skip
-        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        try:
-            user = getpass.getuser()
-        except (KeyError, OSError):  # a container without the user in its passwd
-            user = f"uid {os.getuid()}"
-        text = f"{self.what} by {user} on {socket.gethostname()}, process {os.getpid()}, since {since}"
+        ranks = FolderLock(self.folder, "", RANKS_LOCK)
+        if not ranks.unheld():
+            os.close(fd)
+            raise UserError(f"{self._named()} is in use: {ranks.holder()}; wait for them to end or stop them, then "
+                            "try again")  # fmt: skip
         os.ftruncate(fd, 0)
-        os.pwrite(fd, (text + "\n").encode(), 0)
+        os.pwrite(fd, (holder_text(self.what) + "\n").encode(), 0)
         self._fd = fd
         return self
+
+    def _named(self) -> str:
+        return str(self.folder) if self.name == LOCK else f"{self.folder} (run {self.name.rsplit('run', 1)[-1]})"
+
+    def unheld(self) -> bool:
+        """Whether no process holds this lock now (a probe: it is not kept); a lock file never made is unheld. Two
+        probes at once (a job array's tasks starting together) would each see the other: a few tries apart tell an
+        instant's probe from a holder."""
+        import fcntl
+        import os
+        import time
+
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return True
+        try:
+            for _ in range(5):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return True
+                except OSError:
+                    time.sleep(0.05)
+            return False
+        finally:
+            os.close(fd)  # drops the probe's lock too
+
+    def share(self) -> FolderLock:
+        """Hold this lock shared, beside the other ranks of one run: waits out a probe (:meth:`unheld`), which
+        holds it for an instant; never held exclusively for longer."""
+        import fcntl
+        import os
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self._fd = fd
+        return self
+
+    def describe(self, what: str) -> None:
+        """Write who the lock's holders are (:meth:`share` holders cannot each write it), for a refusal to name."""
+        self.path.write_text(holder_text(what) + "\n")
 
     def release(self) -> None:
         if self._fd is not None:

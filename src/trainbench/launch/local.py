@@ -27,6 +27,8 @@ from trainbench.runfiles import (
     CONFIG,
     CONSOLE,
     INPUTS,
+    LOCK,
+    RANKS_LOCK,
     SUMMARY,
     FolderLock,
     RunFiles,
@@ -68,6 +70,19 @@ def load_run_config(path: Path) -> tuple[Benchmark, RunConfig]:
     """Load a saved config.yaml back into the same RunConfig."""
     values = read_yaml_overrides(path)
     return build_config(values.pop("benchmark"), values.pop("preset"), overrides=values)
+
+
+def refuse_used_run_dir(run_dir: Path) -> None:
+    """A new run writes its config, logs and summary into ``output.run_dir``: where that folder holds anything (an
+    earlier run, finished or not), the run would overwrite it, so it is refused. An empty folder is taken (one made
+    for the run beforehand), as is one holding only the lock files a run that stopped before writing left."""
+    if not run_dir.is_dir():
+        return
+    held = sorted(p.name for p in run_dir.iterdir() if not p.name.startswith(LOCK))
+    if held:
+        what = f"a run (its {CONFIG})" if CONFIG in held else f"{len(held)} file(s), {', '.join(held[:3])}"
+        raise UserError(f"output.run_dir={run_dir} already holds {what}, which a new run would overwrite; continue "
+                        "that run with resume=true, or give a new or empty folder for a new run")  # fmt: skip
 
 
 def new_run_dir(results_dir: str, benchmark: str, preset: str) -> Path:
@@ -127,7 +142,14 @@ def allocator_settings(bench: Benchmark) -> None:
 def resume_run_dir(bench: Benchmark, cfg: RunConfig) -> Path:
     """The folder resume=true continues: output.run_dir, else the newest of this benchmark and preset."""
     if cfg.output.run_dir:
-        return Path(cfg.output.run_dir)
+        run_dir = Path(cfg.output.run_dir)
+        if not run_dir.is_dir():
+            raise UserError(f"resume=true but {run_dir} does not exist, so there is no run to resume; check "
+                            "output.run_dir, or start a new run without resume=true")  # fmt: skip
+        if not (run_dir / CONFIG).exists():
+            raise UserError(f"resume=true but {run_dir} holds no run to resume (it has no {CONFIG}); check "
+                            "output.run_dir, or start a new run without resume=true")  # fmt: skip
+        return run_dir
     root = Path(cfg.output.results_dir)
     candidates = sorted(root.glob(f"*-{bench.name}-{cfg.preset}*/{CONFIG}")) if root.is_dir() else []
     if not candidates:
@@ -155,17 +177,17 @@ def run_experiments(
     lock = None
     try:
         if cfg.resume:
-            run_dir = resume_run_dir(bench, cfg)
-            if run_dir.is_dir():  # one process at a time continues a run folder
-                lock = FolderLock(run_dir, "resume=true").acquire()
-            if (run_dir / CONFIG).exists():  # continue with the settings the run started with
-                _, saved = load_run_config(run_dir / CONFIG)
-                _refuse_changes_on_resume(saved, cfg, given or [], run_dir)
-                cfg = dataclasses.replace(
-                    saved, resume=True, output=dataclasses.replace(saved.output, run_dir=str(run_dir))
-                )
+            run_dir = resume_run_dir(bench, cfg)  # a run folder (its config.yaml), else nothing is made
+            lock = FolderLock(run_dir, "resume=true").acquire()  # one process at a time continues a run folder
+            _, saved = load_run_config(run_dir / CONFIG)  # continue with the settings the run started with
+            _refuse_changes_on_resume(saved, cfg, given or [], run_dir)
+            cfg = dataclasses.replace(
+                saved, resume=True, output=dataclasses.replace(saved.output, run_dir=str(run_dir))
+            )
         else:
             cfg = absolute_paths(cfg)  # the run may be resumed, or its job started, from another directory
+            if cfg.output.run_dir:
+                refuse_used_run_dir(Path(cfg.output.run_dir))
         return _run_locked(bench, cfg, nexp, lock)
     finally:
         if lock is not None:
@@ -215,6 +237,8 @@ def _train_all(bench: Benchmark, cfg: RunConfig, nexp: int, run_dir: Path, devic
             if cfg.resume and RunFiles(run_dir, index).finished:
                 out.say(f"run {index}: finished already")
             else:
+                if cfg.resume and not _has_checkpoint(run_dir, index):
+                    out.say(f"run {index}: no checkpoint to resume from; it starts again from its beginning")
                 with FolderLock.of_run(run_dir, index, f"run {index}"):
                     if cfg.distributed.nproc == 1:
                         _run_in_process(bench, experiment_config(cfg, index), run_dir, index, device)
@@ -231,6 +255,12 @@ def _train_all(bench: Benchmark, cfg: RunConfig, nexp: int, run_dir: Path, devic
         raise
     write_summary(bench, cfg, run_dir, records)
     return run_dir, records
+
+
+def _has_checkpoint(run_dir: Path, index: int) -> bool:
+    from trainbench.train import checkpoint
+
+    return checkpoint.find_checkpoint(run_dir, index) is not None
 
 
 def _flat_config(cfg: RunConfig) -> dict[str, Any]:
@@ -380,14 +410,12 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
     files.preempted_marker.unlink(missing_ok=True)
     for stale in run_dir.glob(f"error_run{index}_rank*.txt"):  # from an attempt before this resume
         stale.unlink()
-    proc = subprocess.Popen(cmd, env=env)
-    # Ctrl-C: torchrun passes it on to the ranks, which checkpoint at their next log point and stop; this process
-    # waits for them instead of killing torchrun (which would kill the ranks mid-checkpoint).
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: proc.send_signal(signal.SIGINT))
-    try:
-        code = proc.wait()
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    FolderLock(run_dir, "", RANKS_LOCK).describe(f"the {cfg.distributed.nproc} ranks of run {index}, started")
+    # torchrun in a session of its own (its ranks are in sessions of theirs): a stop signal reaches the ranks from
+    # this process alone, once each, as a rank that Slurm signals gets it.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    with RankSignals(proc) as ranks:
+        code = ranks.wait()
     if files.preempted_marker.exists():
         files.preempted_marker.unlink()
         raise Preempted(f"run {index}: stopped by a signal; checkpoint saved in {run_dir}")
@@ -409,6 +437,84 @@ def _run_torchrun(cfg: RunConfig, run_dir: Path, index: int) -> None:
             f"run {index} failed under torchrun (exit code {code}){why}; see the messages above and "
             f"{run_dir / CONSOLE}; resume=true continues it from its last checkpoint"
         )
+
+
+class RankSignals:
+    """While torchrun's ranks run, SIGTERM, SIGINT and SIGUSR1 sent to this process go on to each rank (SIGHUP, a
+    closed terminal, as SIGTERM), which finishes its step, checkpoints at its next log point and stops, as it does
+    for a signal sent to it; a second SIGINT stops the ranks at once. torchrun's own forwarding is not used: it
+    passes on SIGTERM and SIGINT but not SIGUSR1, kills the ranks 30 s after (mid-checkpoint on a large model), and
+    exits before them on a second signal. A rank is sent a signal only once its handlers are in place (/proc's SigCgt):
+    during its imports the signal would end it without a checkpoint.
+
+    :meth:`wait` returns torchrun's exit code once torchrun and every rank it started have ended: this process
+    (which holds the folder's lock) never ends before its ranks."""
+
+    FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGINT, signal.SIGUSR1: signal.SIGUSR1,
+                 signal.SIGHUP: signal.SIGTERM}  # fmt: skip
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.sent: list[signal.Signals] = []  # every stop signal received, in order
+        self.delivered: dict[Any, int] = {}  # rank (psutil.Process) -> how many of ``sent`` it was sent
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> RankSignals:
+        for sig in self.FORWARDED:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.sent.append(self.FORWARDED[signal.Signals(signum)])  # delivered by wait()'s loop, within 0.2 s
+
+    def wait(self) -> int:
+        import psutil
+
+        while True:
+            try:
+                code = self.proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                self._deliver()
+        # torchrun reaps the ranks it started before it exits; one killed itself leaves them running: wait them out.
+        while alive := [rank for rank in self.delivered if rank.is_running()]:
+            psutil.wait_procs(alive, timeout=0.2)
+            self._deliver()
+        return code
+
+    def _deliver(self) -> None:
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            for rank in psutil.Process(self.proc.pid).children():
+                self.delivered.setdefault(rank, 0)
+        for rank, count in self.delivered.items():
+            while count < len(self.sent) and _handles(rank.pid, self.sent[count]):
+                with contextlib.suppress(psutil.Error):
+                    rank.send_signal(self.sent[count])  # psutil checks the pid is still this rank's
+                count += 1
+            self.delivered[rank] = count
+
+
+def _handles(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has its stop handlers in place (:class:`StopSignal` installs them together) and one
+    for ``sig``, read from Linux's /proc (elsewhere assumed). SIGTERM tells: Python catches SIGINT from its start,
+    where it raises KeyboardInterrupt."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False  # ended
+    except OSError:
+        return True
+    caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), None)
+    if caught is None:
+        return True
+    mask = int(caught, 16)
+    return all(mask >> (s - 1) & 1 for s in (signal.SIGTERM, sig))
 
 
 def _collect(

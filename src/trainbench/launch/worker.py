@@ -21,7 +21,7 @@ from trainbench.launch.local import (
     load_run_config,
 )
 from trainbench.launch.systems import format_cpus, parse_cpus
-from trainbench.runfiles import CONFIG, FolderLock, RunFiles, rank_error
+from trainbench.runfiles import CONFIG, RANKS_LOCK, FolderLock, RunFiles, rank_error
 from trainbench.train.duties import StopSignal
 from trainbench.train.loop import train
 
@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, index, resume = Path(argv[0]), int(argv[1]), "--resume" in argv[2:]
     if "--bench" in argv[2:]:
         return bench_rank(run_dir)
+    if RUN_LOCKED in os.environ:
+        # Beside the launcher's lock, held by this rank until its process ends (the kernel drops it, however it
+        # ends): the folder stays in use while any rank of the run lives, even where the launcher is gone.
+        FolderLock(run_dir, "", RANKS_LOCK).share()
     bench, saved = load_run_config(run_dir / CONFIG)
     allocator_settings(bench)  # a rank that srun started: before its first CUDA allocation
     cfg = experiment_config(saved, index)
