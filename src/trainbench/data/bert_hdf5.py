@@ -19,6 +19,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from trainbench.data.checks import inside
 from trainbench.data.steps import Step, batched, eval_share, rank_share
 from trainbench.errors import DataError
 
@@ -186,6 +187,8 @@ def find_shards(folder: Path, what: str, seq_length: int, max_predictions: int, 
     paths = sorted(p for p in folder.iterdir() if p.suffix in (".hdf5", ".h5"))
     if not paths:
         raise DataError(f"{what} folder {folder} holds no .hdf5 shards; run `trainbench prepare bert` first")
+    for path in paths:  # (a shard linked from elsewhere: data this folder does not hold)
+        inside(folder, path)
     return [validate_shard(p, seq_length, max_predictions, layout) for p in paths]
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainbench.data.checks import inside
 from trainbench.data.steps import Step, rank_share
 from trainbench.errors import DataError
 
@@ -113,6 +114,7 @@ class Split:
             raise DataError(f"{self.folder}: {missing[0]} is missing; prepare the data set again")
         arrays = []
         for name in FILES:
+            inside(self.folder, self.folder / name)  # (a file linked from elsewhere: data this folder does not hold)
             try:
                 arrays.append(np.load(self.folder / name, mmap_mode="r", allow_pickle=False))
             except (OSError, ValueError, EOFError) as e:  # cut short ("mmap length ..."), not .npy, or pickled
