@@ -77,13 +77,24 @@ def _parser() -> argparse.ArgumentParser:
                         "synthetic data takes (default tiny)")  # fmt: skip
     benches = prep.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     p.prepare_options = {}  # each benchmark's options: one that another benchmark owns is refused by name
+    p.broken_hooks = {}  # benchmark -> the sentence of what its add_prepare_arguments raised
     for bench in _registry().values():
+        # A hook of a plugin that raises (or adds an option every benchmark has) must break its own preparation
+        # alone: tried on a parser of its own first, then added.
+        trial = argparse.ArgumentParser(prog=f"trainbench prepare {bench.name}", parents=[parent], add_help=False)
+        try:
+            bench.add_prepare_arguments(trial)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - SystemExit too: argparse exits on a clash of options
+            p.broken_hooks[bench.name] = _hook_failure(bench.name, "add_prepare_arguments", e)
+            continue
         own = benches.add_parser(
             bench.name,
             parents=[parent],
-            help=bench.description,
+            help=str(bench.description),
             description=f"trainbench prepare {bench.name}: {bench.description}.",
-            epilog=bench.prepare_examples,
+            epilog=bench.prepare_examples if isinstance(bench.prepare_examples, str) else None,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         bench.add_prepare_arguments(own)
@@ -252,6 +263,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _hook_failure(name: str, hook: str, e: BaseException) -> str:
+    """One sentence for a benchmark's hook that raised, naming where the benchmark comes from."""
+    from trainbench.benchmarks import ORIGINS, plugin_failure
+
+    return (f"benchmark {name} ({ORIGINS.get(name, 'registered in this process')}) is left out of `trainbench "
+            f"prepare`: its {hook} failed: {plugin_failure(e)}")  # fmt: skip
+
+
 def _registry() -> dict:
     from trainbench.benchmarks import registry
 
@@ -281,6 +300,21 @@ def cmd_prepare(args) -> int:
     return get_benchmark(args.benchmark).prepare(args)
 
 
+def _refuse_without_effect(bench, cfg) -> None:
+    """Keys the final config (ranks and compile as they will run) gives no effect, set away from the preset's value:
+    one sentence, as for a key the benchmark never reads (the ranks of `submit` come from the system file, after
+    the config is built, so this is checked once they are known)."""
+    from trainbench.config import ConfigError, keys_without_effect, leaves
+
+    preset = leaves(bench.config(cfg.preset))
+    ours = leaves(cfg)
+    for key, why in keys_without_effect(cfg).items():
+        value = getattr(ours[key].owner, ours[key].field.name)
+        if value != getattr(preset[key].owner, preset[key].field.name):
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ConfigError(f"{key}={shown} has no effect on this run of {bench.name}: {why}")
+
+
 def _overrides(args) -> dict[str, str]:
     """The key=value overrides of `run` or `bench`, with what --nproc and --ruleset set."""
     from trainbench.config import parse_key_values
@@ -301,9 +335,10 @@ def cmd_run(args) -> int:
     overrides = _overrides(args)
     if args.help_config:
         _, cfg = build_config(args.benchmark, args.preset, args.config, {})
-        console.print(f"config keys of {args.benchmark} --preset {args.preset}:\n{describe(cfg)}")
+        console.print(f"config keys of {args.benchmark} --preset {args.preset}:\n{describe(cfg)}", markup=False)
         return 0
     bench, cfg = build_config(args.benchmark, args.preset, args.config, overrides)
+    _refuse_without_effect(bench, cfg)
     given = apply_overrides(bench.config(args.preset), overrides)  # the dotted keys the command line sets
     run_dir, records = run_experiments(bench, cfg, args.nexp, given)
     ok = all(r.outcome and r.outcome["status"] == "success" and r.compliance and r.compliance.ok for r in records)
@@ -333,6 +368,7 @@ def cmd_bench(args) -> int:
     else:
         preset = args.preset or get_benchmark(args.benchmark).full_preset
         bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
+        _refuse_without_effect(bench, cfg)
     command = ["trainbench", *sys.argv[1:]]
     run_dir, raws, layers, depths, peers = run_bench(
         bench, cfg, args.steps, args.warmup, args.blocks, args.compare, args.profile_steps, system, command,
@@ -405,6 +441,7 @@ def _on_system(benchmark: str, preset: str | None, configs: list[str], overrides
     cfg = fit_micro_batch(cfg, system)
     cfg = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, nproc=system.ranks_per_node,
                                                                    nodes=system.nodes))  # fmt: skip
+    _refuse_without_effect(bench, cfg)
     return system, cfg, bench
 
 
@@ -480,14 +517,16 @@ def cmd_resubmit(args) -> int:
 
 def _print_table(title: str, head: list[str], rows: list[list[str]]) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     from trainbench.console import console
 
-    table = Table(title=title)
+    # Cells are data (a plugin's description, a results folder's values): shown as text, never read as markup.
+    table = Table(title=Text(str(title)))
     for h in head:
-        table.add_column(h)
+        table.add_column(Text(str(h)))
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(Text(str(cell)) for cell in row))
     console.print(table)
 
 
@@ -564,7 +603,8 @@ def cmd_package(args) -> int:
     for line in checked.errors:
         console.print(f"  error: {line}", style="red", markup=False)
     if checked.crashed:
-        console.print("  error: the package checker stopped with an error (see its log)", style="red")
+        console.print("  error: the package checker gave no verdict: it stopped with an error, or printed no result "
+                      "line (see its log)", style="red")  # fmt: skip
     if not checked.ok:
         verdict = f"{len(checked.errors) + checked.crashed} error(s)"
     elif checked.beyond_scale:
@@ -584,8 +624,8 @@ def cmd_convert(args) -> int:
 
 def cmd_check(args) -> int:
     from trainbench.console import console
-    from trainbench.launch.local import load_run_config
     from trainbench.mlperf import check_compliance
+    from trainbench.report.scoring import folder_config
     from trainbench.runfiles import CONFIG, finished_logs, partial_logs
 
     path = Path(args.path)
@@ -601,7 +641,7 @@ def cmd_check(args) -> int:
         config = path / CONFIG
         waived = frozenset()
         if config.exists():
-            bench, cfg = load_run_config(config)
+            bench, cfg = folder_config(config)
             waived = bench.waived_checks(cfg)
         ruleset = args.ruleset or (bench.ruleset_of(cfg) if config.exists() else None)
     elif path.is_file():
@@ -615,11 +655,11 @@ def cmd_check(args) -> int:
     if ruleset is None:
         ruleset = _ruleset_from_log(logs[0])
     from trainbench.benchmarks import is_own
-    from trainbench.mlperf import read_log, submission_benchmark
+    from trainbench.report.scoring import log_events, submission_benchmark
 
     failures = 0
     for log in logs:
-        own = is_own(submission_benchmark(read_log(log, errors="replace")))
+        own = is_own(submission_benchmark(log_events(log)))
         result = check_compliance(log, ruleset, waived=waived, own=own)
         failures += not result.ok
         console.print(f"{log}: {result.reason()} (ruleset {ruleset})", style="green" if result.ok else "red")
@@ -629,9 +669,10 @@ def cmd_check(args) -> int:
 def _check_ruleset_for(log: Path, ruleset: str) -> None:
     """``--ruleset`` must be one mlperf-logging has and, for a benchmark trainbench knows, one it follows."""
     from trainbench.benchmarks import by_mlperf_name
-    from trainbench.mlperf import read_log, require_installed, submission_benchmark
+    from trainbench.mlperf import require_installed
+    from trainbench.report.scoring import log_events, submission_benchmark
 
-    bench = by_mlperf_name(submission_benchmark(read_log(log, errors="replace")) or "")
+    bench = by_mlperf_name(submission_benchmark(log_events(log)) or "")
     if bench is not None:
         bench.check_ruleset(ruleset, "--ruleset")
     else:
@@ -640,9 +681,9 @@ def _check_ruleset_for(log: Path, ruleset: str) -> None:
 
 def _ruleset_from_log(log: Path) -> str:
     from trainbench.benchmarks import ruleset_of
-    from trainbench.mlperf import read_log, submission_benchmark
+    from trainbench.report.scoring import log_events, submission_benchmark
 
-    return ruleset_of(submission_benchmark(read_log(log, errors="replace")), log, "pass --ruleset")
+    return ruleset_of(submission_benchmark(log_events(log)), log, "pass --ruleset")
 
 
 COMMANDS = {
@@ -671,6 +712,18 @@ def _not_this_benchmarks(parser: argparse.ArgumentParser, benchmark: str, stray:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
+    words = list(sys.argv[1:] if argv is None else argv)
+    if parser.broken_hooks:
+        from rich.markup import escape
+
+        from trainbench.console import console
+
+        wanted = words[1] if words[:1] == ["prepare"] and len(words) > 1 else None
+        if wanted in parser.broken_hooks:
+            console.print(f"[red]error:[/red] {escape(parser.broken_hooks[wanted])}")
+            return 2
+        for sentence in parser.broken_hooks.values():
+            console.print(f"warning: {sentence}", style="yellow", markup=False)
     # key=value overrides may come before or after options; argparse leaves the later ones unparsed.
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if args.command not in ("run", "submit", "bench") or "=" not in a or a.startswith("-")]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,13 +30,17 @@ def option(
     above: float | None = None,
     below: float | None = None,
     at_most: float | None = None,
+    zero_or_at_least: float | None = None,
 ) -> Any:
     """A config field with its help text (shown by ``trainbench run --help-config``) and, for numbers, the range a
-    value must lie in: ``at_least`` and ``at_most`` (inclusive), ``above`` and ``below`` (exclusive)."""
+    value must lie in: ``at_least`` and ``at_most`` (inclusive), ``above`` and ``below`` (exclusive), and
+    ``zero_or_at_least`` for a rate where 0 means off and a tiny positive value would mean a wait of ages."""
     meta = {"help": help}
     if choices is not None:
         meta["choices"] = choices
-    for name, bound in (("at_least", at_least), ("above", above), ("below", below), ("at_most", at_most)):
+    bounds = (("at_least", at_least), ("above", above), ("below", below), ("at_most", at_most),
+              ("zero_or_at_least", zero_or_at_least))  # fmt: skip
+    for name, bound in bounds:
         if bound is not None:
             meta[name] = bound
     return field(default=default, metadata=meta)
@@ -242,8 +247,8 @@ class OutputConfig:
     telemetry_hz: float = option(
         1.0,
         "GPU (or CPU) telemetry samples per second into telemetry_<host>_*.csv (0: off; MLPerf Power: >= 1).",
-        at_least=0,
         at_most=100,
+        zero_or_at_least=0.01,
     )
     checkpoint_every_steps: int = option(
         0,
@@ -359,6 +364,15 @@ def coerce(leaf: Leaf, value: Any) -> Any:
     return converted
 
 
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+"""A name that becomes part of a path or a command line (a benchmark, preset, system or organisation): one folder
+name, never read as an option (no leading '-') nor as '.' or '..' (no leading '.')."""
+
+
+def is_plain_name(value: object) -> bool:
+    return isinstance(value, str) and PLAIN_NAME.fullmatch(value) is not None
+
+
 def has_control_character(value: str) -> bool:
     """Whether ``value`` holds a control character (a line break ends a shell line: no quoting makes it data)."""
     return any(ord(c) < 32 or ord(c) == 127 for c in value)
@@ -368,6 +382,9 @@ def _out_of_range(meta: Any, number: float) -> str | None:
     if number != number or number in (float("inf"), float("-inf")):
         return "must be a finite number"
     lo, above, below, hi = meta.get("at_least"), meta.get("above"), meta.get("below"), meta.get("at_most")
+    off_or = meta.get("zero_or_at_least")
+    if off_or is not None and (number < 0 or 0 < number < off_or or hi is not None and number > hi):
+        return f"must be 0 (off) or between {off_or:g} and {hi:g}" if hi is not None else f"must be 0 or {off_or:g} up"
     if (lo is not None and number < lo or above is not None and number <= above
             or below is not None and number >= below or hi is not None and number > hi):  # fmt: skip
         parts = ([f"at least {lo:g}"] if lo is not None else []) + ([f"above {above:g}"] if above is not None else [])
@@ -403,12 +420,7 @@ def _convert(leaf: Leaf, value: Any) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, str):
-            try:
-                number = float(value.replace("_", ""))
-            except ValueError:
-                raise bad() from None
-            if number.is_integer():
-                return int(number)
+            return _parse_int(value, bad)
         raise bad()
     if base is float:
         if isinstance(value, bool):
@@ -433,6 +445,26 @@ def _convert(leaf: Leaf, value: Any) -> Any:
             raise ConfigError(f"config key '{leaf.key}' must be one of {', '.join(leaf.choices)}; got '{value}'")
         return value
     raise bad()
+
+
+def _parse_int(text: str, bad: Any) -> int:
+    """An integer from its text, exactly: ``9007199254740993`` stays itself (through a float it would become
+    ...992), and ``1e3`` or ``64.0`` are whole numbers written otherwise."""
+    from decimal import Decimal, InvalidOperation
+
+    digits = text.strip().replace("_", "")
+    try:
+        return int(digits)
+    except ValueError:
+        pass
+    try:
+        number = Decimal(digits)
+    except InvalidOperation:
+        raise bad() from None
+    # A finite, whole number of at most 100 digits (int() of 1e999999999 would take the machine's memory).
+    if not number.is_finite() or number.adjusted() > 100 or number != number.to_integral_value():
+        raise bad()
+    return int(number)
 
 
 def apply_overrides(cfg: Any, overrides: dict[str, Any]) -> list[str]:
@@ -468,15 +500,42 @@ def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def read_yaml_file(path: Path, what: str) -> Any:
+    """A YAML file's value, or one sentence naming the file: not UTF-8 text, not YAML, or an alias that refers to
+    itself (PyYAML builds such a value, and reading it recurses without end)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path} is not UTF-8 text; save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text)
+        _finite_depth(data)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path} nests too deep, or holds an alias that refers to itself; write its "
+                          "values out") from None  # fmt: skip
+    return data
+
+
+def _finite_depth(value: Any, depth: int = 0) -> None:
+    """Raise RecursionError for a value nested deeper than any config (a recursive alias is infinitely deep)."""
+    if depth > 50:
+        raise RecursionError
+    if isinstance(value, dict):
+        for v in value.values():
+            _finite_depth(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _finite_depth(v, depth + 1)
+
+
 def read_yaml_overrides(path: str | Path) -> dict[str, Any]:
     """A YAML file of (possibly nested) overrides, flattened to dotted keys."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    data = read_yaml_file(path, "config file")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -500,3 +559,19 @@ def describe(cfg: Any) -> str:
         choices = f" [{'|'.join(leaf.choices)}]" if leaf.choices else ""
         rows.append(f"  {key} ({_type_name(leaf.type)}{choices}) = {value!r}\n      {leaf.help}")
     return "\n".join(rows)
+
+
+def keys_without_effect(cfg: RunConfig) -> dict[str, str]:
+    """Keys that only some configurations read, with why this one does not: DDP's settings on one rank (nothing is
+    all-reduced), the compiled graph's split without compile, the recomputed blocks' offload with nothing
+    recomputed. A benchmark that never reads one says so in its ``unused_keys`` instead."""
+    out: dict[str, str] = {}
+    if cfg.distributed.world_size == 1:
+        one = "one rank all-reduces no gradients (it applies with --nproc or distributed.nodes above 1)"
+        for key in ("distributed.bucket_cap_mb", "distributed.grad_reduce_dtype", "distributed.overlap_compiled"):
+            out[key] = one
+    if not cfg.perf.compile:
+        out.setdefault("distributed.overlap_compiled", "it splits the compiled graph, and perf.compile=false")
+    if not cfg.perf.activation_checkpointing:
+        out["perf.offload_recomputed_inputs"] = "no block is recomputed (perf.activation_checkpointing=false)"
+    return out

@@ -12,6 +12,7 @@ from trainbench.benchmarks.flux1 import Flux1Benchmark
 from trainbench.benchmarks.gpt_oss import GptOssBenchmark
 from trainbench.benchmarks.llm import Gpt3Benchmark, Llama31Benchmark
 from trainbench.benchmarks.lora import LoraBenchmark
+from trainbench.config import is_plain_name
 from trainbench.errors import ConfigError, UserError
 
 BENCHMARKS: dict[str, Benchmark] = {
@@ -56,9 +57,43 @@ def load_plugins() -> list[str]:
             if bench.name in BENCHMARKS and ORIGINS.get(bench.name, "").endswith(f"of {dist}"):
                 continue  # one package declaring its benchmark twice
             register(bench, origin=f"{dist}, entry point {ep.name}")
-        except Exception as e:  # noqa: BLE001 - a broken package must not stop the others, nor trainbench
-            PLUGIN_ERRORS.append(f"benchmark plugin not loaded ({where}): {type(e).__name__}: {e}")
+        except KeyboardInterrupt:
+            raise
+        # A package that calls sys.exit (SystemExit) or raises anything else while it loads must stop neither the
+        # other benchmarks nor trainbench: every command would otherwise end with its exit status and no word.
+        except BaseException as e:  # noqa: BLE001
+            PLUGIN_ERRORS.append(f"benchmark plugin not loaded ({where}): {plugin_failure(e)}")
     return PLUGIN_ERRORS
+
+
+def plugin_failure(e: BaseException) -> str:
+    """What a plugin's import or hook raised, in words (``SystemExit: 3`` says less than that it exited)."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r})"
+    return f"{type(e).__name__}: {e}"
+
+
+def check_definition(bench: Benchmark) -> None:
+    """The attributes every command reads of a benchmark before running it, of the types they need: a plugin's
+    mistake is one sentence when it registers, not a crash of `trainbench list` or of every command."""
+    name = getattr(bench, "name", None)
+    if not is_plain_name(name):
+        raise ConfigError(f"a benchmark's name must be a plain name (letters, digits, '_', '-', '.'; not empty), not "
+                          f"{name!r}")  # fmt: skip
+    presets = getattr(bench, "presets", None)
+    if not isinstance(presets, dict) or not presets:
+        raise ConfigError(f"benchmark {name}: presets must be a non-empty dict of preset name to a function that "
+                          f"returns its config, not {presets!r}")  # fmt: skip
+    for preset, make in presets.items():
+        if not is_plain_name(preset) or not callable(make):
+            raise ConfigError(f"benchmark {name}: preset {preset!r} must be a plain name mapped to a function that "
+                              f"returns its config, not {make!r}")  # fmt: skip
+    for attr in ("description", "mlperf_name", "metric_name"):
+        if not isinstance(getattr(bench, attr, None), str):
+            raise ConfigError(f"benchmark {name}: {attr} must be a str, not {getattr(bench, attr, None)!r}")
+    if getattr(bench, "full_preset", None) not in presets:
+        raise ConfigError(f"benchmark {name}: full_preset must name one of its presets ({', '.join(presets)}), not "
+                          f"{getattr(bench, 'full_preset', None)!r}")  # fmt: skip
 
 
 def registry() -> dict[str, Benchmark]:
@@ -70,7 +105,9 @@ def registry() -> dict[str, Benchmark]:
 def register(bench: Benchmark, origin: str = "registered in this process") -> Benchmark:
     """Add a benchmark (an instance of a :class:`Benchmark` subclass) to the registry that ``trainbench`` commands
     look names up in; refused where its name is taken, or where it claims another benchmark's ``mlperf_name``
-    without both saying so in ``shares_mlperf_name``. ``origin`` is what `trainbench list` says it comes from."""
+    without both saying so in ``shares_mlperf_name``, and where an attribute every command reads is missing or of the
+    wrong type (:func:`check_definition`). ``origin`` is what `trainbench list` says it comes from."""
+    check_definition(bench)
     if bench.name in BENCHMARKS and BENCHMARKS[bench.name] is not bench:
         raise ConfigError(f"a benchmark named {bench.name} is already registered")
     for other in BENCHMARKS.values():

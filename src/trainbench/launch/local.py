@@ -67,9 +67,14 @@ def build_config(
 
 
 def load_run_config(path: Path) -> tuple[Benchmark, RunConfig]:
-    """Load a saved config.yaml back into the same RunConfig."""
+    """Load a saved config.yaml back into the same RunConfig; one sentence where it names no benchmark and preset (a
+    file trainbench did not save, or one damaged since)."""
     values = read_yaml_overrides(path)
-    return build_config(values.pop("benchmark"), values.pop("preset"), overrides=values)
+    benchmark, preset = values.pop("benchmark", None), values.pop("preset", None)
+    if not all(isinstance(v, str) and v for v in (benchmark, preset)):
+        raise UserError(f"{path} names no benchmark and preset at its top, so it is not a config trainbench saved; "
+                        "restore it from the run, or remove it")  # fmt: skip
+    return build_config(benchmark, preset, overrides=values)
 
 
 def refuse_used_run_dir(run_dir: Path) -> None:

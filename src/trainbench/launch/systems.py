@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from trainbench.config import has_control_character
+from trainbench.config import has_control_character, is_plain_name, read_yaml_file
 from trainbench.errors import ConfigError, UserError
 
 RUNTIMES = ("pyxis", "apptainer", "podman")
@@ -211,10 +211,9 @@ def load_system(name_or_path: str) -> System:
         if name_or_path not in known:
             raise UserError(f"unknown system '{name_or_path}'; known systems: {', '.join(known) or '(none)'}")
         path = known[name_or_path]
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"system file {path} is not valid YAML: {exc}") from None
+    data = read_yaml_file(path, "system file")
+    if not isinstance(data, dict):
+        raise ConfigError(f"system file {path} must hold a mapping of keys to values, not {type(data).__name__}")
     names = {f.name for f in dataclasses.fields(System)} | set(LEGACY_CONTAINER_KEYS)
     unknown = sorted(set(data) - names)
     if unknown:
@@ -228,6 +227,11 @@ def load_system(name_or_path: str) -> System:
         ):
             raise ConfigError(f"system file {path}: {f.name} should be {want.__name__}, got {value!r}")
     data.setdefault("name", path.stem)
+    # The name becomes a folder under output.results_dir and part of the job's name: '../x' would leave the folder.
+    if not is_plain_name(data["name"]):
+        raise ConfigError(f"system file {path}: name {data['name']!r} must be a plain name of letters, digits, '_', "
+                          "'-' and '.' that starts with a letter, digit or '_' (set name: in the file, or rename "
+                          "the file)")  # fmt: skip
     data["container"] = _container(path, data)
     data["env"] = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
     data["path"] = str(path)

@@ -29,10 +29,19 @@ def refuse(folder: Path, what: str) -> None:
 
 
 def read(folder: Path) -> dict[str, Any]:
-    try:
-        return json.loads((Path(folder) / BENCH).read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{Path(folder) / BENCH} cannot be read ({exc})") from None
+    """bench.json, with every field the report and the comparison read of the kind they read it as."""
+    from trainbench.report.scoring import read_record
+
+    path = Path(folder) / BENCH
+    if not path.is_file():
+        raise UserError(f"{path} cannot be read (no such file)")
+    result = read_record(path, BENCH_FIELDS, whole=True, required=("kind", "benchmark", "preset", "figures", "ranks",
+                                                                  "device"))  # fmt: skip
+    if result.get("projection") is not None:
+        read_record(path, BENCH_FIELDS, required=("ruleset", "global_batch_size"))
+        if not isinstance(result["projection"].get("minutes"), (int, float)):
+            raise UserError(f"{path}: field projection.minutes is missing; restore the file from the run, or remove it")
+    return result
 
 
 def _num(value: Any, digits: int = 4) -> str:
@@ -67,6 +76,17 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     return out
 
 
+def _bench_fields() -> dict[str, Any]:
+    from trainbench.report.scoring import NUMBER, ListOf
+
+    return {"kind": str, "benchmark": str, "preset": str, "figures": str, "ranks": int, "device": str,
+            "blocks": int, "blocks_measured": ListOf(int), "ruleset": str, "global_batch_size": int,
+            "projection": {"minutes": NUMBER}, "profile": {"split_ms": dict, "by_kind_ms": dict},
+            **{key: NUMBER for _, key in FIGURES}}  # fmt: skip
+
+
+BENCH_FIELDS = _bench_fields()
+
 # The step's split from the profiled steps (train/profiling.timeline): what the console and the report show.
 SPLIT = (("window", "window"), ("compute", "compute"), ("exposed communication", "comm_exposed"), ("idle", "idle"))
 
@@ -99,8 +119,12 @@ def write(folder: Path) -> tuple[Path, Path, dict[str, Any]]:
         ]
     else:
         notes = ["No projection: a scaled-down preset, or no reference convergence points at this batch."]
-    md = [f"# {heading(result)}", "", "| figure | value |", "| --- | --- |"]
-    md += [f"| {a} | {b} |" for a, b in body] + ["", *notes, "", "## Config", "", "```yaml", config.rstrip(), "```", ""]
+    from trainbench.report.render import md_fence, md_text
+
+    fence = md_fence(config)
+    md = [f"# {md_text(heading(result))}", "", "| figure | value |", "| --- | --- |"]
+    md += [f"| {md_text(a)} | {md_text(b)} |" for a, b in body]
+    md += ["", *map(md_text, notes), "", "## Config", "", f"{fence}yaml", config.rstrip(), fence, ""]
     md_path = folder / "report.md"
     md_path.write_text("\n".join(md))
     esc = html.escape

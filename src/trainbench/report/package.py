@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -14,15 +13,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainbench.config import is_plain_name
 from trainbench.errors import UserError
-from trainbench.report.scoring import folder_benchmark
+from trainbench.report.scoring import folder_benchmark, folder_config, read_job
 from trainbench.runfiles import CONFIG, RunFiles, finished_logs
 from trainbench.telemetry import cpu_model, gpus, memory_gb
 
 
 def system_description(org: str, system_name: str, run_dir: Path, division: str, status: str) -> dict:
     """The system JSON from the system file the job used (if any) and what this machine reports."""
-    job = json.loads((run_dir / "job.json").read_text()) if (run_dir / "job.json").exists() else {}
+    job = read_job(run_dir)
     nodes, per_node = 1, None
     if job.get("system"):
         from trainbench.launch.systems import load_system
@@ -120,16 +120,14 @@ class Package:
 def make_package(run_dir: Path, out: Path, org: str, system_name: str, system_desc: str | None = None) -> Package:
     run_dir, out = Path(run_dir), Path(out)
     for name, value in (("--org", org), ("--system", system_name)):
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", value) or set(value) == {"."}:
-            raise UserError(f"{name} {value!r}: use letters, digits, '.', '_' and '-' only, not '.' or '..' alone "
-                            "(it becomes a folder name inside --out)")  # fmt: skip
+        if not is_plain_name(value):
+            raise UserError(f"{name} {value!r}: give a plain name of letters, digits, '_', '-' and '.' that starts "
+                            "with a letter, digit or '_' (it becomes a folder name inside --out)")  # fmt: skip
     logs = finished_logs(run_dir)
     if not logs:
         raise UserError(f"{run_dir} holds no finished MLPerf log (result_*.txt)")
     benchmark, _ = folder_benchmark(run_dir, logs)
-    from trainbench.launch.local import load_run_config
-
-    cfg = load_run_config(run_dir / CONFIG)[1] if (run_dir / CONFIG).exists() else None
+    cfg = folder_config(run_dir / CONFIG)[1] if (run_dir / CONFIG).exists() else None
     division = cfg.output.division if cfg else "closed"
     status = cfg.output.status if cfg else "onprem"
     root = out / org
@@ -166,19 +164,28 @@ class PackageCheck:
     """Errors a scaled-down preset cannot avoid (the RCP check compares its samples to converge with the full
     model's reference convergence points); kept apart from ``errors`` only for such a run."""
     crashed: bool
-    """The checker exited non-zero (it exits 0 whatever it finds, so only when it broke)."""
+    """The checker gave no verdict: it exited non-zero, or its output lacks the line that ends every check it
+    finishes (a folder it could not read, an argument it took for something else)."""
 
     @property
     def ok(self) -> bool:
         return not self.errors and not self.crashed
 
 
+# The last line mlperf-logging's package checker logs on each of its two verdicts.
+PASSED = "PACKAGE CHECKER FOUND NO ERRORS"
+FAILED = "PACKAGE CHECKER FOUND ERRORS"
+
+
 def check_package(root: Path, ruleset: str, scaled_down: bool) -> PackageCheck:
-    """mlperf-logging's package checker on the package, its lines sorted into passed checks, warnings and errors."""
+    """mlperf-logging's package checker on the package, its lines sorted into passed checks, warnings and errors.
+    The verdict is read from what it printed, not its exit status alone: it exits 0 whatever it finds, and 0 after
+    printing its usage too. It is given the package's absolute path after ``--``, so no folder name can reach it as
+    an option."""
     with tempfile.TemporaryDirectory() as tmp:  # it writes a log file of its own, by default in the working folder
         proc = subprocess.run(
-            [sys.executable, "-m", "mlperf_logging.package_checker", str(root), "training", ruleset,
-             "--log_output", str(Path(tmp) / "package_checker.log")],
+            [sys.executable, "-m", "mlperf_logging.package_checker", "--log_output",
+             str(Path(tmp) / "package_checker.log"), "--", str(Path(root).resolve()), "training", ruleset],
             capture_output=True,
             text=True,
         )  # fmt: skip
@@ -187,11 +194,15 @@ def check_package(root: Path, ruleset: str, scaled_down: bool) -> PackageCheck:
     output = "\n".join(lines) + "\n"
     errors = [ln.removeprefix("ERROR - ").strip() for ln in lines if ln.startswith("ERROR")]
     beyond = [e for e in errors if e.startswith("RCP Test Failed")] if scaled_down else []
+    verdict_passed = any(PASSED in ln for ln in lines)
+    verdict_failed = any(FAILED in ln for ln in lines)
+    if verdict_failed and not errors:  # it found errors it logged in no ERROR line: not a pass
+        errors = ["the package checker found errors (see its log)"]
     return PackageCheck(
         output=output,
         passed=[ln.removeprefix("INFO - ").strip() for ln in lines if "checker passed" in ln or "Test Passed" in ln],
         warnings=[ln.removeprefix("WARNING - ").strip() for ln in lines if ln.startswith("WARNING")],
         errors=[e for e in errors if e not in beyond],
         beyond_scale=beyond,
-        crashed=proc.returncode != 0,
+        crashed=proc.returncode != 0 or not (verdict_passed or verdict_failed),
     )

@@ -6,40 +6,62 @@ import base64
 import csv
 import html
 import json
+import math
+import re
 from pathlib import Path
 
-from trainbench.report.scoring import Score, score_folder
-from trainbench.runfiles import CONFIG, METRICS, SUMMARY, read_json
+from trainbench.errors import UserError
+from trainbench.report.scoring import NUMBER, Score, fields_problem, read_job, read_outcome, read_summary, score_folder
+from trainbench.runfiles import CONFIG, METRICS, read_json
+
+# The fields of a metrics.jsonl row the plots read, and their kinds (an eval row adds the benchmark's metric).
+METRIC_FIELDS = {"run": int, "step": int, "samples": NUMBER, "loss": NUMBER, "samples_per_s": NUMBER,
+                 "time_ms": NUMBER}  # fmt: skip
 
 
-def _metrics(run_dir: Path) -> list[dict]:
+def _metrics(run_dir: Path, metric_name: str | None = None) -> list[dict]:
     """metrics.jsonl's rows; a resumed run logs the steps after its checkpoint again, and its later row wins. A
-    line cut short (a killed run) is skipped."""
+    line cut short (a killed run) is skipped; a row whose fields are of other kinds is one sentence naming it."""
     path = run_dir / METRICS
+    fields = METRIC_FIELDS | ({metric_name: NUMBER} if metric_name else {})
     rows: dict[tuple, dict] = {}
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+    for n, line in enumerate(path.read_text(errors="replace").splitlines() if path.exists() else [], 1):
         try:
             row = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(row, dict):
+            problem = fields_problem(row, fields)
+            if problem:
+                raise UserError(f"{path}, line {n}: {problem}; restore the file from the run, or remove it")
             rows[(row.get("run"), row.get("step"), "loss" in row)] = row
     return list(rows.values())
 
 
 def _telemetry(run_dir: Path) -> dict[str, list[dict]]:
+    """Each telemetry CSV's rows; one that is not CSV text is one sentence naming it."""
     out = {}
     for path in sorted(run_dir.glob("telemetry_*.csv")):
-        with open(path, newline="") as f:
-            out[path.stem.removeprefix("telemetry_")] = list(csv.DictReader(f))
+        try:
+            with open(path, newline="", errors="replace") as f:
+                out[path.stem.removeprefix("telemetry_")] = list(csv.DictReader(f))
+        except csv.Error as exc:
+            raise UserError(f"{path} is not a telemetry CSV trainbench wrote ({exc}); remove or restore it") from None
     return out
 
 
 def _float(value) -> float | None:
     try:
-        return float(value)
+        number = float(value)
     except (TypeError, ValueError):
         return None
+    return number if math.isfinite(number) else None
+
+
+def _series(rows: list[dict], key: str, t0: float) -> list[tuple[float, float]]:
+    """(seconds since t0, value) of the rows that have both as finite numbers."""
+    pts = [(_float(r.get("time_ms")), _float(r.get(key))) for r in rows]
+    return [((t - t0) / 1000, v) for t, v in pts if t is not None and v is not None]
 
 
 def make_plots(run_dir: Path, target: float | None, metric_name: str) -> list[tuple[str, Path]]:
@@ -51,8 +73,8 @@ def make_plots(run_dir: Path, target: float | None, metric_name: str) -> list[tu
 
     folder = run_dir / "plots"
     folder.mkdir(exist_ok=True)
-    rows = _metrics(run_dir)
-    runs = sorted({r.get("run", 0) for r in rows})
+    rows = _metrics(run_dir, metric_name)
+    runs = sorted({r.get("run") or 0 for r in rows})
     plots = []
 
     def save(fig, name, title):
@@ -64,7 +86,8 @@ def make_plots(run_dir: Path, target: float | None, metric_name: str) -> list[tu
 
     def per_run(key):
         for run in runs:
-            pts = [(r["samples"], r[key]) for r in rows if r.get("run", 0) == run and key in r]
+            pts = [(r["samples"], r[key]) for r in rows if (r.get("run") or 0) == run
+                   and r.get(key) is not None and r.get("samples") is not None]  # fmt: skip
             if pts:
                 yield run, pts
 
@@ -86,11 +109,11 @@ def make_plots(run_dir: Path, target: float | None, metric_name: str) -> list[tu
         ax.set(xlabel="samples", ylabel="training loss", title="loss vs samples")
         ax.legend(fontsize=7)
         save(fig, "loss.png", "loss vs samples")
-    rates = [r for r in rows if "samples_per_s" in r and "time_ms" in r]
+    rates = [r for r in rows if r.get("samples_per_s") is not None and r.get("time_ms") is not None]
     if rates:
         fig, ax = plt.subplots(figsize=(7, 3.6))
         for run in runs:
-            pts = [r for r in rates if r.get("run", 0) == run]
+            pts = [r for r in rates if (r.get("run") or 0) == run]
             if pts:
                 t0 = pts[0]["time_ms"]
                 ax.plot(
@@ -104,11 +127,11 @@ def make_plots(run_dir: Path, target: float | None, metric_name: str) -> list[tu
     if gpu:
         fields = [("power_w", "power (W)"), ("gpu_temp_c", "GPU temperature (C)"), ("sm_clock_mhz", "SM clock (MHz)")]
         fig, axes = plt.subplots(len(fields), 1, figsize=(7, 2.4 * len(fields)), sharex=True)
-        t0 = min(_float(rows_[0]["time_ms"]) for rows_ in gpu.values() if rows_)
+        t0 = min((t for series in gpu.values() for r in series if (t := _float(r.get("time_ms"))) is not None),
+                 default=0.0)  # fmt: skip
         for (key, label), ax in zip(fields, axes, strict=True):
             for name, series in gpu.items():
-                pts = [((_float(r["time_ms"]) - t0) / 1000, _float(r[key])) for r in series]
-                pts = [p for p in pts if p[1] is not None]
+                pts = _series(series, key, t0)
                 if pts:
                     ax.plot(*zip(*pts, strict=True), label=name, linewidth=1)
             ax.set_ylabel(label)
@@ -119,9 +142,10 @@ def make_plots(run_dir: Path, target: float | None, metric_name: str) -> list[tu
     if cpu and not gpu:
         fig, ax = plt.subplots(figsize=(7, 3))
         for name, series in cpu.items():
-            t0 = _float(series[0]["time_ms"]) if series else 0
-            ax.plot([(_float(r["time_ms"]) - t0) / 1000 for r in series], [_float(r["cpu_util_pct"]) for r in series],
-                    label=name)  # fmt: skip
+            t0 = next((t for r in series if (t := _float(r.get("time_ms"))) is not None), 0.0)
+            pts = _series(series, "cpu_util_pct", t0)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), label=name)
         ax.set(xlabel="seconds", ylabel="CPU utilisation (%)", title="CPU utilisation (no GPU telemetry)")
         ax.legend(fontsize=7)
         save(fig, "cpu.png", "CPU utilisation (no GPU telemetry: a CPU run, or no NVML)")
@@ -191,7 +215,7 @@ def notes(score: Score, benchmark: str | None) -> list[str]:
 
 def system_line(run_dir: Path, job: dict) -> str:
     """The machine the runs ran on, from the first outcome file that records it, and the system file if any."""
-    outcomes = (read_json(p) for p in sorted(run_dir.glob("run_*.json")))
+    outcomes = (read_outcome(p) for p in sorted(run_dir.glob("run_*.json")))
     found = next((o["system"] for o in outcomes if o.get("system")), {})
     parts = [job["system"]] if job.get("system") else []
     parts += [f"{k} {v}" for k, v in found.items() if k not in ("host", "executable")]
@@ -218,13 +242,11 @@ def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
     """report.md and report.html in the results folder; returns their paths and the score."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        from trainbench.errors import UserError
-
         raise UserError(f"results folder {run_dir} does not exist")
     score = score_folder(run_dir)
     config = (run_dir / CONFIG).read_text(errors="replace") if (run_dir / CONFIG).exists() else f"(no {CONFIG})"
-    job = read_json(run_dir / "job.json")
-    summary = read_json(run_dir / SUMMARY)
+    job = read_job(run_dir)
+    summary = read_summary(run_dir)
     target = _target(config)
     metric = next((r.get("metric_name") for r in summary.get("runs", []) if r.get("metric_name")), "eval metric")
     plots = make_plots(run_dir, target, metric)
@@ -243,19 +265,21 @@ def write_report(run_dir: Path) -> tuple[Path, Path, Score]:
     explanation = summary.get("metric_explanation") or _metric_explanation(summary.get("benchmark"))
     if explanation:
         extra.append(explanation)
-    md = [f"# {title}", "", score_line, "", f"System: {system}{layout}", ""]
+    md = [f"# {md_text(title)}", "", md_text(score_line, keep_bold=True), "", f"System: {md_text(system + layout)}",
+          ""]  # fmt: skip
     md += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    md += ["| " + " | ".join(row) + " |" for row in body]
-    md += ["", *extra]
+    md += ["| " + " | ".join(md_text(c) for c in row) + " |" for row in body]
+    md += ["", *(md_text(n) for n in extra)]
+    fence = md_fence(config)
     md += [
         "",
-        *(f"![{t}](plots/{p.name})" for t, p in plots),
+        *(f"![{md_text(t)}](plots/{p.name})" for t, p in plots),
         "",
         "## Config",
         "",
-        "```yaml",
+        f"{fence}yaml",
         config.rstrip(),
-        "```",
+        fence,
         "",
     ]
     md_path = run_dir / "report.md"
@@ -285,6 +309,23 @@ pre{{background:#f6f6f6;padding:1em;font-size:12px}}
     html_path = run_dir / "report.html"
     html_path.write_text(page)
     return md_path, html_path, score
+
+
+def md_text(text: str, keep_bold: bool = False) -> str:
+    """Text from a results folder as Markdown that shows it as it is: HTML, links, images and code spans written
+    into a field are shown, never rendered (a crafted folder would otherwise put its HTML into the report), and a
+    '|' or a line break cannot cut a table row."""
+    out = html.escape(" ".join(str(text).split()), quote=False)
+    for c in "\\`[]|":
+        out = out.replace(c, "\\" + c)
+    if not keep_bold:
+        out = out.replace("*", "\\*")
+    return out
+
+
+def md_fence(text: str) -> str:
+    """A code fence longer than any run of backticks in ``text``, so the text cannot close it."""
+    return "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
 
 
 def _target(config_text: str) -> float | None:
