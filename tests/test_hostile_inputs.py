@@ -176,12 +176,19 @@ def test_integers_are_parsed_as_integers_not_through_a_float():
         (["distributed.grad_reduce_dtype=bf16"], "distributed.grad_reduce_dtype=bf16 has no effect on this run of "
                                                  "bert: one rank all-reduces no gradients"),
         (["distributed.bucket_cap_mb=50"], "distributed.bucket_cap_mb=50.0 has no effect on this run of bert"),
+        # values that built a model that crashed mid-run, or tried to allocate without end
+        (["--benchmark", "flux1", "model.rope_axes=40,-4,-4"], "three positive even widths"),
+        (["--benchmark", "flux1", "model.mlp_ratio=1e308"], "'model.mlp_ratio' must be above 0 and at most 64"),
+        (["--benchmark", "gpt_oss_20b", "model.num_experts=1e9"], "'model.num_experts' must be at least 1 and at most"),
     ],
 )  # fmt: skip
 def test_config_values_that_would_break_or_do_nothing_are_refused_before_anything_runs(args, message, tmp_path,
                                                                                          capsys):  # fmt: skip
     results = tmp_path / "results"
-    code = run_cli("run", "bert", "--preset", "tiny", "data.dir=/nonexistent", f"output.results_dir={results}", *args)
+    benchmark = args[1] if args[0] == "--benchmark" else "bert"
+    args = args[2:] if args[0] == "--benchmark" else args
+    code = run_cli("run", benchmark, "--preset", "tiny", "data.dir=/nonexistent", f"output.results_dir={results}",
+                   *args)  # fmt: skip
     said = one_sentence(capsys)
     assert code == 2 and message in said, said
     assert not results.exists()

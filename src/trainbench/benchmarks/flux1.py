@@ -104,6 +104,9 @@ class Flux1Benchmark(Benchmark):
             axes = m.axes_dim
         except ValueError:
             raise ConfigError(f"model.rope_axes={m.rope_axes!r} is not comma-separated whole numbers") from None
+        if len(axes) != 3 or any(a <= 0 or a % 2 for a in axes):
+            raise ConfigError(f"model.rope_axes={m.rope_axes!r}: three positive even widths (text, latent row, latent "
+                              "column), each a whole number of rotated pairs")  # fmt: skip
         if m.hidden_size % m.num_heads or sum(axes) != m.head_dim:
             raise ConfigError(f"model: hidden_size {m.hidden_size} over {m.num_heads} heads must be whole heads whose "
                               f"width equals the rotary axes' sum, {sum(axes)}")  # fmt: skip

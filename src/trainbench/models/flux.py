@@ -37,7 +37,7 @@ class FluxConfig:
     num_heads: int = option(24, "Attention heads.", at_least=1)
     double_blocks: int = option(19, "Double-stream blocks (text and image with weights of their own).", at_least=0)
     single_blocks: int = option(38, "Single-stream blocks (one sequence of text and image tokens).", at_least=0)
-    mlp_ratio: float = option(4.0, "MLP width / model width.", above=0)
+    mlp_ratio: float = option(4.0, "MLP width / model width.", above=0, at_most=64)
     context_dim: int = option(4096, "Width of a prompt token's encoding (T5-XXL).", at_least=1)
     vector_dim: int = option(768, "Width of the pooled prompt vector (CLIP).", at_least=1)
     rope_axes: str = option("16,56,56", "Channels of a head each rotary axis turns (text, latent row, latent column), "

@@ -77,7 +77,7 @@ class GptOssConfig(DecoderConfig):
         "mask) or flash (flash attention with its own window).",
         choices=ATTENTION_KERNELS[1:3],
     )
-    num_experts: int = option(32, "Experts in each block's mixture.", at_least=1)
+    num_experts: int = option(32, "Experts in each block's mixture.", at_least=1, at_most=4096)
     expert_weight_grad: str = option(
         "fp8",
         "With precision=fp8, the experts' weight gradient: fp8 (an FP8 grouped product, a scale per expert and "
