@@ -13,14 +13,12 @@ the training loss nor the eval counts it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from trainbench.benchmarks.llm import TINY_DATA, Llama31Benchmark, run_config
+from trainbench.benchmarks.llm import TINY_DATA, Llama31Benchmark, read_manifest, run_config
 from trainbench.config import DataConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data import prepare_llm
 from trainbench.distributed import DistInfo, Placed
@@ -57,19 +55,6 @@ def full(preset: str, model: GptOssConfig) -> RunConfig:
                         max_grad_norm=1.0),
         ScheduleConfig(warmup_steps=128, total_steps=1_200_000), target=3.34,
     )  # fmt: skip
-
-
-def read_manifest(data_dir: str) -> dict:
-    """The manifest of a folder made by `prepare` (read once: the end-of-document token and the vocabulary come
-    from it)."""
-    path = Path(data_dir) / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: cannot read it ({e}); make the folder with `trainbench prepare`") from None
-    if not isinstance(manifest, dict):
-        raise DataError(f"{path} is not a data set's manifest; make the folder with `trainbench prepare`")
-    return manifest | {"path": str(path)}
 
 
 def eod_id(manifest: dict) -> int:

@@ -185,6 +185,21 @@ def decoder_flops_per_token(model: DecoderConfig, seq: int) -> float:
     return 6 * matmul_params + 3 * attention
 
 
+def read_manifest(data_dir: str) -> dict:
+    """The manifest of a folder made by `prepare` (read once: the end-of-document token and the vocabulary come
+    from it)."""
+    path = Path(data_dir) / "manifest.json"
+    if path.exists():
+        checks.inside(data_dir, path)
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: cannot read it ({e}); make the folder with `trainbench prepare`") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path} is not a data set's manifest; make the folder with `trainbench prepare`")
+    return manifest | {"path": str(path)}
+
+
 class LLMBenchmark(Benchmark):
     """The decoder-only language-model family (llama or gpt3 architecture): a new member subclasses it and gives its
     name, presets and target; model, placement, data, optimizer, loss and eval come from here (docs/extending.md)."""
@@ -285,14 +300,10 @@ class LLMBenchmark(Benchmark):
         vocab = cfg.model.vocab_size
         for d in train + evals:  # every shard's every token: a bad id in the last shard would stop the run mid-way
             d.check_ids(vocab)
-        manifest = Path(cfg.data.dir) / "manifest.json"
-        if manifest.is_file():  # its end-of-document token, where it names one, is a token of the vocabulary
-            try:
-                declared = json.loads(checks.file_in(cfg.data.dir, manifest).read_text())
-            except (OSError, ValueError) as e:
-                raise DataError(f"{manifest}: cannot read it ({e}); prepare the data again") from None
-            if isinstance(declared, dict) and "eod_id" in declared:
-                checks.token_id(declared["eod_id"], vocab, str(manifest), "eod_id (the end-of-document token)")
+        if (Path(cfg.data.dir) / "manifest.json").is_file():  # its end-of-document token, where it names one, is a
+            manifest = read_manifest(cfg.data.dir)  # token of the vocabulary
+            if "eod_id" in manifest:
+                checks.token_id(manifest["eod_id"], vocab, manifest["path"], "eod_id (the end-of-document token)")
         n_eval = PackedSamples(evals, cfg.data.seq_length, 0).samples_per_epoch
         if cfg.data.eval_samples and cfg.data.eval_samples > n_eval:
             raise DataError(f"data.eval_samples={cfg.data.eval_samples} but the eval data holds {n_eval} sequences "
