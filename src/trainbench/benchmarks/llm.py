@@ -300,8 +300,9 @@ class LLMBenchmark(Benchmark):
         vocab = cfg.model.vocab_size
         for d in train + evals:  # every shard's every token: a bad id in the last shard would stop the run mid-way
             d.check_ids(vocab)
-        if (Path(cfg.data.dir) / "manifest.json").is_file():  # its end-of-document token, where it names one, is a
-            manifest = read_manifest(cfg.data.dir)  # token of the vocabulary
+        # the manifest's end-of-document token, where it names one, is a token of the vocabulary
+        if (Path(cfg.data.dir) / "manifest.json").is_file():
+            manifest = read_manifest(cfg.data.dir)
             if "eod_id" in manifest:
                 checks.token_id(manifest["eod_id"], vocab, manifest["path"], "eod_id (the end-of-document token)")
         n_eval = PackedSamples(evals, cfg.data.seq_length, 0).samples_per_epoch
