@@ -16,7 +16,7 @@ from typing import Any
 
 from trainbench.benchmarks import is_own, ruleset_of
 from trainbench.errors import UserError
-from trainbench.mlperf import check_compliance, constants, read_log, run_window
+from trainbench.mlperf import check_compliance, constants, read_log, run_window, submission_benchmark
 from trainbench.runfiles import SUMMARY, RunFiles, run_indices
 from trainbench.telemetry import run_energy
 
@@ -150,11 +150,6 @@ def log_events(log: Path) -> list[dict]:
             raise UserError(f"{log}: MLPerf event {n}{key[:60]} {problem}; it is not a log trainbench wrote (run the "
                             "benchmark again)")  # fmt: skip
     return events
-
-
-def submission_benchmark(events: list[dict]) -> str | None:
-    """The log's ``submission_benchmark`` (of events :func:`log_events` checked)."""
-    return next((e["value"] for e in events if e["key"] == constants.SUBMISSION_BENCHMARK), None)
 
 
 def energy_of(run_dir: Path, window: tuple[float, float]) -> dict | None:
@@ -303,14 +298,7 @@ def folder_benchmark(run_dir: Path, logs: list[Path]) -> tuple[str, str]:
 
 def folder_config(path: Path):
     """(benchmark, config) of a results folder's config.yaml, for `check` and `package`; one sentence where it is not
-    a config trainbench saved (no benchmark or preset named at its top)."""
-    from trainbench.config import read_yaml_file
+    a config trainbench saved (:func:`trainbench.launch.local.load_run_config` says which)."""
     from trainbench.launch.local import load_run_config
 
-    data = read_yaml_file(path, "run config")
-    if not isinstance(data, dict) or not all(
-        isinstance(data.get(key), str) and data[key] for key in ("benchmark", "preset")
-    ):
-        raise UserError(f"{path} names no benchmark and preset at its top, so it is not a config trainbench saved; "
-                        "restore it from the run, or remove it")  # fmt: skip
     return load_run_config(path)
