@@ -655,7 +655,8 @@ def cmd_check(args) -> int:
     if ruleset is None:
         ruleset = _ruleset_from_log(logs[0])
     from trainbench.benchmarks import is_own
-    from trainbench.report.scoring import log_events, submission_benchmark
+    from trainbench.mlperf import submission_benchmark
+    from trainbench.report.scoring import log_events
 
     failures = 0
     for log in logs:
@@ -669,8 +670,8 @@ def cmd_check(args) -> int:
 def _check_ruleset_for(log: Path, ruleset: str) -> None:
     """``--ruleset`` must be one mlperf-logging has and, for a benchmark trainbench knows, one it follows."""
     from trainbench.benchmarks import by_mlperf_name
-    from trainbench.mlperf import require_installed
-    from trainbench.report.scoring import log_events, submission_benchmark
+    from trainbench.mlperf import require_installed, submission_benchmark
+    from trainbench.report.scoring import log_events
 
     bench = by_mlperf_name(submission_benchmark(log_events(log)) or "")
     if bench is not None:
@@ -681,7 +682,8 @@ def _check_ruleset_for(log: Path, ruleset: str) -> None:
 
 def _ruleset_from_log(log: Path) -> str:
     from trainbench.benchmarks import ruleset_of
-    from trainbench.report.scoring import log_events, submission_benchmark
+    from trainbench.mlperf import submission_benchmark
+    from trainbench.report.scoring import log_events
 
     return ruleset_of(submission_benchmark(log_events(log)), log, "pass --ruleset")
 
