@@ -176,6 +176,9 @@ def test_integers_are_parsed_as_integers_not_through_a_float():
         (["distributed.grad_reduce_dtype=bf16"], "distributed.grad_reduce_dtype=bf16 has no effect on this run of "
                                                  "bert: one rank all-reduces no gradients"),
         (["distributed.bucket_cap_mb=50"], "distributed.bucket_cap_mb=50.0 has no effect on this run of bert"),
+        (["perf.optimizer_kernel=torch"], "perf.optimizer_kernel=torch has no effect on bert: its LAMB"),
+        (["--benchmark", "llama31_8b", "device=cpu", "perf.optimizer_kernel=torch"],
+         "perf.optimizer_kernel=torch has no effect on this run of llama31_8b: the CPU takes torch's AdamW update"),
         # values that built a model that crashed mid-run, or tried to allocate without end
         (["--benchmark", "flux1", "model.rope_axes=40,-4,-4"], "three positive even widths"),
         (["--benchmark", "flux1", "model.mlp_ratio=1e308"], "'model.mlp_ratio' must be above 0 and at most 64"),

@@ -342,3 +342,18 @@ def test_fp8_blocks_under_fsdp2_gather_in_fp8_with_scales_from_every_shard(tmp_p
     assert got["scales"][0] == pytest.approx(got["whole"], rel=1e-6)
     assert got["comm"] == "fp8" and any("gathers their weights in FP8" in n for n in got["notes"])
     assert got["reused"] and got["recast"] and got["growth"] == pytest.approx(2, rel=0.07), got
+
+
+@pytest.mark.parametrize("benchmark", ["llama31_8b", "gpt_oss_20b", "flux1"])
+def test_perf_optimizer_kernel_chooses_whether_the_large_parameters_take_trainbenchs_adamw_kernel(benchmark):
+    from trainbench.benchmarks import get_benchmark
+    from trainbench.config import apply_overrides
+
+    bench = get_benchmark(benchmark)
+    for value, own in (("own", True), ("torch", False)):
+        cfg = bench.config("tiny")
+        apply_overrides(cfg, {"perf.optimizer_kernel": value})
+        model = bench.build_model(cfg)
+        if any(p.is_meta for p in model.parameters()):
+            model = model.to_empty(device="cpu")
+        assert bench.build_optimizer(cfg, model).own_kernel is own

@@ -224,6 +224,12 @@ class PerfConfig:
     cuda_graphs: bool = option(
         False, "With compile: replay the compiled forward and backward as CUDA graphs (static shapes; CUDA only)."
     )
+    optimizer_kernel: str = option(
+        "own",
+        "The AdamW update of each large fp32 parameter on CUDA (llama31_8b, gpt3, gpt_oss_20b, flux1): own (one pass "
+        "of trainbench's kernel, tb_adamw) or torch (torch's fused AdamW for every parameter, to compare the two).",
+        choices=("own", "torch"),
+    )
     gc_every_steps: int = option(
         50,
         "N > 0: objects made during set-up are frozen, automatic garbage collection is off, and every rank "
@@ -572,6 +578,8 @@ def keys_without_effect(cfg: RunConfig) -> dict[str, str]:
             out[key] = one
     if not cfg.perf.compile:
         out.setdefault("distributed.overlap_compiled", "it splits the compiled graph, and perf.compile=false")
+    if cfg.device == "cpu":
+        out["perf.optimizer_kernel"] = "the CPU takes torch's AdamW update for every parameter (device=cpu)"
     if not cfg.perf.activation_checkpointing:
         out["perf.offload_recomputed_inputs"] = "no block is recomputed (perf.activation_checkpointing=false)"
     return out

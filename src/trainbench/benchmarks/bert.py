@@ -128,6 +128,7 @@ class BertBenchmark(Benchmark):
         "perf.activation_checkpointing": "BERT keeps its activations (the large preset fits on one GPU at 48 rows)",
         "perf.recompute_blocks": "BERT keeps its activations (no perf.activation_checkpointing)",
         "perf.offload_blocks": "BERT keeps its activations on the GPU",
+        "perf.optimizer_kernel": "its LAMB update is its own (optim/lamb.py), not AdamW's",
     }
 
     def validate(self, cfg: RunConfig) -> None:

@@ -349,7 +349,15 @@ class LLMBenchmark(Benchmark):
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": plain, "weight_decay": 0.0}]
         # Fused on the CPU too: its square root is PyTorch's own vector code, the same bits on every CPU, where the
         # foreach update's goes through MKL, whose float32 root differs between Intel and AMD (optim/sqrt.py).
-        return AdamClipped(groups, o.max_grad_norm, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.epsilon, fused=True)
+        return AdamClipped(
+            groups,
+            o.max_grad_norm,
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.epsilon,
+            fused=True,
+            own_kernel=cfg.perf.optimizer_kernel == "own",
+        )
 
     def end_lr(self, cfg: RunConfig) -> float:
         return cfg.schedule.end_lr if cfg.schedule.end_lr is not None else 0.1 * cfg.optimizer.lr

@@ -111,6 +111,7 @@ class LoraBenchmark(LLMBenchmark):
         "data.layout": "its rows are always packed (data.global_batch_size counts rows)",
         "model.precision": "its frozen base's precision is model.base_precision; the adapters train in fp32",
         "model.output_precision": "its output layer is part of the frozen base (model.base_precision)",
+        "perf.optimizer_kernel": "its adapters are below tb_adamw's size (optim/adamw.py): torch's update takes all",
     }
 
     def validate(self, cfg: RunConfig) -> None:
