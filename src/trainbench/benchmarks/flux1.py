@@ -188,7 +188,8 @@ class Flux1Benchmark(Benchmark):
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
         o = cfg.optimizer  # weight decay on every parameter, as the reference
         return AdamClipped(model.parameters(), o.max_grad_norm, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.epsilon,
-                           weight_decay=o.weight_decay, fused=True, own_kernel=cfg.perf.optimizer_kernel == "own")  # fmt: skip
+                           weight_decay=o.weight_decay, fused=True,
+                           own_kernel=cfg.perf.optimizer_kernel == "own")  # fmt: skip
 
     def lr_at(self, cfg: RunConfig, step: int) -> float:
         warmup = cfg.schedule.warmup_steps
