@@ -225,10 +225,11 @@ class PerfConfig:
         False, "With compile: replay the compiled forward and backward as CUDA graphs (static shapes; CUDA only)."
     )
     optimizer_kernel: str = option(
-        "own",
+        "auto",
         "The AdamW update of each large fp32 parameter on CUDA (llama31_8b, gpt3, gpt_oss_20b, flux1): own (one pass "
-        "of trainbench's kernel, tb_adamw) or torch (torch's fused AdamW for every parameter, to compare the two).",
-        choices=("own", "torch"),
+        "of trainbench's kernel, tb_adamw), torch (torch's fused AdamW for every parameter) or auto (own on one rank, "
+        "where it measured faster; torch over several ranks, where it did not: docs/performance.md).",
+        choices=("auto", "own", "torch"),
     )
     gc_every_steps: int = option(
         50,

@@ -30,7 +30,7 @@ from trainbench.errors import ConfigError, DataError, UserError
 from trainbench.models import fp8
 from trainbench.models.flux import Flux, FluxConfig, image_ids
 from trainbench.models.flux_parallel import place_flux
-from trainbench.optim.adamw import AdamClipped
+from trainbench.optim.adamw import AdamClipped, own_kernel_chosen
 
 SHIFT, SCALE = 0.1159, 0.3611  # the reference's latent normalisation: (z - shift) x scale
 EVAL_EVERY = 262_144
@@ -187,9 +187,9 @@ class Flux1Benchmark(Benchmark):
 
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
         o = cfg.optimizer  # weight decay on every parameter, as the reference
+        own = own_kernel_chosen(cfg.perf.optimizer_kernel, cfg.distributed.world_size)
         return AdamClipped(model.parameters(), o.max_grad_norm, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.epsilon,
-                           weight_decay=o.weight_decay, fused=True,
-                           own_kernel=cfg.perf.optimizer_kernel == "own")  # fmt: skip
+                           weight_decay=o.weight_decay, fused=True, own_kernel=own)  # fmt: skip
 
     def lr_at(self, cfg: RunConfig, step: int) -> float:
         warmup = cfg.schedule.warmup_steps

@@ -37,7 +37,7 @@ from trainbench.models import fp8
 from trainbench.models.decoder import DecoderConfig, DecoderLM, recompute_last, recompute_spread
 from trainbench.models.decoder_parallel import FUSED_QKV_TP, place_decoder
 from trainbench.models.offload import offload_blocks
-from trainbench.optim.adamw import AdamClipped
+from trainbench.optim.adamw import AdamClipped, own_kernel_chosen
 from trainbench.optim.groups import weight_decay_split
 from trainbench.optim.schedules import cosine_warmup_lr
 
@@ -356,7 +356,7 @@ class LLMBenchmark(Benchmark):
             betas=(o.beta1, o.beta2),
             eps=o.epsilon,
             fused=True,
-            own_kernel=cfg.perf.optimizer_kernel == "own",
+            own_kernel=own_kernel_chosen(cfg.perf.optimizer_kernel, cfg.distributed.world_size),
         )
 
     def end_lr(self, cfg: RunConfig) -> float:

@@ -24,6 +24,14 @@ OWN_KERNEL_MIN = 1 << 20  # elements: parameters this large are updated by tb_ad
 OWN_KERNEL_BLOCK = 1024  # elements a program (perf/adamw.py: 1,024 the fastest of 1,024 to 8,192 on an H200)
 
 
+def own_kernel_chosen(choice: str, world_size: int) -> bool:
+    """Whether ``perf.optimizer_kernel``'s ``choice`` puts the large parameters on ``tb_adamw``. ``auto``: on one rank,
+    where the update alone took 14 % less time than torch's fused one on an H200; not over several ranks, where whole
+    steps on 4 H200 measured 0.6 % (llama31_8b) and 1.2 to 6.7 % (gpt_oss_20b in FP8) slower with it than with torch's
+    update in the same calls (docs/performance.md)."""
+    return choice == "own" or (choice == "auto" and world_size == 1)
+
+
 def _define_adamw(triton, tl):
     """One AdamW step of one fp32 parameter, in torch's fused AdamW's order of operations."""
 
