@@ -112,10 +112,10 @@ class BertConfig:
         "auto",
         "Attention for packed rows: varlen (flash attention over variable-length sequences, with dropout; CUDA, "
         "bf16/fp16), cudnn (cuDNN's fused attention over the same sequences, read in place from the QKV "
-        "projection, with dropout; CUDA, bf16/fp16, needs trainbench[cudnn]), flex (FlexAttention with a "
-        "block-sparse document mask; no dropout), sdpa (SDPA with a dense boolean mask), or auto: cudnn on CUDA "
-        "in bf16/fp16 where trainbench[cudnn] is installed, else varlen there, else flex where it can run, else "
-        "sdpa.",
+        "projection, with dropout; CUDA, bf16/fp16, needs the cuDNN frontend: pip install -e '.[cudnn]'), flex "
+        "(FlexAttention with a block-sparse document mask; no dropout), sdpa (SDPA with a dense boolean mask), or "
+        "auto: cudnn on CUDA in bf16/fp16 where the cuDNN frontend is installed, else varlen there, else flex where "
+        "it can run, else sdpa.",
         choices=("auto", "varlen", "cudnn", "flex", "sdpa"),
     )
     low_precision_residual: bool = option(

@@ -57,8 +57,8 @@ class DecoderConfig:
         "auto",
         "The blocks' linear layers: auto (the run's precision: bf16 on a GPU) or fp8 (torchao's float8 training: "
         "forward, input and weight gradients on FP8 tensor cores with a scale per tensor; weights, gradients and "
-        "optimizer state stay as before). fp8 needs torchao (pip install 'trainbench[fp8]') and a GPU of compute "
-        "capability 8.9 or newer.",
+        "optimizer state stay as before). fp8 needs torchao (pip install -e '.[fp8]' in trainbench's clone) and a GPU "
+        "of compute capability 8.9 or newer.",
         choices=("auto", "fp8"),
     )
     output_precision: str = option(

@@ -51,7 +51,7 @@ class FluxConfig:
         "The blocks' linear layers: auto (the run's precision: bf16 on a GPU) or fp8 (torchao's float8 training: "
         "forward, input and weight gradients on FP8 tensor cores with a scale per tensor; the modulation's layers, "
         "a few rows each, stay as they are, as do weights, gradients and optimizer state). fp8 needs torchao "
-        "(pip install 'trainbench[fp8]') and a GPU of compute capability 8.9 or newer.",
+        "(pip install -e '.[fp8]' in trainbench's clone) and a GPU of compute capability 8.9 or newer.",
         choices=("auto", "fp8"),
     )
 
