@@ -76,7 +76,10 @@ def main() -> int:
     try:
         import torchao  # noqa: F401
     except ImportError:
-        print("error: perf/saved_for_backward.py needs torchao: pip install 'trainbench[fp8]'", file=sys.stderr)
+        print(
+            "error: perf/saved_for_backward.py needs torchao: pip install -e '.[fp8]' in trainbench's clone",
+            file=sys.stderr,
+        )
         return 2
     cfg = DecoderConfig(vocab_size=256, hidden_size=args.width, num_layers=1, num_heads=args.heads,
                         num_kv_heads=args.kv_heads, intermediate_size=args.ffn, max_seq_length=args.seq,

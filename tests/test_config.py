@@ -252,7 +252,8 @@ def test_fp8_training_is_refused_on_the_cpu_without_torchao_and_for_lora(monkeyp
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     with pytest.raises(
-        ConfigError, match=r"torchao's float8 training, which is not installed: pip install 'trainbench\[fp8\]'"
+        ConfigError,
+        match=r"torchao's float8 training, which is not installed: pip install -e '\.\[fp8\]' in trainbench's clone",
     ):
         build_config("gpt3", "tiny", overrides={"model.precision": "fp8", "device": "cuda"})
 

@@ -169,7 +169,7 @@ def test_tf_checkpoint_variables_convert_to_our_weights():
 
 
 def test_convert_reads_a_real_tensorflow_checkpoint(tmp_path):
-    tf = pytest.importorskip("tensorflow", reason="TensorFlow is an optional extra: pip install 'trainbench[tf]'")
+    tf = pytest.importorskip("tensorflow", reason="TensorFlow is an optional extra: pip install -e '.[tf]'")
     from trainbench.cli import main
     from trainbench.models.bert import to_hf_state_dict
 

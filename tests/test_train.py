@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -217,6 +218,96 @@ def test_killed_run_is_never_left_looking_finished(small_data, tmp_path):
 def test_every_subcommand_has_help(command):
     proc = subprocess.run([sys.executable, "-m", "trainbench", *command, "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "usage: trainbench" in proc.stdout
+
+
+def _machine(monkeypatch, cores: int, online: int, load: float) -> None:
+    """This process pinned to ``cores`` of a machine of ``online`` cores whose 1-minute load average is ``load``."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: online)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0), raising=False)
+
+
+@pytest.mark.parametrize(
+    ("cores", "online", "load", "ranks", "threads"),
+    [
+        (8, 8, 0.1, 1, 8),  # an idle machine: every core
+        (8, 8, 0.0, 2, 4),  # shared by the ranks
+        (8, 8, 3.2, 2, 2),  # 3 cores busy: 5 free, 2 each
+        (2, 2, 1.6, 1, 1),  # the 2-core machine with another job on it
+        (2, 2, 9.0, 4, 1),  # busier than it has cores: still one thread
+        (4, 64, 32.0, 1, 2),  # 4 cores of a 64-core host half busy: its load counted for this share only
+    ],
+)
+def test_cpu_threads_are_the_free_cores_shared_out(monkeypatch, cores, online, load, ranks, threads):
+    from trainbench.distributed import cpu_threads
+
+    _machine(monkeypatch, cores, online, load)
+    chosen, why = cpu_threads(ranks, {})
+    assert chosen == threads
+    assert f"of this process's {cores} cores free" in why and f"load average of {load:.2f}" in why
+
+
+@pytest.mark.parametrize("given", ["1", "3", "16"])
+def test_omp_num_threads_wins_over_the_free_cores(monkeypatch, given):
+    from trainbench.distributed import cpu_threads
+    from trainbench.launch.local import torchrun_worker
+
+    _machine(monkeypatch, 8, 8, 6.0)  # 2 free: not what OMP_NUM_THREADS says
+    assert cpu_threads(2, {"OMP_NUM_THREADS": given}) == (int(given), f"OMP_NUM_THREADS={given} as set")
+    monkeypatch.setenv("OMP_NUM_THREADS", given)
+    _, env = torchrun_worker(2, "folder", "0")
+    assert env["OMP_NUM_THREADS"] == given
+
+
+@pytest.mark.parametrize("given", ["0", "four", "2,1"])
+def test_an_omp_num_threads_that_is_no_positive_number_is_said_to_be_ignored(monkeypatch, given):
+    from trainbench.distributed import cpu_threads
+
+    _machine(monkeypatch, 4, 4, 0.0)
+    chosen, why = cpu_threads(1, {"OMP_NUM_THREADS": given})
+    assert chosen == 4 and f"OMP_NUM_THREADS={given!r} is not a positive number: ignored" in why
+
+
+def test_torchrun_ranks_get_the_free_cores_and_why(monkeypatch):
+    from trainbench.distributed import THREADS_WHY, cpu_threads
+    from trainbench.launch.local import torchrun_worker
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    _machine(monkeypatch, 8, 8, 2.0)
+    _, env = torchrun_worker(3, "folder", "0")
+    assert env["OMP_NUM_THREADS"] == "2"  # 6 free over 3 ranks (torchrun would otherwise set 1)
+    assert cpu_threads(3, env) == (2, env[THREADS_WHY]) and "6 of this process's 8 cores free" in env[THREADS_WHY]
+
+
+def test_a_cpu_rank_takes_omp_num_threads_and_its_header_says_so(monkeypatch, converged):
+    import torch
+
+    from trainbench.distributed import init_distributed
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    try:
+        info = init_distributed("cpu", "auto")
+        assert torch.get_num_threads() == 1
+        assert info.threads_note == "1 CPU thread(s) a rank: OMP_NUM_THREADS=1 as set"
+    finally:
+        torch.set_num_threads(before)
+    header = (converged / "console.log").read_text().split("eval at")[0]  # the lines before the first eval
+    assert re.search(r"run 0: \d+ CPU thread\(s\) a rank: \d+ of this process's \d+ cores free", header), header
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["--help"], ["run", "--help"], ["submit", "--help"], ["bench", "--help"], ["prepare", "bert", "--help"], ["list"]],
+)
+def test_help_and_list_import_no_torch(command):
+    # Importing torch takes seconds; the benchmarks' names, presets and options need none of it.
+    code = ("import sys\nfrom trainbench.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True)
+    assert "usage: trainbench" in proc.stdout or "llama2_70b_lora" in proc.stdout, proc.stdout
+    assert proc.stderr.strip().endswith("no torch"), proc.stderr
 
 
 def test_help_config_lists_every_key_with_type_and_meaning(capsys):

@@ -43,7 +43,9 @@ each benchmark's own options: trainbench prepare BENCHMARK --help
 """
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(benchmarks: bool = True) -> argparse.ArgumentParser:
+    """The command line's parser; without ``benchmarks``, `prepare` names no benchmark (nothing imports them, nor
+    torch: a request for help on anything but `prepare` needs none)."""
     p = argparse.ArgumentParser(
         prog="trainbench",
         description="MLPerf-Training-style benchmarks end to end: prepare data, train to target, "
@@ -78,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     benches = prep.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     p.prepare_options = {}  # each benchmark's options: one that another benchmark owns is refused by name
     p.broken_hooks = {}  # benchmark -> the sentence of what its add_prepare_arguments raised
-    for bench in _registry().values():
+    for bench in _registry().values() if benchmarks else ():
         # A hook of a plugin that raises (or adds an option every benchmark has) must break its own preparation
         # alone: tried on a parser of its own first, then added.
         trial = argparse.ArgumentParser(prog=f"trainbench prepare {bench.name}", parents=[parent], add_help=False)
@@ -184,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     subm.add_argument(
         "--preset", help="starting config (default: the benchmark's MLPerf shape: large, llama31-8b, gpt3-175b, "
-        "llama2-70b)"
+        "llama2-70b, gpt-oss-20b, flux1-schnell)"
     )  # fmt: skip
     subm.add_argument("--config", action="append", default=[], metavar="FILE.yaml", help="YAML overrides; may repeat")
     subm.add_argument("--nodes", type=int, help="nodes (default: the system's)")
@@ -246,8 +248,8 @@ def _parser() -> argparse.ArgumentParser:
     conv = sub.add_parser(
         "convert",
         help="convert a reference checkpoint to trainbench's format",
-        description="Convert MLPerf's TensorFlow BERT checkpoint (needs `pip install 'trainbench[tf]'`) into a "
-        "state dict for model.init_checkpoint. HF safetensors weights need no conversion.",
+        description="Convert MLPerf's TensorFlow BERT checkpoint (needs TensorFlow: `pip install -e '.[tf]'` in "
+        "trainbench's clone) into a state dict for model.init_checkpoint. HF safetensors weights need no conversion.",
     )
     conv.add_argument("benchmark", help="benchmark name (bert)")
     conv.add_argument("--tf-checkpoint", required=True, help="checkpoint prefix, e.g. model.ckpt-28252")
@@ -713,8 +715,10 @@ def _not_this_benchmarks(parser: argparse.ArgumentParser, benchmark: str, stray:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
     words = list(sys.argv[1:] if argv is None else argv)
+    # Help, or the usage of a bare `trainbench`, is printed without importing the benchmarks (and torch, seconds).
+    help_only = not words or (("-h" in words or "--help" in words) and words[:1] != ["prepare"])
+    parser = _parser(benchmarks=not help_only)
     if parser.broken_hooks:
         from rich.markup import escape
 

@@ -1,7 +1,7 @@
 """Checkpoint conversion: MLPerf's TensorFlow BERT checkpoint -> trainbench's state dict.
 
 MLPerf's BERT reference starts from a TensorFlow checkpoint (``model.ckpt-28252``). TensorFlow is needed
-only to read it (``pip install 'trainbench[tf]'``); the name mapping below is plain Python and tested
+only to read it (``pip install -e '.[tf]'`` in trainbench's clone); the name mapping below is plain Python and tested
 without it. Optimizer slots (LAMB/Adam moments, the global step) are skipped.
 """
 
@@ -62,7 +62,7 @@ def read_tf_checkpoint(prefix: str | Path) -> dict[str, np.ndarray]:
         import tensorflow as tf
     except ImportError:
         raise UserError(
-            "reading a TensorFlow checkpoint needs TensorFlow: pip install 'trainbench[tf]' "
+            "reading a TensorFlow checkpoint needs TensorFlow: pip install -e '.[tf]' in trainbench's clone "
             "(HF safetensors weights load directly with model.init_checkpoint=...)"
         ) from None
     prefix = str(prefix)

@@ -27,6 +27,7 @@ class DistInfo:
     world_size: int
     device: torch.device
     local_world_size: int = 1  # ranks on this node
+    threads_note: str = ""  # on a CPU: how many threads each rank computes with, and why (the run's header says it)
 
     @property
     def is_main(self) -> bool:
@@ -50,6 +51,32 @@ def available_slots(device: str) -> int:
     if device == "cuda":
         return torch.cuda.device_count()
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+THREADS_WHY = "TRAINBENCH_THREADS_WHY"
+"""Set beside OMP_NUM_THREADS by a launcher that chose it for its ranks (:func:`cpu_threads`): why, for their header."""
+
+
+def cpu_threads(local_ranks: int, env: Mapping[str, str] = os.environ) -> tuple[int, str]:
+    """Threads for each of ``local_ranks`` ranks that share this node's CPU, and why, in words.
+
+    ``OMP_NUM_THREADS``, where set to a positive number (a system file's env, a user's pin), wins. Else this
+    process's cores (its affinity) less those the 1-minute load average says are busy, shared out: threads beyond
+    the free cores made tiny runs 2-40x slower than one thread on a busy machine. The load average counts the whole
+    machine, so it is scaled to this process's share of the machine's cores (a container or a Slurm step that holds
+    a few of them). A reduction split over another number of threads rounds differently, so only a pinned
+    ``OMP_NUM_THREADS`` gives the same bits from one run to the next (tests/golden pins it)."""
+    given = env.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given), env.get(THREADS_WHY) or f"OMP_NUM_THREADS={given} as set"
+    cores = available_slots("cpu")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    busy = min(cores, round(load * cores / max(cores, os.cpu_count() or cores)))
+    free = max(1, cores - busy)
+    ignored = f" (OMP_NUM_THREADS={given!r} is not a positive number: ignored)" if given else ""
+    why = (f"{free} of this process's {cores} cores free at a 1-minute load average of {load:.2f}, shared by "
+           f"{local_ranks} rank(s) on this node{ignored}")  # fmt: skip
+    return max(1, free // local_ranks), why
 
 
 def ranks_on_this_node(env: Mapping[str, str], world: int) -> int:
@@ -117,15 +144,15 @@ def init_distributed(device_kind: str, backend: str, timeout_s: float = 600.0) -
         env.setdefault("RANK", str(rank))
         env.setdefault("WORLD_SIZE", str(world))
         env.setdefault("LOCAL_RANK", str(local_rank))
+    threads_line = ""
     if device_kind == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        # Ranks on one node share its cores; without this each would start a thread per core. OMP_NUM_THREADS, where
-        # set (a system file's env), wins: nodes that share one machine's cores (a test cluster) say so there.
-        threads = int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit() else 0
-        torch.set_num_threads(threads or max(1, available_slots("cpu") // local_world))
+        threads, why = cpu_threads(local_world, env)
+        torch.set_num_threads(threads)
+        threads_line = f"{torch.get_num_threads()} CPU thread(s) a rank: {why}"
     if world > 1 and not dist.is_initialized():
         choose_interface(env)
         if backend == "auto":
@@ -135,7 +162,7 @@ def init_distributed(device_kind: str, backend: str, timeout_s: float = 600.0) -
             device_id=device if device_kind == "cuda" else None,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    return DistInfo(rank, local_rank, world, device, local_world)
+    return DistInfo(rank, local_rank, world, device, local_world, threads_line)
 
 
 def single_rank_group(device: torch.device) -> None:

@@ -1,6 +1,10 @@
 """The benchmarks trainbench runs, by name: its own, those registered in the process (:func:`register`) and those
 installed packages declare under the entry-point group ``trainbench.benchmarks`` (loaded on the first lookup, in
-every process of a run: a rank started by torchrun or Slurm finds a benchmark of an installed package too)."""
+every process of a run: a rank started by torchrun or Slurm finds a benchmark of an installed package too).
+
+A built-in benchmark's module imports torch, its model and its placement only inside the methods that build or run
+something (type hints under ``TYPE_CHECKING``), and its presets take their model's config from ``models/configs.py``:
+the registry, `trainbench list` and `--help` load without torch (tests/test_train.py holds this)."""
 
 from __future__ import annotations
 

@@ -16,14 +16,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from trainbench.config import RunConfig, leaves
 from trainbench.data.steps import Step
-from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainbench.distributed import DistInfo, Placed
 
 
 @dataclass
@@ -266,6 +268,8 @@ class Benchmark(ABC):
     def to_device(self, batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
         """A micro-batch (numpy arrays, or tensors that :func:`~trainbench.data.prefetch.pinned` put in page-locked
         memory, whose copies do not wait for the GPU) on ``device``."""
+        import torch
+
         return {k: torch.as_tensor(v).to(device, non_blocking=True) for k, v in batch.items()}
 
     @abstractmethod

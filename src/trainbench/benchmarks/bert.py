@@ -11,30 +11,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from trainbench.benchmarks import bert_prepare
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data.bert_hdf5 import TrainBatches, eval_batches, find_shards
 from trainbench.data.steps import CycledSteps
-from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
-from trainbench.models.bert import (
-    BertConfig,
-    BertForPreTraining,
-    choose_packed_kernel,
-    from_hf_state_dict,
-    packed_kernel_unavailable,
-)
-from trainbench.models.data_parallel import place_data_parallel
-from trainbench.optim.lamb import Lamb, param_groups
+from trainbench.models.configs import BertConfig
 from trainbench.optim.schedules import poly_warmup_lr
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainbench.distributed import DistInfo, Placed
+    from trainbench.models.bert import BertForPreTraining
 
 MLPERF_TARGET = 0.720
 
@@ -132,6 +127,10 @@ class BertBenchmark(Benchmark):
     }
 
     def validate(self, cfg: RunConfig) -> None:
+        import torch
+
+        from trainbench.models.bert import packed_kernel_unavailable
+
         super().validate(cfg)
         m, d = cfg.model, cfg.data
         if d.seq_length > m.max_position_embeddings:
@@ -237,16 +236,22 @@ class BertBenchmark(Benchmark):
 
     # -- model and optimizer --------------------------------------------------------------------
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
+        from trainbench.models.bert import BertForPreTraining
+
         model = BertForPreTraining(cfg.model)
         if cfg.model.init_checkpoint:
             load_checkpoint(model, cfg.model.init_checkpoint)
         return model
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
+        from trainbench.models.data_parallel import place_data_parallel
+
         bucket_clip = cfg.optimizer.max_grad_norm if cfg.optimizer.clip == "bucket" else None
         return place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip)
 
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+        from trainbench.optim.lamb import Lamb, param_groups
+
         o = cfg.optimizer
         return Lamb(
             param_groups(model, o.weight_decay),
@@ -272,6 +277,8 @@ class BertBenchmark(Benchmark):
 
     def loss_weights(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[masked tokens, sequences] of a micro-batch: the loss's normalisers."""
+        import torch
+
         masked = self._valid(batch).sum()
         sequences = (batch["next_sentence_labels"] >= 0).sum()
         return torch.stack([masked, sequences]).float()
@@ -289,6 +296,8 @@ class BertBenchmark(Benchmark):
         return model(batch["input_ids"], batch["segment_ids"], batch["input_mask"], batch["masked_lm_positions"])
 
     def loss(self, model, batch, weights):
+        import torch.nn.functional as F
+
         # Padding predictions and empty sequence slots are ignored by label, not cut out with a boolean index:
         # an index's output size is known only on the host, so it would make the host wait for the forward
         # (and again in backward) every step, leaving the GPU idle while the host catches up.
@@ -301,6 +310,8 @@ class BertBenchmark(Benchmark):
         return mlm / weights[0] + nsp / weights[1]
 
     def eval_sums(self, model, batch) -> torch.Tensor:
+        import torch
+
         mlm_logits, _ = self._logits(model, batch)
         valid = self._valid(batch)
         correct = (mlm_logits.argmax(-1) == batch["masked_lm_ids"]) & valid
@@ -370,6 +381,8 @@ class BertBenchmark(Benchmark):
         return 3.0 * (dense + attention + heads)
 
     def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
+        from trainbench.models.bert import choose_packed_kernel
+
         if cfg.data.layout != "packed":
             return []
         m = cfg.model
@@ -416,6 +429,10 @@ class BertBenchmark(Benchmark):
 
 def load_checkpoint(model: BertForPreTraining, path: str | Path) -> None:
     """Load HF-named, MLPerf-converted or our own weights into ``model``; a mismatch is a DataError."""
+    import torch
+
+    from trainbench.models.bert import from_hf_state_dict
+
     path = checkpoint_file(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file

@@ -15,22 +15,22 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.benchmarks.prepare_common import claim, progress_bar, synthetic_sizes, write_manifest
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
-from trainbench.data import flux_data
 from trainbench.data.steps import CycledSteps
-from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError, UserError
-from trainbench.models import fp8
-from trainbench.models.flux import Flux, FluxConfig, image_ids
-from trainbench.models.flux_parallel import place_flux
-from trainbench.optim.adamw import AdamClipped, own_kernel_chosen
+from trainbench.models.configs import FluxConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainbench.distributed import DistInfo, Placed
+    from trainbench.models.flux import Flux
 
 SHIFT, SCALE = 0.1159, 0.3611  # the reference's latent normalisation: (z - shift) x scale
 EVAL_EVERY = 262_144
@@ -98,6 +98,8 @@ class Flux1Benchmark(Benchmark):
 
     # -- config ---------------------------------------------------------------------------------
     def validate(self, cfg: RunConfig) -> None:
+        from trainbench.models import fp8
+
         super().validate(cfg)
         m = cfg.model
         try:
@@ -148,6 +150,8 @@ class Flux1Benchmark(Benchmark):
         return Path(cfg.data.dir)
 
     def check_data(self, cfg: RunConfig) -> None:
+        from trainbench.data import flux_data
+
         root, m = self._root(cfg), cfg.model
         expected = {"t5_encodings": (m.text_tokens, m.context_dim), "clip_encodings": (m.vector_dim,),
                     "mean": (m.in_channels // 4, m.latent_size, m.latent_size)}  # fmt: skip
@@ -167,6 +171,8 @@ class Flux1Benchmark(Benchmark):
                                 f"{list(empty[name].shape)}, not {list(expected[name])}")  # fmt: skip
 
     def build_data(self, cfg: RunConfig, rank: int, world_size: int, start_sample: int = 0) -> BenchmarkData:
+        from trainbench.data import flux_data
+
         root, d = self._root(cfg), cfg.data
         train, evals = flux_data.EncodedSplit(root / "train"), flux_data.EncodedSplit(root / "eval")
         empty = flux_data.read_empty(root / "empty_encodings")
@@ -178,14 +184,20 @@ class Flux1Benchmark(Benchmark):
 
     # -- model and optimizer --------------------------------------------------------------------
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
+        from trainbench.models.flux import Flux
+
         model = Flux(cfg.model)
         init_weights(model)
         return model
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
+        from trainbench.models.flux_parallel import place_flux
+
         return place_flux(model, info, cfg.distributed, cfg.perf, bf16)
 
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+        from trainbench.optim.adamw import AdamClipped, own_kernel_chosen
+
         o = cfg.optimizer  # weight decay on every parameter, as the reference
         own = own_kernel_chosen(cfg.perf.optimizer_kernel, cfg.distributed.world_size)
         return AdamClipped(model.parameters(), o.max_grad_norm, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.epsilon,
@@ -198,6 +210,10 @@ class Flux1Benchmark(Benchmark):
     # -- the step -------------------------------------------------------------------------------
     def _errors(self, model, batch) -> torch.Tensor:
         """Each sample's mean squared error of the predicted velocity."""
+        import torch
+
+        from trainbench.models.flux import image_ids
+
         z = batch["mean"] + torch.exp(0.5 * batch["logvar"]) * batch["eps"]
         x = (z - SHIFT) * SCALE
         t = batch["t"].to(x.dtype)
@@ -211,6 +227,8 @@ class Flux1Benchmark(Benchmark):
         return (pred.float() - target.float()).square().mean(dim=(1, 2))
 
     def loss_weights(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        import torch
+
         return torch.tensor([batch["t"].shape[0]], dtype=torch.float32, device=batch["t"].device)
 
     def loss(self, model, batch, weights):
@@ -218,6 +236,8 @@ class Flux1Benchmark(Benchmark):
 
     def eval_sums(self, model, batch) -> torch.Tensor:
         """Per timestep, the summed errors and the samples (float64)."""
+        import torch
+
         errors, step = self._errors(model, batch).double(), batch["step_index"]
         sums = torch.zeros(TIMESTEPS, dtype=torch.float64, device=errors.device).index_add_(0, step, errors)
         counts = torch.bincount(step, minlength=TIMESTEPS).double()
@@ -308,6 +328,7 @@ class Flux1Benchmark(Benchmark):
 
     def prepare(self, args) -> int:
         from trainbench.console import console
+        from trainbench.data import flux_data
 
         if not args.synthetic:
             raise UserError(
@@ -329,14 +350,16 @@ class Flux1Benchmark(Benchmark):
         return 0
 
 
-@torch.no_grad()
 def init_weights(model: Flux) -> None:
     """As the reference (DiT's): Xavier-uniform matrices, zero biases, and the last layer's modulation and
     projection zero, so that training starts from a model that predicts no velocity."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            torch.nn.init.xavier_uniform_(module.weight)
-            torch.nn.init.zeros_(module.bias)
-    for layer in (model.final_layer.adaLN_modulation[1], model.final_layer.linear):
-        torch.nn.init.zeros_(layer.weight)
-        torch.nn.init.zeros_(layer.bias)
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                torch.nn.init.xavier_uniform_(module.weight)
+                torch.nn.init.zeros_(module.bias)
+        for layer in (model.final_layer.adaLN_modulation[1], model.final_layer.linear):
+            torch.nn.init.zeros_(layer.weight)
+            torch.nn.init.zeros_(layer.bias)

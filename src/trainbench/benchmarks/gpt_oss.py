@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from trainbench.benchmarks.llm import TINY_DATA, Llama31Benchmark, read_manifest, run_config
 from trainbench.config import DataConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data import prepare_llm
-from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
-from trainbench.models.gpt_oss import GptOssConfig, GptOssLM, auto_kernel
+from trainbench.models.configs import GptOssConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainbench.distributed import DistInfo, Placed
 
 # The reference's shape (Primus' gpt_oss_20B): 24 blocks of width 2880, 64 query and 8 key/value heads of 64,
 # 32 experts of width 2880, 4 a token, a window of 128 earlier keys (and the query's own) on every other block.
@@ -164,6 +168,8 @@ class GptOssBenchmark(Llama31Benchmark):
         return model(batch["tokens"][:, :-1], targets=self._targets(batch))
 
     def loss(self, model, batch, weights):
+        import torch
+
         if model.cfg.aux_loss_coeff:
             # The load-balancing loss weighs this micro-batch's share of the step, as its cross entropy does (the
             # loop scales every rank's loss by the ranks, which FSDP's mean of the gradients undoes).
@@ -172,15 +178,25 @@ class GptOssBenchmark(Llama31Benchmark):
         return self._token_losses(model, batch) / weights[0]
 
     def eval_sums(self, model, batch) -> torch.Tensor:
+        import torch
+
         count = self.loss_weights(batch).double()[0]
         return torch.stack([self._token_losses(model, batch).double(), count])
 
     # -- model ------------------------------------------------------------------------------------
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
+        import torch
+
+        from trainbench.models.gpt_oss import GptOssLM
+
         with torch.device("meta"):
             return GptOssLM(cfg.model)
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
+        import torch
+
+        from trainbench.models.gpt_oss import auto_kernel
+
         placed = super().place(model, cfg, info, bf16)
         m = cfg.model
         ep = cfg.distributed.ep if info.world_size > 1 else 1

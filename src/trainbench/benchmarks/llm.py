@@ -19,10 +19,9 @@ import dataclasses
 import json
 from abc import abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from trainbench.benchmarks import llm_prepare
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
@@ -30,16 +29,15 @@ from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig
 from trainbench.data import checks
 from trainbench.data.indexed import IndexedDataset, PackedSamples, find_prefixes
 from trainbench.data.steps import CycledSteps, Step, batched, eval_share, rank_share
-from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
-from trainbench.models import fp8
-from trainbench.models.decoder import DecoderConfig, DecoderLM, recompute_last, recompute_spread
-from trainbench.models.decoder_parallel import FUSED_QKV_TP, place_decoder
-from trainbench.models.offload import offload_blocks
-from trainbench.optim.adamw import AdamClipped, own_kernel_chosen
-from trainbench.optim.groups import weight_decay_split
+from trainbench.models.configs import DecoderConfig
 from trainbench.optim.schedules import cosine_warmup_lr
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainbench.distributed import DistInfo, Placed
 
 
 def run_config(name: str, preset: str, model: DecoderConfig, data: DataConfig, optimizer: OptimizerConfig,
@@ -116,6 +114,9 @@ def recompute_fewer(placed: Placed, cfg: RunConfig, device: torch.device) -> Pla
     """``perf.recompute_blocks``: activation checkpointing on the last N blocks only, or with ``perf.offload_blocks``
     on N blocks spread over the depth among the others; ``perf.offload_blocks``: of the others, N (spread evenly)
     keep their saved activations in host memory."""
+    from trainbench.models.decoder import recompute_last, recompute_spread
+    from trainbench.models.offload import offload_blocks
+
     count = cfg.perf.recompute_blocks
     if cfg.perf.activation_checkpointing and count:
         if cfg.perf.offload_blocks:
@@ -225,6 +226,9 @@ class LLMBenchmark(Benchmark):
     }
 
     def validate(self, cfg: RunConfig) -> None:
+        from trainbench.models import fp8
+        from trainbench.models.decoder_parallel import FUSED_QKV_TP
+
         super().validate(cfg)
         m, d = cfg.model, cfg.data
         if m.hidden_size % m.num_heads or m.num_heads % m.kv_heads:
@@ -334,16 +338,25 @@ class LLMBenchmark(Benchmark):
 
     # -- model and optimizer --------------------------------------------------------------------
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
+        import torch
+
+        from trainbench.models.decoder import DecoderLM
+
         with torch.device("meta"):
             return DecoderLM(cfg.model)
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
+        from trainbench.models.decoder_parallel import place_decoder
+
         placed = place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
                                cfg.perf.compile, cfg.seed, cfg.distributed.ep,
                                cfg.distributed.shard_one_rank)  # fmt: skip
         return recompute_fewer(placed, cfg, info.device)
 
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+        from trainbench.optim.adamw import AdamClipped, own_kernel_chosen
+        from trainbench.optim.groups import weight_decay_split
+
         o = cfg.optimizer
         decay, plain = weight_decay_split(model)
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": plain, "weight_decay": 0.0}]
@@ -368,6 +381,8 @@ class LLMBenchmark(Benchmark):
 
     # -- step -----------------------------------------------------------------------------------
     def loss_weights(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        import torch
+
         tokens = batch["tokens"]
         return torch.tensor([tokens.shape[0] * (tokens.shape[1] - 1)], dtype=torch.float32, device=tokens.device)
 
@@ -379,6 +394,8 @@ class LLMBenchmark(Benchmark):
         return self._token_losses(model, batch) / weights[0]
 
     def eval_sums(self, model, batch) -> torch.Tensor:
+        import torch
+
         count = torch.tensor(batch["tokens"][:, 1:].numel(), dtype=torch.float64, device=batch["tokens"].device)
         return torch.stack([self._token_losses(model, batch).double(), count])
 

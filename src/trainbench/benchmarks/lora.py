@@ -20,11 +20,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
 
 from trainbench.benchmarks import lora_prepare
 from trainbench.benchmarks.base import BenchmarkData
@@ -32,13 +30,14 @@ from trainbench.benchmarks.llm import LLMBenchmark, recompute_fewer
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data import sft
 from trainbench.data.steps import CycledSteps, batched, eval_share
-from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
-from trainbench.models.decoder import DecoderLM
-from trainbench.models.hf_checkpoint import HFCheckpoint, check_shapes
-from trainbench.models.lora import LoraModelConfig
-from trainbench.models.lora_parallel import place_lora
+from trainbench.models.configs import LoraModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainbench.distributed import DistInfo, Placed
 
 ANSWER_SHARE = 0.1  # of a GovReport row's tokens, the summary's (where the loss is): about a tenth
 GOVREPORT_EVAL = 173  # validation sequences MLPerf's runs log
@@ -115,6 +114,11 @@ class LoraBenchmark(LLMBenchmark):
     }
 
     def validate(self, cfg: RunConfig) -> None:
+        import torch
+        from torch import nn
+
+        from trainbench.models.decoder import DecoderLM
+
         super().validate(cfg)
         m = cfg.model
         if cfg.data.seq_length > 8192 and m.rope_theta == 10000.0 and m.num_layers == 80:
@@ -161,6 +165,11 @@ class LoraBenchmark(LLMBenchmark):
         return str(root / base)
 
     def check_data(self, cfg: RunConfig) -> None:
+        import torch
+
+        from trainbench.models.decoder import DecoderLM
+        from trainbench.models.hf_checkpoint import HFCheckpoint, check_shapes
+
         root = self._root(cfg)
         manifest = sft.read_manifest(root, self.name)
         if manifest["seq_length"] != cfg.data.seq_length:
@@ -234,10 +243,16 @@ class LoraBenchmark(LLMBenchmark):
 
     # -- model ----------------------------------------------------------------------------------
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
+        import torch
+
+        from trainbench.models.decoder import DecoderLM
+
         with torch.device("meta"):
             return DecoderLM(cfg.model)
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
+        from trainbench.models.lora_parallel import place_lora
+
         m = dataclasses.replace(cfg.model, base_weights=self.base_weights(cfg))
         placed = place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
                             cfg.perf.compile, cfg.seed)  # fmt: skip
@@ -323,7 +338,7 @@ class LoraBenchmark(LLMBenchmark):
 
     def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
         """Which base was read, the type its files store and what the run made of it."""
-        from trainbench.models.hf_checkpoint import FLOAT_TYPES
+        from trainbench.models.hf_checkpoint import FLOAT_TYPES, HFCheckpoint
 
         folder = self.base_weights(cfg)
         if folder is None:
@@ -352,6 +367,8 @@ class LoraBenchmark(LLMBenchmark):
         return total / weights[0]
 
     def eval_sums(self, model, batch) -> torch.Tensor:
+        import torch
+
         logits = model(batch["tokens"], positions=batch.get("positions"), segments=batch.get("segments"))
         targets = batch["targets"]
         losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),

@@ -19,7 +19,7 @@ from trainbench.benchmarks import get_benchmark
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, apply_overrides, leaves, read_yaml_overrides, save_config
 from trainbench.console import RunConsole, console
-from trainbench.distributed import available_slots, init_distributed, resolve_device, shutdown
+from trainbench.distributed import THREADS_WHY, available_slots, cpu_threads, init_distributed, resolve_device, shutdown
 from trainbench.errors import ConfigError, DataError, Preempted, UserError
 from trainbench.launch.systems import largest_micro_batch
 from trainbench.mlperf import ComplianceResult, check_compliance, constants, read_log
@@ -402,7 +402,9 @@ def torchrun_worker(nproc: int, *worker_args: str) -> tuple[list[str], dict[str,
     """The command and environment that start ``nproc`` ranks of ``trainbench.launch.worker WORKER_ARGS`` on this
     node under torchrun, the cores shared out among them."""
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, available_slots("cpu") // nproc)))
+    # Chosen here for every rank at once (torchrun would set 1 where OMP_NUM_THREADS is unset), and said why.
+    threads, why = cpu_threads(nproc, env)
+    env |= {"OMP_NUM_THREADS": str(threads), THREADS_WHY: why}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
            "-m", "trainbench.launch.worker", *worker_args]  # fmt: skip
     return cmd, env

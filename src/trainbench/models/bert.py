@@ -9,7 +9,6 @@ and converted MLPerf checkpoints load, and our weights load into HF.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from trainbench.config import option
+from trainbench.models.configs import BertConfig
 from trainbench.models.cudnn_attention import CudnnSegments, cudnn_segments, cudnn_varlen_attention
 from trainbench.models.cudnn_attention import unavailable as cudnn_unavailable
 
@@ -91,42 +90,6 @@ def choose_packed_kernel(choice: str, cuda: bool, half: bool, grad: bool, dropou
     if (problem := packed_kernel_unavailable(choice, **here)) is not None:
         raise ValueError(problem)
     return choice
-
-
-@dataclass(kw_only=True)
-class BertConfig:
-    vocab_size: int = option(30522, "Rows of the word-embedding table (and MLM output classes).", at_least=1)
-    hidden_size: int = option(1024, "Width of the encoder.", at_least=1)
-    num_layers: int = option(24, "Encoder layers.", at_least=1)
-    num_heads: int = option(16, "Attention heads per layer.", at_least=1)
-    intermediate_size: int = option(4096, "Width of the feed-forward layer.", at_least=1)
-    max_position_embeddings: int = option(512, "Rows of the position-embedding table.", at_least=1)
-    type_vocab_size: int = option(2, "Segment (token type) ids.", at_least=1)
-    hidden_dropout: float = option(
-        0.1, "Dropout after embeddings, attention output and feed-forward output.", at_least=0, below=1
-    )
-    attention_dropout: float = option(0.1, "Dropout on attention probabilities.", at_least=0, below=1)
-    layer_norm_eps: float = option(1e-12, "LayerNorm epsilon.", above=0, below=1)
-    init_std: float = option(0.02, "Std of the normal initialisation of weights.", above=0)
-    packed_attention: str = option(
-        "auto",
-        "Attention for packed rows: varlen (flash attention over variable-length sequences, with dropout; CUDA, "
-        "bf16/fp16), cudnn (cuDNN's fused attention over the same sequences, read in place from the QKV "
-        "projection, with dropout; CUDA, bf16/fp16, needs trainbench[cudnn]), flex (FlexAttention with a "
-        "block-sparse document mask; no dropout), sdpa (SDPA with a dense boolean mask), or auto: cudnn on CUDA "
-        "in bf16/fp16 where trainbench[cudnn] is installed, else varlen there, else flex where it can run, else "
-        "sdpa.",
-        choices=("auto", "varlen", "cudnn", "flex", "sdpa"),
-    )
-    low_precision_residual: bool = option(
-        True,
-        "Under bf16 autocast, keep the residual stream (every LayerNorm's output) in bf16 instead of fp32. "
-        "LayerNorm still computes in fp32; this halves the bytes of the residual adds, LayerNorms and their "
-        "casts. No effect without autocast.",
-    )
-    init_checkpoint: str | None = option(
-        None, "Weights to start from: a .pt/.bin state dict (HF or MLPerf names) or HF .safetensors."
-    )
 
 
 class EncoderLayer(nn.Module):

@@ -8,7 +8,7 @@ output ([tokens, 3, heads, head_dim], no copy), and the backward writes the thre
 (Philox, seeded per call from PyTorch's generator, so runs repeat under a fixed seed).
 
 The graphs are built with the cuDNN frontend's Python API (the optional package ``nvidia-cudnn-frontend``,
-``pip install 'trainbench[cudnn]'``) once per shape and reused. The forward and backward are custom ops
+``pip install -e '.[cudnn]'`` in trainbench's clone) once per shape and reused. The forward and backward are custom ops
 with fake kernels, so ``torch.compile`` traces through them without a graph break.
 """
 
@@ -32,7 +32,7 @@ def unavailable() -> str | None:
     try:
         import cudnn  # noqa: F401
     except ImportError:
-        return "model.packed_attention=cudnn needs the cuDNN frontend: pip install 'trainbench[cudnn]'"
+        return "model.packed_attention=cudnn needs the cuDNN frontend: pip install -e '.[cudnn]' in trainbench's clone"
     except OSError as e:  # the package is there but libcudnn would not load
         return f"model.packed_attention=cudnn: the cuDNN frontend did not load ({e})"
     return None

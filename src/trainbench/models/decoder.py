@@ -16,7 +16,6 @@ Attention is causal SDPA (flash attention on CUDA).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,70 +24,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from trainbench.config import option
-
-
-@dataclass(kw_only=True)
-class DecoderConfig:
-    vocab_size: int = option(128256, "Token ids (rows of the embedding and of the output layer).", at_least=1)
-    hidden_size: int = option(4096, "Model width.", at_least=1)
-    num_layers: int = option(32, "Transformer blocks.", at_least=1)
-    num_heads: int = option(32, "Query heads.", at_least=1)
-    num_kv_heads: int | None = option(
-        8, "Key/value heads (grouped-query attention); None: as many as query heads.", at_least=1
-    )
-    intermediate_size: int = option(14336, "MLP width.", at_least=1)
-    max_seq_length: int = option(8192, "Longest sequence (rows of the learned position table, if any).", at_least=1)
-    arch: str = option("llama", "llama: RoPE, RMSNorm, SwiGLU, no biases; gpt3: learned positions, LayerNorm, "
-                       "GELU, biases.", choices=("llama", "gpt3"))  # fmt: skip
-    rope_theta: float = option(500000.0, "RoPE base (llama).", above=0)
-    norm_eps: float = option(1e-5, "Epsilon of RMSNorm / LayerNorm.", above=0, below=1)
-    tie_embeddings: bool = option(False, "Share the input embedding with the output layer.")
-    init_std: float = option(
-        0.02, "Std of the normal initialisation; output projections get std / sqrt(2 x layers).", above=0
-    )
-    fused_qkv: bool = option(
-        False,
-        "One qkv_proj for queries, keys and values (rows q, then k, then v) instead of q/k/v_proj: the layout "
-        "of MLPerf's Llama-2-70B checkpoint and of the llama31-8b preset (in FP8 the attention's input is cast "
-        "once instead of three times). No tensor-parallel plan.",
-    )
-    precision: str = option(
-        "auto",
-        "The blocks' linear layers: auto (the run's precision: bf16 on a GPU) or fp8 (torchao's float8 training: "
-        "forward, input and weight gradients on FP8 tensor cores with a scale per tensor; weights, gradients and "
-        "optimizer state stay as before). fp8 needs torchao (pip install 'trainbench[fp8]') and a GPU of compute "
-        "capability 8.9 or newer.",
-        choices=("auto", "fp8"),
-    )
-    output_precision: str = option(
-        "auto",
-        "The output layer over the vocabulary: auto (the run's precision: bf16 on a GPU) or fp8 (with precision=fp8: "
-        "its three products on FP8 tensor cores with a scale per tensor, the logits' gradient written in FP8 by the "
-        "loss's backward at a fixed scale, its known bound; the loss itself stays in fp32). Needs a vocabulary and "
-        "width that are multiples of 16 and untied embeddings.",
-        choices=("auto", "fp8"),
-    )
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    def num_params(self, embeddings: bool = True) -> int:
-        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_heads * self.head_dim
-        bias = self.arch == "gpt3"
-        attn = h * h * 2 + 2 * h * kv + (2 * h + 2 * kv if bias else 0)
-        mlp = (3 if self.arch == "llama" else 2) * h * i + ((i + h) if bias else 0)
-        norms = (4 if bias else 2) * h
-        per_layer = attn + mlp + norms
-        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        if self.arch == "gpt3":
-            emb += self.max_seq_length * h
-        return self.num_layers * per_layer + (2 if bias else 1) * h + (emb if embeddings else 0)
+from trainbench.models.configs import DecoderConfig
 
 
 class RMSNorm(nn.Module):

@@ -19,62 +19,12 @@ on the same weights.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainbench.config import option
-
-
-@dataclass(kw_only=True)
-class FluxConfig:
-    """FLUX.1-schnell's shape by default (about 11.9 B parameters)."""
-
-    in_channels: int = option(64, "Channels of an image token: 16 latent channels in 2 x 2 patches.", at_least=1)
-    hidden_size: int = option(3072, "Model width.", at_least=1)
-    num_heads: int = option(24, "Attention heads.", at_least=1)
-    double_blocks: int = option(19, "Double-stream blocks (text and image with weights of their own).", at_least=0)
-    single_blocks: int = option(38, "Single-stream blocks (one sequence of text and image tokens).", at_least=0)
-    mlp_ratio: float = option(4.0, "MLP width / model width.", above=0, at_most=64)
-    context_dim: int = option(4096, "Width of a prompt token's encoding (T5-XXL).", at_least=1)
-    vector_dim: int = option(768, "Width of the pooled prompt vector (CLIP).", at_least=1)
-    rope_axes: str = option("16,56,56", "Channels of a head each rotary axis turns (text, latent row, latent column), "
-                            "comma-separated; their sum is a head's width.")  # fmt: skip
-    rope_theta: float = option(10000.0, "RoPE base.", above=0)
-    text_tokens: int = option(256, "Prompt tokens a sample's T5 encoding holds (must match the data).", at_least=1)
-    latent_size: int = option(32, "Height and width of a sample's latent (must match the data; 256 px images).",
-                              at_least=2)  # fmt: skip
-    precision: str = option(
-        "auto",
-        "The blocks' linear layers: auto (the run's precision: bf16 on a GPU) or fp8 (torchao's float8 training: "
-        "forward, input and weight gradients on FP8 tensor cores with a scale per tensor; the modulation's layers, "
-        "a few rows each, stay as they are, as do weights, gradients and optimizer state). fp8 needs torchao "
-        "(pip install 'trainbench[fp8]') and a GPU of compute capability 8.9 or newer.",
-        choices=("auto", "fp8"),
-    )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def axes_dim(self) -> tuple[int, ...]:
-        return tuple(int(a) for a in self.rope_axes.split(","))
-
-    @property
-    def mlp_width(self) -> int:
-        return int(self.hidden_size * self.mlp_ratio)
-
-    def num_params(self) -> int:
-        h, m, d = self.hidden_size, self.mlp_width, self.head_dim
-        stream = (h * 6 * h + 6 * h) + (h * 3 * h + 3 * h) + 2 * d + (h * h + h) + (h * m + m) + (m * h + h)
-        single = (h * 3 * h + 3 * h) + (h * (3 * h + m) + 3 * h + m) + 2 * d + ((h + m) * h + h)
-        embed = (self.in_channels * h + h) + (256 * h + h) + (h * h + h) + (self.vector_dim * h + h)
-        embed += (h * h + h) + (self.context_dim * h + h)
-        final = (h * 2 * h + 2 * h) + (h * self.in_channels + self.in_channels)
-        return embed + self.double_blocks * 2 * stream + self.single_blocks * single + final
+from trainbench.models.configs import FluxConfig
 
 
 def timestep_embedding(t: torch.Tensor, dim: int = 256, max_period: float = 10000.0) -> torch.Tensor:

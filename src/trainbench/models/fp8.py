@@ -253,7 +253,10 @@ def min_capability(device: torch.device, needed: tuple[int, int] = (8, 9), what:
                           f"{gpus}); {name} has {major}.{minor}")  # fmt: skip
 
 
-NO_TORCHAO = "model.precision=fp8 uses torchao's float8 training, which is not installed: pip install 'trainbench[fp8]'"
+NO_TORCHAO = (
+    "model.precision=fp8 uses torchao's float8 training, which is not installed: pip install -e '.[fp8]' in "
+    "trainbench's clone"
+)
 
 
 def require(device: str) -> None:

@@ -24,110 +24,16 @@ decoder's (checkpointing and compile see an ordinary block).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from trainbench.config import option
-from trainbench.models.decoder import Block, Body, DecoderConfig, DecoderLM, RMSNorm, apply_rope, norm
+from trainbench.models.configs import GptOssConfig
+from trainbench.models.decoder import Block, Body, DecoderLM, RMSNorm, apply_rope, norm
 from trainbench.models.moe import MoE, MoEShape, load_balancing_loss
 from trainbench.models.sink_attention import flex_sink_attention, fused_sink_attention, sink_attention, window_mask
-
-BLOCKS = ("reference", "gpt_oss")
-ATTENTION_KERNELS = ("auto", "flex", "flash", "cudnn")
-
-
-@dataclass(kw_only=True)
-class GptOssConfig(DecoderConfig):
-    """The reference's gpt_oss_20b by default; ``intermediate_size`` is each expert's width."""
-
-    vocab_size: int = option(128256, "Token ids (Llama 3.1's tokenizer in the reference; GPT-OSS's own has 201,088).",
-                             at_least=1)  # fmt: skip
-    hidden_size: int = option(2880, "Model width.", at_least=1)
-    num_layers: int = option(24, "Transformer blocks, each with a mixture of experts.", at_least=1)
-    num_heads: int = option(64, "Query heads.", at_least=1)
-    num_kv_heads: int | None = option(8, "Key/value heads (grouped-query attention).", at_least=1)
-    intermediate_size: int = option(2880, "Each expert's SwiGLU width.", at_least=1)
-    attention_head_dim: int = option(64, "Width of an attention head (heads x head width need not be the model's).",
-                                     at_least=1)  # fmt: skip
-    rope_theta: float = option(150000.0, "RoPE base.", above=0)
-    norm_eps: float = option(1e-6, "Epsilon of RMSNorm.", above=0, below=1)
-    init_std: float = option(
-        0.008, "Std of the normal initialisation; output projections get std / sqrt(2 x layers).", above=0
-    )
-    block: str = option(
-        "reference",
-        "reference: MLCommons' block (no biases, no sinks, SiLU experts, plain RoPE); gpt_oss: GPT-OSS's own "
-        "(biases, attention sinks, clamped SwiGLU, YaRN RoPE), as NVIDIA submitted it and transformers defines it.",
-        choices=BLOCKS,
-    )
-    attention: str = option(
-        "auto",
-        "Kernel of the blocks without a window, where the blocks compile on CUDA: flex (FlexAttention), flash (flash "
-        "attention), cudnn (cuDNN's fused attention; with flash and cudnn GPT-OSS's sinks are applied outside the "
-        "kernel's forward and backward) or auto (cudnn on compute capability 9.0 or newer in 16 bits, else flex).",
-        choices=ATTENTION_KERNELS,
-    )
-    window_attention: str = option(
-        "flex",
-        "Kernel of the windowed blocks, where the blocks compile on CUDA: flex (FlexAttention with the window's block "
-        "mask) or flash (flash attention with its own window).",
-        choices=ATTENTION_KERNELS[1:3],
-    )
-    num_experts: int = option(32, "Experts in each block's mixture.", at_least=1, at_most=4096)
-    expert_weight_grad: str = option(
-        "fp8",
-        "With precision=fp8, the experts' weight gradient: fp8 (an FP8 grouped product, a scale per expert and "
-        "operand) or bf16 (a bf16 grouped product).",
-        choices=("fp8", "bf16"),
-    )
-    experts_per_token: int = option(4, "Experts each token is routed to (top-k).", at_least=1)
-    sliding_window: int = option(
-        129,
-        "Keys a query sees in the windowed blocks, its own included (0: no block has a window). The reference's "
-        "129 is Transformer Engine's window_size=(128, 0); transformers' GPT-OSS sees 128.",
-        at_least=0,
-    )
-    window_every: int = option(
-        2, "Blocks 0, N, 2N, ... slide the window; the others attend to the whole causal prefix.", at_least=1
-    )
-    aux_loss_coeff: float = option(
-        0.0, "Weight of the Switch load-balancing loss summed over blocks (0: none, as the reference).", at_least=0
-    )
-    yarn_factor: float = option(
-        1.0, "YaRN's context scaling of the rotary frequencies (1: plain RoPE; GPT-OSS: 32).", at_least=1
-    )
-    yarn_original_positions: int = option(4096, "YaRN: the context the frequencies were made for.", at_least=1)
-    yarn_beta_fast: float = option(32.0, "YaRN: rotations above which a frequency is kept.", above=0)
-    yarn_beta_slow: float = option(1.0, "YaRN: rotations below which a frequency is fully interpolated.", above=0)
-
-    @property
-    def head_dim(self) -> int:
-        return self.attention_head_dim
-
-    @property
-    def gpt_oss_block(self) -> bool:
-        return self.block == "gpt_oss"
-
-    def windowed(self, index: int) -> bool:
-        """Whether block ``index`` slides a window (transformers' GPT-OSS: the even ones)."""
-        return self.sliding_window > 0 and index % self.window_every == 0
-
-    def num_params(self, embeddings: bool = True, active: bool = False) -> int:
-        """Parameters; ``active``: those a token passes through (its top-k experts, not all)."""
-        h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
-        bias = self.gpt_oss_block
-        q, kv = self.num_heads * d, self.kv_heads * d
-        attn = 2 * h * q + 2 * h * kv + ((q + 2 * kv + h + self.num_heads) if bias else 2 * d)
-        expert = 3 * h * f + ((2 * f + h) if bias else 0)
-        experts = self.experts_per_token if active else self.num_experts
-        moe = h * self.num_experts + (self.num_experts if bias else 0) + experts * expert
-        per_layer = attn + moe + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * per_layer + h + (emb if embeddings else 0)
 
 
 def yarn_frequencies(cfg: GptOssConfig) -> tuple[torch.Tensor, float]:

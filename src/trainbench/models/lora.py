@@ -18,51 +18,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from trainbench.config import option
-from trainbench.models.decoder import DecoderConfig
+from trainbench.models.configs import LoraModelConfig
 
 ADAPTER_KEYS = (".lora_A.", ".lora_B.")
-
-
-@dataclass(kw_only=True)
-class LoraModelConfig(DecoderConfig):
-    """A decoder with a frozen base read from a checkpoint, and LoRA adapters."""
-
-    base_weights: str | None = option(
-        None, "Folder of the frozen base model: HF safetensors (model.safetensors.index.json and its shards), "
-        "q/k/v separate or fused in qkv_proj. None: the base is initialised from the seed (throughput runs only).",
-    )  # fmt: skip
-    lora_rank: int = option(16, "Rank of each adapter (MLPerf: 16).", at_least=1)
-    lora_alpha: float = option(32.0, "Adapter scale numerator: outputs are scaled by alpha / rank (MLPerf: 32).",
-                               above=0)  # fmt: skip
-    lora_dropout: float = option(0.1, "Dropout on each adapter's input (MLPerf: 0.1).", at_least=0, below=1)
-    lora_targets: str = option(
-        "qkv_proj,o_proj", "Linear layers given adapters: last parts of their names, comma-separated."
-    )
-    base_precision: str = option(
-        "auto",
-        "Frozen base weights: auto (the run's precision: bf16 on a GPU) or fp8 (e4m3 with a scale per output "
-        "channel, quantised once at load, multiplied on FP8 tensor cores; the whole base on every rank, adapters' "
-        "gradients all-reduced).",
-        choices=("auto", "fp8"),
-    )
-    base_sharding: str = option(
-        "replicate",
-        "With base_precision=fp8: replicate (the whole FP8 base on every rank, adapters' gradients all-reduced) or "
-        "fsdp (the FP8 base sharded by FSDP2 over the ranks and gathered in FP8 a block at a time: for GPUs that "
-        "cannot hold a replica beside the activations).",
-        choices=("replicate", "fsdp"),
-    )
-
-    @property
-    def targets(self) -> tuple[str, ...]:
-        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
 
 
 def _add_adapter(module: nn.Module, output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

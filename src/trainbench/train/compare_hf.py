@@ -52,7 +52,7 @@ def require(bench: Benchmark, cfg: RunConfig) -> str:
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
         raise UserError(f"--compare hf needs {' and '.join(missing)}: pip install {' '.join(missing)} "
-                        "(or pip install 'trainbench[test]')")  # fmt: skip
+                        "(or pip install -e '.[test]' in trainbench's clone)")  # fmt: skip
     if cfg.distributed.world_size > 1:
         raise UserError("--compare hf runs in one process: drop --nproc")
     return family

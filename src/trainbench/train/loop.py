@@ -109,7 +109,8 @@ def announce(out: RunConsole, cfg: RunConfig, bench: Benchmark, run: RunSetup, i
         f"eval every {run.eval_every:,} samples, target {bench.metric_name} "
         f"{'>=' if bench.higher_is_better else '<='} {cfg.eval.target}"
     )
-    for note in run.placed.notes + bench.model_notes(cfg, info.device, run.bf16):
+    threads = [info.threads_note] if info.threads_note else []
+    for note in threads + run.placed.notes + bench.model_notes(cfg, info.device, run.bf16):
         out.say(f"run {index}: {note}")
 
 
