@@ -190,6 +190,10 @@ def _parser() -> argparse.ArgumentParser:
     subm.add_argument("--nodes", type=int, help="nodes (default: the system's)")
     subm.add_argument("--time", help="time limit HH:MM:SS (default: the system's)")
     subm.add_argument("--nexp", type=int, default=1, help="experiments: a job array of K runs (default 1)")
+    subm.add_argument("--array-parallel", type=int, metavar="N",
+                      help="runs of the --nexp job array that may run at once (default: the system file's "
+                      "array_parallel, 1: one after another, so no run shares the network or storage it "
+                      "measures)")  # fmt: skip
     subm.add_argument(
         "--chain",
         type=int,
@@ -422,7 +426,7 @@ def bench_summary(r: dict) -> str:
 
 
 def _on_system(benchmark: str, preset: str | None, configs: list[str], overrides: dict, name: str,
-               nodes: int | None = None, time: str | None = None):  # fmt: skip
+               nodes: int | None = None, time: str | None = None, array_parallel: int | None = None):  # fmt: skip
     """(system, config, benchmark) of a job on system ``name``: the system's device, nodes and ranks, and the
     micro-batch its layout fits."""
     import dataclasses
@@ -432,7 +436,7 @@ def _on_system(benchmark: str, preset: str | None, configs: list[str], overrides
     from trainbench.launch.systems import fit_micro_batch, load_system
 
     system = load_system(name)
-    changes = {k: v for k, v in (("nodes", nodes), ("time", time)) if v is not None}
+    changes = {k: v for k, v in (("nodes", nodes), ("time", time), ("array_parallel", array_parallel)) if v is not None}
     if changes:
         system = dataclasses.replace(system, **changes)
         system.validate()
@@ -458,7 +462,7 @@ def cmd_submit(args) -> int:
     if args.ruleset is not None:
         overrides["output.ruleset"] = args.ruleset
     system, cfg, bench = _on_system(args.benchmark, args.preset, args.config, overrides, args.system, args.nodes,
-                                    args.time)  # fmt: skip
+                                    args.time, args.array_parallel)  # fmt: skip
     command = ["trainbench", *(sys.argv[1:] if sys.argv[1:2] == ["submit"] else ["submit", args.benchmark])]
     run_dir, script, job_id = submit(bench, cfg, system, args.nexp, args.dry_run, command, chain=args.chain)
     layout = system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)
