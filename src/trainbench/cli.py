@@ -233,8 +233,10 @@ def _parser() -> argparse.ArgumentParser:
     pkg = sub.add_parser(
         "package",
         help="lay a results folder out as an MLPerf submission package and run the package checker",
-        description="Copy the MLPerf logs into <org>/results/<system>/<benchmark>/ and write "
-        "<org>/systems/<system>.json, then run mlperf-logging's package checker on it.",
+        description="Copy the MLPerf logs into <org>/results/<system>/<benchmark>/, write "
+        "<org>/systems/<system>.json from what the runs recorded of their nodes (a field nothing recorded stays "
+        "empty and is named) and <org>/benchmarks/<benchmark>/implementations/trainbench-<version>/ (trainbench's "
+        "source and the runs' resolved config), then run mlperf-logging's package checker on it.",
     )
     pkg.add_argument("folder", metavar="RESULTS_DIR")
     pkg.add_argument("--org", required=True, help="submitting organisation (a folder name)")
@@ -592,6 +594,10 @@ def cmd_package(args) -> int:
         console.print(f"  runs: {package.runs} finished, of the {package.required_runs} a {package.benchmark} "
                       f"submission needs{' (run it with --nexp ' + str(package.required_runs) + ')' if short else ''}",
                       style="yellow" if short else None)  # fmt: skip
+    for note in package.notes:
+        console.print(f"  {note}", markup=False, style="yellow" if note.startswith("the runs") else None)
+    console.print(f"  implementation: {package.implementation} (trainbench's source and the runs' config)",
+                  markup=False)  # fmt: skip
     desc_path = root / "systems" / f"{args.system}.json"
     empty = empty_fields(json.loads(desc_path.read_text()))
     if empty:
