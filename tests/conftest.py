@@ -29,6 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = REPO.parent / "shared" / "scripts" / "local-slurm"
 CLUSTER_GROUP = "cluster"  # the xdist group of every test that uses the real Slurm cluster or the container image
 
+# The tests run as root in CI, where every run would drop the page cache of a machine other work shares: the runs of
+# the suite leave it as it is (their logs say cache_clear false, and why). tests/test_node.py drops it on purpose.
+os.environ.setdefault("TRAINBENCH_CACHE_CLEAR", "0")
+
 
 # -- tiers and parallel workers -----------------------------------------------------------------------------------
 

@@ -12,8 +12,12 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from trainbench import version
 from trainbench.mlperf import check_compliance
 from trainbench.report.scoring import score_folder, score_runs
+from trainbench.version import describe
+
+SRC = Path(version.__file__).resolve().parent
 
 # -- olympic scoring -----------------------------------------------------------------------------------------
 
@@ -225,6 +229,31 @@ def test_package_layout_and_system_description(converged, tmp_path, capsys, monk
         "Detailed log output" not in (root / "package_checker.log").read_text()
     )  # its own copy, in a temporary folder
     assert run_cli("package", converged, "--org", "a b", "--system", "x", "--out", tmp_path) == 2
+    # The code that ran, beside the results: trainbench's source (no caches) and the run's resolved config.
+    impl = root / "benchmarks" / "bert" / "implementations" / f"trainbench-{version.__version__}"
+    assert (impl / "src" / "trainbench" / "train" / "loop.py").read_text() == (SRC / "train" / "loop.py").read_text()
+    assert (impl / "src" / "trainbench" / "systems" / "dgxh100_8x8.yaml").is_file()  # package data
+    assert not list(impl.rglob("__pycache__")) and not list(impl.rglob("*.pyc"))
+    assert (impl / "config_cpu_box.yaml").read_text() == (converged / "config.yaml").read_text()
+    assert describe() in (impl / "README.md").read_text() and f"implementation: {impl}" in " ".join(out.split())
+    # The system description is what the run recorded of its node, not what this machine is: a record edited to
+    # another machine's CPU shows that CPU, and a field it lacks stays empty and is named.
+    folder = tmp_path / "recorded"
+    shutil.copytree(converged, folder)
+    record_path = next(folder.glob("node_*.json"))
+    record = json.loads(record_path.read_text())
+    record["cpu"] |= {"model": "Recorded CPU 9000", "sockets": 2, "cores_per_socket": 48, "logical_cpus": 192}
+    del record["memory_bytes"]
+    record_path.write_text(json.dumps(record))
+    capsys.readouterr()
+    run_cli("package", folder, "--org", "acme", "--system", "recorded", "--out", tmp_path / "p2")
+    out = " ".join(capsys.readouterr().out.split())
+    desc = json.loads((tmp_path / "p2" / "acme" / "systems" / "recorded.json").read_text())
+    assert (desc["host_processor_model_name"], desc["host_processors_per_node"], desc["host_processor_core_count"],
+            desc["host_processor_vcpu_count"]) == ("Recorded CPU 9000", "2", "48", "192")  # fmt: skip
+    assert desc["host_memory_capacity"] == "" and "host_memory_capacity" in out.split("nothing recorded, empty:")[1]
+    assert f"system description from the runs' records of 1 node(s): {record['host']}" in out
+    assert desc["framework"].startswith(describe()) and desc["operating_system"] == record["os"]
 
 
 def test_check_fails_on_any_checker_warning_and_on_a_log_that_is_no_record_of_one_run(converged, tmp_path, capsys):

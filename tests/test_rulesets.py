@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import only_run_dir, run_cli
 
+from trainbench import __version__
 from trainbench.benchmarks import get_benchmark
 from trainbench.distributed import DistInfo, Placed
 from trainbench.launch.local import build_config
@@ -193,6 +194,18 @@ def test_a_package_of_ten_tiny_lora_runs_passes_the_6_1_0_package_checker_but_it
     assert "runs: 10 finished, of the 10 a llama2_70b_lora submission needs\n" in out, out
     assert "failed, as a scaled-down preset must: RCP Test Failed: RCP found" in out, out
     assert "(ruleset 6.1.0): SUCCESS except the RCP check a scaled-down preset cannot pass" in out, out
+    # A submission skeleton: the code that ran, and a system description from what the runs recorded of their node.
+    impl = (
+        tmp_path / "pkg" / "acme" / "benchmarks" / "llama2_70b_lora" / "implementations" / f"trainbench-{__version__}"
+    )
+    assert (impl / "src" / "trainbench" / "benchmarks" / "lora.py").is_file() and (
+        impl / "config_cpu_box.yaml"
+    ).is_file()
+    record = json.loads(next(run_dir.glob("node_*.json")).read_text())
+    desc = json.loads((tmp_path / "pkg" / "acme" / "systems" / "cpu_box.json").read_text())
+    assert desc["host_processors_per_node"] == str(record["cpu"]["sockets"])
+    assert desc["host_processor_core_count"] == str(record["cpu"]["cores_per_socket"])
+    assert desc["number_of_nodes"] == "1" and desc["operating_system"] == record["os"]
     # Of a full-size run, nothing excuses the RCP check.
     full = check_package(tmp_path / "pkg" / "acme", "6.1.0", scaled_down=False)
     assert full.errors == ["RCP Test Failed: RCP found"] and not full.beyond_scale and not full.ok

@@ -85,7 +85,8 @@ def test_dry_run_script_has_the_slurm_and_container_flags(small_data, tmp_path, 
         "#SBATCH --time=00:20:00",
         "#SBATCH --partition=batch",
         "#SBATCH --exclusive",
-        "#SBATCH --array=0-2",
+        "#SBATCH --mem=0",  # an exclusive job: each node's whole memory too
+        "#SBATCH --array=0-2%1",  # the runs one after another: none shares the network or storage it measures
         "#SBATCH --requeue",
         "#SBATCH --signal=USR1@120",
         "# layout 2x8x48x1",
@@ -108,6 +109,72 @@ def test_dry_run_script_has_the_slurm_and_container_flags(small_data, tmp_path, 
     assert "export NCCL_SOCKET_IFNAME='^docker,lo'" in script
     assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
     assert "not submitted" in capsys.readouterr().out
+
+
+def test_a_sites_sbatch_options_throttled_array_and_cache_clear_command_reach_the_script(small_data, tmp_path,
+                                                                                          capsys):  # fmt: skip
+    system = tmp_path / "site.yaml"
+    system.write_text("nodes: 1\ntasks_per_node: 2\ndevice: cpu\nexclusive: true\narray_parallel: 2\n"
+                      'sbatch_options: ["--qos=high", "--constraint=h100", "--reservation=mlperf_2026"]\n'
+                      'cache_clear_command: "sudo /usr/local/sbin/drop-caches --all"\n')  # fmt: skip
+    common = ["--preset", "tiny", "--dry-run", f"data.dir={small_data}", "eval_samples=256"]
+    assert run_cli("submit", "bert", "--system", system, "--nexp", "5", *common,
+                   f"output.results_dir={tmp_path / 'a'}") == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    for line in ["#SBATCH --exclusive", "#SBATCH --mem=0", "#SBATCH --qos=high", "#SBATCH --constraint=h100",
+                 "#SBATCH --reservation=mlperf_2026", "#SBATCH --array=0-4%2"]:  # fmt: skip
+        assert line in printed, line
+    script = (next((tmp_path / "a").iterdir()) / "submit.sbatch").read_text()
+    lines = script.splitlines()
+    clear = next(i for i, line in enumerate(lines) if "drop-caches" in line)
+    assert lines[clear] == (
+        'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
+        "bash -c 'sudo /usr/local/sbin/drop-caches --all'; export TRAINBENCH_CACHE_CLEAR_RC=$?"
+    )
+    worker = next(i for i, line in enumerate(lines) if "trainbench.launch.worker" in line)
+    preflight = next(i for i, line in enumerate(lines) if "trainbench.launch.preflight" in line)
+    assert preflight < clear < worker  # on nodes that passed the preflight, right before the run
+    assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
+    # --array-parallel over the system file's; one run is no array
+    assert run_cli("submit", "bert", "--system", system, "--nexp", "3", "--array-parallel", "3", *common,
+                   f"output.results_dir={tmp_path / 'b'}") == 0  # fmt: skip
+    assert "#SBATCH --array=0-2%3\n" in capsys.readouterr().out
+    assert run_cli("submit", "bert", "--system", "local_cpu_1x2", *common, f"output.results_dir={tmp_path / 'c'}") == 0
+    assert "--array" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        ('"--qos=high\\n#SBATCH --wrap=id"', "sbatch_options[1] holds a control character"),
+        ('"--qos=high #SBATCH --wrap=id"', "sbatch_options[1] '--qos=high #SBATCH --wrap=id' is not one long sbatch"),
+        ('"--comment=$(touch PWNED)"', "sbatch_options[1] '--comment=$(touch PWNED)' is not one long sbatch option"),
+        ('"--constraint=a&b;id"', "is not one long sbatch option"),
+        ('"qos=high"', "sbatch_options[1] 'qos=high' is not one long sbatch option"),
+        ('"-q high"', "is not one long sbatch option"),
+        ('"--time=99:00:00"', "sbatch_options[1] sets --time, which trainbench writes from time; set it there"),
+        ('"--mem=100G"', "sets --mem, but an exclusive job asks for all of each node's memory"),
+        ("3", "sbatch_options[1] should be a string"),
+    ],
+)
+def test_an_sbatch_option_that_could_smuggle_anything_is_refused_naming_the_field(option, says, small_data, tmp_path,
+                                                                                 capsys):  # fmt: skip
+    system = tmp_path / "site.yaml"
+    system.write_text(
+        f'nodes: 1\ntasks_per_node: 2\ndevice: cpu\nexclusive: true\nsbatch_options: ["--qos=low", {option}]\n'
+    )
+    assert run_cli("submit", "bert", "--system", system, "--preset", "tiny", "--dry-run", f"data.dir={small_data}",
+                   f"output.results_dir={tmp_path / 'r'}") == 2  # fmt: skip
+    out = _error(capsys)
+    assert says in " ".join(out.split()), out
+    assert not (tmp_path / "r").exists() and not list(tmp_path.rglob("PWNED"))
+
+
+def test_array_parallel_below_one_is_refused(tmp_path, small_data, capsys):
+    system = tmp_path / "site.yaml"
+    system.write_text("nodes: 1\ntasks_per_node: 2\ndevice: cpu\narray_parallel: 0\n")
+    assert run_cli("submit", "bert", "--system", system, "--dry-run", "--preset", "tiny", f"data.dir={small_data}") == 2
+    assert "array_parallel must be at least 1" in _error(capsys)
 
 
 def _fake_tools(folder: Path, log: Path) -> dict:
@@ -208,7 +275,8 @@ def test_resubmit_sends_the_folders_script_again_for_the_runs_that_have_not_ende
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     (run_dir / "result_1.txt").write_text("ended\n")
     assert run_cli("resubmit", run_dir, "--time", "00:20:00") == 0
-    assert calls.read_text().split() == ["--parsable", "--array=0,2", "--time=00:20:00", str(run_dir / "submit.sbatch")]
+    assert calls.read_text().split() == ["--parsable", "--array=0,2%1", "--time=00:20:00",
+                                         str(run_dir / "submit.sbatch")]  # fmt: skip
     assert "job 4242: run(s) 0, 2 of" in capsys.readouterr().out
     states = {i: json.loads((run_dir / f"slurm_{i}.json").read_text())["state"] for i in (0, 2)}
     assert states == {0: "PENDING", 2: "PENDING"} and not (run_dir / "slurm_1.json").exists()
@@ -250,14 +318,52 @@ def test_missing_container_image_is_caught_before_submit(tmp_path, small_data, c
     assert "nope.sqsh" in _error(capsys) and not (Path("results").exists() and any(Path("results").glob("*-sq")))
 
 
-def test_cpu_map_beyond_the_node_is_a_readable_error(monkeypatch):
+def test_cpu_map_beyond_the_node_is_a_readable_error():
     from trainbench.distributed import DistInfo
     from trainbench.launch.worker import bind_cpus
 
-    monkeypatch.setenv("TRAINBENCH_CPU_MAP", f"0;{os.cpu_count() + 100}-{os.cpu_count() + 110}")
     info = DistInfo(rank=1, local_rank=1, world_size=2, device=None)
-    with pytest.raises(UserError, match="should run on CPUs .* but this node offers only"):
-        bind_cpus(info)
+    with pytest.raises(UserError, match=f"should run on CPUs .* but this node has {os.cpu_count()} CPUs"):
+        bind_cpus(info, {"TRAINBENCH_CPU_MAP": f"0;{os.cpu_count() + 100}-{os.cpu_count() + 110}"})
+
+
+def test_ranks_pin_to_their_share_of_the_jobs_allocation(tmp_path, monkeypatch):
+    """Under Slurm the ranks of a node split the CPUs the job was allocated there (the task's affinity), NUMA node by
+    NUMA node and whole cores; the system file's NUMA map is cut to the allocation; Slurm's own binding stands."""
+    from trainbench.distributed import DistInfo
+    from trainbench.launch import worker
+    from trainbench.launch.systems import allocation_shares
+
+    # A node of 2 NUMA nodes of 4 cores with 2 threads each: CPU c and c + 8 share a core.
+    sysfs = tmp_path / "system"
+    for n, cpus in enumerate(("0-3,8-11", "4-7,12-15")):
+        (sysfs / "node" / f"node{n}").mkdir(parents=True)
+        (sysfs / "node" / f"node{n}" / "cpulist").write_text(cpus + "\n")
+    for c in range(16):
+        (sysfs / "cpu" / f"cpu{c}" / "topology").mkdir(parents=True)
+        (sysfs / "cpu" / f"cpu{c}" / "topology" / "thread_siblings_list").write_text(f"{c % 8},{c % 8 + 8}\n")
+    every = set(range(16))
+    assert allocation_shares(every, 4, sysfs) == [{0, 1, 8, 9}, {2, 3, 10, 11}, {4, 5, 12, 13}, {6, 7, 14, 15}]
+    # A job given 3 cores of NUMA node 0 and 1 of node 1 (a shared node): one rank a NUMA node, whole cores each.
+    assert allocation_shares({0, 1, 2, 8, 9, 10, 4, 12}, 2, sysfs) == [{0, 1, 2, 8, 9, 10}, {4, 12}]
+    assert allocation_shares({0, 8}, 2, sysfs) == [set(), {0, 8}]  # fewer cores than ranks: a rank gets none
+
+    pinned = []
+    monkeypatch.setattr(worker.os, "sched_setaffinity", lambda pid, cpus: pinned.append(set(cpus)))
+    allowed = set(sorted(os.sched_getaffinity(0))[:1])
+    monkeypatch.setattr(worker.os, "sched_getaffinity", lambda pid: allowed)
+    info = DistInfo(rank=0, local_rank=0, world_size=2, device=None, local_world_size=2)
+    assert worker.bind_cpus(info, {}) is None and not pinned  # not under Slurm, no map: the OS places the ranks
+    said = worker.bind_cpus(info, {"SLURM_JOB_ID": "7", "SLURM_CPU_BIND_TYPE": "mask_cpu:"})
+    assert "as Slurm bound the task (mask_cpu)" in said and not pinned
+    cpu = min(allowed)
+    said = worker.bind_cpus(info, {"SLURM_JOB_ID": "7", "TRAINBENCH_CPU_MAP": f"{cpu},{os.cpu_count() - 1};"})
+    part = "" if cpu == os.cpu_count() - 1 else "the part of the system file's"
+    assert pinned == [{cpu}] and "the system file's NUMA map" in said and part in said
+    outside = next(c for c in range(os.cpu_count()) if c not in allowed) if os.cpu_count() > 1 else None
+    if outside is not None:
+        with pytest.raises(UserError, match="the job's allocation holds none of them"):
+            worker.bind_cpus(info, {"TRAINBENCH_CPU_MAP": f"{outside};"})
 
 
 # -- a real Slurm ---------------------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "trainbench"
 
 # Lowest first. A module may import from its own layer and the ones before it.
 LAYERS = [
-    {"errors", "config", "console"},  # what everything shares
-    {"distributed", "mlperf", "runfiles", "telemetry"},  # process groups, MLPerf log lines, run-file names, sampler
+    {"errors", "config", "console", "version"},  # what everything shares
+    {"distributed", "mlperf", "runfiles", "telemetry", "node"},  # process groups, MLPerf log lines, run-file names,
+    # sampler, what a node is
     {"data", "models", "optim", "convert", "layout"},  # on-disk formats, architectures, optimizers, the layout model
     {"benchmarks"},  # the benchmark interface and the definitions
     {"train"},  # the one training loop

@@ -192,6 +192,10 @@ def _parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     subm.add_argument("--nodes", type=int, help="nodes (default: the system's)")
     subm.add_argument("--time", help="time limit HH:MM:SS (default: the system's)")
     subm.add_argument("--nexp", type=int, default=1, help="experiments: a job array of K runs (default 1)")
+    subm.add_argument("--array-parallel", type=int, metavar="N",
+                      help="runs of the --nexp job array that may run at once (default: the system file's "
+                      "array_parallel, 1: one after another, so no run shares the network or storage it "
+                      "measures)")  # fmt: skip
     subm.add_argument(
         "--chain",
         type=int,
@@ -231,8 +235,10 @@ def _parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     pkg = sub.add_parser(
         "package",
         help="lay a results folder out as an MLPerf submission package and run the package checker",
-        description="Copy the MLPerf logs into <org>/results/<system>/<benchmark>/ and write "
-        "<org>/systems/<system>.json, then run mlperf-logging's package checker on it.",
+        description="Copy the MLPerf logs into <org>/results/<system>/<benchmark>/, write "
+        "<org>/systems/<system>.json from what the runs recorded of their nodes (a field nothing recorded stays "
+        "empty and is named) and <org>/benchmarks/<benchmark>/implementations/trainbench-<version>/ (trainbench's "
+        "source and the runs' resolved config), then run mlperf-logging's package checker on it.",
     )
     pkg.add_argument("folder", metavar="RESULTS_DIR")
     pkg.add_argument("--org", required=True, help="submitting organisation (a folder name)")
@@ -424,7 +430,7 @@ def bench_summary(r: dict) -> str:
 
 
 def _on_system(benchmark: str, preset: str | None, configs: list[str], overrides: dict, name: str,
-               nodes: int | None = None, time: str | None = None):  # fmt: skip
+               nodes: int | None = None, time: str | None = None, array_parallel: int | None = None):  # fmt: skip
     """(system, config, benchmark) of a job on system ``name``: the system's device, nodes and ranks, and the
     micro-batch its layout fits."""
     import dataclasses
@@ -434,7 +440,7 @@ def _on_system(benchmark: str, preset: str | None, configs: list[str], overrides
     from trainbench.launch.systems import fit_micro_batch, load_system
 
     system = load_system(name)
-    changes = {k: v for k, v in (("nodes", nodes), ("time", time)) if v is not None}
+    changes = {k: v for k, v in (("nodes", nodes), ("time", time), ("array_parallel", array_parallel)) if v is not None}
     if changes:
         system = dataclasses.replace(system, **changes)
         system.validate()
@@ -460,7 +466,7 @@ def cmd_submit(args) -> int:
     if args.ruleset is not None:
         overrides["output.ruleset"] = args.ruleset
     system, cfg, bench = _on_system(args.benchmark, args.preset, args.config, overrides, args.system, args.nodes,
-                                    args.time)  # fmt: skip
+                                    args.time, args.array_parallel)  # fmt: skip
     command = ["trainbench", *(sys.argv[1:] if sys.argv[1:2] == ["submit"] else ["submit", args.benchmark])]
     run_dir, script, job_id = submit(bench, cfg, system, args.nexp, args.dry_run, command, chain=args.chain)
     layout = system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)
@@ -590,6 +596,10 @@ def cmd_package(args) -> int:
         console.print(f"  runs: {package.runs} finished, of the {package.required_runs} a {package.benchmark} "
                       f"submission needs{' (run it with --nexp ' + str(package.required_runs) + ')' if short else ''}",
                       style="yellow" if short else None)  # fmt: skip
+    for note in package.notes:
+        console.print(f"  {note}", markup=False, style="yellow" if note.startswith("the runs") else None)
+    console.print(f"  implementation: {package.implementation} (trainbench's source and the runs' config)",
+                  markup=False)  # fmt: skip
     desc_path = root / "systems" / f"{args.system}.json"
     empty = empty_fields(json.loads(desc_path.read_text()))
     if empty:

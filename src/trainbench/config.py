@@ -554,8 +554,10 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def save_config(cfg: Any, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+def save_config(cfg: Any, path: str | Path, comment: str | None = None) -> None:
+    """The config as YAML that :func:`load_config` reads back the same; ``comment`` first, as a YAML comment."""
+    head = "".join(f"# {line}\n" for line in comment.splitlines()) if comment else ""
+    Path(path).write_text(head + yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def describe(cfg: Any) -> str:

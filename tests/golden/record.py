@@ -73,12 +73,23 @@ def prepare_data(root: Path) -> dict[str, Path]:
     return {"bert": bert, "llm": llm}
 
 
+# What the log says of the machine and of the code that ran, not of the numbers: whether the page cache was dropped
+# (the runner's rights) and which trainbench wrote it (a new commit each time).
+MACHINE_KEYS = {"cache_clear"}
+CODE_KEYS = {"trainbench_version", "trainbench_commit"}
+
+
 def strip_log(path: Path) -> list[dict]:
-    """The MLPerf log without what changes from run to run or with the code's layout: times and call sites."""
+    """The MLPerf log without what changes from run to run, with the machine or with the code's version and layout:
+    times, call sites, the cache_clear value and trainbench's version and commit."""
     events = []
     for line in path.read_text().splitlines():
         event = json.loads(line.split(":::MLLOG", 1)[1])
         event.pop("time_ms", None)
+        if event["key"] in CODE_KEYS:
+            continue
+        if event["key"] in MACHINE_KEYS:
+            event["value"] = None
         meta = {k: v for k, v in (event.get("metadata") or {}).items() if k not in ("file", "lineno")}
         events.append(event | {"metadata": meta})
     return events

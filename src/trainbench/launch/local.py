@@ -35,6 +35,7 @@ from trainbench.runfiles import (
     other_ranks_error,
     read_json,
 )
+from trainbench.version import describe, provenance
 
 
 def build_config(
@@ -226,7 +227,7 @@ def _run_locked(bench: Benchmark, cfg: RunConfig, nexp: int, lock: FolderLock | 
 
 def _train_all(bench: Benchmark, cfg: RunConfig, nexp: int, run_dir: Path, device: str,
                plan: list[str] = ()) -> tuple[Path, list[RunRecord]]:  # fmt: skip
-    save_config(cfg, run_dir / CONFIG)
+    save_config(cfg, run_dir / CONFIG, f"resolved config, written by {describe()}")
     out = RunConsole(run_dir / CONSOLE)
     for line in plan:
         out.say(line)
@@ -565,6 +566,7 @@ def write_summary(bench: Benchmark, cfg: RunConfig, run_dir: Path, records: list
         "metric_explanation": bench.metric_explanation,
         "ruleset": bench.ruleset_of(cfg),
         "waived_checks": sorted(bench.waived_checks(cfg)),
+        "trainbench": provenance(),  # what wrote this summary; each run records what ran it
         "runs": [
             {
                 "index": r.index,

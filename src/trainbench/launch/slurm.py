@@ -5,10 +5,11 @@ The script starts one process per GPU (or per CPU rank) with ``srun``; each read
 Every value that reaches the script is shell-quoted, so names, paths and overrides with spaces, quotes,
 ``$()`` or ``;`` are data, never code.
 
-K experiments (``--nexp``) are one job array: one submission, the runs start as soon as resources allow
-(side by side on a cluster with room), each array task is requeued on its own after a preemption, and
-``SLURM_ARRAY_TASK_ID`` is the run index (``result_<i>.txt``). A dependency chain would serialise runs that
-do not depend on each other.
+K experiments (``--nexp``) are one job array: one submission, each array task is requeued on its own after a
+preemption, and ``SLURM_ARRAY_TASK_ID`` is the run index (``result_<i>.txt``). The array is throttled to the system
+file's ``array_parallel`` runs at once (``%1`` by default): runs side by side would share the network and storage
+they measure. An exclusive job asks for each node's whole memory too (``--mem=0``); the system file's
+``sbatch_options`` add any other #SBATCH option (a QOS, a constraint, a reservation).
 
 Preemption: ``--signal=USR1@120`` makes every rank checkpoint and exit with code 3 two minutes before the
 time limit; the script then requeues the job (``--requeue``), and the requeued job resumes from the
@@ -31,7 +32,9 @@ from trainbench.config import RunConfig, has_control_character, save_config
 from trainbench.errors import UserError
 from trainbench.launch.local import absolute_paths, new_run_dir, path_values
 from trainbench.launch.systems import System, load_system, save_system
+from trainbench.node import SITE_CACHE_CLEAR_ENV
 from trainbench.runfiles import CONFIG, FolderLock, RunFiles
+from trainbench.version import describe
 
 q = shlex.quote
 SCRIPT = "submit.sbatch"
@@ -53,8 +56,8 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
     job = _job_parts(system, cfg, run_dir, command, python, "slurm-%A_%a.out" if nexp > 1 else "slurm-%j.out",
                      requeue=True)  # fmt: skip
     sb, box = job.sbatch, job.box
-    if nexp > 1:
-        sb.append(f"--array=0-{nexp - 1}")
+    if nexp > 1:  # throttled: runs at once would share (and measure) one network and one file system
+        sb.append(f"--array=0-{nexp - 1}%{system.array_parallel}")
     if chain > 1:
         sb.append("--dependency=singleton")
     lines = [
@@ -101,6 +104,7 @@ def render_script(system: System, cfg: RunConfig, run_dir: Path, nexp: int, comm
         'if [ "$bad" = 0 ] && [ "$prc" != 0 ]; then echo "preflight failed: the all-reduce step exited with $prc"; '
         "bad=1; fi",
         'if [ "$bad" = 1 ]; then state PREFLIGHT_FAILED "$prc"; exit 1; fi',
+        *job.cache_clear_lines,
         job.each_rank('trainbench.launch.worker "$RUN_DIR" "$INDEX" --resume') + " &",
         "wait $!; rc=$?",
         "while kill -0 $! 2>/dev/null; do wait $!; rc=$?; done  # a trapped signal interrupts the first wait",
@@ -142,6 +146,7 @@ class JobParts:
     python: str
     recorded: str  # the command that wrote the script, on one line
     layout: str
+    cache_clear_command: str | None = None
 
     def head(self, sb: list[str]) -> list[str]:
         return [
@@ -162,6 +167,19 @@ class JobParts:
             *(f"export {k}={q(v)}" for k, v in self.env.items() if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)),
         ]
 
+    @property
+    def cache_clear_lines(self) -> list[str]:
+        """The system file's cache_clear_command on every node, outside any container; its exit code goes to the
+        ranks, whose MLPerf log says whether the page cache was dropped (without one, a rank running as root drops
+        it itself)."""
+        if not self.cache_clear_command:
+            return []
+        return [
+            "# the page cache, dropped on every node before the run (the system file's cache_clear_command)",
+            'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 bash -c '
+            f"{q(self.cache_clear_command)}; export {SITE_CACHE_CLEAR_ENV}=$?",
+        ]
+
     def each_rank(self, module_args: str) -> str:
         """The srun line starting ``python -m <module_args>`` on every rank (in the container, if any)."""
         return " ".join([*map(q, self.srun), *self.box.srun_flags, self.box.command]) + f" -m {module_args}"
@@ -169,7 +187,8 @@ class JobParts:
     def script(self, lines: list[str], sb: list[str]) -> str:
         script = "\n".join(lines) + "\n"
         # The last guard: every value above is quoted, but no quoting keeps a line break from ending a line.
-        for value in (str(self.run_dir), self.python, *sb, *self.srun, *self.env.values(), *self.env, *self.box.prefix):
+        checked = [str(self.run_dir), self.python, *sb, *self.srun, *self.env.values(), *self.env, *self.box.prefix]
+        for value in [*checked, self.cache_clear_command or ""]:
             if has_control_character(value):
                 raise UserError(f"{value!r} holds a control character; it cannot go into a job script")
         return script
@@ -193,7 +212,8 @@ def _job_parts(system: System, cfg: RunConfig, run_dir: Path, command: list[str]
     if system.account:
         sb.append(f"--account={system.account}")
     if system.exclusive:
-        sb.append("--exclusive")
+        sb += ["--exclusive", "--mem=0"]  # the whole node, its memory too (--exclusive alone leaves the default)
+    sb += system.sbatch_options
     srun = ["srun", f"--mpi={system.mpi}", f"--ntasks-per-node={ranks}", "--kill-on-bad-exit=1"]
     if system.cpu_bind:
         srun.append(f"--cpu-bind={system.cpu_bind}")
@@ -205,7 +225,7 @@ def _job_parts(system: System, cfg: RunConfig, run_dir: Path, command: list[str]
         env["TRAINBENCH_CPU_MAP"] = ";".join(system.cpu_map())
     recorded = "".join(" " if has_control_character(c) else c for c in " ".join(q(a) for a in command))
     layout = system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)
-    return JobParts(sb, srun, env, box, run_dir, python, recorded, layout)
+    return JobParts(sb, srun, env, box, run_dir, python, recorded, layout, system.cache_clear_command)
 
 
 def render_bench_script(system: System, cfg: RunConfig, run_dir: Path, command: list[str], python: str) -> str:
@@ -444,7 +464,7 @@ def submit(
         output=dataclasses.replace(cfg.output, run_dir=str(run_dir), progress=False),
     )
     bench.validate(cfg)  # again, at the job's world size (nodes x ranks per node)
-    save_config(cfg, run_dir / CONFIG)
+    save_config(cfg, run_dir / CONFIG, f"resolved config, written by {describe()}")
     python = system.container.python if system.container else sys.executable
     script = render_script(system, cfg, run_dir, nexp, command, python, chain)
     path = run_dir / SCRIPT
@@ -572,7 +592,8 @@ def _resubmit(run_dir: Path, path: Path, time_limit: str | None) -> tuple[list[i
     bench.check_data(cfg)
     command = ["sbatch", "--parsable"]
     if nexp > 1:
-        command.append("--array=" + ",".join(str(i) for i in left))  # only the runs that have not ended
+        # only the runs that have not ended, as many at once as the system allows
+        command.append("--array=" + ",".join(str(i) for i in left) + f"%{system.array_parallel}")
     if time_limit is not None:
         command.append(f"--time={time_limit}")
     job_id = _run([*command, str(path)]).strip().split(";")[0]

@@ -7,6 +7,7 @@ name in ``./systems/`` and then among the ones shipped with trainbench, or given
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from importlib import resources
@@ -55,6 +56,12 @@ class System:
     container: Container | None = None
     env: dict[str, str] = field(default_factory=dict)
     device: str = "cuda"
+    # More #SBATCH options, each one long option: ["--qos=high", "--constraint=h100", "--reservation=mlperf"]
+    sbatch_options: list[str] = field(default_factory=list)
+    array_parallel: int = 1  # runs of a --nexp job array that may run at once (--array=0-9%1: one after another)
+    # A command that drops the page cache, run on every node (outside any container) before each run, e.g.
+    # "sudo /usr/local/sbin/drop_caches"; without one a rank running as root drops it itself.
+    cache_clear_command: str | None = None
     path: str = ""
 
     @property
@@ -91,6 +98,13 @@ class System:
             if has_control_character(value):
                 raise ConfigError(f"{where}: {name} holds a control character ({value!r}); it would reach the job "
                                   "script, where a line break starts a command")  # fmt: skip
+        for i, option in enumerate(self.sbatch_options):
+            _check_sbatch_option(where, i, option, self.exclusive)
+        if self.array_parallel < 1:
+            raise ConfigError(f"{where}: array_parallel must be at least 1 (runs of a job array at once), got "
+                              f"{self.array_parallel}")  # fmt: skip
+        if self.cache_clear_command is not None and not self.cache_clear_command.strip():
+            raise ConfigError(f"{where}: cache_clear_command is empty; give the command, or leave the key out")
         if self.nodes < 1 or self.ranks_per_node < 1:
             raise ConfigError(f"{where}: nodes and GPUs/tasks per node must be at least 1")
         if not re.fullmatch(r"(\d+-)?\d{1,3}:\d\d:\d\d", self.time):
@@ -134,6 +148,39 @@ class System:
         return f"{self.nodes}x{self.ranks_per_node}x{micro_batch}x{per_rank // micro_batch}"
 
 
+# What an sbatch option of the system file may be: one long option, its value of characters no shell or #SBATCH
+# parser reads as anything but text.
+SBATCH_OPTION = re.compile(r"--[a-z][a-z0-9-]*(=[A-Za-z0-9_.,:@%+=/\[\]-]+)?")
+# The options trainbench writes itself, with the system file's key that sets each; and those sbatch takes only on
+# its command line.
+OWN_SBATCH_OPTIONS = {"--job-name": "name", "--nodes": "nodes", "--ntasks-per-node": "tasks_per_node",
+                      "--ntasks": "tasks_per_node", "--time": "time", "--output": "the results folder",
+                      "--error": "the results folder", "--requeue": "the job script", "--signal": "the job script",
+                      "--gpus-per-node": "gpus_per_node", "--partition": "partition", "--account": "account",
+                      "--exclusive": "exclusive", "--array": "array_parallel and --nexp",
+                      "--dependency": "--chain", "--wrap": "the job script", "--parsable": "submit",
+                      "--wait": "submit"}  # fmt: skip
+
+
+def _check_sbatch_option(where: str, i: int, option, exclusive: bool) -> None:
+    """One of the system file's ``sbatch_options``: a string that is one long option, which trainbench does not
+    write itself; else one sentence naming it."""
+    name = f"sbatch_options[{i}]"
+    if not isinstance(option, str):
+        raise ConfigError(f"{where}: {name} should be a string such as --qos=high, got {option!r}")
+    if not SBATCH_OPTION.fullmatch(option):
+        raise ConfigError(f"{where}: {name} {option!r} is not one long sbatch option (--name or --name=value, the "
+                          "value of letters, digits and _.,:@%+=/[]-): a space, a line break, '#', a quote or a "
+                          "shell character cannot go into a #SBATCH line")  # fmt: skip
+    flag = option.partition("=")[0]
+    if flag in OWN_SBATCH_OPTIONS:
+        raise ConfigError(f"{where}: {name} sets {flag}, which trainbench writes from {OWN_SBATCH_OPTIONS[flag]}; "
+                          "set it there")  # fmt: skip
+    if flag in ("--mem", "--mem-per-cpu", "--mem-per-gpu") and exclusive:
+        raise ConfigError(f"{where}: {name} sets {flag}, but an exclusive job asks for all of each node's memory "
+                          "(--mem=0); leave it out, or set exclusive: false")  # fmt: skip
+
+
 _KINDS = {
     "nodes": int,
     "gpus_per_node": int,
@@ -145,6 +192,9 @@ _KINDS = {
     "env": dict,
     "exclusive": bool,
     "time": str,
+    "sbatch_options": list,
+    "array_parallel": int,
+    "cache_clear_command": str,
 }
 
 
@@ -167,6 +217,43 @@ def parse_cpus(text: str) -> set[int]:
         lo, _, hi = part.strip().partition("-")
         cpus.update(range(int(lo), int(hi or lo) + 1))
     return cpus
+
+
+def node_numa_cpus(sysfs: Path = Path("/sys/devices/system")) -> list[set[int]]:
+    """This node's CPUs by NUMA node (one set of every CPU where sysfs lists no NUMA node)."""
+    found = []
+    for node in sorted((sysfs / "node").glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        try:
+            found.append(parse_cpus((node / "cpulist").read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return [cpus for cpus in found if cpus] or [set(range(os.cpu_count() or 1))]
+
+
+def core_of(cpu: int, sysfs: Path = Path("/sys/devices/system")) -> frozenset[int]:
+    """The logical CPUs that share ``cpu``'s core (its hyperthreads and itself)."""
+    try:
+        return frozenset(parse_cpus((sysfs / f"cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()))
+    except (OSError, ValueError):
+        return frozenset({cpu})
+
+
+def allocation_shares(allowed: set[int], ranks: int, sysfs: Path = Path("/sys/devices/system")) -> list[set[int]]:
+    """Each of ``ranks`` local ranks' share of the CPUs ``allowed`` (the job's allocation on this node, as the task's
+    affinity shows it): the ranks spread over the NUMA nodes that hold allocated CPUs, in order, and the whole cores
+    of each NUMA node (a core with its hyperthreads) split evenly among the ranks on it. An empty share where there
+    are fewer cores than ranks on a NUMA node."""
+    numa = [cpus & allowed for cpus in node_numa_cpus(sysfs)]
+    numa = [cpus for cpus in numa if cpus] or [set(allowed)]
+    owner = [r * len(numa) // ranks for r in range(ranks)]
+    shares: list[set[int]] = []
+    for rank in range(ranks):
+        cpus = numa[owner[rank]]
+        cores = list(dict.fromkeys(core_of(c, sysfs) & cpus for c in sorted(cpus)))
+        peers = [r for r in range(ranks) if owner[r] == owner[rank]]
+        k, n = peers.index(rank), len(peers)
+        shares.append(set().union(*cores[k * len(cores) // n : (k + 1) * len(cores) // n]))
+    return shares
 
 
 def fit_micro_batch(cfg, system: System):

@@ -20,7 +20,7 @@ from trainbench.launch.local import (
     experiment_config,
     load_run_config,
 )
-from trainbench.launch.systems import format_cpus, parse_cpus
+from trainbench.launch.systems import allocation_shares, format_cpus, parse_cpus
 from trainbench.runfiles import CONFIG, RANKS_LOCK, FolderLock, RunFiles, rank_error
 from trainbench.train.duties import StopSignal
 from trainbench.train.loop import train
@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed(resolve_device(cfg.device), cfg.distributed.backend, cfg.distributed.timeout_s)
     ended = False
     try:
-        bind_cpus(info)
+        pinned = bind_cpus(info)
+        if pinned and info.is_main:
+            console.print(f"rank 0: {pinned}", markup=False)
         train(cfg, bench, run_dir, index, info, resume=resume)
         ended = True
     except Preempted as exc:
@@ -120,25 +122,47 @@ def _say_error(exc: UserError, info, run_dir: Path, what: str) -> None:
             rank_error(run_dir, what, info.rank).write_text(str(exc) + "\n")
 
 
-def bind_cpus(info) -> None:
-    """Pin this rank to the cores TRAINBENCH_CPU_MAP gives its local rank ("0-13;14-27;..."), after checking
-    that they exist on this node: a wrong layout in a system file becomes one readable sentence."""
-    layout = os.environ.get("TRAINBENCH_CPU_MAP")
-    if not layout:
-        return
-    ranges = layout.split(";")
-    if info.local_rank >= len(ranges):
-        raise UserError(f"the system's CPU map has {len(ranges)} entries but this is local rank {info.local_rank}")
-    cpus = parse_cpus(ranges[info.local_rank])
-    usable = os.sched_getaffinity(0)
-    missing = sorted(cpus - usable)
-    if missing:
-        raise UserError(
-            f"local rank {info.local_rank} on {socket.gethostname()} should run on CPUs {ranges[info.local_rank]} "
-            f"but this node offers only {len(usable)} CPUs ({format_cpus(usable)}; nproc says {os.cpu_count()}); "
-            "fix cpus_per_node / numa in the system file"
-        )
-    os.sched_setaffinity(0, cpus)
+def bind_cpus(info, env=None) -> str | None:
+    """Pin this rank to its CPUs on its node, within the job's allocation there (the CPUs this task may use, which
+    Slurm confines to what it allocated the job), and return how (None: not pinned):
+
+    - where Slurm bound the task itself (srun --cpu-bind, SLURM_CPU_BIND_TYPE other than none), its binding stands;
+    - with the system file's NUMA map (TRAINBENCH_CPU_MAP, "0-13;14-27;..."): this local rank's CPUs of it, less the
+      ones the allocation does not hold (a job that shares its nodes); a CPU the node lacks, or a share the
+      allocation holds none of, is one readable sentence;
+    - else, under Slurm with several ranks on the node: this local rank's share of the allocation, NUMA node by NUMA
+      node and whole cores (:func:`allocation_shares`)."""
+    env = os.environ if env is None else env
+    allowed = os.sched_getaffinity(0)
+    bound = env.get("SLURM_CPU_BIND_TYPE", "").replace("verbose", "").strip(",: ")
+    if bound and bound not in ("none", "no"):
+        return f"CPUs {format_cpus(allowed)}, as Slurm bound the task ({bound})"
+    layout = env.get("TRAINBENCH_CPU_MAP")
+    if layout:
+        ranges = layout.split(";")
+        if info.local_rank >= len(ranges):
+            raise UserError(f"the system's CPU map has {len(ranges)} entries but this is local rank {info.local_rank}")
+        cpus = parse_cpus(ranges[info.local_rank])
+        absent = sorted(c for c in cpus if c >= (os.cpu_count() or 0))
+        usable = cpus & allowed
+        if absent or not usable:
+            have = f"this node has {os.cpu_count()} CPUs" if absent else "the job's allocation holds none of them"
+            raise UserError(
+                f"local rank {info.local_rank} on {socket.gethostname()} should run on CPUs {ranges[info.local_rank]} "
+                f"but {have} (this task may use {len(allowed)} CPUs: {format_cpus(allowed)}); fix cpus_per_node / "
+                "numa in the system file"
+            )
+        os.sched_setaffinity(0, usable)
+        part = "" if usable == cpus else f", the part of the system file's {ranges[info.local_rank]} allocated"
+        return f"CPUs {format_cpus(usable)} (the system file's NUMA map{part})"
+    ranks = info.local_world_size
+    if "SLURM_JOB_ID" not in env or ranks < 2:
+        return None
+    share = allocation_shares(allowed, ranks)[info.local_rank]
+    if not share:
+        return f"not pinned: the job's allocation on this node ({format_cpus(allowed)}) has fewer cores than ranks"
+    os.sched_setaffinity(0, share)
+    return f"CPUs {format_cpus(share)} (its share of the job's allocation {format_cpus(allowed)})"
 
 
 if __name__ == "__main__":

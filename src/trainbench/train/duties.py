@@ -16,6 +16,7 @@ import torch
 from trainbench.config import OutputConfig
 from trainbench.console import RunConsole
 from trainbench.distributed import DistInfo, all_reduce_sum
+from trainbench.node import CacheClear, drop_page_cache, write_node_record
 from trainbench.runfiles import METRICS
 from trainbench.telemetry import Sampler
 from trainbench.train.profiling import StepProfiler
@@ -140,6 +141,26 @@ def start_telemetry(o: OutputConfig, run_dir: Path, index: int, info: DistInfo, 
     sampler = Sampler(run_dir, o.telemetry_hz, gpus_used=gpus_used).start()
     out.say(f"run {index}: {sampler.note}")
     return sampler
+
+
+def prepare_nodes(run_dir: Path, info: DistInfo) -> CacheClear:
+    """Before a run, on each node (its local rank 0): drop the page cache where the process may, and record what the
+    node is (``node_<host>.json``: CPUs, memory, GPUs, topology). Every rank takes part in one all-reduce, so every
+    rank learns whether every node dropped its cache; the record's failure never stops a run."""
+    mine = None
+    if info.local_rank == 0:
+        mine = drop_page_cache()
+        try:
+            write_node_record(run_dir)
+        except OSError:
+            pass  # a full disk or a read-only folder stops the run later, where the run's own files are written
+    failed = torch.tensor([0.0 if mine is None or mine.dropped else 1.0], device=info.device)
+    nodes = torch.tensor([1.0 if info.local_rank == 0 else 0.0], device=info.device)
+    failed, nodes = int(all_reduce_sum(failed, info).item()), int(all_reduce_sum(nodes, info).item())
+    if mine is None or failed == 0 or nodes == 1:
+        return mine or CacheClear(failed == 0, "")
+    here = mine.how if not mine.dropped else "it was dropped on this node"
+    return CacheClear(False, f"on {failed} of {nodes} nodes ({here})")
 
 
 def start_profiler(o: OutputConfig, run_dir: Path, index: int, info: DistInfo) -> StepProfiler | None:

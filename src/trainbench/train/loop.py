@@ -27,11 +27,20 @@ from trainbench.mlperf import constants, logs_disclosure
 from trainbench.runfiles import CONSOLE, METRICS, RunFiles
 from trainbench.telemetry import machine, run_energy
 from trainbench.train import checkpoint
-from trainbench.train.duties import GcPolicy, Metrics, StopSignal, finish_profiler, start_profiler, start_telemetry
+from trainbench.train.duties import (
+    GcPolicy,
+    Metrics,
+    StopSignal,
+    finish_profiler,
+    prepare_nodes,
+    start_profiler,
+    start_telemetry,
+)
 from trainbench.train.evaluate import evaluate
 from trainbench.train.record import MLPerfRecord, platform_name
 from trainbench.train.setup import RunSetup, build_run
 from trainbench.train.step import StepTotals, train_step
+from trainbench.version import provenance
 
 
 @dataclass
@@ -52,6 +61,7 @@ class RunOutcome:
     peak_memory_gib: float | None = None  # CUDA only
     energy: dict | None = None  # energy to train from the telemetry (J, kWh, per GPU); None without GPU telemetry
     system: dict | None = None  # what it ran on (rank 0's machine): CPU, memory, GPUs, driver, torch, Python
+    trainbench: dict = field(default_factory=provenance)  # the trainbench that ran it: version, commit
 
     @property
     def time_to_train_min(self) -> float:
@@ -78,7 +88,10 @@ def train(
         files.partial_log.unlink(missing_ok=True)  # a fresh start: nothing of an earlier attempt stays in the log
         (run_dir / METRICS).touch()
     record = MLPerfRecord(files.partial_log if info.is_main else None, fresh=ckpt is None)
-    record.header(bench.mlperf_name, cfg.output, platform_name(info.device, info.world_size), bench.mlperf)
+    cache = prepare_nodes(run_dir, info)  # before the data is first read
+    out.say(f"run {index}: {cache.line}")
+    record.header(bench.mlperf_name, cfg.output, platform_name(info.device, info.world_size), bench.mlperf,
+                  cache.dropped)  # fmt: skip
     run = build_run(cfg, bench, info, ckpt)
     disclosure = run.disclosure if logs_disclosure(bench.ruleset_of(cfg)) else {}  # keys an older ruleset lacks
     record.hyperparameters(cfg, run.accumulation, run.data.train_samples, run.data.eval_samples,

@@ -17,6 +17,7 @@ import torch
 
 from trainbench.config import OutputConfig, RunConfig
 from trainbench.mlperf import MLPerfLog, constants
+from trainbench.version import provenance
 
 # Logged (a point in time) when a run continues from a checkpoint; value: how many times it was resumed.
 RESUMED_KEY = "trainbench_resumed"
@@ -29,6 +30,9 @@ def platform_name(device: torch.device, world_size: int) -> str:
 
 
 OWN_BENCHMARK_KEY = "trainbench_own_benchmark"
+# Which trainbench wrote the log (keys the checker ignores): its version, and its commit where it ran from a checkout.
+VERSION_KEY = "trainbench_version"
+COMMIT_KEY = "trainbench_commit"
 
 
 class MLPerfRecord:
@@ -39,12 +43,18 @@ class MLPerfRecord:
         # The log's header is written once: not again on resume.
         self._header = self.log if fresh else MLPerfLog(None)
 
-    def header(self, mlperf_name: str, o: OutputConfig, platform: str, mlperf: bool = True) -> None:
-        """init_start and the submission keys; a benchmark of one's own says so in its log (a key the checker
-        ignores)."""
+    def header(self, mlperf_name: str, o: OutputConfig, platform: str, mlperf: bool = True,
+               cache_cleared: bool = False) -> None:  # fmt: skip
+        """cache_clear (whether the page cache was dropped before the run: :func:`trainbench.node.drop_page_cache`),
+        init_start, the submission keys and the trainbench that wrote the log; a benchmark of one's own says so in
+        its log (keys the checker ignores)."""
         h = self._header
-        h.event(constants.CACHE_CLEAR, True)
+        h.event(constants.CACHE_CLEAR, cache_cleared)
         h.start(constants.INIT_START)
+        made_by = provenance()
+        h.event(VERSION_KEY, made_by["version"])
+        if "commit" in made_by:
+            h.event(COMMIT_KEY, made_by["commit"])
         h.event(constants.SUBMISSION_BENCHMARK, mlperf_name)
         if not mlperf:
             h.event(OWN_BENCHMARK_KEY, "not an MLPerf benchmark: checked by mlperf-logging's common rules")
