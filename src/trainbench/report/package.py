@@ -17,7 +17,7 @@ from pathlib import Path
 from trainbench import __version__
 from trainbench.config import is_plain_name
 from trainbench.errors import UserError
-from trainbench.report.scoring import folder_benchmark, folder_config
+from trainbench.report.scoring import folder_benchmark, folder_config, read_job
 from trainbench.runfiles import CONFIG, RunFiles, finished_logs, read_json
 from trainbench.version import PACKAGE_DIR, checkout_root, describe, provenance
 
@@ -247,6 +247,7 @@ def make_package(run_dir: Path, out: Path, org: str, system_name: str, system_de
     if not logs:
         raise UserError(f"{run_dir} holds no finished MLPerf log (result_*.txt)")
     benchmark, _ = folder_benchmark(run_dir, logs)
+    read_job(run_dir)  # the job's record (a Slurm run's), refused in one sentence where it is of the wrong shape
     cfg = folder_config(run_dir / CONFIG)[1] if (run_dir / CONFIG).exists() else None
     division = cfg.output.division if cfg else "closed"
     status = cfg.output.status if cfg else "onprem"
