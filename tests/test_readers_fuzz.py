@@ -402,9 +402,7 @@ def _bert_late_id(data: Path) -> None:
     [
         pytest.param("llama2_70b_lora", _lora_link),
         pytest.param("bert", _bert_link),
-        pytest.param("bert", _bert_late_id, marks=pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-            "bert checks token ids over the first 1,024 rows of the first shard only: a scan of every shard before "
-            "each run would cost minutes on MLPerf's data, and no count is recorded at prepare time yet"))),
+        pytest.param("bert", _bert_late_id),
     ],
 )  # fmt: skip
 def test_a_file_linked_from_outside_and_a_late_bad_id_are_refused_before_any_folder(reader, damage, request, tmp_path):
