@@ -436,3 +436,33 @@ def test_bert_data_prepared_before_shards_were_recorded_loads_with_a_note(bert_d
     (data / "manifest.json").unlink()  # MLPerf's own files: no manifest at all
     bench.check_data(cfg)
     assert "only the token ids of the first 1,024 rows" in capsys.readouterr().out
+
+
+def test_a_bert_shard_declaring_rows_it_does_not_hold_or_packed_columns_that_differ_is_refused(tmp_path):
+    """Checked from the shard's header alone, so data without a record (MLPerf's own files) is held to it too."""
+    import h5py
+
+    from trainbench.data.bert_hdf5 import PACKED_KEYS, validate_shard
+    from trainbench.errors import DataError
+
+    huge = tmp_path / "huge.hdf5"
+    with h5py.File(huge, "w") as f:  # datasets declared, nothing written: a file of a few KB
+        for key, columns in (
+            ("input_ids", 128),
+            ("input_mask", 128),
+            ("segment_ids", 128),
+            ("masked_lm_positions", 20),
+            ("masked_lm_ids", 20),
+            ("next_sentence_labels", 0),
+        ):
+            f.create_dataset(key, shape=(2**40, columns) if columns else (2**40,), dtype="i4")  # fmt: skip
+    with pytest.raises(DataError, match=r"key 'input_ids' declares \(1099511627776, 128\) values .* but the file "
+                                        r"holds [0-9,]+ bytes \(cut short or crafted\)"):  # fmt: skip
+        validate_shard(huge, 128, 20)
+    packed = tmp_path / "packed.hdf5"
+    columns = {"masked_lm_positions": 40, "masked_lm_ids": 39, "next_sentence_labels": 3, "cls_positions": 3}
+    with h5py.File(packed, "w") as f:
+        for key in PACKED_KEYS:
+            f.create_dataset(key, data=np.zeros((4, columns.get(key, 128)), np.int32))
+    with pytest.raises(DataError, match=r"keys 'masked_lm_positions' \(4, 40\) and 'masked_lm_ids' \(4, 39\) are not"):
+        validate_shard(packed, 128, 20, "packed")

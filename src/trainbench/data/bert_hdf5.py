@@ -182,6 +182,11 @@ def validate_shard(path: Path, seq_length: int, max_predictions: int, layout: st
             if f[key].compression is None and f[key].nbytes > size:
                 raise DataError(f"{path}: key '{key}' declares {f[key].shape} values ({f[key].nbytes:,} bytes) but "
                                 f"the file holds {size:,} bytes (cut short or crafted)")  # fmt: skip
+        if layout == "packed":  # a row's predictions, and its sequences' labels and [CLS] positions, side by side
+            for a, b in (("masked_lm_positions", "masked_lm_ids"), ("next_sentence_labels", "cls_positions")):
+                if f[a].ndim != 2 or f[a].shape != f[b].shape:
+                    raise DataError(f"{path}: keys '{a}' {f[a].shape} and '{b}' {f[b].shape} are not two arrays of "
+                                    "one shape [rows, columns]")  # fmt: skip
     return ShardInfo(path, n)
 
 
@@ -249,10 +254,9 @@ def _record(entry, where: str) -> ShardRecord:
 
 
 def shard_records(root: Path, shards: list[ShardInfo]) -> tuple[dict[Path, ShardRecord], int] | None:
-    """Each shard's record in ``root``/manifest.json and the manifest's modification time (ns), for shards of one
-    folder; None where the manifest records none of that folder's (no manifest, as for MLPerf's own files; data
-    prepared before shards were recorded; a folder written beside the prepared ones). A manifest that cannot be
-    read, a shard of a recorded folder it does not list, or a record that is not counts is a DataError."""
+    """Each shard's record in ``root``/manifest.json and the manifest's modification time (ns); None where the
+    manifest records no shard (no manifest, as for MLPerf's own files, or data prepared before shards were recorded).
+    A manifest that cannot be read, a shard it does not list, or a record that is not counts is a DataError."""
     import json
 
     path = root / "manifest.json"
@@ -264,9 +268,9 @@ def shard_records(root: Path, shards: list[ShardInfo]) -> tuple[dict[Path, Shard
     except (OSError, ValueError, RecursionError) as e:
         raise DataError(f"{path}: cannot be read as JSON ({str(e)[:120]}); prepare the data again") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    folder = shards[0].path.parent.relative_to(root).as_posix() + "/"
-    if not isinstance(files, dict) or not any(name.startswith(folder) and isinstance(entry, dict) and "values" in entry
-                                              for name, entry in files.items()):  # fmt: skip
+    if not isinstance(files, dict) or not any(
+        isinstance(entry, dict) and "values" in entry for entry in files.values()
+    ):
         return None
     records = {}
     for shard in shards:
