@@ -466,3 +466,21 @@ def test_a_bert_shard_declaring_rows_it_does_not_hold_or_packed_columns_that_dif
             f.create_dataset(key, data=np.zeros((4, columns.get(key, 128)), np.int32))
     with pytest.raises(DataError, match=r"keys 'masked_lm_positions' \(4, 40\) and 'masked_lm_ids' \(4, 39\) are not"):
         validate_shard(packed, 128, 20, "packed")
+
+
+def test_a_lora_array_whose_header_declares_more_than_its_file_is_refused_before_it_is_mapped(
+    lora_data, tmp_path, capsys
+):
+    """A header whose shape x item size overflows a 64-bit length (2**59 x 2 int64s) made numpy's memory map raise
+    an OverflowError: the header is now checked against the file first."""
+    data = linked_copy(lora_data, tmp_path / "data")
+    path = data / "train" / "seq_offsets.npy"
+    raw = path.read_bytes()
+    end = raw.index(b"\n") + 1
+    header = raw[:end].decode("latin1")
+    start = header.index("'shape': (") + len("'shape': (")
+    header = header[:start] + f"{2**59}, 2" + header[header.index(")", start) :]
+    replace(path, header[: end - 1].ljust(end - 1).encode("latin1")[: end - 1] + b"\n" + raw[end:])
+    said = refused(tmp_path, capsys, "llama2_70b_lora", data)
+    assert f"{path}: its .npy header (shape [{2**59}, 2], int64) declares 9,223,372,036,854,775,808 bytes" in said
+    assert "prepare the data set again" in said
