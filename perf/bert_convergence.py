@@ -55,7 +55,7 @@ def prepare_tiny(work: Path) -> Path:
 
     sys.path.insert(0, str(REPO / "src"))
     from trainbench.benchmarks.bert import SYNTHETIC_SIZES, BertBenchmark
-    from trainbench.data.bert_hdf5 import write_arrays
+    from trainbench.data.bert_hdf5 import shard_record, write_arrays
     from trainbench.data.packing import PACKED_DTYPES, instances_from_fixed, pack, packed_predictions
     from trainbench.data.synthetic_bert import SyntheticSpec, prepare_synthetic
 
@@ -68,11 +68,18 @@ def prepare_tiny(work: Path) -> Path:
     prepare_synthetic(out, spec)
     columns = packed_predictions(d.seq_length, d.max_predictions, 0.15, 3)
     (out / "train_packed.tmp").mkdir(exist_ok=True)
+    manifest = json.loads((out / "manifest.json").read_text())
     for i, shard in enumerate(sorted((out / "train").glob("*.hdf5"))):
         with h5py.File(shard) as f:
             fixed = {k: f[k][:] for k in f}
         packed = pack(instances_from_fixed(fixed), d.seq_length, 3, columns, np.random.default_rng(i))
-        write_arrays(out / "train_packed.tmp" / shard.name, packed, PACKED_DTYPES)
+        path = out / "train_packed.tmp" / shard.name
+        write_arrays(path, packed, PACKED_DTYPES)
+        # recorded as `prepare` records a shard: a run checks every shard the manifest lists, and refuses others
+        manifest["files"][f"train_packed/{shard.name}"] = {"samples": int((packed["next_sentence_labels"] >= 0).sum())}
+        manifest["files"][f"train_packed/{shard.name}"] |= shard_record(path, len(packed["input_ids"]), packed)
+    (out / "manifest.json.tmp").write_text(json.dumps(manifest, indent=2) + "\n")  # after the shards: not newer
+    (out / "manifest.json.tmp").replace(out / "manifest.json")
     (out / "train_packed.tmp").rename(out / "train_packed")  # whole, or not there
     return out
 

@@ -318,3 +318,169 @@ def test_ids_are_checked_in_every_chunk_and_a_declared_id_must_be_a_small_intege
     for bad in (10**30, -1, 8, True, "3", 2.0):
         with pytest.raises(DataError, match="not a token id of the vocabulary of 8"):
             checks.token_id(bad, 8, "manifest.json", "eod_id")
+
+
+# -- BERT's HDF5 shards against their record in manifest.json --------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def bert_data(tmp_path_factory) -> Path:
+    """``prepare bert --synthetic --preset tiny``, built once (the tiny preset's data). Read only."""
+    return _prepared(tmp_path_factory, "bert")
+
+
+def rewritten(path: Path, change) -> None:
+    """An HDF5 shard written again, its datasets changed by ``change`` (a new file: newer than the manifest)."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        arrays = {k: f[k][()] for k in f}
+    change(arrays)
+    path.unlink()
+    with h5py.File(path, "w") as f:
+        for key, value in arrays.items():
+            f.create_dataset(key, data=value)
+
+
+def edited_manifest(data: Path, change) -> None:
+    manifest = json.loads((data / "manifest.json").read_text())
+    change(manifest)
+    replace(data / "manifest.json", json.dumps(manifest).encode())
+
+
+def test_bert_prepare_records_each_shards_rows_bytes_and_values(bert_data):
+    import h5py
+
+    files = json.loads((bert_data / "manifest.json").read_text())["files"]
+    shards = sorted(p for p in bert_data.rglob("*.hdf5"))
+    assert len(shards) == 9  # 8 train shards and the eval file, each recorded
+    for path in shards:
+        record = files[path.relative_to(bert_data).as_posix()]
+        with h5py.File(path, "r") as f:
+            assert record["rows"] == len(f["input_ids"]) and record["bytes"] == path.stat().st_size
+            assert record["values"] == {k: [int(f[k][()].min()), int(f[k][()].max())] for k in f}
+
+
+def test_a_bad_id_in_the_last_row_of_the_last_shard_is_refused_naming_the_shard(bert_data, tmp_path, capsys):
+    data = linked_copy(bert_data, tmp_path / "data")
+    last = sorted((data / "train").glob("*.hdf5"))[-1]
+    rewritten(last, lambda arrays: arrays["masked_lm_ids"].__setitem__((-1, -1), 1024))  # the vocabulary: 1,024
+    said = refused(tmp_path, capsys, "bert", data)
+    assert f"{last}: masked_lm_ids reach 1024, outside the vocabulary of 1,024 ids (model.vocab_size)" in said
+
+
+def test_bert_data_of_a_larger_vocabulary_is_refused_from_the_record_alone(bert_data, tmp_path, capsys, monkeypatch):
+    """Every shard's recorded values against the model, before reading any row of it."""
+    from trainbench.data import bert_hdf5
+
+    monkeypatch.setattr(bert_hdf5, "scan_shard", lambda *a: pytest.fail("a shard was read"))
+    said = refused(tmp_path, capsys, "bert", bert_data, "model.vocab_size=512")
+    assert "part_00000_of_00008.hdf5: input_ids recorded in manifest.json reach" in said
+    assert "outside the vocabulary of 512 ids (model.vocab_size)" in said
+
+
+@pytest.mark.parametrize("kind", ["rows", "bytes", "unlisted", "not counts", "values"])
+def test_a_bert_shard_that_disagrees_with_its_record_is_refused(kind, bert_data, tmp_path, capsys):
+    data = linked_copy(bert_data, tmp_path / "data")
+    name = "train/part_00003_of_00008.hdf5"
+
+    def change(manifest):
+        entry = manifest["files"][name]
+        if kind in ("rows", "bytes"):
+            entry[kind] += 1
+        elif kind == "unlisted":
+            del manifest["files"][name]
+        elif kind == "not counts":
+            entry["rows"] = "8000"
+        else:
+            entry["values"]["segment_ids"] = [0, 2]  # past the model's 2 segments
+
+    edited_manifest(data, change)
+    said = refused(tmp_path, capsys, "bert", data)
+    expected = {"rows": "rows and", "bytes": "bytes (changed since `trainbench prepare`)",
+                "unlisted": "a shard", "not counts": "its record holds no counts of rows and bytes",
+                "values": "segment_ids recorded in manifest.json reach 2, outside the 2 segments"}[kind]  # fmt: skip
+    assert name in said and expected in said
+
+
+def test_a_shard_changed_since_preparation_is_read_whole_and_its_values_compared_with_the_record(
+    bert_data, tmp_path, capsys
+):
+    data = linked_copy(bert_data, tmp_path / "data")
+    shard = data / "train" / "part_00005_of_00008.hdf5"
+    from trainbench.launch.local import build_config
+
+    rewritten(shard, lambda arrays: None)  # the same values, written again: a newer file that agrees with its record
+    bench, cfg = build_config("bert", "tiny", [], {"data.dir": str(data), "progress": "false"})
+    bench.check_data(cfg)
+    out = capsys.readouterr().out
+    assert "1 of the 8 shards in" in out and "every value of theirs is read and checked" in out
+
+    def lower(arrays):  # an id still in the vocabulary, but not what the record says the shard holds
+        arrays["input_ids"][arrays["input_ids"] == arrays["input_ids"].max()] = 7
+
+    rewritten(shard, lower)
+    said = refused(tmp_path / "again", capsys, "bert", data)
+    assert f"{shard}: input_ids holds values 0..1022, but manifest.json records 0..1023" in said
+
+
+def test_bert_data_prepared_before_shards_were_recorded_loads_with_a_note(bert_data, tmp_path, capsys):
+    from trainbench.launch.local import build_config
+
+    data = linked_copy(bert_data, tmp_path / "data")
+    edited_manifest(data, lambda m: [entry.pop("values", None) for entry in m["files"].values()])
+    bench, cfg = build_config("bert", "tiny", [], {"data.dir": str(data)})
+    bench.check_data(cfg)
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "only the token ids of the first 1,024 rows" in notes[0]
+    (data / "manifest.json").unlink()  # MLPerf's own files: no manifest at all
+    bench.check_data(cfg)
+    assert "only the token ids of the first 1,024 rows" in capsys.readouterr().out
+
+
+def test_a_bert_shard_declaring_rows_it_does_not_hold_or_packed_columns_that_differ_is_refused(tmp_path):
+    """Checked from the shard's header alone, so data without a record (MLPerf's own files) is held to it too."""
+    import h5py
+
+    from trainbench.data.bert_hdf5 import PACKED_KEYS, validate_shard
+    from trainbench.errors import DataError
+
+    huge = tmp_path / "huge.hdf5"
+    with h5py.File(huge, "w") as f:  # datasets declared, nothing written: a file of a few KB
+        for key, columns in (
+            ("input_ids", 128),
+            ("input_mask", 128),
+            ("segment_ids", 128),
+            ("masked_lm_positions", 20),
+            ("masked_lm_ids", 20),
+            ("next_sentence_labels", 0),
+        ):
+            f.create_dataset(key, shape=(2**40, columns) if columns else (2**40,), dtype="i4")  # fmt: skip
+    with pytest.raises(DataError, match=r"key 'input_ids' declares \(1099511627776, 128\) values .* but the file "
+                                        r"holds [0-9,]+ bytes \(cut short or crafted\)"):  # fmt: skip
+        validate_shard(huge, 128, 20)
+    packed = tmp_path / "packed.hdf5"
+    columns = {"masked_lm_positions": 40, "masked_lm_ids": 39, "next_sentence_labels": 3, "cls_positions": 3}
+    with h5py.File(packed, "w") as f:
+        for key in PACKED_KEYS:
+            f.create_dataset(key, data=np.zeros((4, columns.get(key, 128)), np.int32))
+    with pytest.raises(DataError, match=r"keys 'masked_lm_positions' \(4, 40\) and 'masked_lm_ids' \(4, 39\) are not"):
+        validate_shard(packed, 128, 20, "packed")
+
+
+def test_a_lora_array_whose_header_declares_more_than_its_file_is_refused_before_it_is_mapped(
+    lora_data, tmp_path, capsys
+):
+    """A header whose shape x item size overflows a 64-bit length (2**59 x 2 int64s) made numpy's memory map raise
+    an OverflowError: the header is now checked against the file first."""
+    data = linked_copy(lora_data, tmp_path / "data")
+    path = data / "train" / "seq_offsets.npy"
+    raw = path.read_bytes()
+    end = raw.index(b"\n") + 1
+    header = raw[:end].decode("latin1")
+    start = header.index("'shape': (") + len("'shape': (")
+    header = header[:start] + f"{2**59}, 2" + header[header.index(")", start) :]
+    replace(path, header[: end - 1].ljust(end - 1).encode("latin1")[: end - 1] + b"\n" + raw[end:])
+    said = refused(tmp_path, capsys, "llama2_70b_lora", data)
+    assert f"{path}: its .npy header (shape [{2**59}, 2], int64) declares 9,223,372,036,854,775,808 bytes" in said
+    assert "prepare the data set again" in said

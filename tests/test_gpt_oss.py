@@ -214,6 +214,20 @@ def test_data_of_another_tokenizer_is_refused_in_one_sentence(tmp_path):
         bench.check_data(cfg)
 
 
+def test_check_data_reads_the_manifest_once(llm_data, monkeypatch):
+    """gpt_oss_20b's check of its data (the end-of-document token, the vocabulary) and the family's (every shard,
+    the end-of-document token against the vocabulary) share one reading of manifest.json."""
+    from trainbench.benchmarks import gpt_oss, llm
+    from trainbench.launch.local import build_config
+
+    read, real = [], llm.read_manifest
+    monkeypatch.setattr(llm, "read_manifest", lambda folder: read.append(folder) or real(folder))
+    monkeypatch.setattr(gpt_oss, "read_manifest", llm.read_manifest)
+    bench, cfg = build_config("gpt_oss_20b", "tiny", None, {"data.dir": str(llm_data)})
+    bench.check_data(cfg)
+    assert read == [str(llm_data)]
+
+
 # The closed gpt_oss_20b rules fix the full benchmark's shape; a tiny run logs its own values for these.
 FULL_SIZE_CHECKS = {"eval_samples", "max_sequence_length", "opt_learning_rate_decay_steps", "max_steps"}
 

@@ -197,6 +197,48 @@ def test_config_values_that_would_break_or_do_nothing_are_refused_before_anythin
     assert not results.exists()
 
 
+def test_keys_without_effect_are_refused_by_the_python_api_too():
+    """The refusal lives where every entry point builds its config (Benchmark.validate), not in the command line:
+    build_config, and validate on a config changed after it was built, say the same sentence."""
+    import dataclasses
+
+    from trainbench.errors import ConfigError
+    from trainbench.launch.local import build_config
+
+    with pytest.raises(ConfigError, match="distributed.grad_reduce_dtype=bf16 has no effect on this run of bert: one "
+                                          "rank all-reduces no gradients"):  # fmt: skip
+        build_config("bert", "tiny", overrides={"distributed.grad_reduce_dtype": "bf16"})
+    bench, cfg = build_config("bert", "tiny", overrides={"distributed.grad_reduce_dtype": "bf16",
+                                                         "distributed.nproc": "2"})  # fmt: skip
+    one_rank = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, nproc=1))
+    with pytest.raises(ConfigError, match="distributed.grad_reduce_dtype=bf16 has no effect on this run of bert"):
+        bench.validate(one_rank)
+    with pytest.raises(ConfigError, match="perf.offload_recomputed_inputs=true has no effect on this run of bert: no "
+                                          "block is recomputed"):  # fmt: skip
+        bench.validate(dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, offload_recomputed_inputs=True)))
+    with pytest.raises(ConfigError, match="perf.optimizer_kernel=torch has no effect on bert: its LAMB"):
+        build_config("bert", "tiny", overrides={"perf.optimizer_kernel": "torch"})
+
+
+@pytest.mark.parametrize("ranks, refused", [(2, False), (1, True)])
+def test_submit_judges_keys_without_effect_at_the_systems_ranks(ranks, refused, small_data, tmp_path, capsys):
+    """`submit` takes its ranks from the system file: a key that takes effect on several ranks is accepted for a
+    system of two and refused, in the same sentence as `run`'s, for a system of one."""
+    system = tmp_path / "s.yaml"
+    system.write_text(f"nodes: 1\ntasks_per_node: {ranks}\ndevice: cpu\ncpu_bind: null\n")
+    results = tmp_path / "results"
+    code = run_cli("submit", "bert", "--preset", "tiny", "--system", system, "--dry-run", f"data.dir={small_data}",
+                   f"output.results_dir={results}", "distributed.bucket_cap_mb=50")  # fmt: skip
+    if refused:
+        said = one_sentence(capsys)
+        assert code == 2 and "distributed.bucket_cap_mb=50.0 has no effect on this run of bert: one rank" in said
+        assert not results.exists()
+    else:
+        assert code == 0, capsys.readouterr().out[-2000:]
+        config = yaml.safe_load((next(results.iterdir()) / "config.yaml").read_text())
+        assert config["distributed"]["bucket_cap_mb"] == 50 and config["distributed"]["nproc"] == 2
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

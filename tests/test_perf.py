@@ -204,9 +204,10 @@ def test_compiled_ddp_is_one_graph_on_one_node_and_split_across_nodes(env, overl
 
 def test_overlap_compiled_takes_yaml_booleans_and_auto(tmp_path):
     path = tmp_path / "o.yaml"
-    path.write_text("distributed:\n  overlap_compiled: false\n")
+    where = "  nproc: 2\nperf:\n  compile: true\n"  # where it takes effect: compiled, on more than one rank
+    path.write_text("distributed:\n  overlap_compiled: false\n" + where)
     assert build_config("bert", "tiny", yaml_files=[str(path)])[1].distributed.overlap_compiled == "false"
-    path.write_text("distributed:\n  overlap_compiled: true\n")
+    path.write_text("distributed:\n  overlap_compiled: true\n" + where)
     assert build_config("bert", "tiny", yaml_files=[str(path)])[1].distributed.overlap_compiled == "true"
     assert build_config("bert", "tiny")[1].distributed.overlap_compiled == "auto"
     with pytest.raises(ConfigError, match="must be one of auto, true, false"):

@@ -141,7 +141,9 @@ def test_bert_reduces_in_the_gradient_dtype_it_is_given():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for dtype, expected in (("bf16", "bfloat16"), ("fp32", "fp32")):
-            bench, cfg = build_config("bert", "tiny", overrides={"distributed.grad_reduce_dtype": dtype})
+            # configured for the two ranks it is placed as (TWO): on one, the key has no effect and is refused
+            bench, cfg = build_config("bert", "tiny", overrides={"distributed.grad_reduce_dtype": dtype,
+                                                                 "distributed.nproc": "2"})  # fmt: skip
             placed = bench.place(bench.build_model(cfg), cfg, TWO, bf16=False)
             assert run_disclosure(cfg, placed, False, TWO)["lowest_numerical_precision_in_comm"] == expected
     finally:

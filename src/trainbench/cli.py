@@ -308,21 +308,6 @@ def cmd_prepare(args) -> int:
     return get_benchmark(args.benchmark).prepare(args)
 
 
-def _refuse_without_effect(bench, cfg) -> None:
-    """Keys the final config (ranks and compile as they will run) gives no effect, set away from the preset's value:
-    one sentence, as for a key the benchmark never reads (the ranks of `submit` come from the system file, after
-    the config is built, so this is checked once they are known)."""
-    from trainbench.config import ConfigError, keys_without_effect, leaves
-
-    preset = leaves(bench.config(cfg.preset))
-    ours = leaves(cfg)
-    for key, why in keys_without_effect(cfg).items():
-        value = getattr(ours[key].owner, ours[key].field.name)
-        if value != getattr(preset[key].owner, preset[key].field.name):
-            shown = str(value).lower() if isinstance(value, bool) else value
-            raise ConfigError(f"{key}={shown} has no effect on this run of {bench.name}: {why}")
-
-
 def _overrides(args) -> dict[str, str]:
     """The key=value overrides of `run` or `bench`, with what --nproc and --ruleset set."""
     from trainbench.config import parse_key_values
@@ -346,7 +331,6 @@ def cmd_run(args) -> int:
         console.print(f"config keys of {args.benchmark} --preset {args.preset}:\n{describe(cfg)}", markup=False)
         return 0
     bench, cfg = build_config(args.benchmark, args.preset, args.config, overrides)
-    _refuse_without_effect(bench, cfg)
     given = apply_overrides(bench.config(args.preset), overrides)  # the dotted keys the command line sets
     run_dir, records = run_experiments(bench, cfg, args.nexp, given)
     ok = all(r.outcome and r.outcome["status"] == "success" and r.compliance and r.compliance.ok for r in records)
@@ -376,7 +360,6 @@ def cmd_bench(args) -> int:
     else:
         preset = args.preset or get_benchmark(args.benchmark).full_preset
         bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
-        _refuse_without_effect(bench, cfg)
     command = ["trainbench", *sys.argv[1:]]
     run_dir, raws, layers, depths, peers = run_bench(
         bench, cfg, args.steps, args.warmup, args.blocks, args.compare, args.profile_steps, system, command,
@@ -437,7 +420,7 @@ def _on_system(benchmark: str, preset: str | None, configs: list[str], overrides
 
     from trainbench.benchmarks import get_benchmark
     from trainbench.launch.local import build_config
-    from trainbench.launch.systems import fit_micro_batch, load_system
+    from trainbench.launch.systems import load_system
 
     system = load_system(name)
     changes = {k: v for k, v in (("nodes", nodes), ("time", time), ("array_parallel", array_parallel)) if v is not None}
@@ -445,11 +428,7 @@ def _on_system(benchmark: str, preset: str | None, configs: list[str], overrides
         system = dataclasses.replace(system, **changes)
         system.validate()
     overrides.setdefault("device", system.device)
-    bench, cfg = build_config(benchmark, preset or get_benchmark(benchmark).full_preset, configs, overrides)
-    cfg = fit_micro_batch(cfg, system)
-    cfg = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, nproc=system.ranks_per_node,
-                                                                   nodes=system.nodes))  # fmt: skip
-    _refuse_without_effect(bench, cfg)
+    bench, cfg = build_config(benchmark, preset or get_benchmark(benchmark).full_preset, configs, overrides, system)
     return system, cfg, bench
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainbench.config import RunConfig, leaves
+from trainbench.config import RunConfig, keys_without_effect, leaves
 from trainbench.data.steps import Step
 from trainbench.errors import ConfigError, UserError
 
@@ -114,6 +114,7 @@ class Benchmark(ABC):
         self.check_ruleset(self.ruleset_of(cfg))
         self.check_mlperf_name(self.ruleset_of(cfg))
         self._refuse_unused(cfg)
+        self._refuse_without_effect(cfg)
         if cfg.optimizer.name != self.optimizer_name:
             raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with {self.optimizer_name}")
         ranks, tp = cfg.distributed.world_size, max(1, cfg.distributed.tp)
@@ -195,6 +196,18 @@ class Benchmark(ABC):
             value = getattr(ours[key].owner, ours[key].field.name)
             if value != getattr(preset[key].owner, preset[key].field.name):
                 raise ConfigError(f"{key}={value} has no effect on {self.name}: {why}")
+
+    def _refuse_without_effect(self, cfg: RunConfig) -> None:
+        """Keys that this config (its ranks, device and compile) gives no effect (``config.keys_without_effect``), set
+        away from the preset's value: one sentence, as for a key the benchmark never reads. Every entry point builds
+        its config through :meth:`validate` (the command line, the Python API, a job on a system's ranks, which
+        ``launch.local.build_config`` validates at the job's ranks), so each refuses them alike."""
+        ours, preset = leaves(cfg), leaves(self.config(cfg.preset))
+        for key, why in keys_without_effect(cfg).items():
+            value = getattr(ours[key].owner, ours[key].field.name)
+            if value != getattr(preset[key].owner, preset[key].field.name):
+                shown = str(value).lower() if isinstance(value, bool) else value
+                raise ConfigError(f"{key}={shown} has no effect on this run of {self.name}: {why}")
 
     def target_range(self, cfg: RunConfig) -> tuple[float, float]:
         """The targets that mean something: above the first bound, at most the second. An accuracy lies in (0, 1];

@@ -18,7 +18,17 @@ import numpy as np
 from trainbench.benchmarks import bert_prepare
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
-from trainbench.data.bert_hdf5 import TrainBatches, eval_batches, find_shards
+from trainbench.data.bert_hdf5 import (
+    Limits,
+    ShardInfo,
+    TrainBatches,
+    changed_since,
+    check_record,
+    eval_batches,
+    find_shards,
+    scan_shard,
+    shard_records,
+)
 from trainbench.data.steps import CycledSteps
 from trainbench.errors import ConfigError, DataError
 from trainbench.mlperf import constants
@@ -102,6 +112,31 @@ SYNTHETIC_SIZES = {
     "base": dict(num_train_samples=256_000, num_eval_samples=10_000, num_shards=16),
     "large": dict(num_train_samples=256_000, num_eval_samples=10_000, num_shards=16),
 }
+
+
+LEGACY_ROWS = 1024  # rows of the first shard whose token ids are checked where manifest.json records no values
+
+
+def value_limits(cfg: RunConfig, layout: str) -> Limits:
+    """What the model takes of each dataset of a shard of ``layout``: the smallest and largest value, in words."""
+    m, d = cfg.model, cfg.data
+    ids = (0, m.vocab_size - 1, f"the vocabulary of {m.vocab_size:,} ids (model.vocab_size)")
+    row = (0, d.seq_length - 1, f"a row of {d.seq_length:,} positions (data.seq_length)")
+    limits = {
+        "input_ids": ids,
+        "masked_lm_ids": ids,
+        "masked_lm_positions": row,
+        "segment_ids": (0, m.type_vocab_size - 1, f"the {m.type_vocab_size} segments (model.type_vocab_size)"),
+    }
+    if layout == "packed":
+        return limits | {
+            "position_ids": (0, min(d.seq_length, m.max_position_embeddings) - 1, "a sequence's positions in the row "
+                             "(data.seq_length, model.max_position_embeddings)"),
+            "sequence_ids": (0, d.seq_length, "a row's sequences (0 for padding)"),
+            "cls_positions": row,
+            "next_sentence_labels": (-1, 1, "0 and 1 (and -1 for a slot of no sequence)"),
+        }  # fmt: skip
+    return limits | {"input_mask": (0, 1, "0 and 1"), "next_sentence_labels": (0, 1, "0 and 1")}
 
 
 class BertBenchmark(Benchmark):
@@ -193,7 +228,8 @@ class BertBenchmark(Benchmark):
         _, eval_dir = self._folders(cfg)
         d = cfg.data
         train_dir, shards = self._train_shards(cfg)
-        eval_total = sum(s.num_samples for s in find_shards(eval_dir, "eval data", d.seq_length, d.max_predictions))
+        eval_shards = find_shards(eval_dir, "eval data", d.seq_length, d.max_predictions)
+        eval_total = sum(s.num_samples for s in eval_shards)
         if d.eval_samples is not None and d.eval_samples > eval_total:
             raise DataError(
                 f"data.eval_samples={d.eval_samples} but the eval files in {eval_dir} hold only {eval_total} samples; "
@@ -201,13 +237,48 @@ class BertBenchmark(Benchmark):
             )
         if sum(s.num_samples for s in shards) < d.global_batch_size:
             raise DataError(f"{train_dir} holds fewer samples than one global batch ({d.global_batch_size})")
-        self._check_vocab(cfg, shards[0].path)
+        self._check_values(cfg, train_dir, shards, d.layout, whole=False)
+        self._check_values(cfg, eval_dir, eval_shards, "fixed", whole=True)
 
-    def _check_vocab(self, cfg: RunConfig, shard: Path) -> None:
+    def _check_values(self, cfg: RunConfig, folder: Path, shards: list[ShardInfo], layout: str, whole: bool) -> None:
+        """Every shard of ``folder`` against its record in manifest.json (rows, bytes, the recorded values against
+        what the model takes), and every value of a shard changed since the manifest was written (docs/data.md,
+        "What every reader checks"). Without a record: every value where ``whole`` (the eval set, which a run reads
+        whole anyway), else the token ids of the first rows of the first shard, said in a note."""
+        from trainbench.benchmarks.prepare_common import progress_bar
+        from trainbench.console import console
+
+        limits = value_limits(cfg, layout)
+        found = shard_records(Path(cfg.data.dir), shards)
+        if found is None and not whole:
+            console.print(f"note: manifest.json records no values of the shards in {folder} (data made elsewhere, or "
+                          f"before `trainbench prepare bert` recorded them): only the token ids of the first "
+                          f"{LEGACY_ROWS:,} rows of {shards[0].path.name} are checked against model.vocab_size before "
+                          "the run; prepare the data again to check every shard", markup=False)  # fmt: skip
+            self._check_first_rows(cfg, shards[0].path)
+            return
+        if found is None:  # the eval set without a record: every value of it
+            for shard in shards:
+                scan_shard(shard, None, limits)
+            return
+        records, stamp = found
+        for shard in shards:
+            check_record(shard, records[shard.path], limits)
+        changed = changed_since(shards, stamp)
+        if changed:
+            console.print(f"{len(changed):,} of the {len(shards):,} shards in {folder} changed after manifest.json was "
+                          "written (or were copied without their times): every value of theirs is read and checked",
+                          markup=False)  # fmt: skip
+            with progress_bar(f"checking {len(changed):,} shards", len(changed), not cfg.output.progress) as update:
+                for done, shard in enumerate(changed, 1):
+                    scan_shard(shard, records[shard.path], limits)
+                    update(done)
+
+    def _check_first_rows(self, cfg: RunConfig, shard: Path) -> None:
         import h5py
 
         with h5py.File(shard, "r") as f:
-            top = int(np.max(f["input_ids"][: min(1024, f["input_ids"].shape[0])]))
+            top = int(np.max(f["input_ids"][: min(LEGACY_ROWS, f["input_ids"].shape[0])]))
         if top >= cfg.model.vocab_size:
             raise DataError(
                 f"{shard}: token id {top} does not fit model.vocab_size={cfg.model.vocab_size}; "

@@ -148,7 +148,7 @@ class GptOssBenchmark(Llama31Benchmark):
             raise DataError(f"{cfg.data.dir} was tokenised with a vocabulary of {vocab:,} but model.vocab_size="
                             f"{cfg.model.vocab_size:,} (that vocabulary, or it rounded up to a multiple of 128): data "
                             "prepared for another tokenizer (the reference's is Llama 3.1's, 128,256)")  # fmt: skip
-        super().check_data(cfg)
+        super().check_data(cfg, manifest)
 
     # -- data: the end-of-document token rides with each row --------------------------------------
     def batch_rows(self, cfg: RunConfig):

@@ -299,16 +299,18 @@ class LLMBenchmark(Benchmark):
         root = Path(cfg.data.dir)
         return [IndexedDataset(p) for p in find_prefixes(root / split, f"{split} data")]
 
-    def check_data(self, cfg: RunConfig) -> None:
+    def check_data(self, cfg: RunConfig, manifest: dict | None = None) -> None:
+        """The folder's shards, every token of them, and its manifest's end-of-document token; ``manifest``: the
+        folder's manifest where a subclass has read it already (else it is read here, where there is one)."""
         train, evals = self._split(cfg, "train"), self._split(cfg, "eval")
         vocab = cfg.model.vocab_size
         for d in train + evals:  # every shard's every token: a bad id in the last shard would stop the run mid-way
             d.check_ids(vocab)
-        # the manifest's end-of-document token, where it names one, is a token of the vocabulary
-        if (Path(cfg.data.dir) / "manifest.json").is_file():
+        if manifest is None and (Path(cfg.data.dir) / "manifest.json").is_file():
             manifest = read_manifest(cfg.data.dir)
-            if "eod_id" in manifest:
-                checks.token_id(manifest["eod_id"], vocab, manifest["path"], "eod_id (the end-of-document token)")
+        # the manifest's end-of-document token, where it names one, is a token of the vocabulary
+        if manifest is not None and "eod_id" in manifest:
+            checks.token_id(manifest["eod_id"], vocab, manifest["path"], "eod_id (the end-of-document token)")
         n_eval = PackedSamples(evals, cfg.data.seq_length, 0).samples_per_epoch
         if cfg.data.eval_samples and cfg.data.eval_samples > n_eval:
             raise DataError(f"data.eval_samples={cfg.data.eval_samples} but the eval data holds {n_eval} sequences "

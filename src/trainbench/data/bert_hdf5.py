@@ -105,11 +105,12 @@ def fixed_arrays(inst, seq_length: int, max_predictions: int) -> dict[str, np.nd
     }
 
 
-def write_varlength(path: str | Path, inst, vocab_size: int) -> None:
+def write_varlength(path: str | Path, inst, vocab_size: int) -> dict[str, list[np.ndarray] | np.ndarray]:
     """MLPerf's variable-length layout: one variable-length row per sample, no padding and no input_mask.
 
     input_ids, segment_ids, masked_lm_positions and masked_lm_ids are variable-length datasets (int16 ids,
-    int32 when the vocabulary has more than 32,767 entries); next_sentence_labels is int8.
+    int32 when the vocabulary has more than 32,767 entries); next_sentence_labels is int8. Returns the arrays
+    written (each variable-length one as a list of rows).
     """
     id_type = np.int16 if vocab_size <= np.iinfo(np.int16).max + 1 else np.int32
     lengths = inst.lengths
@@ -141,6 +142,7 @@ def write_varlength(path: str | Path, inst, vocab_size: int) -> None:
             "next_sentence_labels": "i1",
         },
     )
+    return arrays
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ def validate_shard(path: Path, seq_length: int, max_predictions: int, layout: st
     ``layout`` "packed" is the format of :mod:`trainbench.data.packing` (several sequences per row)."""
     keys = LAYOUTS[layout]
     try:
+        size = os.path.getsize(path)
         f = h5py.File(path, "r")
     except OSError as exc:
         raise DataError(f"{path} is not a readable HDF5 file ({exc}); re-create it with `trainbench prepare`") from None
@@ -175,6 +178,15 @@ def validate_shard(path: Path, seq_length: int, max_predictions: int, layout: st
                 )
             if f[key].dtype.kind not in "iu":
                 raise DataError(f"{path}: key '{key}' has dtype {f[key].dtype}, expected integers")
+            # uncompressed, a dataset's rows lie in the file: more than it holds is a header claiming what is not there
+            if f[key].compression is None and f[key].nbytes > size:
+                raise DataError(f"{path}: key '{key}' declares {f[key].shape} values ({f[key].nbytes:,} bytes) but "
+                                f"the file holds {size:,} bytes (cut short or crafted)")  # fmt: skip
+        if layout == "packed":  # a row's predictions, and its sequences' labels and [CLS] positions, side by side
+            for a, b in (("masked_lm_positions", "masked_lm_ids"), ("next_sentence_labels", "cls_positions")):
+                if f[a].ndim != 2 or f[a].shape != f[b].shape:
+                    raise DataError(f"{path}: keys '{a}' {f[a].shape} and '{b}' {f[b].shape} are not two arrays of "
+                                    "one shape [rows, columns]")  # fmt: skip
     return ShardInfo(path, n)
 
 
@@ -190,6 +202,142 @@ def find_shards(folder: Path, what: str, seq_length: int, max_predictions: int, 
     for path in paths:  # (a shard linked from elsewhere: data this folder does not hold)
         inside(folder, path)
     return [validate_shard(p, seq_length, max_predictions, layout) for p in paths]
+
+
+# -- each shard's record: what `prepare` wrote, checked before a run ------------------------------------------------
+#
+# `prepare` records, in manifest.json's entry of each shard it writes, the shard's rows, its size in bytes and the
+# smallest and largest value of each of its datasets ("values"), counted from the arrays it writes. Before a run, every
+# shard's header rows and size are compared with its record and the recorded values with what the model takes (token
+# ids below model.vocab_size, ...): a stat and a header a shard, not a read of its rows. A shard changed after the
+# manifest was written (modified later than it) is scanned instead, every value of it; so is nothing else.
+
+SCAN_ROWS = 1 << 14  # rows read at a time when a shard is scanned (8 Mi ids of a 512-token row: 32 MB)
+
+
+def value_ranges(arrays: dict[str, np.ndarray | list[np.ndarray]]) -> dict[str, list[int]]:
+    """The [smallest, largest] value of each dataset (a fixed array, or a variable-length one's rows), for the
+    shard's record; an empty dataset has none."""
+    out = {}
+    for key, array in arrays.items():
+        flat = np.concatenate(array) if isinstance(array, list) and array else np.asarray(array)
+        if flat.size:
+            out[key] = [int(flat.min()), int(flat.max())]
+    return out
+
+
+def shard_record(path: Path, rows: int, arrays: dict[str, np.ndarray | list[np.ndarray]]) -> dict:
+    """The record of the shard just written at ``path`` from ``arrays`` (``rows`` of them)."""
+    return {"rows": int(rows), "bytes": path.stat().st_size, "values": value_ranges(arrays)}
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    rows: int
+    bytes: int
+    values: dict[str, tuple[int, int]]
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _record(entry, where: str) -> ShardRecord:
+    if not isinstance(entry, dict) or not _count(entry.get("rows")) or not _count(entry.get("bytes")):
+        raise DataError(f"{where}: its record holds no counts of rows and bytes; prepare the data again")
+    values = entry.get("values")
+    if not isinstance(values, dict) or not all(
+        isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        and v[0] <= v[1] for v in values.values()):  # fmt: skip
+        raise DataError(f"{where}: its record's values are not [smallest, largest] integers; prepare the data again")
+    return ShardRecord(entry["rows"], entry["bytes"], {k: (v[0], v[1]) for k, v in values.items()})
+
+
+def shard_records(root: Path, shards: list[ShardInfo]) -> tuple[dict[Path, ShardRecord], int] | None:
+    """Each shard's record in ``root``/manifest.json and the manifest's modification time (ns); None where the
+    manifest records no shard (no manifest, as for MLPerf's own files, or data prepared before shards were recorded).
+    A manifest that cannot be read, a shard it does not list, or a record that is not counts is a DataError."""
+    import json
+
+    path = root / "manifest.json"
+    if not path.exists():
+        return None
+    inside(root, path)
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise DataError(f"{path}: cannot be read as JSON ({str(e)[:120]}); prepare the data again") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not any(
+        isinstance(entry, dict) and "values" in entry for entry in files.values()
+    ):
+        return None
+    records = {}
+    for shard in shards:
+        name = shard.path.relative_to(root).as_posix()
+        if name not in files:
+            raise DataError(f"{shard.path}: a shard {path} does not list (added after `trainbench prepare`?); remove "
+                            "it or prepare the data again")  # fmt: skip
+        records[shard.path] = _record(files[name], f"{path}, {name}")
+    return records, path.stat().st_mtime_ns
+
+
+# dataset -> (smallest, largest, the range in words: "the vocabulary of 1,024 ids (model.vocab_size)")
+Limits = dict[str, tuple[int, int, str]]
+
+
+def _outside(path: Path, key: str, low: int, high: int, limits: Limits, how: str) -> None:
+    lo, hi, what = limits[key]
+    if low < lo or high > hi:
+        raise DataError(f"{path}: {key} {how} {low if low < lo else high}, outside {what}; data made for another "
+                        "model or preset?")  # fmt: skip
+
+
+def check_record(shard: ShardInfo, record: ShardRecord, limits: Limits) -> None:
+    """``shard``'s header rows and size against its record, and its recorded values against ``limits``."""
+    size = os.path.getsize(shard.path)
+    if (shard.num_samples, size) != (record.rows, record.bytes):
+        raise DataError(f"{shard.path}: {shard.num_samples:,} rows and {size:,} bytes, but manifest.json records "
+                        f"{record.rows:,} rows and {record.bytes:,} bytes (changed since `trainbench prepare`); "
+                        "prepare the data again")  # fmt: skip
+    for key in limits:
+        if key not in record.values:
+            if record.rows:
+                raise DataError(f"{shard.path}: manifest.json records no values of {key}; prepare the data again")
+            continue
+        _outside(shard.path, key, *record.values[key], limits, "recorded in manifest.json reach")
+
+
+def scan_shard(shard: ShardInfo, record: ShardRecord | None, limits: Limits) -> None:
+    """Every value of ``shard``'s ``limits`` datasets read (``SCAN_ROWS`` rows at a time, vectorised) and checked
+    against them, and against the shard's record where it has one."""
+    try:
+        _scan(shard, record, limits)
+    except OSError as e:  # a block HDF5 cannot read back
+        raise DataError(f"{shard.path}: cannot be read ({str(e)[:120]}); prepare the data again") from None
+
+
+def _scan(shard: ShardInfo, record: ShardRecord | None, limits: Limits) -> None:
+    with h5py.File(shard.path, "r") as f:
+        for key in limits:
+            low = high = None
+            for start in range(0, shard.num_samples, SCAN_ROWS):
+                part = f[key][start : start + SCAN_ROWS]
+                if part.size:
+                    low = int(part.min()) if low is None else min(low, int(part.min()))
+                    high = int(part.max()) if high is None else max(high, int(part.max()))
+            if low is None:
+                continue
+            _outside(shard.path, key, low, high, limits, "reach")
+            if record is not None and record.values.get(key) != (low, high):
+                raise DataError(f"{shard.path}: {key} holds values {low}..{high}, but manifest.json records "
+                                f"{'..'.join(map(str, record.values[key])) if key in record.values else 'none'} "
+                                "(changed since `trainbench prepare`); prepare the data again")  # fmt: skip
+
+
+def changed_since(shards: list[ShardInfo], stamp: int) -> list[ShardInfo]:
+    """The shards modified later than ``stamp`` (the manifest's modification time, ns)."""
+    return [s for s in shards if s.path.stat().st_mtime_ns > stamp]
 
 
 def read_rows(path: Path, rows: np.ndarray | None = None, keys=KEYS) -> dict[str, np.ndarray]:

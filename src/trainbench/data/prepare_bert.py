@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from trainbench.data import text as textmod
-from trainbench.data.bert_hdf5 import fixed_arrays, write_arrays, write_shard, write_varlength
+from trainbench.data.bert_hdf5 import fixed_arrays, shard_record, write_arrays, write_shard, write_varlength
 from trainbench.data.packing import PACKED_DTYPES, pack, packed_predictions
 from trainbench.data.pretraining import Instances, InstanceSpec, concat, create_instances, permute
 from trainbench.data.wordpiece import FastWordPiece, read_vocab, train_vocab
@@ -234,25 +234,27 @@ def _write_formats(inst: Instances, spec: PrepareSpec, out: Path, kind: str, sha
         name = "eval_10k.hdf5" if len(inst) == 10000 else f"eval_{len(inst)}.hdf5"
     seq, pred = spec.max_seq_length, spec.max_predictions
 
-    def record(path: Path, samples: int) -> None:
-        files[str(path.relative_to(out))] = {"md5": md5sum(path), "bytes": path.stat().st_size, "samples": samples}
+    def record(path: Path, samples: int, arrays: dict) -> None:
+        """The file's md5 and samples, and its record (rows, bytes, each dataset's smallest and largest value),
+        which a run checks the file against before it starts."""
+        rows = len(arrays["input_ids"])
+        files[str(path.relative_to(out))] = {"md5": md5sum(path), "samples": samples} | shard_record(path, rows, arrays)
 
     if "fixed" in spec.formats or kind == "eval":
         path = out / kind / name
-        write_shard(path, fixed_arrays(inst, seq, pred))
-        record(path, len(inst))
+        write_shard(path, arrays := fixed_arrays(inst, seq, pred))
+        record(path, len(inst), arrays)
     if "varlength" in spec.formats:
         path = out / f"{kind}_varlength" / name
-        write_varlength(path, inst, vocab_size)
-        record(path, len(inst))
+        record(path, len(inst), write_varlength(path, inst, vocab_size))
     if kind == "train" and "bins" in spec.formats:
         lengths = inst.lengths
         lower = 0
         for upper in (b for b in BINS if b <= seq):
             rows = np.nonzero((lengths > lower) & (lengths <= upper))[0]
             path = out / "train_bins" / f"len_{upper}" / name
-            write_shard(path, fixed_arrays(permute(inst, rows), upper, pred))
-            record(path, len(rows))
+            write_shard(path, arrays := fixed_arrays(permute(inst, rows), upper, pred))
+            record(path, len(rows), arrays)
             lower = upper
     if kind == "train" and "packed" in spec.formats:
         path = out / "train_packed" / name
@@ -260,8 +262,7 @@ def _write_formats(inst: Instances, spec: PrepareSpec, out: Path, kind: str, sha
         columns = packed_predictions(seq, pred, spec.masked_lm_prob, spec.max_per_pack)
         arrays = pack(inst, seq, spec.max_per_pack, columns, rng)
         write_arrays(path, arrays, PACKED_DTYPES)
-        record(path, int((arrays["next_sentence_labels"] >= 0).sum()))
-        files[str(path.relative_to(out))]["rows"] = len(arrays["input_ids"])
+        record(path, int((arrays["next_sentence_labels"] >= 0).sum()), arrays)
     return files
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainbench.data.checks import inside
+from trainbench.data.checks import load_npy
 from trainbench.data.steps import Step, rank_share
 from trainbench.errors import DataError
 
@@ -112,15 +112,15 @@ class Split:
         missing = [f for f in FILES if not (self.folder / f).exists()]
         if missing:
             raise DataError(f"{self.folder}: {missing[0]} is missing; prepare the data set again")
-        arrays = []
-        for name in FILES:
-            inside(self.folder, self.folder / name)  # (a file linked from elsewhere: data this folder does not hold)
-            try:
-                arrays.append(np.load(self.folder / name, mmap_mode="r", allow_pickle=False))
-            except (OSError, ValueError, EOFError) as e:  # cut short ("mmap length ..."), not .npy, or pickled
-                raise DataError(f"{self.folder / name}: not a whole array ({str(e)[:120]}); prepare the data set "
-                                "again") from None  # fmt: skip
-        self.tokens, self.labels, self.seq_offsets, self.row_offsets = arrays
+        self.tokens, self.labels, self.seq_offsets, self.row_offsets = (self._mapped(name) for name in FILES)
+
+    def _mapped(self, name: str) -> np.ndarray:
+        """One array, memory-mapped once it lies inside the folder and its header's shape and type agree with the
+        file's size (a header declaring more than the file holds is refused before anything is mapped)."""
+        try:
+            return load_npy(self.folder / name, self.folder, kinds="iubf", mmap=True)
+        except DataError as e:
+            raise DataError(f"{e}; prepare the data set again") from None
 
     def check(self, sizes: dict, vocab: int) -> None:
         """The arrays against each other and against the manifest's ``sizes`` of this split (sequences, rows,

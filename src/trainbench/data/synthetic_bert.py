@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainbench.data.bert_hdf5 import write_shard
+from trainbench.data.bert_hdf5 import shard_record, write_shard
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD, UNK, CLS, SEP, MASK = range(len(SPECIALS))
@@ -197,21 +197,21 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, progress=None) -> di
     vocab_path = out / "vocab.txt"
     vocab_path.write_text("\n".join(vocabulary(spec.vocab_size)) + "\n")
 
-    files = []
+    files = []  # (path, samples, record: what a run checks the shard against before it starts)
     sizes = np.diff(np.linspace(0, spec.num_train_samples, spec.num_shards + 1).astype(int))
     for index, count in enumerate(sizes):
         path = out / "train" / f"part_{index:05d}_of_{spec.num_shards:05d}.hdf5"
         rng = np.random.default_rng([spec.seed, 1, index])
-        write_shard(
-            path, make_samples(lang, rng, int(count), spec.seq_length, spec.max_predictions, spec.short_seq_prob)
-        )
-        files.append((path, int(count)))
+        arrays = make_samples(lang, rng, int(count), spec.seq_length, spec.max_predictions, spec.short_seq_prob)
+        write_shard(path, arrays)
+        files.append((path, int(count), shard_record(path, int(count), arrays)))
         if progress:
             progress(index + 1, spec.num_shards + 1)
     eval_path = out / "eval" / "eval.hdf5"
     rng = np.random.default_rng([spec.seed, 2])
-    write_shard(eval_path, make_samples(lang, rng, spec.num_eval_samples, spec.seq_length, spec.max_predictions))
-    files.append((eval_path, spec.num_eval_samples))
+    arrays = make_samples(lang, rng, spec.num_eval_samples, spec.seq_length, spec.max_predictions)
+    write_shard(eval_path, arrays)
+    files.append((eval_path, spec.num_eval_samples, shard_record(eval_path, spec.num_eval_samples, arrays)))
     if progress:
         progress(spec.num_shards + 1, spec.num_shards + 1)
 
@@ -221,7 +221,7 @@ def prepare_synthetic(out: str | Path, spec: SyntheticSpec, progress=None) -> di
         "spec": spec.__dict__,
         "train_samples": int(spec.num_train_samples),
         "eval_samples": int(spec.num_eval_samples),
-        "files": {str(p.relative_to(out)): {"samples": n, "md5": md5(p)} for p, n in files}
+        "files": {str(p.relative_to(out)): {"samples": n, "md5": md5(p)} | record for p, n, record in files}
         | {"vocab.txt": {"md5": md5(vocab_path)}},
     }
     tmp = out / "manifest.json.tmp"

@@ -21,7 +21,7 @@ from trainbench.config import RunConfig, apply_overrides, leaves, read_yaml_over
 from trainbench.console import RunConsole, console
 from trainbench.distributed import THREADS_WHY, available_slots, cpu_threads, init_distributed, resolve_device, shutdown
 from trainbench.errors import ConfigError, DataError, Preempted, UserError
-from trainbench.launch.systems import largest_micro_batch
+from trainbench.launch.systems import System, fit_micro_batch, largest_micro_batch
 from trainbench.mlperf import ComplianceResult, check_compliance, constants, read_log
 from trainbench.runfiles import (
     CONFIG,
@@ -39,10 +39,17 @@ from trainbench.version import describe, provenance
 
 
 def build_config(
-    benchmark: str, preset: str, yaml_files: list[str] | None = None, overrides: dict | None = None
+    benchmark: str,
+    preset: str,
+    yaml_files: list[str] | None = None,
+    overrides: dict | None = None,
+    system: System | None = None,
 ) -> tuple[Benchmark, RunConfig]:
     """Preset, then YAML files in order, then key=value overrides; validated. Where neither sets the micro-batch,
-    the preset's is cut to fit each process's share of the global batch (as `submit` fits it to a system)."""
+    the preset's is cut to fit each process's share of the global batch. ``system`` (`submit`, `bench --system`):
+    the job's ranks (its nodes x ranks per node) and the largest micro-batch that splits the global batch over them
+    are set before the config is validated, so that it is judged at the job's ranks (a key that takes effect on
+    several ranks only is refused on one and accepted on the system's)."""
     bench = get_benchmark(benchmark)
     cfg = bench.config(preset)
     for key in ("benchmark", "preset"):
@@ -62,6 +69,9 @@ def build_config(
         replicas = max(1, cfg.distributed.world_size // max(1, cfg.distributed.tp))
         micro = largest_micro_batch(cfg.data.global_batch_size, replicas, cfg.data.micro_batch_size)
         cfg.data.micro_batch_size = micro or cfg.data.micro_batch_size  # None: validate says what does not split
+    if system is not None:
+        cfg = fit_micro_batch(cfg, system)
+        cfg.distributed = dataclasses.replace(cfg.distributed, nproc=system.ranks_per_node, nodes=system.nodes)
     bench.validate(cfg)
     cfg.output.ruleset = bench.ruleset_of(cfg)  # named in the saved config: a later default never changes the run's
     return bench, cfg
