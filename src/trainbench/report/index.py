@@ -77,7 +77,7 @@ def write(root: Path) -> tuple[Path, list[Row]]:
                   key=lambda r: (r.headline.date if r.headline else "", str(r.folder)), reverse=True)  # fmt: skip
     body = "".join(_row(root, r) for r in rows)
     failed = sum(1 for r in rows if r.error)
-    title = f"results under {root.resolve().name or root}"
+    title = f"index of {root.resolve().name or root}/"
     page = document(title, f"<h1>{esc(title)}</h1>\n<p>{len(rows)} folders ({failed} could not be reported), newest "
                            "first; each name links to the folder's report.</p>\n<table><tr><th>folder</th>"
                            "<th>benchmark</th><th>date</th><th>status</th><th>time to train / throughput</th>"
