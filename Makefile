@@ -22,7 +22,7 @@ GPU_PYTEST := PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pytes
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,fp8]'
+	$(BIN)/python -m pip install -q -e '.[test,fp8,tensorboard,mlflow]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

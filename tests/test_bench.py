@@ -15,7 +15,7 @@ FIELDS = {"kind", "benchmark", "preset", "figures", "blocks", "blocks_measured",
           "step_seconds", "samples_per_s", "tokens_per_s", "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu",
           "peak_memory_gib", "eval_seconds_per_sample", "energy_joules_per_token", "steps", "warmup", "raw", "ruleset",
           "projection", "gpus", "compare", "samples_per_step", "profile", "nodes", "tokens_per_s_per_node",
-          "router"}  # fmt: skip
+          "router", "system"}  # fmt: skip
 
 
 def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:
@@ -50,7 +50,8 @@ def test_each_tiny_preset_is_measured_on_one_rank(benchmark, tmp_path, capsys):
         assert router is None
 
 
-def test_a_measurement_is_reported_and_compared_but_never_checked_or_packaged(tmp_path, capsys):
+def test_a_measurement_is_reported_and_compared_but_never_checked_or_packaged(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the comparison's page is written
     a, _ = measured("llama31_8b", tmp_path / "a")
     b, _ = measured("llama31_8b", tmp_path / "b")
     capsys.readouterr()
@@ -59,6 +60,7 @@ def test_a_measurement_is_reported_and_compared_but_never_checked_or_packaged(tm
     assert "throughput measurement (trainbench bench): not a time-to-train result" in report
     assert "tokens/s" in report and "No projection" in report and (a / "report.html").exists()
     assert run_cli("report", a, b) == 0 and "B/A" in capsys.readouterr().out
+    assert "Hardware: 1 x cpu; 1 node x 1 rank;" in report and len(list(tmp_path.glob("compare_*_vs_*.html"))) == 1
     for command in (("check", a), ("package", a, "--org", "o", "--system", "s", "--out", tmp_path / "pkg")):
         assert run_cli(*command) == 2
         assert "is a throughput measurement (trainbench bench), not a run" in capsys.readouterr().out

@@ -153,6 +153,9 @@ def test_a_documented_command_runs_as_written(where, command, sandbox, monkeypat
         return
     if "wikitext-2" in command and not (sandbox / "wikitext-2").exists():
         pytest.skip("WikiText-2 is read from ../shared/data, absent here")
+    if "--export" in args:  # an optional extra (`make` installs both)
+        tool = args[args.index("--export") + 1]
+        pytest.importorskip(tool, reason=f"{tool} is not installed (pip install -e '.[{tool}]')")
     code = run_cli(*args)
     out = capsys.readouterr().out
     assert "error:" not in out and "Traceback" not in out, out

@@ -303,6 +303,33 @@ def test_report_md_shows_crafted_html_as_text(folder, capsys):
     assert "<img src=x" not in (folder / "report.html").read_text()  # (its plots are images of its own)
 
 
+def test_the_index_and_the_comparison_show_crafted_html_as_text(folder, converged, tmp_path):
+    crafted = '<img src=x onerror="alert(1)">'
+    set_json(folder / "summary.json", benchmark=crafted, preset=crafted)
+    outcome = json.loads((folder / "run_0.json").read_text())
+    (folder / "run_0.json").write_text(
+        json.dumps(outcome | {"system": outcome["system"] | {"cpu": crafted, "trainbench": crafted}})
+    )
+    (folder / "config.yaml").write_text((folder / "config.yaml").read_text() + f"note: '{crafted}'\n")
+    root = tmp_path / "many"
+    shutil.copytree(folder, root / "<img src=x onerror=alert(2)>")
+    measured = root / "bench"
+    measured.mkdir(parents=True)
+    (measured / "bench.json").write_text(json.dumps(BENCH | {"device": crafted, "benchmark": crafted}))
+    assert run_cli("report", root) == 0
+    index = (root / "index.html").read_text()
+    assert "<img" not in index and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in index
+    assert 'href="%3Cimg%20src%3Dx%20onerror%3Dalert%282%29%3E/report.html"' in index
+    for page in (root / "bench" / "report.html", root / "<img src=x onerror=alert(2)>" / "report.html"):
+        assert "<img src=x" not in page.read_text()
+    page = tmp_path / "compare.html"
+    assert run_cli("report", folder, converged, "--allow-different", "--out", page) == 0
+    text = page.read_text()
+    assert "<img src=x" not in text and "&lt;img src=x" in text and text.count("<img ") == 2  # the two plots
+    assert run_cli("report", measured, measured, "--out", page) == 0
+    assert "<img" not in page.read_text()
+
+
 BENCH = {"kind": "throughput measurement", "benchmark": "bert", "preset": "tiny", "figures": "measured",
          "blocks": 2, "blocks_measured": None, "ranks": 1, "device": "cpu", "global_batch_size": 64,
          "samples_per_step": 64, "step_seconds": 0.5, "samples_per_s": 128.0, "tokens_per_s": 16384.0,

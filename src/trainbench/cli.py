@@ -225,12 +225,29 @@ def _parser(benchmarks: bool = True) -> argparse.ArgumentParser:
 
     rep = sub.add_parser(
         "report",
-        help="score a results folder and write report.html/report.md (two folders: compare them)",
+        help="report on a results folder (two: compare them; a folder of many: an index; or export them)",
         description="Score the runs of a results folder (time to train, samples, throughput, energy, "
         "compliance, the MLPerf olympic mean) and write report.md and a self-contained report.html with "
-        "plots into it. Given two folders, compare them side by side (B/A).",
+        "a headline card and plots into it. Given two folders, write an HTML page that compares them (their "
+        "cards, the figures with B/A, their curves overlaid, what differs in their configs and machines). Given a "
+        "folder of many run and bench folders, write each one's report and index.html linking them. With "
+        "--export, write the runs' metrics, configs and results for TensorBoard or MLflow instead.",
+        epilog="examples:\n  trainbench report results/20261123T101500Z-bert-tiny\n"
+        "  trainbench report results/A results/B --out a_vs_b.html\n  trainbench report results/\n"
+        "  trainbench report results/ --export tensorboard tb/      (then: tensorboard --logdir tb/)\n"
+        "  trainbench report results/ --export mlflow mlruns/",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    rep.add_argument("folders", nargs="+", metavar="RESULTS_DIR", help="one results folder, or two to compare")
+    rep.add_argument("folders", nargs="+", metavar="RESULTS_DIR",
+                     help="one results folder, two to compare, or a folder of many to index")  # fmt: skip
+    rep.add_argument("--out", metavar="FILE", help="where to write a comparison's page (default: "
+                     "compare_<A>_vs_<B>.html in the working folder)")  # fmt: skip
+    rep.add_argument("--allow-different", action="store_true",
+                     help="compare two folders of different benchmarks (refused without it)")  # fmt: skip
+    rep.add_argument("--export", nargs=2, metavar=("TOOL", "DIR"),
+                     help="write every run of the folders for TOOL (tensorboard: event files under DIR; mlflow: DIR "
+                     "as MLflow's file store, or a tracking URI such as sqlite:///mlflow.db) instead of the "
+                     "reports; a run already in DIR is passed by")  # fmt: skip
 
     pkg = sub.add_parser(
         "package",
@@ -519,37 +536,83 @@ def _print_table(title: str, head: list[str], rows: list[list[str]]) -> None:
 
 def cmd_report(args) -> int:
     from trainbench.console import console
-    from trainbench.report.render import compare, score_table, write_report
+    from trainbench.report import bench_report, index
+    from trainbench.report.render import score_table, write_report
 
-    if len(args.folders) > 2:
-        raise UserError("give one results folder to report on, or two to compare")
-    for folder in args.folders:
-        if not Path(folder).is_dir():
+    folders = [Path(f) for f in args.folders]
+    for folder in folders:
+        if not folder.is_dir():
             raise UserError(f"results folder {folder} does not exist")
-    from trainbench.report import bench_report
+    if args.export:
+        return _export(args.export, folders)
+    if len(folders) > 2:
+        raise UserError("give one results folder to report on, two to compare, or a folder of many to index "
+                        "(or --export them)")  # fmt: skip
+    if args.out and len(folders) == 1:
+        raise UserError("--out names a comparison's page: give two folders to compare with it")
+    if len(folders) == 2:
+        from trainbench.report import compare
 
-    measured = [bench_report.is_bench(Path(f)) for f in args.folders]
-    if len(args.folders) == 2 and measured[0] != measured[1]:
-        raise UserError("compare a throughput measurement (trainbench bench) with another one, and runs with runs: "
-                        f"{args.folders[measured.index(True)]} is a measurement, the other a run")  # fmt: skip
-    if len(args.folders) == 2:
-        table = (bench_report.compare if measured[0] else compare)(Path(args.folders[0]), Path(args.folders[1]))
-        _print_table("comparison" + (" of throughput measurements" if measured[0] else ""), *table)
+        page, head, rows = compare.write(folders[0], folders[1], Path(args.out) if args.out else None,
+                                         args.allow_different)  # fmt: skip
+        measured = bench_report.is_bench(folders[0])
+        _print_table("comparison" + (" of throughput measurements" if measured else ""), head, rows)
+        console.print(f"comparison: {page}")
         return 0
-    if measured[0]:
-        md, page, result = bench_report.write(Path(args.folders[0]))
+    folder = folders[0]
+    if not index.is_results(folder) and index.results_under(folder):
+        page, rows = index.write(folder)
+        _print_table(f"{len(rows)} folders under {folder}", ["folder", "benchmark", "date", "status", "figure"],
+                     [[r.folder.relative_to(folder).as_posix(), *_index_cells(r)] for r in rows])  # fmt: skip
+        console.print(f"index: {page}  (and each folder's report.html)")
+        return 0
+    if bench_report.is_bench(folder):
+        md, page, result = bench_report.write(folder)
         _print_table(bench_report.heading(result), ["figure", "value"], bench_report.rows(result))
+        console.print(f"hardware: {bench_report.hardware_line(result)}", markup=False)
         console.print(f"report: {page}  (and {md.name})")
         return 0
-    md, page, score = write_report(Path(args.folders[0]))
-    _print_table(str(args.folders[0]), *score_table(score))
-    checked = f"; logs checked under ruleset {score.ruleset}" if score.ruleset else ""
-    if score.score_min is not None:
-        console.print(f"score: {score.score_min:.3f} minutes ({score.reason}){checked}")
-    else:
-        console.print(f"no valid score: {score.reason}{checked}")
+    md, page, score, headline = write_report(folder)
+    _print_table(str(folder), *score_table(score))
+    console.print(f"{headline.figure} — {headline.what}", markup=False)
+    for label, text in headline.lines:
+        console.print(f"  {label}: {text}", markup=False)
     console.print(f"report: {page}  (and {md.name})")
     return 0
+
+
+def _index_cells(row) -> list[str]:
+    h = row.headline
+    if h is None:
+        return ["", "", f"cannot be reported: {row.error}", ""]
+    return [f"{h.benchmark}/{h.preset}", h.date, h.status, h.figure]
+
+
+def _export(how: list[str], folders: list[Path]) -> int:
+    from trainbench.console import console
+    from trainbench.report import index
+    from trainbench.report.export import export
+
+    tool, dest = how
+    pairs = []
+    for folder in folders:
+        if index.is_results(folder):
+            pairs.append((folder, folder.resolve().name))
+            continue
+        under = index.results_under(folder)
+        if not under:
+            raise UserError(f"{folder} holds no runs and no run or bench folders; give the folder `trainbench run` or "
+                            "`bench` printed, or the results folder above them")  # fmt: skip
+        pairs += [(f, f.relative_to(folder).as_posix()) for f in under]
+    done = export(tool, dest, pairs)
+    unfinished = f", {len(done.unfinished)} not finished (left for a later export)" if done.unfinished else ""
+    console.print(f"{tool}: {len(done.written)} run(s) written to {dest}, {len(done.skipped)} already there"
+                  f"{unfinished}", markup=False)  # fmt: skip
+    for failed in done.failed:
+        console.print(f"warning: not exported: {failed}", markup=False)
+    if tool == "tensorboard" and done.written:
+        console.print(f"view them: tensorboard --logdir {dest}", markup=False)
+    return 1 if done.failed else 0
 
 
 def cmd_package(args) -> int:

@@ -510,8 +510,11 @@ def driver_version() -> str:
 
 
 def machine() -> dict[str, str]:
-    """What a run ran on, for its outcome file and the report: CPU, memory, GPUs and driver, torch, Python."""
+    """What a run ran on, for its outcome file and the report: CPU, memory, GPUs and driver, torch, Python, and the
+    trainbench that ran it."""
     import torch
+
+    from trainbench import __version__
 
     count, gpu, gpu_memory = gpus()
     return {
@@ -522,6 +525,7 @@ def machine() -> dict[str, str]:
         "driver": driver_version() or "-",
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "trainbench": __version__,
         "executable": sys.executable,  # which installation ran: a container's image, a venv
     }
 

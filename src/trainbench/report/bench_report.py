@@ -4,7 +4,6 @@ measurement, never a time-to-train result; two such folders side by side. `check
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 from pathlib import Path
 from typing import Any
@@ -105,6 +104,14 @@ def heading(result: dict[str, Any]) -> str:
             f"{result['kind']}; figures {how}")  # fmt: skip
 
 
+def hardware_line(result: dict[str, Any]) -> str:
+    """The machine the measurement ran on as its rank 0 recorded it, and the trainbench that measured."""
+    from trainbench.report.headline import for_bench
+
+    headline = for_bench(Path("."), result)
+    return f"{headline.hardware}; {headline.version}"
+
+
 def write(folder: Path) -> tuple[Path, Path, dict[str, Any]]:
     """report.md and report.html of a measurement's folder."""
     folder = Path(folder)
@@ -119,21 +126,22 @@ def write(folder: Path) -> tuple[Path, Path, dict[str, Any]]:
         ]
     else:
         notes = ["No projection: a scaled-down preset, or no reference convergence points at this batch."]
-    from trainbench.report.render import md_fence, md_text
+    from trainbench.report.page import md_fence, md_text
 
+    hardware = f"Hardware: {hardware_line(result)}"
     fence = md_fence(config)
-    md = [f"# {md_text(heading(result))}", "", "| figure | value |", "| --- | --- |"]
+    md = [f"# {md_text(heading(result))}", "", md_text(hardware), "", "| figure | value |", "| --- | --- |"]
     md += [f"| {md_text(a)} | {md_text(b)} |" for a, b in body]
     md += ["", *map(md_text, notes), "", "## Config", "", f"{fence}yaml", config.rstrip(), fence, ""]
     md_path = folder / "report.md"
     md_path.write_text("\n".join(md))
-    esc = html.escape
-    table = "".join(f"<tr><td>{esc(a)}</td><td>{esc(b)}</td></tr>" for a, b in body)
+    from trainbench.report.headline import card_html, for_bench
+    from trainbench.report.page import document, esc, table
+
     paragraphs = "".join(f"<p>{esc(n)}</p>" for n in notes)
-    page = (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(heading(result))}</title>'
-            "<style>body{font-family:sans-serif;margin:2em 3%}td{border:1px solid #bbb;padding:3px 8px}</style>"
-            f"</head><body><h1>{esc(heading(result))}</h1><table>{table}</table>{paragraphs}"
-            f"<h2>Config</h2><pre>{esc(config)}</pre></body></html>\n")  # fmt: skip
+    page = document(heading(result), f"<h1>{esc(heading(result))}</h1>{card_html(for_bench(folder, result))}"
+                                     f"<p>{esc(hardware)}</p>{table(['figure', 'value'], body)}{paragraphs}"
+                                     f"<h2>Config</h2><pre>{esc(config)}</pre>")  # fmt: skip
     html_path = folder / "report.html"
     html_path.write_text(page)
     return md_path, html_path, result
@@ -265,6 +273,7 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "profile": profile_at_depth(raws, layers, depths),
         "router": last.get("router"),  # a mixture of experts' tokens per expert (the deepest measured depth's)
         "gpus": last.get("gpus") or None,  # the deepest measured depth's: power, SM clock, throttle reasons
+        "system": last.get("system"),  # the machine rank 0 ran on (CPU, GPUs, trainbench's version)
         "raw": {str(d): r for d, r in sorted(raws.items())},
     }
     if not depths and "energy_joules" in last:

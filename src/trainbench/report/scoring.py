@@ -178,6 +178,7 @@ class RunScore:
     train_samples_per_s: float | None
     final_metric: float | None
     energy: dict | None
+    start_ms: float | None = None  # the log's run_start (Unix ms)
 
     @property
     def counts(self) -> bool:
@@ -260,6 +261,7 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
                 train_samples_per_s=outcome.get("train_samples_per_s"),
                 final_metric=evals[-1]["value"] if evals else None,
                 energy=energy,
+                start_ms=None if window is None else window[0],
             )
         )
     required = get_result_file_counts("training").get(benchmark) if benchmark else None

@@ -19,7 +19,7 @@ from trainbench.distributed import DistInfo, all_reduce_sum
 from trainbench.errors import UserError
 from trainbench.models.moe import MoE
 from trainbench.runfiles import CONSOLE
-from trainbench.telemetry import window_summary
+from trainbench.telemetry import machine, window_summary
 from trainbench.train.duties import start_telemetry
 from trainbench.train.evaluate import evaluate
 from trainbench.train.loop import announce
@@ -95,6 +95,7 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         "device": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
     }
     if info.is_main:  # this node's GPUs over the timed steps: median power and SM clock, throttle reasons, energy
+        result["system"] = machine()  # what rank 0 ran on, for the report's hardware line
         result["gpus"] = window_summary(run_dir, start_ms, stop_ms)
         energies = [g["energy_j"] for g in result["gpus"].values() if g["energy_j"] is not None]
         if energies:
