@@ -19,6 +19,14 @@ from test_report import _ttt, make_folder
 
 from trainbench import __version__
 from trainbench.report.scoring import score_folder
+from trainbench.version import provenance
+
+
+def shown_version() -> str:
+    """This trainbench as the reports show it: its version, and the commit's first 12 digits where it has one."""
+    made = provenance()
+    return made["version"] + (f" ({made['commit'][:12]})" if "commit" in made else "")
+
 
 BENCH = {"kind": "throughput measurement (trainbench bench): not a time-to-train result", "benchmark": "bert",
          "preset": "tiny", "figures": "measured", "blocks": 2, "blocks_measured": None, "ranks": 1, "device": "cpu",
@@ -58,7 +66,7 @@ def test_one_run_is_headlined_by_its_time_to_train_and_what_a_score_needs(conver
     assert f"{ttt:,.3f} min" in top and "time to train (one run)" in top
     assert '<dd class="pass">the log passes' in top
     assert f"1 node x 1 rank; no GPU, CPU {system['cpu']}, memory {system['memory']}" in top
-    assert system["trainbench"] == __version__ and f"trainbench {__version__}" in top
+    assert system["trainbench"] == provenance() and f"trainbench {shown_version()}" in top
     assert f"{ttt:,.3f} min — time to train (one run)" in out
 
 
@@ -256,7 +264,7 @@ def test_export_to_mlflow_is_read_back_by_its_client(converged, tmp_path, capsys
         assert got.data.tags["trainbench.compliance"] == ("pass" if run.compliant else "fail")
         assert got.info.status == ("FINISHED" if run.counts else "FAILED")
         assert got.data.params["optimizer.lr"] == "0.01" and got.data.params["benchmark"] == "bert"
-        assert got.data.tags["trainbench.version"] == f"trainbench {__version__}"
+        assert got.data.tags["trainbench.version"] == f"trainbench {shown_version()}"
         assert got.info.start_time == run.start_ms
         artifacts = {a.path for a in client.list_artifacts(got.info.run_id)}
         assert artifacts == {"config.yaml", f"result_{run.index}.txt"}

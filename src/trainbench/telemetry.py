@@ -514,7 +514,7 @@ def machine() -> dict[str, str]:
     trainbench that ran it."""
     import torch
 
-    from trainbench import __version__
+    from trainbench.version import provenance
 
     count, gpu, gpu_memory = gpus()
     return {
@@ -525,7 +525,7 @@ def machine() -> dict[str, str]:
         "driver": driver_version() or "-",
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "trainbench": __version__,
+        "trainbench": provenance(),  # {version, commit}, as the run files record it
         "executable": sys.executable,  # which installation ran: a container's image, a venv
     }
 

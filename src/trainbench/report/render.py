@@ -76,12 +76,21 @@ def notes(score: Score, benchmark: str | None) -> list[str]:
     return out
 
 
+def machine_part(key: str, value) -> str:
+    """One field of a run's machine record as the report shows it: the trainbench that ran as its version (commit)."""
+    if key == "trainbench" and isinstance(value, dict):
+        from trainbench.version import describe
+
+        return describe(value)
+    return f"{key} {value}"
+
+
 def system_line(run_dir: Path, job: dict) -> str:
     """The machine the runs ran on, from the first outcome file that records it, and the system file if any."""
     outcomes = (read_outcome(p) for p in sorted(run_dir.glob("run_*.json")))
     found = next((o["system"] for o in outcomes if o.get("system")), {})
     parts = [job["system"]] if job.get("system") else []
-    parts += [f"{k} {v}" for k, v in found.items() if k not in ("host", "executable")]
+    parts += [machine_part(k, v) for k, v in found.items() if k not in ("host", "executable")]
     return "; ".join(parts) or "not recorded (runs made before trainbench recorded the machine)"
 
 
