@@ -284,7 +284,7 @@ def test_a_cpu_rank_takes_omp_num_threads_and_its_header_says_so(monkeypatch, co
 
     from trainbench.distributed import init_distributed
 
-    before = torch.get_num_threads()
+    before, given = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")  # as the shared run had it
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     try:
@@ -294,7 +294,9 @@ def test_a_cpu_rank_takes_omp_num_threads_and_its_header_says_so(monkeypatch, co
     finally:
         torch.set_num_threads(before)
     header = (converged / "console.log").read_text().split("eval at")[0]  # the lines before the first eval
-    assert re.search(r"run 0: \d+ CPU thread\(s\) a rank: \d+ of this process's \d+ cores free", header), header
+    why = (rf"OMP_NUM_THREADS={given} as set" if given and given.isdigit() and int(given) > 0
+           else r"\d+ of this process's \d+ cores free")  # fmt: skip
+    assert re.search(rf"run 0: \d+ CPU thread\(s\) a rank: {why}", header), header
 
 
 @pytest.mark.parametrize(
