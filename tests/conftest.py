@@ -425,3 +425,17 @@ def podman_limits(tmp_path_factory):
         yield str(conf)
     finally:
         os.environ.pop("CONTAINERS_CONF", None)
+
+
+def rewrite_hdf5(path: Path, change) -> None:
+    """An HDF5 shard written again, its datasets changed in place by ``change`` (a new file: newer than the data's
+    manifest)."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        arrays = {k: f[k][()] for k in f}
+    change(arrays)
+    path.unlink()
+    with h5py.File(path, "w") as f:
+        for key, value in arrays.items():
+            f.create_dataset(key, data=value)

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from tests.conftest import _prepared, run_cli
+from tests.conftest import _prepared, rewrite_hdf5, run_cli
 
 ARROW = "data-00000-of-00001.arrow"
 
@@ -329,19 +329,6 @@ def bert_data(tmp_path_factory) -> Path:
     return _prepared(tmp_path_factory, "bert")
 
 
-def rewritten(path: Path, change) -> None:
-    """An HDF5 shard written again, its datasets changed by ``change`` (a new file: newer than the manifest)."""
-    import h5py
-
-    with h5py.File(path, "r") as f:
-        arrays = {k: f[k][()] for k in f}
-    change(arrays)
-    path.unlink()
-    with h5py.File(path, "w") as f:
-        for key, value in arrays.items():
-            f.create_dataset(key, data=value)
-
-
 def edited_manifest(data: Path, change) -> None:
     manifest = json.loads((data / "manifest.json").read_text())
     change(manifest)
@@ -364,7 +351,7 @@ def test_bert_prepare_records_each_shards_rows_bytes_and_values(bert_data):
 def test_a_bad_id_in_the_last_row_of_the_last_shard_is_refused_naming_the_shard(bert_data, tmp_path, capsys):
     data = linked_copy(bert_data, tmp_path / "data")
     last = sorted((data / "train").glob("*.hdf5"))[-1]
-    rewritten(last, lambda arrays: arrays["masked_lm_ids"].__setitem__((-1, -1), 1024))  # the vocabulary: 1,024
+    rewrite_hdf5(last, lambda arrays: arrays["masked_lm_ids"].__setitem__((-1, -1), 1024))  # the vocabulary: 1,024
     said = refused(tmp_path, capsys, "bert", data)
     assert f"{last}: masked_lm_ids reach 1024, outside the vocabulary of 1,024 ids (model.vocab_size)" in said
 
@@ -410,7 +397,7 @@ def test_a_shard_changed_since_preparation_is_read_whole_and_its_values_compared
     shard = data / "train" / "part_00005_of_00008.hdf5"
     from trainbench.launch.local import build_config
 
-    rewritten(shard, lambda arrays: None)  # the same values, written again: a newer file that agrees with its record
+    rewrite_hdf5(shard, lambda arrays: None)  # the same values, written again: a newer file that agrees with its record
     bench, cfg = build_config("bert", "tiny", [], {"data.dir": str(data), "progress": "false"})
     bench.check_data(cfg)
     out = capsys.readouterr().out
@@ -419,7 +406,7 @@ def test_a_shard_changed_since_preparation_is_read_whole_and_its_values_compared
     def lower(arrays):  # an id still in the vocabulary, but not what the record says the shard holds
         arrays["input_ids"][arrays["input_ids"] == arrays["input_ids"].max()] = 7
 
-    rewritten(shard, lower)
+    rewrite_hdf5(shard, lower)
     said = refused(tmp_path / "again", capsys, "bert", data)
     assert f"{shard}: input_ids holds values 0..1022, but manifest.json records 0..1023" in said
 

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import rewrite_hdf5
 from tests.test_data_checks import (
     ARROW,
     link_outside,
@@ -339,16 +340,6 @@ def hdf5_files(data: Path, folders: tuple[str, ...]) -> list[str]:
 
 def bert_files(data: Path) -> list[str]:
     return hdf5_files(data, BERT_FOLDERS)
-
-
-def rewrite_hdf5(path: Path, change) -> None:
-    with h5py.File(path, "r") as f:
-        arrays = {k: f[k][()] for k in f}
-    change(arrays)
-    path.unlink()
-    with h5py.File(path, "w") as f:
-        for k, v in arrays.items():
-            f.create_dataset(k, data=v)
 
 
 def bert_shard(folders: tuple[str, ...]):
