@@ -113,8 +113,7 @@ class Benchmark(ABC):
         """Raise ConfigError for keys this benchmark ignores and for combinations the loop cannot run."""
         self.check_ruleset(self.ruleset_of(cfg))
         self.check_mlperf_name(self.ruleset_of(cfg))
-        self._refuse_unused(cfg)
-        self._refuse_without_effect(cfg)
+        self._refuse_keys_without_effect(cfg)
         if cfg.optimizer.name != self.optimizer_name:
             raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with {self.optimizer_name}")
         ranks, tp = cfg.distributed.world_size, max(1, cfg.distributed.tp)
@@ -187,25 +186,28 @@ class Benchmark(ABC):
         """The keys ``cfg`` does not read, with why: ``unused_keys``, and what a family derives from the config."""
         return self.unused_keys
 
-    def _refuse_unused(self, cfg: RunConfig) -> None:
-        unused = self.unused_for(cfg)
-        if not unused:
+    def _refuse_keys_without_effect(self, cfg: RunConfig) -> None:
+        """Keys set away from the preset's value that do nothing: one the benchmark never reads (:meth:`unused_for`),
+        or one that this config (its ranks, device and compile) gives no effect (``config.keys_without_effect``).
+        One sentence each. Every entry point builds its config through :meth:`validate` (the command line, the
+        Python API, a job on a system's ranks, which ``launch.local.build_config`` validates at the job's ranks), so
+        each refuses them alike."""
+        unused, idle = self.unused_for(cfg), keys_without_effect(cfg)
+        if not unused and not idle:
             return
         ours, preset = leaves(cfg), leaves(self.config(cfg.preset))
-        for key, why in unused.items():
-            value = getattr(ours[key].owner, ours[key].field.name)
-            if value != getattr(preset[key].owner, preset[key].field.name):
-                raise ConfigError(f"{key}={value} has no effect on {self.name}: {why}")
 
-    def _refuse_without_effect(self, cfg: RunConfig) -> None:
-        """Keys that this config (its ranks, device and compile) gives no effect (``config.keys_without_effect``), set
-        away from the preset's value: one sentence, as for a key the benchmark never reads. Every entry point builds
-        its config through :meth:`validate` (the command line, the Python API, a job on a system's ranks, which
-        ``launch.local.build_config`` validates at the job's ranks), so each refuses them alike."""
-        ours, preset = leaves(cfg), leaves(self.config(cfg.preset))
-        for key, why in keys_without_effect(cfg).items():
+        def changed(key: str):
             value = getattr(ours[key].owner, ours[key].field.name)
-            if value != getattr(preset[key].owner, preset[key].field.name):
+            return value != getattr(preset[key].owner, preset[key].field.name), value
+
+        for key, why in unused.items():
+            moved, value = changed(key)
+            if moved:
+                raise ConfigError(f"{key}={value} has no effect on {self.name}: {why}")
+        for key, why in idle.items():
+            moved, value = changed(key)
+            if moved:
                 shown = str(value).lower() if isinstance(value, bool) else value
                 raise ConfigError(f"{key}={shown} has no effect on this run of {self.name}: {why}")
 
