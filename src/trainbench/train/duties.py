@@ -145,8 +145,9 @@ def start_telemetry(o: OutputConfig, run_dir: Path, index: int, info: DistInfo, 
 
 def prepare_nodes(run_dir: Path, info: DistInfo) -> CacheClear:
     """Before a run, on each node (its local rank 0): drop the page cache where the process may, and record what the
-    node is (``node_<host>.json``: CPUs, memory, GPUs, topology). Every rank takes part in one all-reduce, so every
-    rank learns whether every node dropped its cache; the record's failure never stops a run."""
+    node is (``node_<host>.json``: CPUs, memory, GPUs, topology). Every rank takes part in two all-reduces (the
+    failures, the nodes), so every rank learns whether every node dropped its cache; the record's failure never
+    stops a run."""
     mine = None
     if info.local_rank == 0:
         mine = drop_page_cache()
