@@ -66,7 +66,8 @@ def lr_band(gbs: int) -> tuple[float, float]:
 TINY_CROSSES = ("uid*artist_id:3000,uid*album_id:3000,uid*hour_of_day:3000,item_id*hour_of_day:3000,"
                 "artist_id*hour_of_day:600,uid*is_organic:1200,uid*artist_id*hour_of_day:3000")  # fmt: skip
 TINY_SYNTHETIC = {"users": 1200, "items": 600, "artists": 60, "albums": 240, "favourites": 3, "loyalty": 0.6,
-                  "signal": 3.0, "user_bias": 0.7, "min_events": 30, "max_events": 90, "session_events": 20}  # fmt: skip
+                  "signal": 3.0, "user_bias": 0.7, "min_events": 30, "max_events": 90,
+                  "session_events": 20}  # fmt: skip
 TINY = HstuConfig(embedding_dim=16, model_dim=32, num_layers=2, num_heads=2, attention_dim=16, linear_dim=16,
                   input_dropout=0.0, linear_dropout=0.0, uid_rows=1200, item_rows=600, artist_rows=60, album_rows=240,
                   cross_features=TINY_CROSSES, history_length=24)  # fmt: skip
@@ -149,8 +150,9 @@ class Dlrmv4Benchmark(Benchmark):
         if not self.scaled_down(cfg) and cfg.output.division == "closed":
             lo, hi = lr_band(d.global_batch_size)
             if not lo * (1 - 1e-9) <= cfg.optimizer.lr <= hi * (1 + 1e-9):
-                raise ConfigError(f"optimizer.lr={cfg.optimizer.lr:g}: dlrmv4's closed rules allow {lo:g} to {hi:g} at "
-                                  f"a global batch of {d.global_batch_size:,} (0.5-1.5x of 1e-6 x GBS / 8192)")  # fmt: skip
+                raise ConfigError(f"optimizer.lr={cfg.optimizer.lr:g}: dlrmv4's closed rules allow {lo:g} to {hi:g} "
+                                  f"at a global batch of {d.global_batch_size:,} (0.5-1.5x of 1e-6 x GBS / "
+                                  "8192)")  # fmt: skip
 
     def target_range(self, cfg: RunConfig) -> tuple[float, float]:
         return 0.5, 1.0

@@ -37,7 +37,8 @@ SESSIONS = "train_sessions.parquet"
 ARTISTS = "artist_item_mapping.parquet"
 ALBUMS = "album_item_mapping.parquet"
 SESSION_COLUMNS = {"uid": "int", "session_id": "int", "item_ids": "list<int>", "timestamps": "list<int>",
-                   "event_types": "list<int>", "is_organic": "list<int>", "played_ratio_pct": "list<float>"}  # fmt: skip
+                   "event_types": "list<int>", "is_organic": "list<int>",
+                   "played_ratio_pct": "list<float>"}  # fmt: skip
 EVENT_LISTS = ("item_ids", "timestamps", "event_types", "is_organic", "played_ratio_pct")
 MAPPING_COLUMNS = {ARTISTS: {"item_id": "int", "artist_id": "int"}, ALBUMS: {"item_id": "int", "album_id": "int"}}
 LISTEN, LIKE = 0, 1
@@ -424,8 +425,9 @@ class SampleBuilder:
         return np.asarray(mapping[item])
 
     def _check_rows(self, out: dict[str, np.ndarray]) -> None:
-        for table, keys in {"uid": ("uid",), "item": ("hist_item", "cand_item"),
-                            "artist": ("hist_artist", "cand_artist"), "album": ("hist_album", "cand_album")}.items():  # fmt: skip
+        looked_up = {"uid": ("uid",), "item": ("hist_item", "cand_item"), "artist": ("hist_artist", "cand_artist"),
+                     "album": ("hist_album", "cand_album")}  # fmt: skip
+        for table, keys in looked_up.items():
             top = max(int(out[k].max(initial=0)) for k in keys)
             if top >= self.rows[table]:
                 raise DataError(f"{self.root}: {table} id {top:,} is past the {table} table's {self.rows[table]:,} "
