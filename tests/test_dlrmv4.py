@@ -162,7 +162,8 @@ def test_a_full_shape_log_passes_mlperf_loggings_checker_with_every_rule(tmp_pat
 
 # -- bad input ------------------------------------------------------------------------------------------------------
 SYNTH = {"seed": 3, "users": 60, "items": 40, "artists": 8, "albums": 16, "favourites": 2, "loyalty": 0.6,
-         "signal": 3.0, "user_bias": 0.5, "min_events": 10, "max_events": 20, "session_events": 6}  # fmt: skip
+         "signal": 3.0, "user_bias": 0.5, "artist_quality": 2.0, "item_quality": 1.0,
+         "min_events": 10, "max_events": 20, "session_events": 6}  # fmt: skip
 
 
 @pytest.fixture

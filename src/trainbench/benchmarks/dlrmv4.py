@@ -63,11 +63,10 @@ def lr_band(gbs: int) -> tuple[float, float]:
     return 0.5 * LR_PER_8192 * gbs / 8192, 1.5 * LR_PER_8192 * gbs / 8192
 
 
-TINY_CROSSES = ("uid*artist_id:3000,uid*album_id:3000,uid*hour_of_day:3000,item_id*hour_of_day:3000,"
-                "artist_id*hour_of_day:600,uid*is_organic:1200,uid*artist_id*hour_of_day:3000")  # fmt: skip
+TINY_CROSSES = "item_id*hour_of_day:3000,artist_id*hour_of_day:600,uid*is_organic:1200"
 TINY_SYNTHETIC = {"users": 1200, "items": 600, "artists": 60, "albums": 240, "favourites": 3, "loyalty": 0.6,
-                  "signal": 3.0, "user_bias": 0.7, "min_events": 30, "max_events": 90,
-                  "session_events": 20}  # fmt: skip
+                  "signal": 3.0, "user_bias": 0.5, "artist_quality": 2.0, "item_quality": 1.0,
+                  "min_events": 30, "max_events": 90, "session_events": 20}  # fmt: skip
 TINY = HstuConfig(embedding_dim=16, model_dim=32, num_layers=2, num_heads=2, attention_dim=16, linear_dim=16,
                   input_dropout=0.0, linear_dropout=0.0, uid_rows=1200, item_rows=600, artist_rows=60, album_rows=240,
                   cross_features=TINY_CROSSES, history_length=24)  # fmt: skip
@@ -78,10 +77,10 @@ def tiny() -> RunConfig:
         benchmark="dlrmv4", preset="tiny", model=HstuConfig(**vars(TINY)),
         data=DataConfig(seq_length=TINY.sequence_length, global_batch_size=128, micro_batch_size=128,
                         eval_batch_size=512, eval_samples=2048),
-        optimizer=OptimizerConfig(name="adam", lr=2e-3, beta1=0.95, beta2=0.999, epsilon=1e-8, weight_decay=0.0,
+        optimizer=OptimizerConfig(name="adam", lr=4e-3, beta1=0.95, beta2=0.999, epsilon=1e-8, weight_decay=0.0,
                                   max_grad_norm=1.0),
         schedule=ScheduleConfig(warmup_steps=20, total_steps=1_000_000),
-        eval=EvalConfig(target=0.77, every_samples=128 * 40),
+        eval=EvalConfig(target=0.77, every_samples=128 * 20),
     )  # fmt: skip
 
 

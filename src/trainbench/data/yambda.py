@@ -283,9 +283,10 @@ def build_store(source: Path, out: Path, min_history: int, eval_fraction: float,
 def write_synthetic(out: Path, spec: dict[str, Any]) -> None:
     """Seeded listening sessions in the reference's layout, with structure a model can learn: each user has a few
     favourite artists, most of its listens are of their tracks, and a listen is played through (listen-plus) with the
-    chance sigmoid(signal x [the artist is a favourite] - signal / 2 + user bias + track bias + 0.3 x organic). A
-    user's earlier events show its favourites and its bias, so the history predicts the label, for users never
-    trained on too."""
+    chance sigmoid(signal x [the artist is a favourite] - signal / 2 + user bias + artist quality + track quality +
+    0.3 x organic), the qualities normal with spreads ``artist_quality`` and ``item_quality``. The candidate's own
+    rows learn its qualities from every user's listens, and a user's earlier events show its favourites and its bias,
+    so both predict the label, for users never trained on too."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -293,7 +294,7 @@ def write_synthetic(out: Path, spec: dict[str, Any]) -> None:
     users, items, artists, albums = (spec[k] for k in ("users", "items", "artists", "albums"))
     item_artist = rng.integers(0, artists, items)
     item_album = (item_artist * max(1, albums // artists) + rng.integers(0, max(1, albums // artists), items)) % albums
-    item_bias = rng.normal(0, 0.4, items)
+    quality = rng.normal(0, spec["artist_quality"], artists)[item_artist] + rng.normal(0, spec["item_quality"], items)
     popularity = 1.0 / np.arange(1, items + 1) ** 0.6
     popularity = rng.permutation(popularity / popularity.sum())
     by_artist = [np.flatnonzero(item_artist == a) for a in range(artists)]
@@ -305,7 +306,7 @@ def write_synthetic(out: Path, spec: dict[str, Any]) -> None:
         track = np.where(rng.random(n) < spec["loyalty"], rng.choice(own, n), rng.choice(items, n, p=popularity))
         organic = (rng.random(n) < 0.6).astype(np.int8)
         liked = np.isin(item_artist[track], favourites)
-        logit = spec["signal"] * (liked - 0.5) + rng.normal(0, spec["user_bias"]) + item_bias[track] + 0.3 * organic
+        logit = spec["signal"] * (liked - 0.5) + rng.normal(0, spec["user_bias"]) + quality[track] + 0.3 * organic
         played = np.where(rng.random(n) < 1 / (1 + np.exp(-logit)), rng.uniform(50, 100, n), rng.uniform(0, 50, n))
         types = np.where(rng.random(n) < 0.15 / (1 + np.exp(-logit)), LIKE, LISTEN).astype(np.int64)
         times = 1_700_000_000 + u * 7 + np.cumsum(rng.integers(60, 4000, n))
