@@ -246,3 +246,51 @@ def test_the_hstu_ranker_gives_one_logit_a_sample_whatever_its_batch():
     changed["hist_item"][2, 0] = (changed["hist_item"][2, 0] + 1) % cfg.item_rows
     assert torch.allclose(model(changed)[2], whole[2], atol=1e-6)
     assert F.binary_cross_entropy_with_logits(whole, torch.ones(n)).isfinite()
+
+
+# -- whole runs -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    from tests.conftest import run_cli
+
+    out = tmp_path_factory.mktemp("dlrmv4") / "tiny"
+    assert run_cli("prepare", "dlrmv4", "--synthetic", "--preset", "tiny", "--out", out, "--no-progress") == 0
+    return out
+
+
+@pytest.mark.full
+def test_the_tiny_run_reaches_its_target_with_a_log_the_checker_passes(tiny_data, tmp_path):
+    """``prepare --synthetic --preset tiny`` then ``run --preset tiny``: the target AUC inside a few hundred steps, and
+    mlperf-logging's 6.1.0 checker failing only the full-size checks the scaled-down run waives."""
+    from tests.conftest import only_run_dir, read_metrics, run_cli
+    from trainbench.mlperf import check_compliance, read_log
+
+    assert run_cli("run", "dlrmv4", "--preset", "tiny", f"data.dir={tiny_data}", f"output.results_dir={tmp_path}",
+                   "progress=false", "telemetry_hz=0") == 0  # fmt: skip
+    run_dir = only_run_dir(tmp_path)
+    cfg = BENCH.config("tiny")
+    evals = [(r["samples"], r["auc"]) for r in read_metrics(run_dir) if "auc" in r]
+    assert evals[-1][1] >= cfg.eval.target and all(auc < cfg.eval.target for _, auc in evals[:-1])
+    assert evals[-1][0] <= 200 * cfg.data.global_batch_size, evals
+    waived = BENCH.waived_checks(cfg)
+    result = check_compliance(run_dir / "result_0.txt", "6.1.0", waived=waived)
+    assert result.ok and "except the full-size checks" in result.reason(), result.output[-3000:]
+    keys = {e["key"]: e for e in read_log(run_dir / "result_0.txt")}
+    assert keys["run_stop"]["metadata"]["status"] == "success"
+    assert keys["submission_benchmark"]["value"] == "dlrmv4" and keys["opt_sparse_name"]["value"] == "RowWiseAdagrad"
+
+
+@pytest.mark.full
+def test_two_ranks_train_the_losses_and_evals_of_one(tiny_data, tmp_path):
+    """Every rank holds every table: two gloo ranks of 64 samples each step reduce the gradients of one rank's 128
+    (the sample's logit does not depend on its batch, the loss is a sum over the global batch), and the eval's
+    scores are summed into their places, so the AUC is the whole set's."""
+    from tests.conftest import losses_and_evals
+
+    common = ["run", "dlrmv4", "--preset", "tiny", f"data.dir={tiny_data}", "progress=false", "log_every_steps=1",
+              "telemetry_hz=0", "schedule.max_samples=1280", "eval.every_samples=640", "eval_samples=512"]  # fmt: skip
+    runs = {"one": ["--nproc", "1"], "two": ["--nproc", "2", "micro_batch_size=64"]}
+    losses, evals = losses_and_evals(common, runs, tmp_path, "auc")
+    assert len(losses["one"]) == 10 and len(evals["one"]) == 2 and losses["one"][0] > losses["one"][-1]
+    assert max(abs(a - b) for a, b in zip(losses["one"], losses["two"], strict=True)) <= 1e-5, losses
+    assert max(abs(a - b) for a, b in zip(evals["one"], evals["two"], strict=True)) <= 1e-5, evals
