@@ -27,6 +27,7 @@ from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.benchmarks.prepare_common import claim, progress_bar, synthetic_sizes, write_manifest
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data import yambda
+from trainbench.data.steps import CycledSteps
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError, UserError
 from trainbench.models.data_parallel import place_data_parallel
@@ -203,6 +204,28 @@ class Dlrmv4Benchmark(Benchmark):
         evals = yambda.YambdaEval(builder, store["eval_anchors"], total, d.eval_batch_size, rank, world_size)
         return BenchmarkData(train=steps, eval=evals, train_samples=int(manifest["counts"]["train"]),
                              eval_samples=total)  # fmt: skip
+
+    def bench_data(self, cfg: RunConfig, rank: int, world_size: int) -> BenchmarkData:
+        """One global batch of random samples of the model's shapes (ids within each table, histories of every length,
+        half the labels listen-plus) and one eval batch with its places in an eval set of its own size."""
+        m, d = cfg.model, cfg.data
+        rng = np.random.default_rng(cfg.seed)
+
+        def rows(n: int) -> dict[str, np.ndarray]:
+            h = m.history
+            ids = lambda rows, *shape: rng.integers(0, rows, shape, dtype=np.int64)  # noqa: E731
+            return {"uid": ids(m.uid_rows, n), "cross": np.stack([ids(c.rows, n) for c in m.crosses], 1) if m.crosses
+                    else np.zeros((n, 0), np.int64),
+                    "hist_item": ids(m.item_rows, n, h), "hist_artist": ids(m.artist_rows, n, h),
+                    "hist_album": ids(m.album_rows, n, h), "hist_action": ids(8, n, h), "hist_len": ids(h + 1, n),
+                    "cand_item": ids(m.item_rows, n), "cand_artist": ids(m.artist_rows, n),
+                    "cand_album": ids(m.album_rows, n), "label": (rng.random(n) < 0.5).astype(np.float32)}  # fmt: skip
+
+        n = d.eval_batch_size
+        evals = rows(n) | {"index": np.arange(n, dtype=np.int64), "eval_size": np.full(n, n, dtype=np.int64)}
+        return BenchmarkData(train=CycledSteps([rows(d.global_batch_size)], d.global_batch_size, d.micro_batch_size,
+                                               rank, world_size),
+                             eval=[evals], train_samples=0, eval_samples=d.eval_samples or EVAL_SAMPLES)  # fmt: skip
 
     # -- model and optimizer --------------------------------------------------------------------
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
