@@ -24,7 +24,10 @@ def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:
     return folder, json.loads((folder / "bench.json").read_text())
 
 
-@pytest.mark.parametrize("benchmark", ["bert", "llama31_8b", "gpt3", "llama2_70b_lora", "gpt_oss_20b", "flux1"])
+ONE_RANK = ["bert", "llama31_8b", "gpt3", "llama2_70b_lora", "gpt_oss_20b", "flux1", "dlrmv4"]
+
+
+@pytest.mark.parametrize("benchmark", ONE_RANK)
 def test_each_tiny_preset_is_measured_on_one_rank(benchmark, tmp_path, capsys):
     folder, result = measured(benchmark, tmp_path / "r")
     printed = capsys.readouterr().out
@@ -126,7 +129,7 @@ def test_bad_input_is_one_sentence_and_exit_2_before_any_folder(args, says, tmp_
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("benchmark", ["bert", "llama31_8b", "llama2_70b_lora"])
+@pytest.mark.parametrize("benchmark", ["bert", "llama31_8b", "llama2_70b_lora", "dlrmv4"])
 def test_each_tiny_preset_is_measured_on_two_ranks(benchmark, tmp_path):
     _, result = measured(benchmark, tmp_path / "r", "--nproc", "2")
     assert result["ranks"] == 2 and result["figures"] == "measured"

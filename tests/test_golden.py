@@ -1,8 +1,9 @@
-"""A restructure keeps the numbers: five short runs reproduce their recorded losses, evals and MLPerf logs bit for bit.
+"""A restructure keeps the numbers: short runs reproduce their recorded losses, evals and MLPerf logs bit for bit.
 
 The fixtures in tests/golden/ come from the code before it was restructured (tiny BERT on 1 rank, on 2 ranks and with
-accumulation 4; tiny llama31_8b and gpt3; 30 steps each, same seed, CPU), on the numeric path that record.py pins so
-that any x86-64 machine computes the same bits. Each run executes in a process of its own started with that path.
+accumulation 4; tiny llama31_8b and gpt3; 30 steps each, same seed, CPU; gpt_oss_20b and dlrmv4 recorded when they
+were added), on the numeric path that record.py pins so that any x86-64 machine computes the same bits.
+Each run executes in a process of its own started with that path.
 """
 
 import json

@@ -35,6 +35,8 @@ from trainbench.data.synthetic_bert import prepare_synthetic  # noqa: E402
 COMMON = ["--preset", "tiny", "log_every_steps=1", "telemetry_hz=0", "progress=false", "submission_platform=golden"]
 BERT = ["eval_samples=256", "eval.every_samples=640", "schedule.max_samples=1920"]  # GBS 64
 LLM = ["eval_samples=64", "eval.every_samples=320", "schedule.max_samples=960"]  # GBS 32
+# GBS 128; a target past what 30 steps reach, so that the run keeps its 30 steps and 3 evals.
+DLRMV4 = ["eval_samples=256", "eval.every_samples=1280", "schedule.max_samples=3840", "eval.target=0.95"]
 RUNS = {
     "bert_1rank": ("bert", "bert", [*BERT]),
     "bert_2ranks": ("bert", "bert", [*BERT, "--nproc", "2", "micro_batch_size=32"]),
@@ -42,6 +44,7 @@ RUNS = {
     "llama31_8b": ("llama31_8b", "llm", [*LLM]),
     "gpt3": ("gpt3", "llm", [*LLM]),
     "gpt_oss_20b": ("gpt_oss_20b", "llm", [*LLM]),
+    "dlrmv4": ("dlrmv4", "dlrmv4", [*DLRMV4]),
 }
 
 
@@ -65,12 +68,18 @@ def ranks(name: str) -> int:
     return int(extra[extra.index("--nproc") + 1]) if "--nproc" in extra else 1
 
 
-def prepare_data(root: Path) -> dict[str, Path]:
-    """The data the runs read: the tests' small BERT set and the tiny synthetic LLM language."""
-    bert, llm = root / "bert", root / "llm"
-    prepare_synthetic(bert, tiny_spec())
-    assert run_cli("prepare", "llama31_8b", "--synthetic", "--preset", "tiny", "--out", llm) == 0
-    return {"bert": bert, "llm": llm}
+def prepare_data(root: Path, names: list[str]) -> dict[str, Path]:
+    """The data the runs ``names`` read: the tests' small BERT set, the tiny synthetic LLM language, the tiny
+    synthetic listening sessions."""
+    needed = {RUNS[name][1] for name in names}
+    data = {key: root / key for key in needed}
+    if "bert" in needed:
+        prepare_synthetic(data["bert"], tiny_spec())
+    if "llm" in needed:
+        assert run_cli("prepare", "llama31_8b", "--synthetic", "--preset", "tiny", "--out", data["llm"]) == 0
+    if "dlrmv4" in needed:
+        assert run_cli("prepare", "dlrmv4", "--synthetic", "--preset", "tiny", "--out", data["dlrmv4"]) == 0
+    return data
 
 
 # What the log says of the machine and of the code that ran, not of the numbers: whether the page cache was dropped
@@ -121,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(why)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        data = prepare_data(Path(tmp) / "data")
+        data = prepare_data(Path(tmp) / "data", args.only)
         for name in args.only:
             result = run(name, data, Path(tmp) / name)
             (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")

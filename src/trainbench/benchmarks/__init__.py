@@ -12,6 +12,7 @@ from pathlib import Path
 
 from trainbench.benchmarks.base import Benchmark
 from trainbench.benchmarks.bert import BertBenchmark
+from trainbench.benchmarks.dlrmv4 import Dlrmv4Benchmark
 from trainbench.benchmarks.flux1 import Flux1Benchmark
 from trainbench.benchmarks.gpt_oss import GptOssBenchmark
 from trainbench.benchmarks.llm import Gpt3Benchmark, Llama31Benchmark
@@ -28,6 +29,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         LoraBenchmark(),
         GptOssBenchmark(),
         Flux1Benchmark(),
+        Dlrmv4Benchmark(),
     )
 }
 BUILT_IN = "built in"

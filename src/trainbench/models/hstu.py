@@ -1,0 +1,210 @@
+"""The HSTU ranker of MLPerf's dlrmv4 (generative_recommenders' DLRMv3 on Yambda): embedding tables for the user, the
+track, its artist and album and hashed crosses of them; a user's listening history and one candidate track as one
+sequence through HSTU layers; a click (listen-plus) logit for the candidate. Architecture only: the tables' optimizer
+lives in ``optim/rowwise_adagrad.py``, the placement in ``models/data_parallel.py``, the recipe in
+``benchmarks/dlrmv4.py``.
+
+A sequence is ``contextual`` tokens (the user's table and one per cross feature), ``history`` tokens (right-aligned:
+padding first, the newest event last) and the candidate, ``C + H + 1`` positions in all. An HSTU layer (the
+reference's STU, without the relative attention bias it does not use in DLRMv3):
+
+    n          = LayerNorm(x)
+    U, V, Q, K = split(n W_uvqk + b_uvqk);  U = SiLU(U)
+    A_h        = SiLU(alpha Q_h K_h^T) / T  masked to causal pairs of valid keys     (alpha = attention_dim^-1/2)
+    y          = U * LayerNorm(concat_h A_h V_h)
+    x'         = x + dropout(y) W_out
+
+``T`` is the sequence's padded length, a constant of the config: a sample's output does not depend on which other
+samples share its batch, so one rank and several train the same model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainbench.config import option
+from trainbench.errors import ConfigError
+
+# The columns of an anchor event a cross feature may combine (data/yambda.py computes each anchor's).
+CROSS_KEYS = ("uid", "item_id", "artist_id", "album_id", "hour_of_day", "is_organic")
+# The reference's seven crosses and their table sizes (dlrm_v3/configs.py, YAMBDA_5B_CROSS_SPECS).
+REFERENCE_CROSSES = ("uid*artist_id:100000000,uid*album_id:40000000,uid*hour_of_day:24000000,"
+                     "item_id*hour_of_day:40000000,artist_id*hour_of_day:32000000,uid*is_organic:2000000,"
+                     "uid*artist_id*hour_of_day:40000000")  # fmt: skip
+ACTIONS = 9  # an event's pool bits (listen-plus 1, like 2, skip 4: 0..7) and 8, the candidate's unknown action
+CANDIDATE_ACTION = 8
+
+
+@dataclass(frozen=True)
+class Cross:
+    """A hashed cross feature: its anchor columns and its table's rows."""
+
+    keys: tuple[str, ...]
+    rows: int
+
+    @property
+    def name(self) -> str:
+        return "_x_".join(self.keys)
+
+
+def parse_crosses(spec: str) -> list[Cross]:
+    """``model.cross_features`` (``a*b:rows,...``) as crosses; one sentence where it is malformed or names a column
+    an anchor event does not have."""
+    crosses = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        keys, sep, rows = part.partition(":")
+        if not sep or not rows.strip().isdigit() or int(rows) < 1:
+            raise ConfigError(f"model.cross_features: {part!r} is not COLUMN*COLUMN:ROWS (e.g. uid*artist_id:1000)")
+        names = tuple(k.strip() for k in keys.split("*"))
+        missing = [k for k in names if k not in CROSS_KEYS]
+        if missing:
+            raise ConfigError(f"model.cross_features: {part!r} names {', '.join(missing)}, which the data has no "
+                              f"column for (an anchor event has {', '.join(CROSS_KEYS)})")  # fmt: skip
+        crosses.append(Cross(names, int(rows)))
+    return crosses
+
+
+@dataclass(kw_only=True)
+class HstuConfig:
+    """The run config's ``model`` section for dlrmv4 (defaults: the reference's shape, dlrm_v3/configs.py)."""
+
+    embedding_dim: int = option(512, "Width of every embedding table's rows.", at_least=1)
+    model_dim: int = option(512, "Width of the HSTU layers' residual stream (the reference's transducer dim).",
+                            at_least=1)  # fmt: skip
+    num_layers: int = option(5, "HSTU layers.", at_least=1)
+    num_heads: int = option(4, "Attention heads of each HSTU layer.", at_least=1)
+    attention_dim: int = option(128, "Query and key width per head.", at_least=1)
+    linear_dim: int = option(128, "Value and gate (U) width per head.", at_least=1)
+    input_dropout: float = option(0.2, "Dropout on the sequence's input embeddings.", at_least=0, below=1)
+    linear_dropout: float = option(0.1, "Dropout on each layer's gated output before its projection.", at_least=0,
+                                   below=1)  # fmt: skip
+    uid_rows: int = option(1_000_000, "Rows of the user table: user ids must lie below it.", at_least=1)
+    item_rows: int = option(9_390_000, "Rows of the track table (history and candidate).", at_least=1)
+    artist_rows: int = option(1_290_000, "Rows of the artist table.", at_least=1)
+    album_rows: int = option(3_370_000, "Rows of the album table.", at_least=1)
+    cross_features: str = option(REFERENCE_CROSSES, "Hashed cross features, COLUMN*COLUMN:ROWS,... over the anchor "
+                                 f"event's columns ({', '.join(CROSS_KEYS)}).")  # fmt: skip
+    history_length: int = option(2048, "History events a sample keeps: the newest third of each pool (listen-plus, "
+                                 "like, skip) before the candidate.", at_least=3)  # fmt: skip
+
+    @property
+    def crosses(self) -> list[Cross]:
+        return parse_crosses(self.cross_features)
+
+    @property
+    def contextual(self) -> int:
+        """Contextual tokens: the user's and one per cross feature."""
+        return 1 + len(self.crosses)
+
+    @property
+    def history(self) -> int:
+        """History positions of a sample: three pools of ``history_length // 3``."""
+        return 3 * (self.history_length // 3)
+
+    @property
+    def sequence_length(self) -> int:
+        return self.contextual + self.history + 1
+
+    def table_rows(self) -> dict[str, int]:
+        """Every embedding table and its rows, in the order the model holds them."""
+        rows = {"uid": self.uid_rows, "item": self.item_rows, "artist": self.artist_rows, "album": self.album_rows}
+        return rows | {c.name: c.rows for c in self.crosses}
+
+
+class HstuLayer(nn.Module):
+    """One HSTU layer (the module docstring's equations) over [batch, T, model_dim] with a [T, T] or [batch, T, T]
+    boolean mask of the pairs (query, key) that attend."""
+
+    def __init__(self, dim: int, heads: int, attention_dim: int, linear_dim: int, dropout: float = 0.0,
+                 eps: float = 1e-6):  # fmt: skip
+        super().__init__()
+        self.heads, self.attention_dim, self.linear_dim, self.dropout = heads, attention_dim, linear_dim, dropout
+        self.input_norm = nn.LayerNorm(dim, eps=eps)
+        self.uvqk = nn.Linear(dim, heads * (2 * linear_dim + 2 * attention_dim))
+        self.output_norm = nn.LayerNorm(heads * linear_dim, eps=eps)
+        self.output = nn.Linear(heads * linear_dim, dim, bias=False)
+        self.alpha = 1.0 / math.sqrt(attention_dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h, a, d = self.heads, self.attention_dim, self.linear_dim
+        u, v, q, k = self.uvqk(self.input_norm(x)).split([h * d, h * d, h * a, h * a], dim=-1)
+        u = F.silu(u)
+        q, k = (z.view(b, t, h, a).transpose(1, 2) for z in (q, k))
+        v = v.view(b, t, h, d).transpose(1, 2)
+        scores = F.silu(self.alpha * (q @ k.transpose(-1, -2))) / t
+        scores = scores * mask.unsqueeze(-3).to(scores.dtype)
+        attended = (scores @ v).transpose(1, 2).reshape(b, t, h * d)
+        y = F.dropout(u * self.output_norm(attended), self.dropout, self.training)
+        return x + self.output(y)
+
+
+class HstuRanker(nn.Module):
+    """Listen-plus logits [batch] for a batch of samples (data/yambda.py's arrays)."""
+
+    def __init__(self, cfg: HstuConfig):
+        super().__init__()
+        self.cfg = cfg
+        e, dim = cfg.embedding_dim, cfg.model_dim
+        self.tables = nn.ModuleDict({name: nn.Embedding(rows, e) for name, rows in cfg.table_rows().items()})
+        self.cross_names = [c.name for c in cfg.crosses]
+        self.context_in = nn.Linear(e, dim)
+        self.content_in = nn.Linear(3 * e, dim)  # a track: its own, its artist's and its album's rows
+        self.actions = nn.Embedding(ACTIONS, dim)
+        self.positions = nn.Embedding(cfg.sequence_length, dim)
+        self.layers = nn.ModuleList(
+            HstuLayer(dim, cfg.num_heads, cfg.attention_dim, cfg.linear_dim, cfg.linear_dropout)
+            for _ in range(cfg.num_layers)
+        )
+        self.output_norm = nn.LayerNorm(dim, eps=1e-6)
+        self.candidate_in = nn.Linear(3 * e, dim)
+        self.head = nn.Sequential(nn.Linear(3 * dim, dim), nn.SiLU(), nn.Linear(dim, 1))
+        self.reset_tables()
+
+    @torch.no_grad()
+    def reset_tables(self) -> None:
+        """TorchRec's default for a table: uniform in +-sqrt(1 / rows)."""
+        for table in self.tables.values():
+            bound = math.sqrt(1.0 / table.num_embeddings)
+            table.weight.uniform_(-bound, bound)
+
+    def table_parameters(self) -> list[nn.Parameter]:
+        """The embedding tables' weights: the sparse optimizer's (RowWiseAdagrad); every other parameter is dense."""
+        return [t.weight for t in self.tables.values()]
+
+    def _content(self, item: torch.Tensor, artist: torch.Tensor, album: torch.Tensor) -> torch.Tensor:
+        t = self.tables
+        return torch.cat([t["item"](item), t["artist"](artist), t["album"](album)], dim=-1)
+
+    def attention_mask(self, history_length: torch.Tensor) -> torch.Tensor:
+        """[batch, T, T]: a query attends the keys at or before it that are not padding (the history is
+        right-aligned, so a sample of length n has its padding at history positions below H - n)."""
+        c, hist = self.cfg.contextual, self.cfg.history
+        t = c + hist + 1
+        pos = torch.arange(t, device=history_length.device)
+        padding = (pos >= c) & (pos < c + hist)
+        padding = padding & (pos - c < (hist - history_length).unsqueeze(-1))  # [batch, T]
+        causal = pos.unsqueeze(-1) >= pos  # [T, T]
+        return causal & ~padding.unsqueeze(-2)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        t = self.tables
+        context = [t["uid"](batch["uid"])] + [t[n](batch["cross"][:, i]) for i, n in enumerate(self.cross_names)]
+        context = self.context_in(torch.stack(context, dim=1))
+        history = self.content_in(self._content(batch["hist_item"], batch["hist_artist"], batch["hist_album"]))
+        history = history + self.actions(batch["hist_action"])
+        candidate_content = self._content(batch["cand_item"], batch["cand_artist"], batch["cand_album"])
+        candidate = self.content_in(candidate_content) + self.actions.weight[CANDIDATE_ACTION]
+        x = torch.cat([context, history, candidate.unsqueeze(1)], dim=1) + self.positions.weight
+        x = F.dropout(x, self.cfg.input_dropout, self.training)
+        mask = self.attention_mask(batch["hist_len"])
+        for layer in self.layers:
+            x = layer(x, mask)
+        user = self.output_norm(x[:, -1])
+        item = self.candidate_in(candidate_content)
+        return self.head(torch.cat([user, item, user * item], dim=-1)).squeeze(-1)
