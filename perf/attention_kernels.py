@@ -46,8 +46,8 @@ sys.path.insert(0, str(REPO / "perf"))
 from fp8_gemm import bench  # noqa: E402
 
 from trainbench.data.packing import lpfhp  # noqa: E402
-from trainbench.models.bert import document_mask, varlen_attention, varlen_segments  # noqa: E402
-from trainbench.models.cudnn_attention import cudnn_segments, cudnn_varlen_attention  # noqa: E402
+from trainbench.families.cudnn_attention import cudnn_segments, cudnn_varlen_attention  # noqa: E402
+from trainbench.families.encoder.model import document_mask, varlen_attention, varlen_segments  # noqa: E402
 
 ROWS, SEQ, HEADS, DIM = 48, 512, 16, 64
 

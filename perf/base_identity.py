@@ -1,5 +1,5 @@
-"""What recording the 70B base's identity costs (``trainbench.models.hf_checkpoint.identity``, taken at every run's
-start and every resume), against hashing the whole base.
+"""What recording the 70B base's identity costs (``trainbench.families.decoder.hf_checkpoint.identity``, taken at every
+run's start and every resume), against hashing the whole base.
 
 Builds, in a temporary folder, Llama-2-70B's checkpoint as MLPerf ships it (80 blocks, fused qkv_proj, bf16, 15
 shards) with every header real and the tensor data left as holes (sparse files: 138 GB that take no disk), times
@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from trainbench.models.hf_checkpoint import INDEX, identity  # noqa: E402
+from trainbench.families.decoder.hf_checkpoint import INDEX, identity  # noqa: E402
 
 HIDDEN, LAYERS, MLP, VOCAB, KV = 8192, 80, 28672, 32000, 1024
 

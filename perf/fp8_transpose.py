@@ -4,7 +4,7 @@ fast each way of making that copy is, at Llama-2-70B's shapes, against the GPU's
 Ways timed (each makes a contiguous [in, out] e4m3 copy of an [out, in] e4m3 weight):
 - ``torch-fp8``: ``w.t().contiguous()`` on the float8 tensor (what the FP8 linear does today);
 - ``torch-u8``: the same on the bytes (``w.view(torch.uint8)``), then viewed back as e4m3;
-- ``triton``: :func:`trainbench.models.fp8.transpose_fp8`, a tiled transpose through shared memory;
+- ``triton``: :func:`trainbench.families.fp8.transpose_fp8`, a tiled transpose through shared memory;
 - ``copy``: a plain contiguous copy of the same bytes (the bandwidth ceiling: read n + write n bytes).
 
     python perf/fp8_transpose.py --out OUT/fp8_transpose.json
@@ -22,7 +22,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from trainbench.models import fp8  # noqa: E402
+from trainbench.families import fp8  # noqa: E402
 
 SHAPES = {  # Llama-2-70B's frozen linears, [out, in]
     "qkv_proj": (10240, 8192),

@@ -34,9 +34,9 @@ def wider_base(folder: Path, width: int, layers: int, seed: int) -> list[str]:
     """A random base of ``width`` and ``layers`` with the tiny preset's vocabulary; returns the run's overrides."""
     import torch
 
+    from trainbench.families.decoder.hf_checkpoint import save_sharded
+    from trainbench.families.decoder.model import DecoderLM
     from trainbench.launch.local import build_config
-    from trainbench.models.decoder import DecoderLM
-    from trainbench.models.hf_checkpoint import save_sharded
 
     shape = {"model.hidden_size": width, "model.num_layers": layers, "model.num_heads": width // 128,
              "model.num_kv_heads": max(1, width // 512), "model.intermediate_size": width * 11 // 4}  # fmt: skip

@@ -1,8 +1,8 @@
 """gpt_oss_20b's mixture-of-experts layer alone on this GPU: forward and backward time, and its kernels.
 
-The layer is the product's own (`trainbench.models.moe.MoE`, built by the benchmark's block from the preset's model
-config), compiled as the blocks are (`compile(dynamic=False)` in place, called through a parent module), under bf16
-autocast with fp32 weights, at one micro-batch of the preset at micro-batches of 4 (4 x 8,192 tokens).
+The layer is the product's own (`trainbench.families.decoder.moe.MoE`, built by the benchmark's block from the preset's
+model config), compiled as the blocks are (`compile(dynamic=False)` in place, called through a parent module), under
+bf16 autocast with fp32 weights, at one micro-batch of the preset at micro-batches of 4 (4 x 8,192 tokens).
 - `--fp8`: the experts' FP8 grouped products (`experts_in_fp8`, as `model.precision=fp8` does);
 - `--cast-once`: with `--fp8`, the experts' weights cast once a step (`cache_fp8_weight_casts`);
 - `--weight-grad bf16`: with `--fp8`, the experts' weight gradient a bf16 grouped product (FP8 by default);
@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from trainbench.benchmarks import get_benchmark  # noqa: E402
-from trainbench.models.gpt_oss import GptOssBlock  # noqa: E402
-from trainbench.models.moe import cache_fp8_weight_casts, experts_in_fp8  # noqa: E402
+from trainbench.families.decoder.gpt_oss import GptOssBlock  # noqa: E402
+from trainbench.families.decoder.moe import cache_fp8_weight_casts, experts_in_fp8  # noqa: E402
 
 
 def layer(preset: str, fp8: bool, device: torch.device, weight_grad: str = "fp8") -> torch.nn.Module:

@@ -31,8 +31,9 @@ sys.path.insert(0, str(REPO / "src"))
 
 from timing import cuda_ms  # noqa: E402  (perf/timing.py, beside this script)
 
-from trainbench.models import fp8, fp8_output  # noqa: E402
-from trainbench.models.decoder import lm_loss  # noqa: E402
+from trainbench.families import fp8  # noqa: E402
+from trainbench.families.decoder import fp8_output  # noqa: E402
+from trainbench.families.decoder.model import lm_loss  # noqa: E402
 
 MICRO_BATCHES = 4
 

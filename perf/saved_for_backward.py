@@ -22,8 +22,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from trainbench.models import fp8  # noqa: E402
-from trainbench.models.decoder import Block, DecoderConfig, rope_tables  # noqa: E402
+from trainbench.families import fp8  # noqa: E402
+from trainbench.families.decoder.model import Block, DecoderConfig, rope_tables  # noqa: E402
 
 
 def saved(cfg: DecoderConfig, rows: int, seq: int, once: bool) -> list[dict]:

@@ -3,7 +3,7 @@
 The shape of one micro-batch of `gpt-oss-20b` at micro-batches of 4: 4 rows of 8,192 tokens, 64 query heads and 8
 key/value heads of 64, bf16; causal, and causal within the last 128 keys (the windowed blocks). With GPT-OSS's learned
 sinks (one logit per head) and without them (the reference's block). Each kernel is the product's own function in
-`trainbench.models.sink_attention`:
+`trainbench.families.decoder.sink_attention`:
 
 - `flex`: `flex_sink_attention`, FlexAttention with the window's block mask, the sinks from its log-sum-exp through
   autograd (the blocks' kernel before `model.attention`), compiled;
@@ -37,8 +37,8 @@ sys.path.insert(0, str(REPO / "perf"))
 
 from fp8_gemm import bench  # noqa: E402
 
-from trainbench.models.gpt_oss import window_block_mask  # noqa: E402
-from trainbench.models.sink_attention import flex_sink_attention, fused_sink_attention, sink_attention  # noqa: E402
+from trainbench.families.decoder.gpt_oss import window_block_mask  # noqa: E402
+from trainbench.families.decoder.sink_attention import flex_sink_attention, fused_sink_attention, sink_attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 64, 8, 64
 

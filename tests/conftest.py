@@ -215,7 +215,7 @@ def float8_layers(device: str = "cpu", width: int = 64):
     decoder's blocks are (``root.model.layers``), whose forward runs one after the other."""
     import torch
 
-    from trainbench.models import fp8
+    from trainbench.families import fp8
 
     torch.manual_seed(0)
     root = torch.nn.Module()
@@ -236,7 +236,7 @@ def train_float8_layers(once: bool, stale_step: int | None = None, device: str =
     they are bf16."""
     import torch
 
-    from trainbench.models import fp8
+    from trainbench.families import fp8
 
     root = float8_layers(device, width)
     after_step = fp8.cast_weights_once_a_step(root, compiled=compiled) if once else None

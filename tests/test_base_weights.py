@@ -17,9 +17,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trainbench.errors import DataError
-from trainbench.models.decoder import DecoderLM
-from trainbench.models.hf_checkpoint import INDEX, HFCheckpoint, check_shapes, describe_change, identity, save_sharded
-from trainbench.models.lora import LoraModelConfig
+from trainbench.families.decoder.hf_checkpoint import (
+    INDEX,
+    HFCheckpoint,
+    check_shapes,
+    describe_change,
+    identity,
+    save_sharded,
+)
+from trainbench.families.decoder.lora import LoraModelConfig
+from trainbench.families.decoder.model import DecoderLM
 
 CFG = LoraModelConfig(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                       intermediate_size=24, rope_theta=10000.0, fused_qkv=True)  # fmt: skip

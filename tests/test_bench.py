@@ -205,7 +205,7 @@ def test_compare_hf_times_transformers_gpt_oss_beside_our_mixture_of_experts(tmp
     import torch
 
     from trainbench.benchmarks import get_benchmark
-    from trainbench.models.gpt_oss import GptOssLM
+    from trainbench.families.decoder.gpt_oss import GptOssLM
     from trainbench.train import compare_hf
 
     bench = get_benchmark("gpt_oss_20b")
@@ -382,7 +382,7 @@ def test_kernel_kinds_tell_fp8_gemms_attention_and_compiled_casts_apart():
     assert kind("Memcpy HtoD (Pageable -> Device)") == "copy"
     assert kind("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>") == "other"
     assert kind("void lamb_stage_1<float>") == "optimizer"
-    assert kind("tb_output_grad") == kind("tb_glu_backward") == "own kernels"  # models/'s Triton kernels
+    assert kind("tb_output_grad") == kind("tb_glu_backward") == "own kernels"  # the families' Triton kernels
     assert kind("tb_adamw") == "optimizer"  # optim/adamw's update counts with the optimizer
 
 

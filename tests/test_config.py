@@ -126,7 +126,7 @@ def test_offload_blocks_only_for_the_fp8_lora_base_on_a_gpu_and_at_most_the_kept
 
 
 def test_offloaded_blocks_are_spread_over_the_kept_ones():
-    from trainbench.models.offload import spread
+    from trainbench.families.decoder.offload import spread
 
     assert spread(30, 60) == list(range(0, 60, 2))
     assert spread(1, 5) == [0] and spread(5, 5) == [0, 1, 2, 3, 4]
@@ -138,7 +138,7 @@ def test_offloaded_blocks_are_spread_over_the_kept_ones():
 def test_only_dense_tensors_are_offloaded_as_one_block_of_bytes():
     import torch
 
-    from trainbench.models.offload import dense
+    from trainbench.families.decoder.offload import dense
 
     t = torch.zeros(4, 6, 8)
     assert dense(t) and dense(t.transpose(0, 2)) and dense(t.permute(1, 0, 2)) and dense(t[:1]) and dense(t[1, 2:3])
@@ -261,7 +261,7 @@ def test_fp8_training_is_refused_on_the_cpu_without_torchao_and_for_lora(monkeyp
 def test_fp8_placement_refuses_a_device_without_fp8_tensor_cores(monkeypatch):
     import torch
 
-    from trainbench.models import fp8
+    from trainbench.families import fp8
 
     with pytest.raises(ConfigError, match="needs an NVIDIA GPU, not the cpu"):
         fp8.min_capability(torch.device("cpu"))
@@ -270,7 +270,7 @@ def test_fp8_placement_refuses_a_device_without_fp8_tensor_cores(monkeypatch):
     with pytest.raises(ConfigError, match=r"compute capability 8.9 or newer.*NVIDIA A100-SXM4-80GB has 8.0"):
         fp8.min_capability(torch.device("cuda", 0))
     # the experts' FP8 grouped products need Hopper: an Ada GPU (8.9) trains a decoder in FP8, not a mixture of experts
-    from trainbench.models.moe import MoE, MoEShape, experts_in_fp8
+    from trainbench.families.decoder.moe import MoE, MoEShape, experts_in_fp8
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 9))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA L40S")
@@ -287,8 +287,8 @@ def test_fp8_training_swaps_only_the_blocks_linear_layers_keeping_their_names():
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     import torch
 
-    from trainbench.models import fp8
-    from trainbench.models.decoder import DecoderLM
+    from trainbench.families import fp8
+    from trainbench.families.decoder.model import DecoderLM
 
     _, cfg = build_config("llama31_8b", "tiny")
     with torch.device("meta"):

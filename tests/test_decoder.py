@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from trainbench.models.decoder import DecoderConfig, DecoderLM, load_hf_weights
+from trainbench.families.decoder.model import DecoderConfig, DecoderLM, load_hf_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,7 +94,7 @@ def test_parameter_count_formula_for_llama():
 
 
 def test_materialised_model_keeps_tied_embeddings():
-    from trainbench.models.decoder_parallel import parallelize
+    from trainbench.families.decoder.placement import parallelize
 
     cfg = dataclasses.replace(SMALL, tie_embeddings=True)
     with torch.device("meta"):
@@ -107,7 +107,7 @@ def test_materialised_model_keeps_tied_embeddings():
 def test_compiled_blocks_take_inductor_options_this_torch_knows():
     """The compile options of a block are checked when the block is wrapped, before any run: a torch that renamed one
     fails here, not at the first step of a GPU run."""
-    from trainbench.models.decoder_parallel import wrap_blocks
+    from trainbench.families.decoder.placement import wrap_blocks
 
     model = DecoderLM(SMALL)
     wrap_blocks(model, checkpointing=False, compile_blocks=True)
@@ -132,7 +132,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 
 def test_recompute_last_checkpoints_only_the_last_blocks():
-    from trainbench.models.decoder import recompute_last
+    from trainbench.families.decoder.model import recompute_last
 
     model = DecoderLM(dataclasses.replace(SMALL, num_layers=4))
     recompute_last(model, 3)
@@ -145,8 +145,8 @@ def test_recompute_spread_leaves_the_other_blocks_spread_over_the_depth():
     """With host offload the recomputed blocks are interleaved with the others, so that the offloaded blocks (chosen
     evenly among the others) are spread over the whole forward: at the 70B LoRA's H100 plan (80 blocks, 46
     recomputed) no more than 2 of the other blocks are adjacent, and every count from none to all is exact."""
-    from trainbench.models.decoder import recompute_spread
-    from trainbench.models.offload import spread
+    from trainbench.families.decoder.model import recompute_spread
+    from trainbench.families.decoder.offload import spread
 
     model = DecoderLM(dataclasses.replace(SMALL, num_layers=8))
     assert recompute_spread(model, 5) == [1, 3, 4, 6, 7]

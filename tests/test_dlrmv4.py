@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from trainbench.benchmarks.dlrmv4 import Dlrmv4Benchmark, eval_interval, exact_auc, first_eval, lr_band
 from trainbench.data import yambda
 from trainbench.errors import ConfigError, DataError
-from trainbench.models.hstu import HstuLayer
+from trainbench.families.hstu.model import HstuLayer
 from trainbench.optim.rowwise_adagrad import AdamRowWiseAdagrad
 
 BENCH = Dlrmv4Benchmark()
@@ -227,7 +227,7 @@ def test_a_sequence_longer_than_the_rules_allow_is_refused():
 
 
 def test_the_hstu_ranker_gives_one_logit_a_sample_whatever_its_batch():
-    from trainbench.models.hstu import HstuRanker
+    from trainbench.families.hstu.model import HstuRanker
 
     torch.manual_seed(0)
     cfg = BENCH.config("tiny").model

@@ -1,10 +1,10 @@
-"""models/embedding_rows: an embedding whose backward adds its gradient into .grad by the rows a micro-batch touches,
-against torch's embedding and autograd's accumulation (tests/test_gpu.py holds it to them on CUDA too)."""
+"""families/decoder/embedding_rows: an embedding whose backward adds its gradient into .grad by the rows a micro-batch
+touches, against torch's embedding and autograd's accumulation (tests/test_gpu.py holds it to them on CUDA too)."""
 
 import pytest
 import torch
 
-from trainbench.models.embedding_rows import distinct_rows, rows_into_grad
+from trainbench.families.decoder.embedding_rows import distinct_rows, rows_into_grad
 
 
 def pair(vocab: int = 1000, width: int = 64):

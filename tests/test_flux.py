@@ -1,12 +1,12 @@
-"""flux1's model (models/flux.py) against diffusers' FluxTransformer2DModel on the same random weights: the predicted
-velocity and the gradients, on the CPU; its parameter count and rotary positions."""
+"""flux1's model (families/mmdit/model.py) against diffusers' FluxTransformer2DModel on the same random weights: the
+predicted velocity and the gradients, on the CPU; its parameter count and rotary positions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainbench.models.flux import Flux, FluxConfig, image_ids
+from trainbench.families.mmdit.model import Flux, FluxConfig, image_ids
 
 SMALL = FluxConfig(in_channels=16, hidden_size=64, num_heads=2, double_blocks=2, single_blocks=2, context_dim=24,
                    vector_dim=12, rope_axes="8,12,12")  # fmt: skip
@@ -204,9 +204,9 @@ def test_data_of_another_shape_is_refused_before_any_folder(flux_data, tmp_path,
 
 def test_fp8_is_refused_on_the_cpu_and_swaps_the_blocks_layers_but_not_their_modulation():
     from trainbench.errors import ConfigError
+    from trainbench.families import fp8
+    from trainbench.families.mmdit.placement import in_fp8
     from trainbench.launch.local import build_config
-    from trainbench.models import fp8
-    from trainbench.models.flux_parallel import in_fp8
 
     with pytest.raises(ConfigError, match="model.precision=fp8 trains on FP8 tensor cores: it needs an NVIDIA GPU"):
         build_config("flux1", "tiny", overrides={"model.precision": "fp8", "device": "cpu"})

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from conftest import float8_layers, train_float8_layers
 
-from trainbench.models import fp8
-from trainbench.models.decoder import silu_mul
+from trainbench.families import fp8
+from trainbench.families.decoder.model import silu_mul
 
 
 def test_swiglu_with_fp8_kept_inputs_gives_the_same_output_and_gradients_within_fp8_rounding():
@@ -80,9 +80,9 @@ def test_the_output_layer_in_fp8_follows_the_unswapped_loss_within_fp8_rounding(
     (the same casts for a step's two micro-batches, new ones after the step); the console's line says which side the
     output layer is on."""
     from trainbench.distributed import Placed
+    from trainbench.families.decoder import fp8_output
+    from trainbench.families.decoder.model import DecoderLM
     from trainbench.launch.local import build_config
-    from trainbench.models import fp8_output
-    from trainbench.models.decoder import DecoderLM
 
     _, cfg = build_config("llama31_8b", "tiny")
     torch.manual_seed(0)

@@ -1,11 +1,11 @@
-"""The output layer and its cross entropy in FP8 (models/fp8_output.py), on the CPU: the same values the CUDA kernels
-compute (tests/test_gpu.py compares the two), against torch's cross entropy in fp32."""
+"""The output layer and its cross entropy in FP8 (families/decoder/fp8_output.py), on the CPU: the same values the CUDA
+kernels compute (tests/test_gpu.py compares the two), against torch's cross entropy in fp32."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbench.models import fp8_output
+from trainbench.families.decoder import fp8_output
 
 
 def inputs(rows: int = 48, width: int = 64, vocab: int = 160, seed: int = 0):

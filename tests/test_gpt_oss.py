@@ -13,9 +13,9 @@ import torch
 from tests.conftest import losses_and_evals, only_run_dir, read_metrics, run_cli
 from trainbench.benchmarks import get_benchmark
 from trainbench.errors import ConfigError, DataError
+from trainbench.families.decoder.gpt_oss import GptOssConfig, GptOssLM, window_block_mask, yarn_frequencies
+from trainbench.families.decoder.moe import MoE, load_balancing_loss
 from trainbench.mlperf import DISCLOSURE_KEYS, check_compliance, read_log
-from trainbench.models.gpt_oss import GptOssConfig, GptOssLM, window_block_mask, yarn_frequencies
-from trainbench.models.moe import MoE, load_balancing_loss
 
 SMALL = GptOssConfig(block="gpt_oss", vocab_size=100, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      attention_head_dim=16, intermediate_size=48, num_experts=8, experts_per_token=2,

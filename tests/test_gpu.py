@@ -18,7 +18,7 @@ pytestmark = [
 
 
 def test_bf16_forward_agrees_with_fp32_on_cuda():
-    from trainbench.models.bert import BertConfig, BertForPreTraining
+    from trainbench.families.encoder.model import BertConfig, BertForPreTraining
 
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig(hidden_dropout=0.0, attention_dropout=0.0, num_layers=4)).cuda().eval()
@@ -77,7 +77,7 @@ def _packed_loss_and_grad(attention: str, bf16: bool, dropout: float = 0.0, seed
     import dataclasses
 
     from trainbench.benchmarks.bert import BertBenchmark
-    from trainbench.models.bert import BertConfig, BertForPreTraining
+    from trainbench.families.encoder.model import BertConfig, BertForPreTraining
 
     cfg = BertConfig(vocab_size=1000, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512,
                      max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=dropout)  # fmt: skip
@@ -93,7 +93,7 @@ def _packed_loss_and_grad(attention: str, bf16: bool, dropout: float = 0.0, seed
 
 
 def _needs_cudnn_frontend():
-    from trainbench.models.cudnn_attention import unavailable
+    from trainbench.families.cudnn_attention import unavailable
 
     if (why := unavailable()) is not None:
         pytest.skip(why)
@@ -105,7 +105,7 @@ def test_a_packed_training_step_never_makes_the_host_wait_on_cuda(attention, ker
     cuDNN's attention, queue their kernels without a host sync: one would leave the GPU idle while the host
     catches up, every step."""
     from trainbench.benchmarks.bert import BertBenchmark
-    from trainbench.models.bert import BertConfig, BertForPreTraining
+    from trainbench.families.encoder.model import BertConfig, BertForPreTraining
 
     if attention == "cudnn":
         _needs_cudnn_frontend()
@@ -178,8 +178,8 @@ def test_cudnn_attention_handles_empty_slots_full_rows_and_padding_rows_on_cuda(
     _needs_cudnn_frontend()
     import torch.nn.functional as F
 
-    from trainbench.models.bert import varlen_segments
-    from trainbench.models.cudnn_attention import cudnn_segments, cudnn_varlen_attention
+    from trainbench.families.cudnn_attention import cudnn_segments, cudnn_varlen_attention
+    from trainbench.families.encoder.model import varlen_segments
 
     rows, seq, heads, dim = 4, 256, 4, 64
     ids = torch.zeros(rows, seq, dtype=torch.long)
@@ -214,8 +214,8 @@ def test_attention_dropout_keeps_the_expected_output_on_cuda(kernel):
     and one draw differs from it."""
     if kernel == "cudnn":
         _needs_cudnn_frontend()
-    from trainbench.models.bert import varlen_attention, varlen_segments
-    from trainbench.models.cudnn_attention import cudnn_segments, cudnn_varlen_attention
+    from trainbench.families.cudnn_attention import cudnn_segments, cudnn_varlen_attention
+    from trainbench.families.encoder.model import varlen_attention, varlen_segments
 
     rows, seq, heads, dim, draws = 2, 256, 4, 64, 400
     ids = torch.zeros(rows, seq, dtype=torch.long, device="cuda")
@@ -247,7 +247,7 @@ def test_cudnn_attention_compiles_and_replays_in_cuda_graphs_on_cuda():
     custom ops gives the eager loss and gradient on every replay."""
     _needs_cudnn_frontend()
     from trainbench.benchmarks.bert import BertBenchmark
-    from trainbench.models.bert import BertConfig, BertForPreTraining
+    from trainbench.families.encoder.model import BertConfig, BertForPreTraining
 
     cfg = BertConfig(vocab_size=1000, hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512,
                      max_position_embeddings=128, hidden_dropout=0.0, attention_dropout=0.0,
@@ -303,7 +303,7 @@ def test_pinned_steps_keep_their_sample_count_and_copy_without_waiting_on_cuda()
 
 
 def test_fp8_frozen_linear_matches_bf16_compiled_and_eager_on_cuda():
-    from trainbench.models import fp8
+    from trainbench.families import fp8
 
     torch.manual_seed(0)
     ref = torch.nn.Linear(1024, 2048, bias=False, device="cuda").requires_grad_(False)
@@ -324,7 +324,7 @@ def test_fp8_frozen_linear_matches_bf16_compiled_and_eager_on_cuda():
 
 @pytest.mark.parametrize("shape", [(10240, 8192), (8192, 28672), (1000, 777), (1, 130), (129, 1)])
 def test_the_fp8_transpose_kernel_equals_torchs_transpose_bit_for_bit_on_cuda(shape):
-    from trainbench.models import fp8
+    from trainbench.families import fp8
 
     w, _ = fp8.quantize_rows(torch.randn(*shape, device="cuda"))
     for block in (32, 64, 128):
@@ -336,7 +336,7 @@ def test_the_fp8_transpose_kernel_equals_torchs_transpose_bit_for_bit_on_cuda(sh
 def test_the_fp8_input_gradient_through_the_kernel_equals_the_dequantised_product_on_cuda():
     """The backward's GEMM with the transposed weight against the same numbers in fp32: only the FP8 rounding of
     the gradient differs."""
-    from trainbench.models import fp8
+    from trainbench.families import fp8
 
     torch.manual_seed(0)
     w, s = fp8.quantize_rows(torch.randn(768, 512, device="cuda"))
@@ -350,7 +350,7 @@ def test_the_fp8_input_gradient_through_the_kernel_equals_the_dequantised_produc
 def test_decoder_packed_rows_through_flex_match_the_dense_mask_with_gradients_on_cuda():
     """The decoder's FlexAttention block mask (compiled blocks on CUDA) against SDPA with the dense document mask:
     the same outputs and gradients, with grouped-query attention, padding and sequences of odd lengths."""
-    from trainbench.models.decoder import DecoderConfig, DecoderLM
+    from trainbench.families.decoder.model import DecoderConfig, DecoderLM
 
     cfg = DecoderConfig(vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                         intermediate_size=256, max_seq_length=512, rope_theta=10000.0)  # fmt: skip
@@ -394,9 +394,9 @@ def test_offloaded_blocks_train_like_kept_ones_with_less_gpu_memory_on_cuda(monk
 
     from trainbench.benchmarks.lora import TINY
     from trainbench.distributed import DistInfo
-    from trainbench.models import offload
-    from trainbench.models.decoder import DecoderLM
-    from trainbench.models.lora_parallel import place_lora
+    from trainbench.families.decoder import offload
+    from trainbench.families.decoder.lora_placement import place_lora
+    from trainbench.families.decoder.model import DecoderLM
 
     monkeypatch.setattr(offload, "MIN_BYTES", 1 << 20)
     cfg = dataclasses.replace(TINY, hidden_size=1024, num_heads=8, num_kv_heads=2, intermediate_size=2816,
@@ -445,9 +445,9 @@ def test_recomputed_blocks_with_their_inputs_on_the_host_train_like_kept_ones_on
 
     from trainbench.benchmarks.lora import TINY
     from trainbench.distributed import DistInfo
-    from trainbench.models import offload
-    from trainbench.models.decoder import DecoderLM, recompute_last
-    from trainbench.models.lora_parallel import place_lora
+    from trainbench.families.decoder import offload
+    from trainbench.families.decoder.lora_placement import place_lora
+    from trainbench.families.decoder.model import DecoderLM, recompute_last
 
     monkeypatch.setattr(offload, "MIN_BYTES", 1 << 20)
     cfg = dataclasses.replace(TINY, hidden_size=1024, num_heads=8, num_kv_heads=2, intermediate_size=2816,
@@ -581,7 +581,7 @@ def test_a_gpu_memory_limit_holds_the_allocator_to_it_on_cuda():
 
 
 def test_tiny_lora_reaches_its_target_with_offloaded_blocks_on_cuda(tmp_path, monkeypatch):
-    from trainbench.models import offload
+    from trainbench.families.decoder import offload
 
     monkeypatch.setattr(offload, "MIN_BYTES", 0)  # the tiny model's tensors are small: move them all
     tiny_run_to_target_on_cuda(tmp_path, "llama2_70b_lora", "perf.compile=true", "perf.activation_checkpointing=true",
@@ -591,7 +591,7 @@ def test_tiny_lora_reaches_its_target_with_offloaded_blocks_on_cuda(tmp_path, mo
 
 def test_the_fp8_training_linear_matches_a_float64_reference_in_output_and_every_gradient_on_cuda():
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
-    from trainbench.models import fp8
+    from trainbench.families import fp8
 
     torch.manual_seed(0)
     holder = torch.nn.Module()
@@ -662,7 +662,7 @@ def test_the_fp8_output_kernels_compute_the_cpus_values_and_the_loss_follows_bf1
     (one step of e5m2 then), its transposed copy the same bytes, also written into a column slice of a larger
     tensor; and the whole function, in chunks of 512 rows (the last one 16), its loss and gradients against bf16's
     products within FP8's rounding, for a negative loss gradient too."""
-    from trainbench.models import fp8_output
+    from trainbench.families.decoder import fp8_output
 
     rows, width, vocab = 1040, 256, 1008
     gen = torch.Generator().manual_seed(0)
@@ -840,10 +840,10 @@ def test_own_adamw_kernel_updates_sharded_parameters_as_torchs_fused_update_on_c
 
 
 def test_embedding_rows_into_grad_is_torchs_embedding_gradient_bit_for_bit_on_cuda():
-    """models/embedding_rows on CUDA at gpt_oss_20b's vocabulary (a narrow table): over 3 micro-batches of 32,768
-    tokens with repeats, the .grad equals torch's embedding backward and autograd's accumulation bit for bit (the
+    """families/decoder/embedding_rows on CUDA at gpt_oss_20b's vocabulary (a narrow table): over 3 micro-batches of
+    32,768 tokens with repeats, the .grad equals torch's embedding backward and autograd's accumulation bit for bit (the
     adds into .grad never meet on a row, so their order does not matter)."""
-    from trainbench.models.embedding_rows import rows_into_grad
+    from trainbench.families.decoder.embedding_rows import rows_into_grad
 
     torch.manual_seed(0)
     plain = torch.nn.Embedding(201088, 64).cuda()
@@ -861,9 +861,9 @@ def test_embedding_rows_into_grad_is_torchs_embedding_gradient_bit_for_bit_on_cu
 
 
 def test_the_experts_grouped_product_on_cuda_matches_the_padded_batched_one():
-    """models/moe: torch's grouped GEMM (bf16, CUDA) against the padded batched product, groups of uneven sizes
-    (one empty)."""
-    from trainbench.models.moe import _grouped
+    """families/decoder/moe: torch's grouped GEMM (bf16, CUDA) against the padded batched product, groups of uneven
+    sizes (one empty)."""
+    from trainbench.families.decoder.moe import _grouped
 
     torch.manual_seed(0)
     counts = torch.tensor([5, 0, 17, 42], device="cuda")
@@ -884,7 +884,8 @@ def test_tiny_gpt_oss_reaches_its_target_compiled_on_cuda(tmp_path, preset):
 
 def test_tiny_gpt_oss_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys):
     """model.precision=fp8 on gpt_oss_20b, compiled: the blocks' attention projections in torchao's float8 training,
-    the experts' grouped products in FP8 (models/moe._FP8Grouped), the router in fp32; the log discloses FP8."""
+    the experts' grouped products in FP8 (families/decoder/moe._FP8Grouped), the router in fp32; the log discloses
+    FP8."""
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     run_dir = tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", "tiny", "perf.compile=true",
                                          "model.precision=fp8")  # fmt: skip
@@ -898,10 +899,10 @@ def test_tiny_gpt_oss_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsy
 
 @pytest.mark.parametrize("activation, bias", [("silu", False), ("gpt_oss", True)])
 def test_the_experts_in_fp8_match_bf16_in_output_and_every_gradient_on_cuda(activation, bias):
-    """models/moe with fp8 (FP8 grouped products, each expert's rows padded to 16) against the same layer
+    """families/decoder/moe with fp8 (FP8 grouped products, each expert's rows padded to 16) against the same layer
     in bf16 and in fp64: FP8's error in the output and in the input's, experts' and router's gradients is of FP8's
     size (a few percent of each tensor's norm), and no more than a few times bf16's own."""
-    from trainbench.models.moe import MoE, MoEShape, experts_in_fp8
+    from trainbench.families.decoder.moe import MoE, MoEShape, experts_in_fp8
 
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation=activation, bias=bias)
@@ -938,7 +939,7 @@ def test_the_experts_in_fp8_match_bf16_in_output_and_every_gradient_on_cuda(acti
 def test_the_cast_transpose_kernel_equals_its_torch_form_bit_for_bit_on_cuda():
     """fp8.cast_transpose_e4m3: the Triton kernel's e4m3 bytes equal torch's divide, clamp, cast and transpose (the
     CPU's form), on shapes that are not multiples of its tiles and with values beyond e4m3's range (clamped)."""
-    from trainbench.models.fp8 import cast_transpose_e4m3
+    from trainbench.families.fp8 import cast_transpose_e4m3
 
     torch.manual_seed(0)
     for rows, cols in ((1000, 72), (130, 2880), (64, 64)):
@@ -956,7 +957,7 @@ def test_the_experts_fp8_weight_gradient_matches_each_experts_product_in_float64
     one FP8 grouped product, against float64: within FP8's error (e4m3 rounds each operand by up to 6 %; the sums
     over an expert's rows average much of it out), also where the rows' magnitudes spread over ``spread``, and far
     above bf16's own error (the product ran in FP8); an expert with no rows gets zeros."""
-    from trainbench.models.moe import _e4m3, fp8_weight_grad
+    from trainbench.families.decoder.moe import _e4m3, fp8_weight_grad
 
     torch.manual_seed(0)
     counts = torch.tensor([256, 0, 64, 1024, 16, 512], device="cuda")
@@ -981,7 +982,7 @@ def test_the_experts_fp8_weight_gradient_matches_each_experts_product_in_float64
 
 def _two_fp8_expert_layers() -> list[torch.nn.Module]:
     """Two FP8 expert layers on CUDA (GPT-OSS's activation, with biases) holding the same random weights."""
-    from trainbench.models.moe import MoE, MoEShape, experts_in_fp8
+    from trainbench.families.decoder.moe import MoE, MoEShape, experts_in_fp8
 
     shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation="gpt_oss", bias=True)
     torch.manual_seed(0)
@@ -1001,7 +1002,7 @@ def test_the_rows_fp8_casts_compiled_outside_a_block_equal_the_eager_ones_for_ev
     """moe._rows_e4m3 with ``compiled`` (the expert-parallel dispatch runs outside the compiled blocks): the e4m3 rows
     and their scales' reciprocals equal the eager casts' bit for bit, at row counts that change every call (as the
     rows that arrive at a rank do) and at both of the experts' widths, without a compilation for each count."""
-    from trainbench.models import moe
+    from trainbench.families.decoder import moe
 
     torch._dynamo.utils.counters.clear()
     for i, rows in enumerate((4096, 4112, 65_536, 12_304, 16, 30_000, 4128)):
@@ -1017,7 +1018,7 @@ def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_st
     the weights' version counters alone), the layer that casts its weights once a step gives the outputs and
     gradients of the same layer casting them in every call, also after a weight written in place outside a step.
     Left stale for one step (no after_step), it does not: what the comparison would catch."""
-    from trainbench.models.moe import cache_fp8_weight_casts
+    from trainbench.families.decoder.moe import cache_fp8_weight_casts
 
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     roots, optimizers = [], []
@@ -1061,7 +1062,7 @@ def test_the_experts_weight_gradients_added_through_their_stand_ins_equal_autogr
     the fp32 ``.grad`` through stand-ins (moe._fp32_grad_stand_in, its cast and addition compiled): over 3 steps of 2
     micro-batches every gradient and output equals, bit for bit, the same layer's with the stand-ins taken away
     (autograd's cast and add), and the steps after the first compile nothing new."""
-    from trainbench.models.moe import cache_fp8_weight_casts
+    from trainbench.families.decoder.moe import cache_fp8_weight_casts
 
     roots, after_steps = [], []
     for with_standins, layer in zip((False, True), _two_fp8_expert_layers(), strict=True):
@@ -1103,7 +1104,7 @@ def test_the_activation_kernels_match_their_torch_form_on_cuda(activation, dtype
     """glu_kernel's Triton kernels, forward and backward, against the same formulas in torch (the backward's is the
     one the CPU tests check against autograd), on values across GPT-OSS's clamps and exactly on them, each row's
     expert's bias added; a width that is not a multiple of the kernels' block."""
-    from trainbench.models.glu_kernel import _glu_backward_torch, glu, glu_backward, glu_forward
+    from trainbench.families.decoder.glu_kernel import _glu_backward_torch, glu, glu_backward, glu_forward
 
     torch.manual_seed(0)
     rows, ffn, experts = 300, 1500, 5
@@ -1133,7 +1134,7 @@ def test_gpt_oss_attention_through_flex_matches_the_dense_path_with_gradients_on
     """The window and the sinks through compiled FlexAttention against the dense sink attention, gradients included."""
     import dataclasses
 
-    from trainbench.models.gpt_oss import GptOssConfig, GptOssLM
+    from trainbench.families.decoder.gpt_oss import GptOssConfig, GptOssLM
 
     cfg = GptOssConfig(block="gpt_oss", vocab_size=128, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                        attention_head_dim=32, intermediate_size=64, num_experts=4, experts_per_token=2,
@@ -1159,10 +1160,10 @@ def test_gpt_oss_attention_through_flex_matches_the_dense_path_with_gradients_on
 @pytest.mark.parametrize("kernel, window", [("flash", None), ("flash", 96), ("cudnn", None)])
 @pytest.mark.parametrize("sinks", [True, False])
 def test_fused_sink_attention_matches_the_dense_form_in_every_gradient_on_cuda(kernel, window, sinks):
-    """models/sink_attention.fused_sink_attention (a fused kernel's own forward and backward, the sinks applied
-    outside them) against the dense form in float64: output, query, key, value and sink gradients within bf16's own
-    error (the dense form on the same bf16 inputs)."""
-    from trainbench.models.sink_attention import fused_sink_attention, sink_attention
+    """families/decoder/sink_attention.fused_sink_attention (a fused kernel's own forward and backward, the sinks
+    applied outside them) against the dense form in float64: output, query, key, value and sink gradients within bf16's
+    own error (the dense form on the same bf16 inputs)."""
+    from trainbench.families.decoder.sink_attention import fused_sink_attention, sink_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(2, 8, 512, 64), (2, 2, 512, 64), (2, 2, 512, 64)]

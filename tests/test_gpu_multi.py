@@ -58,7 +58,7 @@ def _adamw_rank(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from trainbench.models import fp8
+    from trainbench.families import fp8
     from trainbench.optim.adamw import AdamClipped
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

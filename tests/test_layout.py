@@ -1,5 +1,5 @@
-"""perf.layout=auto: the memory and time model of a step (layout.py), the 70B LoRA's plan for faked GPUs and hosts,
-its refusals, keys given by hand kept as given, and the launcher's use of a cached probe before any folder."""
+"""perf.layout=auto: the memory and time model of a step (families/planner.py), the 70B LoRA's plan for faked GPUs and
+hosts, its refusals, keys given by hand kept as given, and the launcher's use of a cached probe before any folder."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from conftest import run_cli
 
 from trainbench.errors import ConfigError, UserError
-from trainbench.layout import GIB, BlockProbe, Resources, best, evaluate, with_rows
+from trainbench.families.planner import GIB, BlockProbe, Resources, best, evaluate, with_rows
 
 # A block of the 70B LoRA with its FP8 base, as measured on one H100 and H200 (docs/notes/lora-fp8-one-gpu.md): it
 # keeps 1.36 GiB for its backward, its input is 128 MiB, 12 ms forward and 28 ms backward, 52/50 GB/s to and from
@@ -125,7 +125,7 @@ def test_too_little_host_memory_offloads_less_or_is_refused_naming_what_would_fi
     tight = dataclasses.replace(H100, host_bytes=20 * GIB)
     plan, _ = best(80, P70, tight, {})
     assert plan is not None and plan.host_bytes <= 0.8 * 20 * GIB and plan.offload < 15
-    from trainbench.layout import refusal
+    from trainbench.families.planner import refusal
 
     none = dataclasses.replace(H100, host_bytes=GIB // 4)
     plan, smallest = best(80, P70, none, {})
@@ -305,7 +305,7 @@ def test_fsdp2_shares_the_weights_gradients_and_state_of_the_8b_and_recomputes_o
     """The 8B sharded over 4 H100: nothing recomputed, about the 66.0 GiB a GPU measured there (notes/node.md); over
     2 H100 (where nothing recomputed did not fit: refused at 76.2 GiB held) the fewest blocks recomputed that fit;
     over 2 H200 nothing; one H200 fits only with most blocks recomputed; one H100 not at all."""
-    from trainbench.layout import sharded
+    from trainbench.families.planner import sharded
 
     bench, cfg = _llama_cfg()
     four, lines = bench.plan_layout(cfg, dataclasses.replace(H100, gpus=4), P8)

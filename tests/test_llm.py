@@ -221,8 +221,8 @@ def _two_d_worker(rank: int, world: int, port: int, out: str) -> None:
 
     from trainbench.benchmarks.llm import TINY_MODEL
     from trainbench.distributed import leave, shutdown
-    from trainbench.models.decoder import DecoderLM
-    from trainbench.models.decoder_parallel import parallelize
+    from trainbench.families.decoder.model import DecoderLM
+    from trainbench.families.decoder.placement import parallelize
     from trainbench.optim.adamw import AdamClipped
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -258,7 +258,7 @@ def test_fsdp_times_tensor_parallel_on_four_ranks_gives_the_loss_of_one(tmp_path
     import torch
 
     from trainbench.benchmarks.llm import TINY_MODEL
-    from trainbench.models.decoder import DecoderLM
+    from trainbench.families.decoder.model import DecoderLM
     from trainbench.optim.adamw import AdamClipped
 
     model = DecoderLM(TINY_MODEL)
@@ -288,9 +288,9 @@ def _fp8_fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
 
     from trainbench.benchmarks.llm import TINY_MODEL
     from trainbench.distributed import DistInfo
-    from trainbench.models import fp8
-    from trainbench.models.decoder import DecoderLM
-    from trainbench.models.decoder_parallel import place_decoder
+    from trainbench.families import fp8
+    from trainbench.families.decoder.model import DecoderLM
+    from trainbench.families.decoder.placement import place_decoder
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -12,10 +12,10 @@ import torch
 from conftest import spawn_ranks
 
 from trainbench.errors import DataError
-from trainbench.models import lora
-from trainbench.models.decoder import DecoderLM
-from trainbench.models.hf_checkpoint import load_into, save_sharded
-from trainbench.models.lora import LoraModelConfig
+from trainbench.families.decoder import lora
+from trainbench.families.decoder.hf_checkpoint import load_into, save_sharded
+from trainbench.families.decoder.lora import LoraModelConfig
+from trainbench.families.decoder.model import DecoderLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,7 +80,7 @@ def _fsdp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from trainbench.models.decoder_parallel import parallelize
+    from trainbench.families.decoder.placement import parallelize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -255,7 +255,7 @@ def test_merged_and_exported_adapters_give_the_same_logits_in_peft(checkpoints, 
 
 
 def test_fp8_base_keeps_outputs_and_input_gradients_close_and_adapters_train():
-    from trainbench.models import fp8
+    from trainbench.families import fp8
 
     torch.manual_seed(0)
     ref = torch.nn.Linear(64, 48, bias=False)
@@ -292,8 +292,8 @@ def test_the_sharded_fp8_base_holds_fp8_shards_equal_to_the_replicated_base(tmp_
 
     from trainbench.benchmarks.lora import TINY
     from trainbench.distributed import DistInfo
-    from trainbench.models.decoder import DecoderLM
-    from trainbench.models.lora_parallel import place_lora
+    from trainbench.families.decoder.lora_placement import place_lora
+    from trainbench.families.decoder.model import DecoderLM
 
     one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     placed = {}

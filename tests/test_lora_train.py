@@ -144,8 +144,8 @@ def test_kill_9_then_resume_gives_the_losses_of_an_uninterrupted_run(lora_data, 
 
 def test_a_packed_row_trains_what_its_sequences_would_one_by_one(tmp_path):
     from trainbench.benchmarks.lora import TINY
-    from trainbench.models import lora
-    from trainbench.models.decoder import DecoderLM
+    from trainbench.families.decoder import lora
+    from trainbench.families.decoder.model import DecoderLM
 
     gen = np.random.default_rng(0)
     seqs = []
@@ -305,8 +305,8 @@ def test_a_row_of_one_sequence_trains_the_same_through_the_causal_path_padding_i
     """Rows as given skip the document mask: for a sequence followed by padding, plain causal attention gives its
     tokens the same loss and adapter gradients as the masked path (they never look forward at the padding)."""
     from trainbench.benchmarks.lora import TINY
-    from trainbench.models import lora
-    from trainbench.models.decoder import DecoderLM
+    from trainbench.families.decoder import lora
+    from trainbench.families.decoder.model import DecoderLM
 
     gen = np.random.default_rng(3)
     seqs = [(gen.integers(3, 500, n), (np.arange(n) >= n // 2).astype(np.uint8)) for n in (200, 256, 131)]

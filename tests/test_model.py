@@ -6,7 +6,7 @@ import torch
 
 from trainbench.benchmarks.bert import load_checkpoint
 from trainbench.errors import DataError
-from trainbench.models.bert import BertConfig, BertForPreTraining, from_hf_state_dict, to_hf_state_dict
+from trainbench.families.encoder.model import BertConfig, BertForPreTraining, from_hf_state_dict, to_hf_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -148,7 +148,7 @@ def _tf_name(hf_name: str) -> tuple[str, bool]:
 
 def test_tf_checkpoint_variables_convert_to_our_weights():
     from trainbench.convert import convert_tf_variables
-    from trainbench.models.bert import to_hf_state_dict
+    from trainbench.families.encoder.model import to_hf_state_dict
 
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4,
@@ -171,7 +171,7 @@ def test_tf_checkpoint_variables_convert_to_our_weights():
 def test_convert_reads_a_real_tensorflow_checkpoint(tmp_path):
     tf = pytest.importorskip("tensorflow", reason="TensorFlow is an optional extra: pip install -e '.[tf]'")
     from trainbench.cli import main
-    from trainbench.models.bert import to_hf_state_dict
+    from trainbench.families.encoder.model import to_hf_state_dict
 
     torch.manual_seed(1)
     model = BertForPreTraining(BertConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4,

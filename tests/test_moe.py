@@ -1,5 +1,5 @@
-"""The mixture-of-experts layer (models/moe.py): GPT-OSS's block against `transformers`' GptOssMLP with the same
-weights, the reference's SiLU experts against a dense computation of every expert, gradients included; the
+"""The mixture-of-experts layer (families/decoder/moe.py): GPT-OSS's block against `transformers`' GptOssMLP with the
+same weights, the reference's SiLU experts against a dense computation of every expert, gradients included; the
 load-balancing loss."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import spawned
 
-from trainbench.models.glu_kernel import glu, glu_backward
-from trainbench.models.moe import MoE, MoEShape, load_balancing_loss, route
+from trainbench.families.decoder.glu_kernel import glu, glu_backward
+from trainbench.families.decoder.moe import MoE, MoEShape, load_balancing_loss, route
 
 
 def _random(module: torch.nn.Module) -> None:
@@ -167,7 +167,7 @@ def _on_gloo_ranks(rank: int, world: int, port: int, body, case=None) -> None:
     import torch.distributed as dist
 
     from trainbench.distributed import leave, shutdown
-    from trainbench.models.decoder_parallel import apply_expert_parallel
+    from trainbench.families.decoder.placement import apply_expert_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -301,7 +301,7 @@ def _two_fp8_expert_layers():
 def _cached_casts_worker(rank: int, world: int, port: int, out: str) -> None:
     """One rank of two: the same FP8 expert-parallel layer with and without cache_fp8_weight_casts, 2 steps of 2
     micro-batches of this rank's tokens each, a sign-descent step between; rank 0 writes what it saw."""
-    from trainbench.models import moe
+    from trainbench.families.decoder import moe
 
     def body(pair, x, direction):
         torch._scaled_grouped_mm = _scaled_grouped_mm_on_cpu
@@ -367,8 +367,8 @@ def test_the_weight_gradient_operands_take_one_power_of_two_scale_an_expert_and_
     whose scale is constant over each expert's rows (the grouped product sums along them), a power of two that
     brings the expert's largest magnitude within e4m3's range; dequantised it gives the rows back to e4m3's
     rounding; an expert with no rows gets 1."""
-    from trainbench.models.fp8 import E4M3_MAX
-    from trainbench.models.moe import _e4m3, _group_scaled_transpose
+    from trainbench.families.decoder.moe import _e4m3, _group_scaled_transpose
+    from trainbench.families.fp8 import E4M3_MAX
 
     torch.manual_seed(0)
     counts = torch.tensor([32, 0, 16, 48])
@@ -409,7 +409,7 @@ def test_a_weights_gradient_added_through_its_bf16_stand_in_equals_autograds_cas
     whose hook adds each micro-batch's bf16 gradient into the fp32 ``.grad`` itself: over 3 micro-batches the
     gradient equals, bit for bit, autograd's (each bf16 gradient cast to fp32, then accumulated). Compiled
     (AOTAutograd, as the blocks compile), a new stand-in in each micro-batch compiles once."""
-    from trainbench.models.moe import _fp32_grad_stand_in
+    from trainbench.families.decoder.moe import _fp32_grad_stand_in
 
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(3, 16, 24))

@@ -194,7 +194,7 @@ def test_one_compiled_graph_under_ddp_gives_the_losses_of_the_graph_split_at_buc
 )
 def test_compiled_ddp_is_one_graph_on_one_node_and_split_across_nodes(env, overlap, split):
     from trainbench.distributed import DistInfo, ranks_on_this_node
-    from trainbench.models.data_parallel import split_compiled_graph
+    from trainbench.families.data_parallel import split_compiled_graph
 
     world = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS")))
     local = ranks_on_this_node(env, world)

@@ -128,7 +128,7 @@ def test_the_saved_tensors_listing_names_what_each_way_keeps_from_the_forward_fo
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     import torch
 
-    from trainbench.models.decoder import Block, DecoderConfig
+    from trainbench.families.decoder.model import Block, DecoderConfig
 
     saved_for_backward = load("saved_for_backward")
     cfg = DecoderConfig(vocab_size=64, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,

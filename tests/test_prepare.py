@@ -325,7 +325,7 @@ def test_lpfhp_places_every_sequence_once_within_limits():
 
 def test_packed_rows_give_the_loss_of_the_same_sequences_unpacked():
     from trainbench.benchmarks.bert import BertBenchmark
-    from trainbench.models.bert import BertConfig, BertForPreTraining
+    from trainbench.families.encoder.model import BertConfig, BertForPreTraining
 
     spec = InstanceSpec(max_seq_length=64, max_predictions=10, dupe_factor=1, short_seq_prob=0.5)
     inst = _make(_documents(60), spec)
@@ -576,7 +576,7 @@ def test_flex_attention_and_dense_masks_give_the_same_packed_loss():
     import dataclasses
 
     from trainbench.benchmarks.bert import BertBenchmark
-    from trainbench.models.bert import BertConfig, BertForPreTraining
+    from trainbench.families.encoder.model import BertConfig, BertForPreTraining
 
     spec = InstanceSpec(max_seq_length=64, max_predictions=10, dupe_factor=1, short_seq_prob=0.5)
     inst = _make(_documents(40), spec)
@@ -597,7 +597,7 @@ def test_flex_attention_and_dense_masks_give_the_same_packed_loss():
     # CUDA the varlen flash kernel takes packed rows, dropout or not (tests/test_gpu.py).
     dropout = BertForPreTraining(dataclasses.replace(cfg, attention_dropout=0.1)).train()
     assert dropout.packed_kernel(torch.device("cuda")) == "sdpa"
-    import trainbench.models.bert as bert
+    import trainbench.families.encoder.model as bert
 
     with pytest.MonkeyPatch.context() as patch:  # without the cuDNN frontend (with it, auto takes cudnn)
         patch.setattr(bert, "cudnn_unavailable", lambda: "not installed")
@@ -607,7 +607,7 @@ def test_flex_attention_and_dense_masks_give_the_same_packed_loss():
 
 
 def test_varlen_segments_cover_every_sequence_and_the_padding_of_each_row():
-    from trainbench.models.bert import varlen_segments
+    from trainbench.families.encoder.model import varlen_segments
 
     sequence_ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1], [1, 2, 3, 3, 3, 3, 0, 0]])
     segments = varlen_segments(sequence_ids, 3)
@@ -617,8 +617,8 @@ def test_varlen_segments_cover_every_sequence_and_the_padding_of_each_row():
 
 
 def test_cudnn_segments_give_lengths_and_element_offsets_in_the_fused_projection_and_the_output():
-    from trainbench.models.bert import varlen_segments
-    from trainbench.models.cudnn_attention import cudnn_segments
+    from trainbench.families.cudnn_attention import cudnn_segments
+    from trainbench.families.encoder.model import varlen_segments
 
     sequence_ids = torch.tensor([[1, 1, 1, 2, 2, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
     segments = cudnn_segments(*varlen_segments(sequence_ids, 3), hidden=32)
@@ -632,8 +632,8 @@ def test_cudnn_segments_give_lengths_and_element_offsets_in_the_fused_projection
 
 
 def test_cudnn_attention_is_chosen_only_by_name_and_only_where_it_can_run(monkeypatch):
-    import trainbench.models.bert as bert
-    from trainbench.models.bert import BertConfig, BertForPreTraining, packed_kernel_unavailable
+    import trainbench.families.encoder.model as bert
+    from trainbench.families.encoder.model import BertConfig, BertForPreTraining, packed_kernel_unavailable
 
     gpu = dict(cuda=True, half=True, grad=True, dropout=True)
     monkeypatch.setattr(bert, "cudnn_unavailable", lambda: None)  # as with the cuDNN frontend installed

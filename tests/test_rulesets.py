@@ -98,7 +98,7 @@ def _disclosure(benchmark: str, overrides: dict, info: DistInfo = ONE, convert=N
 
 def _frozen_base_in_fp8(model) -> None:
     """The FP8 base's placement: the base frozen, its linear layers quantised (the adapters would stay)."""
-    from trainbench.models import fp8
+    from trainbench.families import fp8
 
     model.requires_grad_(False)
     assert fp8.quantize_frozen(model) > 0
@@ -111,7 +111,7 @@ def test_the_precisions_follow_the_run():
     assert [bf16[k] for k in DISCLOSURE_KEYS[:3]] == ["bfloat16", "bfloat16", "bfloat16"]
     assert _disclosure("llama31_8b", {"precision": "bf16"})["lowest_numerical_precision_in_comm"] == "fp32"  # 1 rank
 
-    from trainbench.models import fp8
+    from trainbench.families import fp8
 
     fp8_run = _disclosure("llama31_8b", {"precision": "bf16"}, convert=fp8.train_blocks_in_fp8)  # torchao's swap
     assert fp8_run["lowest_numerical_precision_in_linear"] == "fp8"

@@ -1,12 +1,12 @@
-"""Attention with learned sinks and a sliding window (models/sink_attention.py) against `transformers`' GPT-OSS
-attention (the sink as an extra softmax column), values and gradients, with and without the window."""
+"""Attention with learned sinks and a sliding window (families/decoder/sink_attention.py) against `transformers`'
+GPT-OSS attention (the sink as an extra softmax column), values and gradients, with and without the window."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainbench.models.sink_attention import sink_attention, window_mask
+from trainbench.families.decoder.sink_attention import sink_attention, window_mask
 
 
 def test_the_window_is_causal_and_keeps_the_last_positions_only():
@@ -72,7 +72,7 @@ def test_the_fused_path_backward_equals_autograd_of_the_dense_form(monkeypatch, 
     """fused_sink_attention's own backward (the kernel's backward given s x grad and the sinked output, the sinks'
     gradient outside it) against autograd through the dense form, in float64: run on the CPU with a dense stand-in
     for the GPU kernel that computes its backward as flash attention does."""
-    from trainbench.models import sink_attention as sa
+    from trainbench.families.decoder import sink_attention as sa
 
     monkeypatch.setattr(sa, "_kernel_forward", _dense_kernel_forward)
     monkeypatch.setattr(sa, "_kernel_backward", _dense_kernel_backward)
@@ -94,7 +94,7 @@ def test_the_fused_path_backward_equals_autograd_of_the_dense_form(monkeypatch, 
 
 
 def test_cudnn_has_no_window():
-    from trainbench.models.sink_attention import fused_sink_attention
+    from trainbench.families.decoder.sink_attention import fused_sink_attention
 
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match="no sliding window"):

@@ -17,7 +17,8 @@ LAYERS = [
     {"errors", "config", "console", "version"},  # what everything shares
     {"distributed", "mlperf", "runfiles", "telemetry", "node"},  # process groups, MLPerf log lines, run-file names,
     # sampler, what a node is
-    {"data", "models", "optim", "convert", "layout"},  # on-disk formats, architectures, optimizers, the layout model
+    {"data", "families", "optim", "convert"},  # on-disk formats, model families (architecture, placement, speed),
+    # optimizers
     {"benchmarks"},  # the benchmark interface and the definitions
     {"train"},  # the one training loop
     {"launch"},  # in-process, torchrun and Slurm launch
@@ -67,14 +68,14 @@ def literal_strings(path: Path):
 
 
 def test_no_benchmark_name_is_a_literal_outside_the_benchmark_definitions():
-    """The CLI, the loop, launch and report reach a benchmark through the registry. models/ is exempt: an
+    """The CLI, the loop, launch and report reach a benchmark through the registry. families/ is exempt: an
     architecture may be named after its model family (the decoder's ``arch`` "gpt3")."""
     names = {b.name for b in BENCHMARKS.values()} | {b.mlperf_name for b in BENCHMARKS.values()}
     names |= {b.ruleset for b in BENCHMARKS.values()}
     found = [
         f"{path.relative_to(SRC)}:{line}: {value!r}"
         for path, top in modules()
-        if top not in ("benchmarks", "models")
+        if top not in ("benchmarks", "families")
         for line, value in literal_strings(path)
         if value in names
     ]

@@ -4,7 +4,7 @@ Triton is absent (the kernels themselves are checked against their torch forms i
 import sys
 import types
 
-from trainbench.models.triton_kernels import lazy_kernel
+from trainbench.families.triton_kernels import lazy_kernel
 
 
 def test_a_kernel_is_built_once_on_first_use_and_is_none_without_triton(monkeypatch):

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from trainbench.errors import DataError, UserError
-from trainbench.models.bert import from_hf_state_dict
+from trainbench.families.encoder.model import from_hf_state_dict
 
 # TF variable name pieces -> HF name pieces. Dense kernels are [in, out] in TF and [out, in] in torch.
 _SKIP = re.compile(r"(^|/)(adam_[mv]|global_step|bad_steps|good_steps|loss_scale|LAMB\w*|Momentum)(/|$)")

@@ -20,7 +20,7 @@ from trainbench.benchmarks.prepare_common import claim, progress_bar, synthetic_
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError, UserError
-from trainbench.models.data_parallel import place_data_parallel
+from trainbench.families.data_parallel import place_data_parallel
 from trainbench.optim.adamw import AdamClipped
 from trainbench.optim.groups import weight_decay_split
 from trainbench.optim.schedules import cosine_warmup_lr

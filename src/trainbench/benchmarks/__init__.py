@@ -3,7 +3,7 @@ installed packages declare under the entry-point group ``trainbench.benchmarks``
 every process of a run: a rank started by torchrun or Slurm finds a benchmark of an installed package too).
 
 A built-in benchmark's module imports torch, its model and its placement only inside the methods that build or run
-something (type hints under ``TYPE_CHECKING``), and its presets take their model's config from ``models/configs.py``:
+something (type hints under ``TYPE_CHECKING``), and its presets take their model's config from ``families/configs.py``:
 the registry, `trainbench list` and `--help` load without torch (tests/test_train.py holds this)."""
 
 from __future__ import annotations

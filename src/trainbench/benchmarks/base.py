@@ -264,7 +264,8 @@ class Benchmark(ABC):
     @abstractmethod
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         """Put ``model`` on the rank's device with the benchmark's own parallelism and compilation (DDP, FSDP2,
-        tensor parallelism), applied from outside the model by the helper kept beside it in ``models/``."""
+        tensor parallelism), applied from outside the model by the helper kept in its family's package
+        (``families/``)."""
 
     def data_rank(self, cfg: RunConfig, info: DistInfo) -> tuple[int, int]:
         """(rank, ranks) among the data-parallel replicas: which share of each global batch this rank reads."""

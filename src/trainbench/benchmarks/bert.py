@@ -31,15 +31,15 @@ from trainbench.data.bert_hdf5 import (
 )
 from trainbench.data.steps import CycledSteps
 from trainbench.errors import ConfigError, DataError
+from trainbench.families.configs import BertConfig
 from trainbench.mlperf import constants
-from trainbench.models.configs import BertConfig
 from trainbench.optim.schedules import poly_warmup_lr
 
 if TYPE_CHECKING:
     import torch
 
     from trainbench.distributed import DistInfo, Placed
-    from trainbench.models.bert import BertForPreTraining
+    from trainbench.families.encoder.model import BertForPreTraining
 
 MLPERF_TARGET = 0.720
 
@@ -164,7 +164,7 @@ class BertBenchmark(Benchmark):
     def validate(self, cfg: RunConfig) -> None:
         import torch
 
-        from trainbench.models.bert import packed_kernel_unavailable
+        from trainbench.families.encoder.model import packed_kernel_unavailable
 
         super().validate(cfg)
         m, d = cfg.model, cfg.data
@@ -307,7 +307,7 @@ class BertBenchmark(Benchmark):
 
     # -- model and optimizer --------------------------------------------------------------------
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
-        from trainbench.models.bert import BertForPreTraining
+        from trainbench.families.encoder.model import BertForPreTraining
 
         model = BertForPreTraining(cfg.model)
         if cfg.model.init_checkpoint:
@@ -315,7 +315,7 @@ class BertBenchmark(Benchmark):
         return model
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        from trainbench.models.data_parallel import place_data_parallel
+        from trainbench.families.data_parallel import place_data_parallel
 
         bucket_clip = cfg.optimizer.max_grad_norm if cfg.optimizer.clip == "bucket" else None
         return place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip)
@@ -452,7 +452,7 @@ class BertBenchmark(Benchmark):
         return 3.0 * (dense + attention + heads)
 
     def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
-        from trainbench.models.bert import choose_packed_kernel
+        from trainbench.families.encoder.model import choose_packed_kernel
 
         if cfg.data.layout != "packed":
             return []
@@ -502,7 +502,7 @@ def load_checkpoint(model: BertForPreTraining, path: str | Path) -> None:
     """Load HF-named, MLPerf-converted or our own weights into ``model``; a mismatch is a DataError."""
     import torch
 
-    from trainbench.models.bert import from_hf_state_dict
+    from trainbench.families.encoder.model import from_hf_state_dict
 
     path = checkpoint_file(path)
     if path.suffix == ".safetensors":

@@ -30,8 +30,8 @@ from trainbench.data import yambda
 from trainbench.data.steps import CycledSteps
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError, UserError
-from trainbench.models.data_parallel import place_data_parallel
-from trainbench.models.hstu import HstuConfig, HstuRanker
+from trainbench.families.data_parallel import place_data_parallel
+from trainbench.families.hstu.model import HstuConfig, HstuRanker
 from trainbench.optim.rowwise_adagrad import AdamRowWiseAdagrad
 
 TRAIN_SAMPLES = 2_290_835_423  # the rules' training samples (the reference's anchors of Yambda-5B)

@@ -24,13 +24,13 @@ from trainbench.benchmarks.prepare_common import claim, progress_bar, synthetic_
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data.steps import CycledSteps
 from trainbench.errors import ConfigError, DataError, UserError
-from trainbench.models.configs import FluxConfig
+from trainbench.families.configs import FluxConfig
 
 if TYPE_CHECKING:
     import torch
 
     from trainbench.distributed import DistInfo, Placed
-    from trainbench.models.flux import Flux
+    from trainbench.families.mmdit.model import Flux
 
 SHIFT, SCALE = 0.1159, 0.3611  # the reference's latent normalisation: (z - shift) x scale
 EVAL_EVERY = 262_144
@@ -98,7 +98,7 @@ class Flux1Benchmark(Benchmark):
 
     # -- config ---------------------------------------------------------------------------------
     def validate(self, cfg: RunConfig) -> None:
-        from trainbench.models import fp8
+        from trainbench.families import fp8
 
         super().validate(cfg)
         m = cfg.model
@@ -184,14 +184,14 @@ class Flux1Benchmark(Benchmark):
 
     # -- model and optimizer --------------------------------------------------------------------
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
-        from trainbench.models.flux import Flux
+        from trainbench.families.mmdit.model import Flux
 
         model = Flux(cfg.model)
         init_weights(model)
         return model
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        from trainbench.models.flux_parallel import place_flux
+        from trainbench.families.mmdit.placement import place_flux
 
         return place_flux(model, info, cfg.distributed, cfg.perf, bf16)
 
@@ -212,7 +212,7 @@ class Flux1Benchmark(Benchmark):
         """Each sample's mean squared error of the predicted velocity."""
         import torch
 
-        from trainbench.models.flux import image_ids
+        from trainbench.families.mmdit.model import image_ids
 
         z = batch["mean"] + torch.exp(0.5 * batch["logvar"]) * batch["eps"]
         x = (z - SHIFT) * SCALE

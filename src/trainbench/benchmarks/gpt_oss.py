@@ -3,9 +3,9 @@ pretrained from scratch on C4 to a target eval log perplexity of 3.34.
 
 A member of the decoder family (:class:`~trainbench.benchmarks.llm.LLMBenchmark`): the same data (Megatron indexed C4
 cut into 8,193-token windows), loop, eval, checker and report as `llama31_8b`, with the model of
-:mod:`trainbench.models.gpt_oss`. Rules followed (mlperf-logging's ``closed_gpt_oss_20b.yaml``, equal in 6.0.0 and
-6.1.0): seq 8192, AdamW beta 0.9/0.95, eps 1e-5, weight decay 0.1, clip 1.0, cosine decay with linear warmup over
-1.2 M steps to 0.1 x the base rate, 1,024 eval sequences every 12,288 rounded up to the global batch. As the
+:mod:`trainbench.families.decoder.gpt_oss`. Rules followed (mlperf-logging's ``closed_gpt_oss_20b.yaml``, equal in
+6.0.0 and 6.1.0): seq 8192, AdamW beta 0.9/0.95, eps 1e-5, weight decay 0.1, clip 1.0, cosine decay with linear warmup
+over 1.2 M steps to 0.1 x the base rate, 1,024 eval sequences every 12,288 rounded up to the global batch. As the
 reference (Megatron's ``eod_mask_loss``), a token that follows an end-of-document token is not predicted: neither
 the training loss nor the eval counts it.
 """
@@ -22,7 +22,7 @@ from trainbench.benchmarks.llm import TINY_DATA, Llama31Benchmark, read_manifest
 from trainbench.config import DataConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data import prepare_llm
 from trainbench.errors import ConfigError, DataError
-from trainbench.models.configs import GptOssConfig
+from trainbench.families.configs import GptOssConfig
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +85,7 @@ class GptOssBenchmark(Llama31Benchmark):
     description = "GPT-OSS 20B mixture-of-experts pretraining on C4 (AdamW, seq 8192), target log perplexity 3.34"
     full_preset = "gpt-oss-20b"
     has_experts = True
-    plans_layout = False  # its experts' memory and all-to-all are not in the plan's model (layout.py)
+    plans_layout = False  # its experts' memory and all-to-all are not in the plan's model (families/planner.py)
     presets = {
         "tiny": lambda: tiny("reference"),
         "tiny-hf": lambda: tiny("gpt_oss"),
@@ -187,7 +187,7 @@ class GptOssBenchmark(Llama31Benchmark):
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
         import torch
 
-        from trainbench.models.gpt_oss import GptOssLM
+        from trainbench.families.decoder.gpt_oss import GptOssLM
 
         with torch.device("meta"):
             return GptOssLM(cfg.model)
@@ -195,7 +195,7 @@ class GptOssBenchmark(Llama31Benchmark):
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         import torch
 
-        from trainbench.models.gpt_oss import auto_kernel
+        from trainbench.families.decoder.gpt_oss import auto_kernel
 
         placed = super().place(model, cfg, info, bf16)
         m = cfg.model

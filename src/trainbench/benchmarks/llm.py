@@ -1,6 +1,6 @@
 """MLPerf `gpt3` and `llama31_8b`: decoder-only pretraining with Adam(W) to a target log perplexity.
 
-One model (:mod:`trainbench.models.decoder`), one data path (Megatron indexed datasets cut into fixed-length
+One model (:mod:`trainbench.families.decoder.model`), one data path (Megatron indexed datasets cut into fixed-length
 samples), one loop. Rules followed:
 
 - `llama31_8b` (MLPerf Training 5.1): Llama 3.1 8B from scratch on C4, seq 8192, AdamW beta 0.9/0.95,
@@ -30,8 +30,8 @@ from trainbench.data import checks
 from trainbench.data.indexed import IndexedDataset, PackedSamples, find_prefixes
 from trainbench.data.steps import CycledSteps, Step, batched, eval_share, rank_share
 from trainbench.errors import ConfigError, DataError
+from trainbench.families.configs import DecoderConfig
 from trainbench.mlperf import constants
-from trainbench.models.configs import DecoderConfig
 from trainbench.optim.schedules import cosine_warmup_lr
 
 if TYPE_CHECKING:
@@ -114,8 +114,8 @@ def recompute_fewer(placed: Placed, cfg: RunConfig, device: torch.device) -> Pla
     """``perf.recompute_blocks``: activation checkpointing on the last N blocks only, or with ``perf.offload_blocks``
     on N blocks spread over the depth among the others; ``perf.offload_blocks``: of the others, N (spread evenly)
     keep their saved activations in host memory."""
-    from trainbench.models.decoder import recompute_last, recompute_spread
-    from trainbench.models.offload import offload_blocks
+    from trainbench.families.decoder.model import recompute_last, recompute_spread
+    from trainbench.families.decoder.offload import offload_blocks
 
     count = cfg.perf.recompute_blocks
     if cfg.perf.activation_checkpointing and count:
@@ -226,8 +226,8 @@ class LLMBenchmark(Benchmark):
     }
 
     def validate(self, cfg: RunConfig) -> None:
-        from trainbench.models import fp8
-        from trainbench.models.decoder_parallel import FUSED_QKV_TP
+        from trainbench.families import fp8
+        from trainbench.families.decoder.placement import FUSED_QKV_TP
 
         super().validate(cfg)
         m, d = cfg.model, cfg.data
@@ -342,13 +342,13 @@ class LLMBenchmark(Benchmark):
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
         import torch
 
-        from trainbench.models.decoder import DecoderLM
+        from trainbench.families.decoder.model import DecoderLM
 
         with torch.device("meta"):
             return DecoderLM(cfg.model)
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        from trainbench.models.decoder_parallel import place_decoder
+        from trainbench.families.decoder.placement import place_decoder
 
         placed = place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
                                cfg.perf.compile, cfg.seed, cfg.distributed.ep,
@@ -491,7 +491,7 @@ class Llama31Benchmark(LLMBenchmark):
         two unsharded blocks on one GPU); nothing offloaded unless given. Then the rows a micro-batch: up to
         :data:`PLANNED_ROWS` where they fit with no more blocks recomputed (a micro-batch other than the preset's is
         kept as given). ConfigError, one sentence, where even every block recomputed does not fit."""
-        from trainbench.layout import MARGIN, best, describe, fixed_keys, gib, sharded, with_rows
+        from trainbench.families.planner import MARGIN, best, describe, fixed_keys, gib, sharded, with_rows
 
         if cfg.distributed.tp > 1:
             raise ConfigError(f"perf.layout=auto plans FSDP2 over all the ranks; with distributed.tp="

@@ -31,8 +31,8 @@ from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig
 from trainbench.data import sft
 from trainbench.data.steps import CycledSteps, batched, eval_share
 from trainbench.errors import ConfigError, DataError
+from trainbench.families.configs import LoraModelConfig
 from trainbench.mlperf import constants
-from trainbench.models.configs import LoraModelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -117,7 +117,7 @@ class LoraBenchmark(LLMBenchmark):
         import torch
         from torch import nn
 
-        from trainbench.models.decoder import DecoderLM
+        from trainbench.families.decoder.model import DecoderLM
 
         super().validate(cfg)
         m = cfg.model
@@ -167,8 +167,8 @@ class LoraBenchmark(LLMBenchmark):
     def check_data(self, cfg: RunConfig) -> None:
         import torch
 
-        from trainbench.models.decoder import DecoderLM
-        from trainbench.models.hf_checkpoint import HFCheckpoint, check_shapes
+        from trainbench.families.decoder.hf_checkpoint import HFCheckpoint, check_shapes
+        from trainbench.families.decoder.model import DecoderLM
 
         root = self._root(cfg)
         manifest = sft.read_manifest(root, self.name)
@@ -191,13 +191,13 @@ class LoraBenchmark(LLMBenchmark):
 
     def inputs_identity(self, cfg: RunConfig) -> dict[str, Any]:
         """The data set's and the base weights' identities (the base's from its index and tensor headers)."""
-        from trainbench.models.hf_checkpoint import identity
+        from trainbench.families.decoder.hf_checkpoint import identity
 
         return super().inputs_identity(cfg) | {"base weights": identity(self.base_weights(cfg))}
 
     def describe_input_change(self, name: str, old: Any, new: Any) -> str:
         if name == "base weights":
-            from trainbench.models.hf_checkpoint import describe_change
+            from trainbench.families.decoder.hf_checkpoint import describe_change
 
             return describe_change(old or {}, new or {}) or "it differs"
         return super().describe_input_change(name, old, new)
@@ -245,13 +245,13 @@ class LoraBenchmark(LLMBenchmark):
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
         import torch
 
-        from trainbench.models.decoder import DecoderLM
+        from trainbench.families.decoder.model import DecoderLM
 
         with torch.device("meta"):
             return DecoderLM(cfg.model)
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        from trainbench.models.lora_parallel import place_lora
+        from trainbench.families.decoder.lora_placement import place_lora
 
         m = dataclasses.replace(cfg.model, base_weights=self.base_weights(cfg))
         placed = place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
@@ -267,14 +267,14 @@ class LoraBenchmark(LLMBenchmark):
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, base_precision=base))
 
     def _given(self, cfg: RunConfig) -> dict:
-        from trainbench.layout import fixed_keys
+        from trainbench.families.planner import fixed_keys
 
         return fixed_keys(cfg, self.config(cfg.preset))
 
     def plan_layout(self, cfg: RunConfig, resources, probe) -> tuple[RunConfig, list[str]]:
         """The FP8 base on every GPU with the fastest mix of kept, offloaded and recomputed blocks that fits
         (layout.best); where no FP8 replica fits, the sentence says what would (the bf16 base sharded over GPUs)."""
-        from trainbench.layout import best, describe, refusal
+        from trainbench.families.planner import best, describe, refusal
 
         given = self._given(cfg)
         layers = cfg.model.num_layers
@@ -299,7 +299,7 @@ class LoraBenchmark(LLMBenchmark):
     def _plan_fp8_sharded(self, cfg: RunConfig, resources, probe, why_not: str) -> tuple[RunConfig, list[str]]:
         """The FP8 base sharded by FSDP2 (gathered in FP8 a block at a time), every block recomputed: where a replica
         per GPU does not fit. Its memory: the base's shards, two gathered blocks, the inputs, one block's working."""
-        from trainbench.layout import GIB, MARGIN, gib
+        from trainbench.families.planner import GIB, MARGIN, gib
 
         layers, world = cfg.model.num_layers, resources.gpus
         weights = layers * probe.block_weight_bytes + probe.other_weight_bytes
@@ -322,7 +322,7 @@ class LoraBenchmark(LLMBenchmark):
 
     def _plan_sharded(self, cfg: RunConfig, resources, given: dict) -> tuple[RunConfig, list[str]]:
         """The bf16 base sharded by FSDP2 over the ranks, every block recomputed: where its shards fit."""
-        from trainbench.layout import GIB, gib
+        from trainbench.families.planner import GIB, gib
 
         params = cfg.model.num_params()
         need = 2 * params / resources.gpus + 24 * GIB  # bf16 shards, gathered blocks, inputs, logits
@@ -338,7 +338,7 @@ class LoraBenchmark(LLMBenchmark):
 
     def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
         """Which base was read, the type its files store and what the run made of it."""
-        from trainbench.models.hf_checkpoint import FLOAT_TYPES, HFCheckpoint
+        from trainbench.families.decoder.hf_checkpoint import FLOAT_TYPES, HFCheckpoint
 
         folder = self.base_weights(cfg)
         if folder is None:

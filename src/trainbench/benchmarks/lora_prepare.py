@@ -113,8 +113,8 @@ def _write_base(cfg, folder: Path, seed: int) -> None:
     """The tiny preset's frozen base: random weights from ``seed`` in several safetensors shards."""
     import torch
 
-    from trainbench.models.decoder import DecoderLM
-    from trainbench.models.hf_checkpoint import save_sharded
+    from trainbench.families.decoder.hf_checkpoint import save_sharded
+    from trainbench.families.decoder.model import DecoderLM
 
     torch.manual_seed(seed)
     model = DecoderLM(cfg.model)

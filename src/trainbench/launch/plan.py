@@ -15,7 +15,7 @@ from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, save_config
 from trainbench.distributed import resolve_device
 from trainbench.errors import ConfigError, UserError
-from trainbench.layout import GIB, BlockProbe, Resources, host_available_bytes
+from trainbench.families.planner import GIB, BlockProbe, Resources, host_available_bytes
 
 
 def probe(bench: Benchmark, cfg: RunConfig, here: bool, say) -> dict:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from trainbench.models.triton_kernels import lazy_kernel
+from trainbench.families.triton_kernels import lazy_kernel
 from trainbench.optim.sqrt import sqrt
 
 OWN_KERNEL_MIN = 1 << 20  # elements: parameters this large are updated by tb_adamw on CUDA

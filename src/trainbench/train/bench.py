@@ -17,7 +17,7 @@ from trainbench.console import RunConsole
 from trainbench.data.prefetch import pinned, prefetch
 from trainbench.distributed import DistInfo, all_reduce_sum
 from trainbench.errors import UserError
-from trainbench.models.moe import MoE
+from trainbench.families.decoder.moe import MoE
 from trainbench.runfiles import CONSOLE
 from trainbench.telemetry import machine, window_summary
 from trainbench.train.duties import start_telemetry

@@ -246,7 +246,7 @@ def _timed_steps(step, device: torch.device, marks: _BlockMarks) -> dict[str, An
 def measure(cfg, bench) -> dict[str, Any]:
     """The probe on this process's GPU (see the module's docstring)."""
     from trainbench.distributed import DistInfo
-    from trainbench.layout import host_available_bytes
+    from trainbench.families.planner import host_available_bytes
     from trainbench.train.setup import build_run
 
     device = torch.device("cuda", 0)

@@ -159,7 +159,8 @@ KERNEL_KINDS = (  # first match wins: (kind, substrings of the lower-cased kerne
 )
 
 
-OWN_KERNEL_PREFIX = "tb_"  # trainbench's Triton kernels (models/fp8, fp8_output, glu_kernel; optim/adamw) are named so
+# trainbench's Triton kernels (families/fp8, families/decoder's fp8_output and glu_kernel; optim/adamw) are named so
+OWN_KERNEL_PREFIX = "tb_"
 OWN_KERNEL_KINDS = {"tb_adamw": "optimizer"}  # those counted with a kind of their own; the rest are "own kernels"
 
 

@@ -42,7 +42,7 @@ def uses_bf16(cfg: RunConfig, device: torch.device) -> bool:
     return cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
 
 
-# Modules whose matrix products run in FP8: torchao's float8 training, and the FP8 frozen base (models/fp8.py).
+# Modules whose matrix products run in FP8: torchao's float8 training, and the FP8 frozen base (families/fp8.py).
 FP8_LINEAR_CLASSES = ("Float8Linear", "Fp8Linear")
 PRECISION_NAMES = {torch.float32: "fp32", torch.bfloat16: "bfloat16", torch.float16: "fp16", torch.float64: "fp64"}
 

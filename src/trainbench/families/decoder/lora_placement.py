@@ -19,10 +19,11 @@ from torch import nn
 
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError
-from trainbench.models import fp8, lora
-from trainbench.models.decoder import DecoderLM, init_part, lm_loss
-from trainbench.models.decoder_parallel import parallelize, sharded_comm_precision, use_flex_for_packed_rows
-from trainbench.models.hf_checkpoint import HFCheckpoint, check_shapes, fill, load_into
+from trainbench.families import fp8
+from trainbench.families.decoder import lora
+from trainbench.families.decoder.hf_checkpoint import HFCheckpoint, check_shapes, fill, load_into
+from trainbench.families.decoder.model import DecoderLM, init_part, lm_loss
+from trainbench.families.decoder.placement import parallelize, sharded_comm_precision, use_flex_for_packed_rows
 
 
 def place_lora(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, tp: int, bf16: bool,
@@ -119,7 +120,7 @@ def _place_fp8_sharded(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistIn
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from trainbench.distributed import single_rank_group
-    from trainbench.models.decoder_parallel import make_mesh
+    from trainbench.families.decoder.placement import make_mesh
 
     single_rank_group(info.device)  # FSDP2 over one rank needs a process group too
     with torch.device("meta"):

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from trainbench.models.configs import BertConfig
-from trainbench.models.cudnn_attention import CudnnSegments, cudnn_segments, cudnn_varlen_attention
-from trainbench.models.cudnn_attention import unavailable as cudnn_unavailable
+from trainbench.families.configs import BertConfig
+from trainbench.families.cudnn_attention import CudnnSegments, cudnn_segments, cudnn_varlen_attention
+from trainbench.families.cudnn_attention import unavailable as cudnn_unavailable
 
 
 def document_mask(sequence_ids: torch.Tensor) -> BlockMask:

@@ -33,7 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainbench.models.fp8 import (
+from trainbench.families.decoder.glu_kernel import BiasGLU, glu, group_sums
+from trainbench.families.fp8 import (
     E4M3,
     E4M3_MAX,
     add_grad_into,
@@ -44,7 +45,6 @@ from trainbench.models.fp8 import (
     min_capability,
     once_a_step,
 )
-from trainbench.models.glu_kernel import BiasGLU, glu, group_sums
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +212,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(s.hidden, s.experts, bias=s.bias)
         self.gate_up_proj = nn.Parameter(torch.empty(s.experts, s.hidden, 2 * s.ffn))
         self.down_proj = nn.Parameter(torch.empty(s.experts, s.ffn, s.hidden))
-        # Expert parallelism (models/decoder_parallel.apply_expert_parallel): the ranks that share the experts,
+        # Expert parallelism (families/decoder/placement.apply_expert_parallel): the ranks that share the experts,
         # and the scale of the experts' gradients (1 / ranks: the loop scales each rank's loss by the ranks, which
         # FSDP's mean undoes for the other parameters but nothing undoes for these).
         self.ep_group: dist.ProcessGroup | None = None

@@ -27,7 +27,7 @@ from typing import Any
 
 GIB = 2**30
 # The offload releases an offloaded block's GPU copy two blocks after its forward and fetches two blocks ahead in the
-# backward (models/offload.py): about two blocks' saved tensors are on the GPU besides those kept there.
+# backward (families/decoder/offload.py): about two blocks' saved tensors are on the GPU besides those kept there.
 IN_FLIGHT_BLOCKS = 2
 # FSDP2 holds about two blocks whole at a time besides the shards (the one computing and the one gathered ahead).
 GATHERED_BLOCKS = 2

@@ -50,8 +50,9 @@ class CudnnSegments(NamedTuple):
 
 
 def cudnn_segments(cu_seqlens: torch.Tensor, max_len: int, hidden: int) -> CudnnSegments:
-    """cuDNN's segment tensors from the cumulative sequence offsets of :func:`trainbench.models.bert.varlen_segments`
-    for a layer of width ``hidden``; computed once per forward and shared by every layer."""
+    """cuDNN's segment tensors from the cumulative sequence offsets of
+    :func:`trainbench.families.encoder.model.varlen_segments` for a layer of width ``hidden``; computed once per
+    forward and shared by every layer."""
     tokens = cu_seqlens.long()
     lengths = (tokens[1:] - tokens[:-1]).to(torch.int32)
     offsets_qkv, offsets_out = (tokens * 3 * hidden).to(torch.int32), (tokens * hidden).to(torch.int32)

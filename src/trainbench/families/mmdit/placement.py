@@ -1,5 +1,5 @@
-"""Placement of flux1's MMDiT (:class:`~trainbench.models.flux.Flux`), applied from outside the model: the model's
-module keeps the architecture only, and its parameter names stay the reference's.
+"""Placement of flux1's MMDiT (:class:`~trainbench.families.mmdit.model.Flux`), applied from outside the model: the
+model's module keeps the architecture only, and its parameter names stay the reference's.
 
 - One rank, no checkpointing: the whole model compiled as one graph (:func:`place_data_parallel`).
 - Several ranks, or checkpointing: block by block, in the order FSDP2 expects: activation checkpointing
@@ -18,10 +18,10 @@ from torch.utils.checkpoint import checkpoint
 
 from trainbench.config import DistributedConfig, PerfConfig
 from trainbench.distributed import DistInfo, Placed
-from trainbench.models import fp8
-from trainbench.models.data_parallel import place_data_parallel
-from trainbench.models.decoder_parallel import make_mesh, shard_blocks, sharded_comm_precision
-from trainbench.models.flux import Flux
+from trainbench.families import fp8
+from trainbench.families.data_parallel import place_data_parallel
+from trainbench.families.decoder.placement import make_mesh, shard_blocks, sharded_comm_precision
+from trainbench.families.mmdit.model import Flux
 
 
 def blocks_of(model: Flux) -> list[nn.Module]:

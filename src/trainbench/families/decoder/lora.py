@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainbench.models.configs import LoraModelConfig
+from trainbench.families.configs import LoraModelConfig
 
 ADAPTER_KEYS = (".lora_A.", ".lora_B.")
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from trainbench.distributed import Placed
 from trainbench.errors import ConfigError
-from trainbench.models.triton_kernels import lazy_kernel
+from trainbench.families.triton_kernels import lazy_kernel
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max
@@ -182,7 +182,8 @@ class _SiluMulFp8Saved(torch.autograd.Function):
 
 
 def silu_mul_fp8_saved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """:func:`trainbench.models.decoder.silu_mul` keeping its inputs for the backward in FP8 (where grad is on)."""
+    """:func:`trainbench.families.decoder.model.silu_mul` keeping its inputs for the backward in FP8 (where grad is
+    on)."""
     if not torch.is_grad_enabled() or not (gate.requires_grad or up.requires_grad):
         return F.silu(gate) * up
     return _SiluMulFp8Saved.apply(gate, up)
@@ -304,9 +305,9 @@ def finish_placement(placed: Placed, sharded: bool, unchanged: str) -> None:
     """A placed model whose blocks train in FP8 (:func:`train_blocks_in_fp8`): the console's line on how many layers
     do and what stays as it was (``unchanged``), and, where FSDP2 shards it (``sharded``), the scales' update after
     each optimizer step. A decoder's output layer (``lm_head``) is named on whichever side it is: in FP8 where the
-    model's loss is :func:`trainbench.models.fp8_output.lm_loss_fp8` (``model.output_precision=fp8``)."""
+    model's loss is :func:`trainbench.families.decoder.fp8_output.lm_loss_fp8` (``model.output_precision=fp8``)."""
     n = sum(type(m).__name__ == "Float8Linear" for m in placed.module.modules())
-    from trainbench.models.fp8_output import lm_loss_fp8
+    from trainbench.families.decoder.fp8_output import lm_loss_fp8
 
     head = getattr(placed.module, "lm_head", None)
     output = getattr(placed.module, "loss_fn", None) is lm_loss_fp8

@@ -9,7 +9,7 @@ HF Llama state dict or safetensors file loads as it is (:func:`load_hf_weights`)
 ``model.embed_positions`` and norm and projection biases under the same scheme.
 
 The model is meant to be built on the meta device (no memory), parallelised from outside
-(``trainbench.models.decoder_parallel``) and only then materialised with :meth:`DecoderLM.init_weights`.
+(``trainbench.families.decoder.placement``) and only then materialised with :meth:`DecoderLM.init_weights`.
 Attention is causal SDPA (flash attention on CUDA).
 """
 
@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from trainbench.models.configs import DecoderConfig
+from trainbench.families.configs import DecoderConfig
 
 
 class RMSNorm(nn.Module):
@@ -135,7 +135,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 class MLP(nn.Module):
     # How the gate meets the up projection; a placement may swap in an equal function that keeps less for the
-    # backward (models/fp8.py keeps both inputs in FP8).
+    # backward (families/fp8.py keeps both inputs in FP8).
     gated = staticmethod(silu_mul)
 
     def __init__(self, cfg: DecoderConfig):
@@ -177,7 +177,7 @@ class Block(nn.Module):
                 return self._forward(x, rope, mask)
             # A recomputed block keeps only its input, and that waits in host memory too (torch's non-reentrant
             # checkpoint holds it in a closure, out of the offload's reach).
-            from trainbench.models.offload import recompute_from_host
+            from trainbench.families.decoder.offload import recompute_from_host
 
             return recompute_from_host(self._forward, x, rope, mask)
 
@@ -310,11 +310,11 @@ def recompute_spread(model: DecoderLM, count: int) -> list[int]:
 
 def load_hf_weights(model: DecoderLM, path: str | Path) -> None:
     """Load HF ``LlamaForCausalLM`` weights (same names) into a materialised model: a safetensors checkpoint folder
-    or its ``model.safetensors`` through :func:`trainbench.models.hf_checkpoint.load_into` (names and shapes checked
-    before anything is copied), or a whole ``.pt``/``.bin`` state dict."""
+    or its ``model.safetensors`` through :func:`trainbench.families.decoder.hf_checkpoint.load_into` (names and shapes
+    checked before anything is copied), or a whole ``.pt``/``.bin`` state dict."""
     path = Path(path)
     if path.is_dir() or path.suffix == ".safetensors":
-        from trainbench.models.hf_checkpoint import SINGLE, load_into
+        from trainbench.families.decoder.hf_checkpoint import SINGLE, load_into
 
         if not path.is_dir() and path.name != SINGLE:
             raise ValueError(f"{path}: a single safetensors file must be named {SINGLE}; or give its folder")

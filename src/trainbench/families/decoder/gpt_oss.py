@@ -9,10 +9,10 @@ Two blocks, chosen by ``block``:
   ``window_size=(128, 0)``: 128 earlier tokens and the query's own);
 - ``gpt_oss``, GPT-OSS's own block, as NVIDIA submitted it and as ``transformers``' ``GptOss`` defines it: biases on
   the q/k/v/o projections, the router and the experts, a learned sink per attention head, the clamped SwiGLU
-  (``models/moe.py``), YaRN-scaled rotary positions.
+  (``families/decoder/moe.py``), YaRN-scaled rotary positions.
 
 Both route each token to its top-k experts with the softmax taken after top-k, drop no token, and sort the tokens by
-expert for one grouped product (``models/moe.py``). The parameter names are ``transformers``' GPT-OSS names
+expert for one grouped product (``families/decoder/moe.py``). The parameter names are ``transformers``' GPT-OSS names
 (``model.layers.N.self_attn.sinks``, ``mlp.router``), with the experts' stacked tensors one level up
 (``mlp.gate_up_proj`` where ``transformers`` has ``mlp.experts.gate_up_proj``).
 
@@ -30,10 +30,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from trainbench.models.configs import GptOssConfig
-from trainbench.models.decoder import Block, Body, DecoderLM, RMSNorm, apply_rope, norm
-from trainbench.models.moe import MoE, MoEShape, load_balancing_loss
-from trainbench.models.sink_attention import flex_sink_attention, fused_sink_attention, sink_attention, window_mask
+from trainbench.families.configs import GptOssConfig
+from trainbench.families.decoder.model import Block, Body, DecoderLM, RMSNorm, apply_rope, norm
+from trainbench.families.decoder.moe import MoE, MoEShape, load_balancing_loss
+from trainbench.families.decoder.sink_attention import (
+    flex_sink_attention,
+    fused_sink_attention,
+    sink_attention,
+    window_mask,
+)
 
 
 def yarn_frequencies(cfg: GptOssConfig) -> tuple[torch.Tensor, float]:

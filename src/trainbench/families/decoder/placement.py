@@ -1,4 +1,4 @@
-"""Parallelism applied to a :class:`~trainbench.models.decoder.DecoderLM` from outside the model.
+"""Parallelism applied to a :class:`~trainbench.families.decoder.model.DecoderLM` from outside the model.
 
 A 2-d DeviceMesh named ``("dp", "tp")``: tensor parallelism inside each ``tp`` group (DTensor
 ``parallelize_module``: q/k/v and gate/up column-parallel, o/down row-parallel, so each block needs one
@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError
-from trainbench.models.decoder import DecoderConfig, DecoderLM, lm_loss
+from trainbench.families.decoder.model import DecoderConfig, DecoderLM, lm_loss
 
 FUSED_QKV_TP = ("model.fused_qkv=true (one qkv_proj) has no tensor-parallel plan: set distributed.tp=1, or "
                 "model.fused_qkv=false for separate q/k/v projections")  # fmt: skip
@@ -83,7 +83,7 @@ def apply_expert_parallel(model: DecoderLM, device_type: str, ep: int, world: in
     then travel to their experts' ranks by all-to-all (:meth:`MoE._experts_parallel`)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from trainbench.models.moe import MoE
+    from trainbench.families.decoder.moe import MoE
 
     if ep != world:
         raise ConfigError(f"distributed.ep={ep}: expert parallelism spans all {world} ranks of the run (or none)")
@@ -164,15 +164,15 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
         if tp > 1:
             apply_tp(model, mesh["tp"])
     if model.cfg.precision == "fp8":  # before compilation and FSDP: both then see torchao's Float8Linear
-        from trainbench.models import fp8
-        from trainbench.models.moe import experts_in_fp8
+        from trainbench.families import fp8
+        from trainbench.families.decoder.moe import experts_in_fp8
 
         fp8.min_capability(device)
         fp8.train_blocks_in_fp8(model, sharded=sharded)
         experts_in_fp8(model, device, getattr(model.cfg, "expert_weight_grad", "fp8"), compile_blocks)
     wrap_blocks(model, checkpointing, compile_blocks)
     if getattr(model.cfg, "output_precision", "auto") == "fp8":  # (its own FP8 function, not compiled: see there)
-        from trainbench.models.fp8_output import lm_loss_fp8
+        from trainbench.families.decoder.fp8_output import lm_loss_fp8
 
         model.loss_fn = lm_loss_fp8
     use_flex_for_packed_rows(model, device, compile_blocks)
@@ -225,25 +225,25 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
     if info.world_size == 1 and shard_one_rank:
         out.notes.append("FSDP2 over this one rank (distributed.shard_one_rank), placed as several ranks place it")
     if not sharded and info.device.type == "cuda" and not cfg.tie_embeddings:
-        from trainbench.models.embedding_rows import rows_into_grad
+        from trainbench.families.decoder.embedding_rows import rows_into_grad
 
         rows_into_grad(placed.model.embed_tokens)
         out.notes.append("the embedding's gradient added into .grad by the rows each micro-batch touches")
     if fp8:
-        from trainbench.models.fp8 import finish_placement
-        from trainbench.models.moe import MoE
+        from trainbench.families.decoder.moe import MoE
+        from trainbench.families.fp8 import finish_placement
 
         experts = sum(isinstance(m, MoE) for m in placed.modules())
         unchanged = "the embedding" + (", the routers" if experts else "")
         finish_placement(out, sharded, unchanged)
         if not sharded:  # (sharded, FSDP2's gathers cast once a step: fp8.precompute_scales)
-            from trainbench.models.fp8 import cast_weights_once_a_step
+            from trainbench.families.fp8 import cast_weights_once_a_step
 
             linear_after_step = cast_weights_once_a_step(placed, compile_blocks)
             if linear_after_step is not None:
                 out.after_step = _one_after_another(out.after_step, linear_after_step)
                 out.notes.append("their weights cast to FP8 once a step, their gradients added into fp32 in one pass")
-            from trainbench.models.fp8_output import cache_output_casts, lm_loss_fp8
+            from trainbench.families.decoder.fp8_output import cache_output_casts, lm_loss_fp8
 
             if placed.loss_fn is lm_loss_fp8:  # (set by parallelize where model.output_precision=fp8)
                 out.after_step = _one_after_another(out.after_step, cache_output_casts(placed, compile_blocks))
@@ -255,7 +255,7 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
             # Sharded by FSDP2, the experts' weights are gathered anew for each forward: cast there. Spread by expert
             # parallelism, FSDP2 leaves them alone and each rank casts its share once a step.
             if not sharded or ep > 1:
-                from trainbench.models.moe import cache_fp8_weight_casts
+                from trainbench.families.decoder.moe import cache_fp8_weight_casts
 
                 out.after_step = _one_after_another(out.after_step, cache_fp8_weight_casts(placed, compile_blocks))
                 out.notes.append("the experts' weights cast to FP8 once a step, not in every micro-batch")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainbench.models.triton_kernels import lazy_kernel
+from trainbench.families.triton_kernels import lazy_kernel
 
 
 def glu(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from trainbench.models.fp8 import (
+from trainbench.families.fp8 import (
     E4M3,
     E4M3_MAX,
     add_micro_batch_grad,
@@ -42,7 +42,7 @@ from trainbench.models.fp8 import (
     scaled_mm,
     transpose_fp8,
 )
-from trainbench.models.triton_kernels import lazy_kernel
+from trainbench.families.triton_kernels import lazy_kernel
 
 E5M2 = torch.float8_e5m2
 E5M2_MAX = torch.finfo(E5M2).max
@@ -243,10 +243,11 @@ class _Fp8OutputLoss(torch.autograd.Function):
 
 
 def lm_loss_fp8(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
-    """:func:`trainbench.models.decoder.lm_loss` with the output layer's products in FP8 (:class:`_Fp8OutputLoss`):
-    the summed next-token cross entropy of ``head`` (an ``nn.Linear`` without bias) on ``hidden`` [batch, seq,
-    width]. The weight's casts made once a step (:func:`cache_output_casts`) are used where there are some. Rows are
-    padded with ignored targets to a multiple of 16, which the weight's FP8 product sums over."""
+    """:func:`trainbench.families.decoder.model.lm_loss` with the output layer's products in FP8
+    (:class:`_Fp8OutputLoss`): the summed next-token cross entropy of ``head`` (an ``nn.Linear`` without bias) on
+    ``hidden`` [batch, seq, width]. The weight's casts made once a step (:func:`cache_output_casts`) are used where
+    there are some. Rows are padded with ignored targets to a multiple of 16, which the weight's FP8 product sums
+    over."""
     rows = hidden.reshape(-1, hidden.shape[-1])
     flat = targets.reshape(-1)
     pad = -rows.shape[0] % ROWS_MULTIPLE
