@@ -38,7 +38,7 @@ from trainbench.optim.adamw import OWN_KERNEL_BLOCK, AdamClipped  # noqa: E402
 
 def model_and_grads(benchmark: str, preset: str, blocks: int):
     bench, cfg = build_config(benchmark, preset, overrides={"model.num_layers": blocks, "perf.compile": True})
-    model = bench.build_model(cfg).to_empty(device="cuda")
+    model = bench.family.build_model(cfg).to_empty(device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:

@@ -96,12 +96,14 @@ def test_flux_blocks_are_a_double_block_and_its_share_of_single_ones(tmp_path, m
     assert (one.double_blocks, one.single_blocks) == (1, 1) and not (folder / "config_2_blocks.yaml").exists()
     bench = get_benchmark("flux1")
     cfg = bench.config("tiny")
-    assert result["mfu"] == pytest.approx(bench.flops_per_sample(cfg) * result["samples_per_s"] / 1e12)
+    assert result["mfu"] == pytest.approx(bench.family.flops_per_sample(cfg) * result["samples_per_s"] / 1e12)
     full = bench.config("flux1-schnell")
-    assert bench.depth(full) == 19
-    four = bench.truncated(full, 4).model
+    assert bench.family.depth(full) == 19
+    four = bench.family.truncated(full, 4).model
     assert (four.double_blocks, four.single_blocks) == (4, 8)
-    assert bench.flops_per_sample(bench.truncated(full, 4)) * 19 / 4 == pytest.approx(bench.flops_per_sample(full))
+    assert bench.family.flops_per_sample(bench.family.truncated(full, 4)) * 19 / 4 == pytest.approx(
+        bench.family.flops_per_sample(full)
+    )
 
 
 @pytest.mark.parametrize(
@@ -259,7 +261,7 @@ def test_diffusers_flux_peer_trains_on_the_same_loss_as_ours():
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(std=0.1)
-    ours = bench.build_model(cfg)
+    ours = bench.family.build_model(cfg)
     ours.load_state_dict(ours_from_diffusers(theirs, cfg.model))
     batch = next(iter(next(iter(bench.bench_data(cfg, 0, 1).train))))
     t = bench.to_device(batch, cpu)
@@ -394,11 +396,11 @@ def test_depths_a_whole_repeat_of_the_blocks_apart_are_taken():
     from trainbench.launch.local import build_config
 
     bench, cfg = build_config("gpt_oss_20b", "gpt-oss-20b", [], {})
-    assert parse_blocks("1,3", 24, bench.block_period(cfg)) == [1, 3]
-    assert parse_blocks("4,2,6", 24, bench.block_period(cfg)) == [2, 4, 6]
+    assert parse_blocks("1,3", 24, bench.family.block_period(cfg)) == [1, 3]
+    assert parse_blocks("4,2,6", 24, bench.family.block_period(cfg)) == [2, 4, 6]
     _, plain = build_config("gpt_oss_20b", "gpt-oss-20b", [], {"model.sliding_window": "0"})
-    assert bench.block_period(plain) == (1, "")
-    assert parse_blocks("2,3", 24, bench.block_period(plain)) == [2, 3]
+    assert bench.family.block_period(plain) == (1, "")
+    assert parse_blocks("2,3", 24, bench.family.block_period(plain)) == [2, 3]
     llm = get_benchmark("llama31_8b")
     assert llm.block_period(cfg) == (1, "")
 

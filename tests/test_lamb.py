@@ -139,7 +139,7 @@ def test_one_weight_decay_rule_for_every_optimizer_and_frozen_parameters_get_no_
     for name in ("bert", "llama31_8b"):
         bench = BENCHMARKS[name]
         cfg = bench.config("tiny")
-        model = bench.build_model(cfg)
+        model = bench.family.build_model(cfg)
         if name == "llama31_8b":
             model = model.to_empty(device="cpu")
             model.init_weights(0)

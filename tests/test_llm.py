@@ -355,7 +355,7 @@ def test_perf_optimizer_kernel_chooses_whether_the_large_parameters_take_trainbe
                               ("auto", 4, False)):  # fmt: skip
         cfg = bench.config("tiny")
         apply_overrides(cfg, {"perf.optimizer_kernel": value, "distributed.nproc": str(nproc)})
-        model = bench.build_model(cfg)
+        model = bench.family.build_model(cfg)
         if any(p.is_meta for p in model.parameters()):
             model = model.to_empty(device="cpu")
         assert bench.build_optimizer(cfg, model).own_kernel is own, (value, nproc)

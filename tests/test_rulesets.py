@@ -86,7 +86,7 @@ def _disclosure(benchmark: str, overrides: dict, info: DistInfo = ONE, convert=N
     """What a run of this config would log: its model built and placed on one CPU rank (``info`` says how many ranks
     the run has), ``convert`` applied to it as a placement would."""
     bench, cfg = build_config(benchmark, "tiny", yaml_files, {"device": "cpu", **overrides})
-    model = bench.build_model(cfg)
+    model = bench.family.build_model(cfg)
     if any(p.is_meta for p in model.parameters()):
         model = model.to_empty(device="cpu")
     if convert is not None:
@@ -144,7 +144,7 @@ def test_bert_reduces_in_the_gradient_dtype_it_is_given():
             # configured for the two ranks it is placed as (TWO): on one, the key has no effect and is refused
             bench, cfg = build_config("bert", "tiny", overrides={"distributed.grad_reduce_dtype": dtype,
                                                                  "distributed.nproc": "2"})  # fmt: skip
-            placed = bench.place(bench.build_model(cfg), cfg, TWO, bf16=False)
+            placed = bench.family.place(bench.family.build_model(cfg), cfg, TWO, bf16=False)
             assert run_disclosure(cfg, placed, False, TWO)["lowest_numerical_precision_in_comm"] == expected
     finally:
         dist.destroy_process_group()

@@ -133,3 +133,90 @@ def test_make_test_fails_on_a_file_ruff_format_would_change(tmp_path):
     (tmp_path / "examples" / "untidy.py").write_text("values = [1,2,\n    3]\n")  # lint-clean, not formatted
     failed = subprocess.run(lint, cwd=tmp_path, capture_output=True, text=True)
     assert failed.returncode != 0 and "untidy.py" in failed.stdout + failed.stderr, failed.stdout + failed.stderr
+
+
+# -- the model families (src/trainbench/families/) ----------------------------------------------------------------
+FAMILIES = SRC / "families"
+# What a family's placement and speed paths are made of: the recipe (benchmarks/) never imports them, nor does an
+# architecture file. Modules by their last name, in any family's package or beside them.
+PLACEMENT_AND_SPEED = {"placement", "lora_placement", "data_parallel", "fp8", "fp8_output", "moe_fp8", "offload",
+                       "triton_kernels", "glu_kernel", "embedding_rows", "planner"}  # fmt: skip
+ARCHITECTURE = sorted(p for p in FAMILIES.rglob("*.py") if p.name in ("model.py", "moe.py", "gpt_oss.py", "lora.py"))
+# Kernels an architecture file still calls itself, each with where it is chosen, until its family's placement hands
+# it in from outside: a new entry needs a reason here.
+ARCHITECTURE_KERNELS = {
+    ("encoder/model.py", "cudnn_attention"): "BERT's packed attention picks cuDNN's kernel by model.packed_attention",
+    ("decoder/moe.py", "glu_kernel"): "the experts' fused GLU and group sums are the layer's own products",
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every trainbench module ``path`` imports (dotted, below ``trainbench.``), at module level or in functions; a
+    ``from trainbench.x import y`` counts ``x.y`` too (y may be a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainbench."):
+            base = node.module.removeprefix("trainbench.")
+            found |= {base} | {f"{base}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("trainbench.") for a in node.names if a.name.startswith("trainbench.")}
+    return found
+
+
+def test_benchmarks_never_import_a_placement_or_a_speed_path():
+    """A benchmark is the recipe: it names its family and asks it for the model; placement, FP8, offload, kernels and
+    the layout planner are the family's."""
+    found = [
+        f"{path.relative_to(SRC)} imports {name}"
+        for path in sorted((SRC / "benchmarks").glob("*.py"))
+        for name in imported_modules(path)
+        if name.startswith("families.") and name.rsplit(".", 1)[-1] in PLACEMENT_AND_SPEED
+    ]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("path", ARCHITECTURE, ids=lambda p: str(p.relative_to(FAMILIES)))
+def test_architecture_files_import_neither_placement_nor_speed_paths(path):
+    """families/*/model.py and the decoder's layers are architecture only: checkpointing, host offload, FP8 and
+    placement are applied from outside by the family's placement (torch.utils.checkpoint included)."""
+    where = str(path.relative_to(FAMILIES))
+    names = imported_modules(path)
+    text = path.read_text()
+    found = [n for n in names if n.rsplit(".", 1)[-1] in PLACEMENT_AND_SPEED | {"cudnn_attention", "glu_kernel"}
+             and (where, n.rsplit(".", 1)[-1]) not in ARCHITECTURE_KERNELS]  # fmt: skip
+    found += ["torch.utils.checkpoint"] if "torch.utils.checkpoint" in text else []
+    assert not found, f"{where} imports {found}"
+
+
+def test_the_loop_never_asks_which_family_it_runs():
+    """train/ reaches the model through ``benchmark.family`` and the ModelFamily interface only: it imports no family's
+    package and never tests a family's class or name."""
+    for path in (SRC / "train").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainbench.families"):
+                assert node.module == "trainbench.families.base", f"{path.name}:{node.lineno} imports {node.module}"
+            if isinstance(node, ast.Compare):
+                assert "family.name" not in ast.unparse(node), f"{path.name}:{node.lineno}: {ast.unparse(node)}"
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "hasattr"):
+                text = ast.unparse(node)
+                assert "Family" not in text and "family" not in text, f"{path.name}:{node.lineno}: {text}"
+
+
+def test_every_benchmark_names_a_model_family():
+    from trainbench.families.base import ModelFamily
+
+    for bench in BENCHMARKS.values():
+        assert isinstance(bench.family, ModelFamily), f"{bench.name}.family is {bench.family!r}"
+
+
+def test_the_offload_key_is_read_in_the_decoder_family_alone():
+    """``perf.offload_blocks`` (and its companion ``offload_recomputed_inputs``) is read where the decoder's blocks are
+    placed and planned, nowhere else: the recipe names it only to say it has no effect."""
+    readers = sorted({
+        str(path.relative_to(SRC))
+        for path in SRC.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ("offload_blocks", "offload_recomputed_inputs")
+    })  # fmt: skip
+    outside = [r for r in readers if not r.startswith("families/")]
+    assert readers and not outside, f"read outside families/: {outside}"

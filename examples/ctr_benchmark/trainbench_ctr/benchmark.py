@@ -1,7 +1,8 @@
 """`ctr_tiny`: click-through-rate prediction to an eval AUC of 0.86, a benchmark of one's own (not MLPerf's).
 
-What it takes from trainbench, all public: the :class:`Benchmark` interface, the config's ``option`` for its model
-section, the data-parallel placement (DDP and ``torch.compile``), the step cutting (``Step``, ``rank_share``,
+What it takes from trainbench, all public: the :class:`Benchmark` interface, the :class:`ModelFamily` interface for
+its model (trainbench_ctr/family.py), the config's ``option`` for its model section, the data-parallel placement
+(DDP and ``torch.compile``), the step cutting (``Step``, ``rank_share``,
 ``eval_share``), AdamW with the global-norm clip, the cosine schedule and the preparation helpers. The loop,
 the launchers, ``check``, ``report`` and ``package`` run it unchanged.
 """
@@ -18,14 +19,13 @@ import torch.nn.functional as F
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.benchmarks.prepare_common import claim, progress_bar, synthetic_sizes, write_manifest
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
-from trainbench.distributed import DistInfo, Placed
-from trainbench.errors import ConfigError, DataError, UserError
-from trainbench.families.data_parallel import place_data_parallel
+from trainbench.errors import DataError, UserError
 from trainbench.optim.adamw import AdamClipped
 from trainbench.optim.groups import weight_decay_split
 from trainbench.optim.schedules import cosine_warmup_lr
 from trainbench_ctr import data
-from trainbench_ctr.model import CtrModel, CtrModelConfig
+from trainbench_ctr.family import CtrFamily
+from trainbench_ctr.model import CtrModelConfig
 
 AUC_BINS = 4096
 """The eval's predicted probabilities are counted in this many bins, per label: AUC does not add up across batches,
@@ -76,12 +76,9 @@ class CtrBenchmark(Benchmark):
     }
     prepare_examples = "examples:\n  trainbench prepare ctr_tiny --synthetic --out data/ctr\n"
 
-    # -- config ---------------------------------------------------------------------------------
-    def validate(self, cfg: RunConfig) -> None:
-        super().validate(cfg)
-        if cfg.distributed.tp != 1:
-            raise ConfigError("ctr_tiny is data-parallel only: distributed.tp must be 1")
+    family = CtrFamily()  # the model, its checks and its placement (trainbench_ctr/family.py)
 
+    # -- config ---------------------------------------------------------------------------------
     def target_range(self, cfg: RunConfig) -> tuple[float, float]:
         return 0.5, 1.0
 
@@ -127,13 +124,7 @@ class CtrBenchmark(Benchmark):
         return BenchmarkData(train=steps, eval=data.eval_batches(evals, d.eval_batch_size, rank, world_size),
                              train_samples=len(train["label"]), eval_samples=len(evals["label"]))  # fmt: skip
 
-    # -- model and optimizer --------------------------------------------------------------------
-    def build_model(self, cfg: RunConfig) -> torch.nn.Module:
-        return CtrModel(cfg.model)
-
-    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        return place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip_norm=None)
-
+    # -- optimizer ------------------------------------------------------------------------------
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
         o = cfg.optimizer
         decay, plain = weight_decay_split(model)

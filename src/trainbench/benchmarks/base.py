@@ -1,9 +1,11 @@
-"""What a benchmark supplies to the one training loop: the interface every benchmark implements.
+"""MLPerf's recipe for a benchmark: the interface every benchmark implements.
 
-A benchmark differs from another by its model and where it is placed, its data, its optimizer and its MLPerf rules,
-never by its loop. The loop (``trainbench.train``) asks the benchmark for each of these through :class:`Benchmark`
-and never asks which benchmark it runs. This module imports only the layers below it (config, data, distributed).
-docs/extending.md says how to add a benchmark.
+A benchmark is a recipe around a model family: its presets, its data, its optimizer and schedule, its loss and
+metric, its eval cadence and its MLPerf rules and hyperparameters, and the data preparation behind `trainbench
+prepare`. The model itself (architecture, placement, speed paths, layout plan, measurement hooks) is its family's
+(:class:`~trainbench.families.base.ModelFamily`, named in ``family``). The loop (``trainbench.train``) asks the
+benchmark and its family through these interfaces and never asks which benchmark it runs. This module imports only
+the layers below it (config, data, families). docs/extending.md says how to add a benchmark.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from trainbench.errors import ConfigError, UserError
 if TYPE_CHECKING:
     import torch
 
-    from trainbench.distributed import DistInfo, Placed
+    from trainbench.families.base import ModelFamily
 
 
 @dataclass
@@ -70,10 +72,9 @@ class Benchmark(ABC):
     presets: dict[str, Callable[[], RunConfig]]
     full_preset: str
     """The preset of MLPerf's own shape (what `trainbench submit` starts from unless told)."""
-    has_experts = False
-    """Whether its model has a mixture of experts that ``distributed.ep`` can spread over the ranks."""
-    shards_one_rank = False
-    """Whether its placement can shard the model with FSDP2 on one rank too (``distributed.shard_one_rank``)."""
+    family: ModelFamily
+    """Its model family: the model, its placement and speed paths, its layout plan and its measurement hooks
+    (:mod:`trainbench.families`). The loop builds and places the model through it."""
     synthetic_sizes: dict[str, dict[str, int]] = {}
     """Per preset, the size of the data set ``prepare NAME --synthetic --preset P`` writes."""
     unused_keys: dict[str, str] = {}
@@ -117,9 +118,9 @@ class Benchmark(ABC):
         if cfg.optimizer.name != self.optimizer_name:
             raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with {self.optimizer_name}")
         ranks, tp = cfg.distributed.world_size, max(1, cfg.distributed.tp)
-        if cfg.distributed.ep > 1 and not self.has_experts:
+        if cfg.distributed.ep > 1 and not self.family.has_experts:
             raise ConfigError(f"distributed.ep={cfg.distributed.ep}: {self.name} has no mixture of experts to spread")
-        if cfg.distributed.shard_one_rank and not self.shards_one_rank:
+        if cfg.distributed.shard_one_rank and not self.family.shards_one_rank:
             raise ConfigError(f"distributed.shard_one_rank=true: {self.name}'s placement has no one-rank sharding (the "
                               "LLM benchmarks' FSDP2 has)")  # fmt: skip
         if ranks % tp:
@@ -165,6 +166,7 @@ class Benchmark(ABC):
                 "perf.cuda_graphs=true needs one micro-batch per rank per step (no accumulation): "
                 f"set data.micro_batch_size={per_rank}"
             )
+        self.family.validate(cfg)
 
     def check_mlperf_name(self, ruleset: str | None = None) -> None:
         """An MLPerf benchmark's name must be one its ruleset's checker knows (``ruleset``: the default one): else
@@ -183,8 +185,8 @@ class Benchmark(ABC):
             )
 
     def unused_for(self, cfg: RunConfig) -> dict[str, str]:
-        """The keys ``cfg`` does not read, with why: ``unused_keys``, and what a family derives from the config."""
-        return self.unused_keys
+        """The keys ``cfg`` does not read, with why: ``unused_keys``, and what its family derives from the config."""
+        return self.unused_keys | self.family.unused_for(cfg)
 
     def _refuse_keys_without_effect(self, cfg: RunConfig) -> None:
         """Keys set away from the preset's value that do nothing: one the benchmark never reads (:meth:`unused_for`),
@@ -258,20 +260,6 @@ class Benchmark(ABC):
         return "it differs"
 
     @abstractmethod
-    def build_model(self, cfg: RunConfig) -> torch.nn.Module:
-        """The model, on the CPU or the meta device; :meth:`place` puts it on the rank's devices."""
-
-    @abstractmethod
-    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        """Put ``model`` on the rank's device with the benchmark's own parallelism and compilation (DDP, FSDP2,
-        tensor parallelism), applied from outside the model by the helper kept in its family's package
-        (``families/``)."""
-
-    def data_rank(self, cfg: RunConfig, info: DistInfo) -> tuple[int, int]:
-        """(rank, ranks) among the data-parallel replicas: which share of each global batch this rank reads."""
-        return info.rank, info.world_size
-
-    @abstractmethod
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer: ...
 
     @abstractmethod
@@ -305,24 +293,20 @@ class Benchmark(ABC):
     @abstractmethod
     def eval_metric(self, sums: torch.Tensor) -> float: ...
 
-    def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
-        """Lines for the run's console on choices made for this machine (e.g. which kernel ``auto`` picked)."""
-        return []
-
     # -- layout (perf.layout=auto) ----------------------------------------------------------------
-    plans_layout = False  # whether perf.layout=auto chooses this benchmark's layout keys (launch/plan.py)
-
     def probe_config(self, cfg: RunConfig) -> RunConfig:
-        """The config the layout probe measures (the run's, with what the plan may choose set to be probed)."""
-        return cfg
+        """The config the layout probe measures: its family's choice, the keys set away from the preset kept."""
+        return self.family.probe_config(cfg, self.config(cfg.preset))
 
     def plan_layout(self, cfg: RunConfig, resources, probe) -> tuple[RunConfig, list[str]]:
-        """``cfg`` with its layout keys chosen for ``resources`` (layout.Resources) from ``probe``
-        (layout.BlockProbe), and the console lines saying what and why; ConfigError where nothing fits."""
-        raise ConfigError(f"perf.layout=auto: {self.name} has no layout to plan")
+        """``cfg`` with the layout keys its family plans for ``resources`` (planner.Resources) from ``probe``
+        (planner.BlockProbe), validated as a run's config, and the console lines saying what and why; ConfigError
+        where nothing fits."""
+        keys, lines = self.family.plan_layout(cfg, self.config(cfg.preset), resources, probe)
+        return self.with_layout(cfg, keys), lines
 
     def with_layout(self, cfg: RunConfig, keys: dict[str, Any]) -> RunConfig:
-        """A copy of ``cfg`` with the layout ``keys`` a plan chose (layout.Plan.keys and the like), validated; ``cfg``
+        """A copy of ``cfg`` with the layout ``keys`` a plan chose (planner.Plan.keys and the like), validated; ``cfg``
         itself is left as it was."""
         from trainbench.config import apply_overrides
 
@@ -338,32 +322,6 @@ class Benchmark(ABC):
         bench` trains on, through the same placement, step and eval as a run. ``eval`` holds one eval batch of this
         rank (the eval's time per sample is measured on it); ``eval_samples`` is the full eval set's size."""
         raise UserError(f"`trainbench bench` has no synthetic rows for {self.name} yet")
-
-    def depth(self, cfg: RunConfig) -> int | None:
-        """The model's depth in the blocks `trainbench bench --blocks` truncates it by (None: none to truncate). A
-        block is the unit the step time grows by in a straight line, so that a few truncated depths extrapolate to
-        the model's own: a decoder's layer by default."""
-        return getattr(cfg.model, "num_layers", None)
-
-    def block_period(self, cfg: RunConfig) -> tuple[int, str]:
-        """After how many blocks the model's blocks repeat (1: all alike), and what alternates, for a sentence: the
-        depths `trainbench bench --blocks` measures must lie a multiple of it apart, so that each difference between
-        them adds whole repeats and the slope is that of the model's average block."""
-        return 1, ""
-
-    def truncated(self, cfg: RunConfig, depth: int) -> RunConfig:
-        """``cfg`` with its model cut to ``depth`` of :meth:`depth`'s blocks (UserError, one sentence, where it cannot
-        be cut that way)."""
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth))
-
-    def tokens_per_sample(self, cfg: RunConfig) -> int:
-        """Tokens one sample of the global batch counts (a row of the sequence length by default)."""
-        return cfg.data.seq_length
-
-    def flops_per_sample(self, cfg: RunConfig) -> float | None:
-        """Floating-point operations of one sample's forward and backward as NVIDIA counts them for its MLPerf
-        submissions (recompute excluded), for the MFU; None where no count is defined."""
-        return None
 
     # -- MLPerf ---------------------------------------------------------------------------------
     @abstractmethod

@@ -28,10 +28,9 @@ from trainbench.benchmarks.prepare_common import claim, progress_bar, synthetic_
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data import yambda
 from trainbench.data.steps import CycledSteps
-from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError, DataError, UserError
-from trainbench.families.data_parallel import place_data_parallel
-from trainbench.families.hstu.model import HstuConfig, HstuRanker
+from trainbench.families.hstu.family import HstuFamily
+from trainbench.families.hstu.model import HstuConfig
 from trainbench.optim.rowwise_adagrad import AdamRowWiseAdagrad
 
 TRAIN_SAMPLES = 2_290_835_423  # the rules' training samples (the reference's anchors of Yambda-5B)
@@ -128,16 +127,12 @@ class Dlrmv4Benchmark(Benchmark):
     }
     prepare_examples = ("examples:\n  trainbench prepare dlrmv4 --synthetic --preset tiny --out data/dlrmv4-tiny\n"
                         "  trainbench prepare dlrmv4 --source yambda/processed --out data/dlrmv4\n")  # fmt: skip
+    family = HstuFamily()
 
     # -- config ---------------------------------------------------------------------------------
     def validate(self, cfg: RunConfig) -> None:
         super().validate(cfg)
         m, d = cfg.model, cfg.data
-        if cfg.distributed.tp != 1:
-            raise ConfigError("dlrmv4 is data-parallel only here: distributed.tp must be 1")
-        crosses = m.crosses  # one sentence where the spec is malformed or names a missing column
-        if len({c.name for c in crosses}) != len(crosses):
-            raise ConfigError("model.cross_features names one cross twice")
         if d.seq_length > MAX_SEQUENCE_LENGTH:
             raise ConfigError(f"data.seq_length={d.seq_length}: dlrmv4's rules allow sequences of at most "
                               f"{MAX_SEQUENCE_LENGTH:,} tokens (max_sequence_length)")  # fmt: skip
@@ -145,8 +140,6 @@ class Dlrmv4Benchmark(Benchmark):
             raise ConfigError(f"a sample's sequence is {m.sequence_length:,} tokens ({m.contextual} contextual, "
                               f"{m.history} of history, the candidate), longer than data.seq_length={d.seq_length}; "
                               "lower model.history_length or raise data.seq_length")  # fmt: skip
-        if m.num_heads * m.linear_dim < 1 or m.attention_dim < 1:
-            raise ConfigError("model: the heads need a width")
         if not self.scaled_down(cfg) and cfg.output.division == "closed":
             lo, hi = lr_band(d.global_batch_size)
             if not lo * (1 - 1e-9) <= cfg.optimizer.lr <= hi * (1 + 1e-9):
@@ -227,13 +220,7 @@ class Dlrmv4Benchmark(Benchmark):
                                                rank, world_size),
                              eval=[evals], train_samples=0, eval_samples=d.eval_samples or EVAL_SAMPLES)  # fmt: skip
 
-    # -- model and optimizer --------------------------------------------------------------------
-    def build_model(self, cfg: RunConfig) -> torch.nn.Module:
-        return HstuRanker(cfg.model)
-
-    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        return place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip_norm=None)
-
+    # -- optimizer ------------------------------------------------------------------------------
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
         o = cfg.optimizer
         tables = {id(p) for p in model.table_parameters()}
@@ -316,9 +303,6 @@ class Dlrmv4Benchmark(Benchmark):
         if (cfg.eval.every_samples or self.eval_every_samples(cfg)) != self.eval_every_samples(cfg):
             waived |= {"eval_every_data_pct", "eval_accuracy"}
         return frozenset(waived)
-
-    def tokens_per_sample(self, cfg: RunConfig) -> int:
-        return cfg.model.sequence_length
 
     # -- the command line -----------------------------------------------------------------------
     @staticmethod

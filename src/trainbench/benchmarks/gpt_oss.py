@@ -21,13 +21,13 @@ import numpy as np
 from trainbench.benchmarks.llm import TINY_DATA, Llama31Benchmark, read_manifest, run_config
 from trainbench.config import DataConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data import prepare_llm
-from trainbench.errors import ConfigError, DataError
+from trainbench.errors import DataError
 from trainbench.families.configs import GptOssConfig
+from trainbench.families.decoder.family import GptOssFamily
 
 if TYPE_CHECKING:
     import torch
 
-    from trainbench.distributed import DistInfo, Placed
 
 # The reference's shape (Primus' gpt_oss_20B): 24 blocks of width 2880, 64 query and 8 key/value heads of 64,
 # 32 experts of width 2880, 4 a token, a window of 128 earlier keys (and the query's own) on every other block.
@@ -84,8 +84,7 @@ class GptOssBenchmark(Llama31Benchmark):
     older_rulesets = ("6.0.0",)
     description = "GPT-OSS 20B mixture-of-experts pretraining on C4 (AdamW, seq 8192), target log perplexity 3.34"
     full_preset = "gpt-oss-20b"
-    has_experts = True
-    plans_layout = False  # its experts' memory and all-to-all are not in the plan's model (families/planner.py)
+    family = GptOssFamily()
     presets = {
         "tiny": lambda: tiny("reference"),
         "tiny-hf": lambda: tiny("gpt_oss"),
@@ -96,40 +95,6 @@ class GptOssBenchmark(Llama31Benchmark):
         "model.fused_qkv": "its attention has q, k and v projections of their own (transformers' GPT-OSS names)",
         "model.max_seq_length": "its positions are rotary",
     }
-
-    def block_period(self, cfg: RunConfig) -> tuple[int, str]:
-        m = cfg.model
-        if m.sliding_window > 0 and m.window_every > 1:
-            whole = m.window_every - 1
-            return m.window_every, f"a windowed block, then {whole} over the whole prefix: model.window_every"
-        return 1, ""
-
-    def validate(self, cfg: RunConfig) -> None:
-        m = cfg.model
-        super().validate(cfg)
-        if m.experts_per_token > m.num_experts:
-            raise ConfigError(f"model.experts_per_token={m.experts_per_token} exceeds model.num_experts="
-                              f"{m.num_experts}: a token cannot go to more experts than there are")  # fmt: skip
-        if m.arch != "llama":
-            raise ConfigError(f"model.arch={m.arch}: gpt_oss_20b's blocks are Llama-shaped (RMSNorm, rotary positions)")
-        ep, ranks = cfg.distributed.ep, cfg.distributed.world_size
-        if ep > 1 and (m.num_experts % ep or ep != ranks):
-            raise ConfigError(f"distributed.ep={ep} must divide the {m.num_experts} experts and equal the run's "
-                              f"{ranks} ranks (expert parallelism spans all of them)")  # fmt: skip
-        scores = cfg.data.micro_batch_size * m.num_heads * cfg.data.seq_length**2 * 4
-        if m.gpt_oss_block and not cfg.perf.compile and scores > 4 << 30:
-            raise ConfigError(f"model.block=gpt_oss at seq {cfg.data.seq_length} needs perf.compile=true: uncompiled, "
-                              f"its sink attention holds every score ({scores / 2**30:.0f} GiB a micro-batch); "
-                              "compiled on a GPU it runs through FlexAttention")  # fmt: skip
-        fused = [f"model.{key}={kernel}" for key, kernel in (("attention", m.attention),
-                 ("window_attention", m.window_attention)) if kernel in ("flash", "cudnn")]  # fmt: skip
-        if fused and (not cfg.perf.compile or cfg.device == "cpu" or cfg.precision == "fp32"):
-            raise ConfigError(f"{fused[0]} is a GPU kernel of the compiled blocks in 16 bits: it needs "
-                              "perf.compile=true, a GPU (device=cuda or auto) and precision=auto or bf16; "
-                              "leave the key at its default elsewhere")  # fmt: skip
-        if cfg.distributed.tp > 1:
-            raise ConfigError(f"distributed.tp={cfg.distributed.tp}: gpt_oss_20b has no tensor-parallel plan (its "
-                              "experts are stacked tensors); use more data-parallel ranks")  # fmt: skip
 
     def eval_every_samples(self, cfg: RunConfig) -> int:
         """12,288 sequences rounded up to a multiple of the global batch."""
@@ -182,40 +147,3 @@ class GptOssBenchmark(Llama31Benchmark):
 
         count = self.loss_weights(batch).double()[0]
         return torch.stack([self._token_losses(model, batch).double(), count])
-
-    # -- model ------------------------------------------------------------------------------------
-    def build_model(self, cfg: RunConfig) -> torch.nn.Module:
-        import torch
-
-        from trainbench.families.decoder.gpt_oss import GptOssLM
-
-        with torch.device("meta"):
-            return GptOssLM(cfg.model)
-
-    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        import torch
-
-        from trainbench.families.decoder.gpt_oss import auto_kernel
-
-        placed = super().place(model, cfg, info, bf16)
-        m = cfg.model
-        ep = cfg.distributed.ep if info.world_size > 1 else 1
-        spread = f"; {m.num_experts // ep} experts on each of {ep} ranks (all-to-all)" if ep > 1 else ""
-        kernels = ""
-        if cfg.perf.compile and info.device.type == "cuda":  # the compiled blocks' fused attention (model.attention)
-            causal = m.attention if m.attention != "auto" else auto_kernel(info.device, torch.bfloat16 if bf16 else
-                                                                           torch.float32)  # fmt: skip
-            kernels = f"; attention through {causal} (whole prefix) and {m.window_attention} (window)"
-        placed.notes.append(f"{m.block} block: {m.num_experts} experts, {m.experts_per_token} a token; a "
-                            f"{m.sliding_window}-token window on every {m.window_every} blocks{spread}"
-                            f"{kernels}")  # fmt: skip
-        return placed
-
-    def flops_per_sample(self, cfg: RunConfig) -> float | None:
-        """6 x the parameters a token passes through in matrix products (its top-k experts, the output layer) plus
-        the attention's QK^T and AV x 3: half the positions on average in full blocks, the window in windowed ones."""
-        m, seq = cfg.model, cfg.data.seq_length
-        matmul = m.num_params(embeddings=False, active=True) + m.vocab_size * m.hidden_size
-        width = m.num_heads * m.head_dim
-        keys = [min(m.sliding_window, seq) if m.windowed(i) else seq / 2 for i in range(m.num_layers)]
-        return (6 * matmul + 3 * 2 * 2 * width * sum(keys)) * seq

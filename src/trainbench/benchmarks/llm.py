@@ -29,15 +29,15 @@ from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig
 from trainbench.data import checks
 from trainbench.data.indexed import IndexedDataset, PackedSamples, find_prefixes
 from trainbench.data.steps import CycledSteps, Step, batched, eval_share, rank_share
-from trainbench.errors import ConfigError, DataError
+from trainbench.errors import DataError
+from trainbench.families.base import ModelFamily
 from trainbench.families.configs import DecoderConfig
+from trainbench.families.decoder.family import DecoderFamily
 from trainbench.mlperf import constants
 from trainbench.optim.schedules import cosine_warmup_lr
 
 if TYPE_CHECKING:
     import torch
-
-    from trainbench.distributed import DistInfo, Placed
 
 
 def run_config(name: str, preset: str, model: DecoderConfig, data: DataConfig, optimizer: OptimizerConfig,
@@ -110,80 +110,7 @@ def gpt3(preset: str) -> RunConfig:
     )  # fmt: skip
 
 
-def recompute_fewer(placed: Placed, cfg: RunConfig, device: torch.device) -> Placed:
-    """``perf.recompute_blocks``: activation checkpointing on the last N blocks only, or with ``perf.offload_blocks``
-    on N blocks spread over the depth among the others; ``perf.offload_blocks``: of the others, N (spread evenly)
-    keep their saved activations in host memory."""
-    from trainbench.families.decoder.model import recompute_last, recompute_spread
-    from trainbench.families.decoder.offload import offload_blocks
-
-    count = cfg.perf.recompute_blocks
-    if cfg.perf.activation_checkpointing and count:
-        if cfg.perf.offload_blocks:
-            chosen = recompute_spread(placed.module, count)
-            placed.notes.append(f"activation checkpointing on {count} of {cfg.model.num_layers} blocks, spread among "
-                                f"those offloaded: {_ranges(chosen)}")  # fmt: skip
-        else:
-            recompute_last(placed.module, count)
-            placed.notes.append(f"activation checkpointing on the last {count} of {cfg.model.num_layers} blocks")
-    if cfg.perf.offload_blocks or cfg.perf.offload_recomputed_inputs:
-        inputs = cfg.perf.offload_recomputed_inputs
-        offload = offload_blocks(placed.module.model.layers, cfg.perf.offload_blocks, device, inputs)
-        which = " (of the recomputed ones, their input)" if inputs else ""
-        placed.notes.append(f"saved activations of blocks {_ranges(offload.offloaded)} kept in host memory between "
-                            f"forward and backward{which}")  # fmt: skip
-    return placed
-
-
-def _ranges(indices: list[int]) -> str:
-    """0, 2, 4-9: sorted block indices, runs of consecutive ones as a range."""
-    out: list[str] = []
-    for i in indices:
-        if out and "-" not in out[-1] and int(out[-1]) == i - 1:
-            out[-1] = f"{out[-1]}-{i}"
-        elif out and "-" in out[-1] and int(out[-1].split("-")[1]) == i - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{i}"
-        else:
-            out.append(str(i))
-    return ", ".join(out)
-
-
-def kept_blocks(cfg: RunConfig) -> int:
-    """How many blocks keep their activations (are not recomputed)."""
-    if not cfg.perf.activation_checkpointing:
-        return cfg.model.num_layers
-    return cfg.model.num_layers - (cfg.perf.recompute_blocks or cfg.model.num_layers)
-
-
-# The most rows a micro-batch llama31_8b's perf.layout=auto chooses: two rows of 8,192 tokens measured 5-7 % faster a
-# token than one on one H200 (the compiled elementwise kernels, half the gradient accumulations; docs/llm.md), more
-# not measured. Chosen only where they fit with no more blocks recomputed: a recomputed block costs more than that.
-PLANNED_ROWS = 2
 EVAL_SEQUENCES = 1024  # MLPerf's C4 validation sequences (llama31_8b; a throughput run's eval set where none is set)
-
-
-def output_layer_in_fp8(cfg: RunConfig) -> None:
-    """ConfigError, one sentence, where ``model.output_precision=fp8`` cannot be honoured: without the blocks in FP8,
-    with the output layer tied to the embedding, or with a vocabulary or width FP8's products cannot take."""
-    m = cfg.model
-    if m.precision != "fp8":
-        raise ConfigError(f"model.output_precision=fp8 needs model.precision=fp8 (the blocks in FP8 too); this run "
-                          f"has model.precision={m.precision}")  # fmt: skip
-    if m.tie_embeddings:
-        raise ConfigError("model.output_precision=fp8 needs model.tie_embeddings=false: its FP8 output layer is "
-                          "built for a weight of its own, not one the embedding shares")  # fmt: skip
-    odd = [f"model.{k}={v}" for k, v in (("vocab_size", m.vocab_size), ("hidden_size", m.hidden_size)) if v % 16]
-    if odd:
-        raise ConfigError(f"model.output_precision=fp8 needs a vocabulary and width that are multiples of 16 (FP8 "
-                          f"tensor cores); {' and '.join(odd)}")  # fmt: skip
-
-
-def decoder_flops_per_token(model: DecoderConfig, seq: int) -> float:
-    """Forward and backward FLOPs per token of a decoder trained in full: 6 x the parameters in matrix products (the
-    output layer's included) plus the causal attention's QK^T and AV (half the positions on average) x 3."""
-    matmul_params = model.num_params(embeddings=False) + model.vocab_size * model.hidden_size
-    attention = 2 * 2 * model.num_layers * model.hidden_size * seq / 2
-    return 6 * matmul_params + 3 * attention
 
 
 def read_manifest(data_dir: str) -> dict:
@@ -209,7 +136,7 @@ class LLMBenchmark(Benchmark):
     metric_explanation = ("log_perplexity is the mean next-token cross entropy over the eval tokens, in nats (the "
                           "log of the perplexity); lower is better.")  # fmt: skip
     higher_is_better = False
-    shards_one_rank = True
+    family: ModelFamily = DecoderFamily()
     eval_every: int
     unused_keys = {
         "data.max_predictions": "it predicts every next token, not masked ones",
@@ -225,71 +152,8 @@ class LLMBenchmark(Benchmark):
         "perf.cuda_graphs": "its blocks are compiled without CUDA graphs",
     }
 
-    def validate(self, cfg: RunConfig) -> None:
-        from trainbench.families import fp8
-        from trainbench.families.decoder.placement import FUSED_QKV_TP
-
-        super().validate(cfg)
-        m, d = cfg.model, cfg.data
-        if m.hidden_size % m.num_heads or m.num_heads % m.kv_heads:
-            raise ConfigError(f"model: hidden_size {m.hidden_size}, heads {m.num_heads}, kv heads {m.kv_heads} "
-                              "must divide evenly")  # fmt: skip
-        if m.arch == "gpt3" and d.seq_length > m.max_seq_length:
-            raise ConfigError(f"data.seq_length={d.seq_length} exceeds model.max_seq_length={m.max_seq_length}")
-        if m.tie_embeddings and cfg.distributed.world_size > 1:
-            raise ConfigError(f"model.tie_embeddings=true runs on one rank only (sharding would untie the weights); "
-                              f"this run has {cfg.distributed.world_size} ranks")  # fmt: skip
-        if m.fused_qkv and cfg.distributed.tp > 1:
-            raise ConfigError(FUSED_QKV_TP)
-        if cfg.distributed.nproc % cfg.distributed.tp:
-            raise ConfigError(f"distributed.tp={cfg.distributed.tp} does not divide --nproc {cfg.distributed.nproc}")
-        if cfg.perf.recompute_blocks and not cfg.perf.activation_checkpointing:
-            raise ConfigError(f"perf.recompute_blocks={cfg.perf.recompute_blocks} needs "
-                              "perf.activation_checkpointing=true")  # fmt: skip
-        if cfg.perf.recompute_blocks > m.num_layers:
-            raise ConfigError(f"perf.recompute_blocks={cfg.perf.recompute_blocks} but the model has {m.num_layers} "
-                              "blocks")  # fmt: skip
-        if getattr(m, "precision", "auto") == "fp8":
-            fp8.require(cfg.device)
-        if getattr(m, "output_precision", "auto") == "fp8":
-            output_layer_in_fp8(cfg)
-        offloads = [f"perf.offload_blocks={cfg.perf.offload_blocks}"] if cfg.perf.offload_blocks else []
-        offloads += ["perf.offload_recomputed_inputs=true"] if cfg.perf.offload_recomputed_inputs else []
-        if offloads:
-            # (under perf.layout=auto the plan sets the FP8 base before the run starts)
-            if getattr(m, "base_precision", None) != "fp8" and not (cfg.perf.layout == "auto" and
-                                                                    hasattr(m, "base_precision")):  # fmt: skip
-                raise ConfigError(f"{offloads[0]}: activations are offloaded only for llama2_70b_lora with "
-                                  "model.base_precision=fp8 (whole blocks on each GPU, compiled inside their "
-                                  "checkpointing)")  # fmt: skip
-            if cfg.device == "cpu":
-                raise ConfigError(f"{offloads[0]} needs a GPU (device=cuda or auto)")
-            if getattr(m, "base_sharding", "replicate") == "fsdp":
-                raise ConfigError(f"{offloads[0]} needs model.base_sharding=replicate: a sharded block's gathered "
-                                  "weights are freed after its forward, which the copies would race")  # fmt: skip
-            if cfg.perf.offload_recomputed_inputs and not cfg.perf.activation_checkpointing:
-                raise ConfigError("perf.offload_recomputed_inputs=true but no block is recomputed "
-                                  "(perf.activation_checkpointing=false)")  # fmt: skip
-            if cfg.perf.offload_blocks > kept_blocks(cfg):
-                raise ConfigError(
-                    f"perf.offload_blocks={cfg.perf.offload_blocks} but only {kept_blocks(cfg)} "
-                    f"blocks keep their activations (perf.recompute_blocks="
-                    f"{cfg.perf.recompute_blocks} of {m.num_layers}, 0 meaning all, with "
-                    f"perf.activation_checkpointing={str(cfg.perf.activation_checkpointing).lower()})"
-                )
-
     def eval_every_samples(self, cfg: RunConfig) -> int:
         return self.eval_every
-
-    ARCH_UNUSED = {
-        "llama": {"model.max_seq_length": "the llama architecture has rotary positions"},
-        "gpt3": {"model.rope_theta": "the gpt3 architecture has learned positions"},
-    }
-
-    def unused_for(self, cfg: RunConfig) -> dict[str, str]:
-        """The benchmark's own unused keys and those of its architecture (llama: max_seq_length, gpt3: rope_theta),
-        derived from ``model.arch`` rather than listed by each benchmark."""
-        return self.unused_keys | self.ARCH_UNUSED.get(cfg.model.arch, {})
 
     # -- data -----------------------------------------------------------------------------------
     def _split(self, cfg: RunConfig, split: str) -> list[IndexedDataset]:
@@ -316,10 +180,6 @@ class LLMBenchmark(Benchmark):
             raise DataError(f"data.eval_samples={cfg.data.eval_samples} but the eval data holds {n_eval} sequences "
                             f"of {cfg.data.seq_length + 1} tokens")  # fmt: skip
 
-    def data_rank(self, cfg: RunConfig, info: DistInfo) -> tuple[int, int]:
-        tp = cfg.distributed.tp
-        return info.rank // tp, info.world_size // tp
-
     def build_data(self, cfg: RunConfig, rank: int, world_size: int, start_sample: int = 0) -> BenchmarkData:
         d = cfg.data
         train = PackedSamples(self._split(cfg, "train"), d.seq_length, cfg.seed)
@@ -338,23 +198,7 @@ class LLMBenchmark(Benchmark):
         """A batch's arrays from its token windows [rows, seq_length + 1] (here the windows alone)."""
         return lambda tokens: {"tokens": tokens}
 
-    # -- model and optimizer --------------------------------------------------------------------
-    def build_model(self, cfg: RunConfig) -> torch.nn.Module:
-        import torch
-
-        from trainbench.families.decoder.model import DecoderLM
-
-        with torch.device("meta"):
-            return DecoderLM(cfg.model)
-
-    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        from trainbench.families.decoder.placement import place_decoder
-
-        placed = place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
-                               cfg.perf.compile, cfg.seed, cfg.distributed.ep,
-                               cfg.distributed.shard_one_rank)  # fmt: skip
-        return recompute_fewer(placed, cfg, info.device)
-
+    # -- optimizer ------------------------------------------------------------------------------
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
         from trainbench.optim.adamw import AdamClipped, own_kernel_chosen
         from trainbench.optim.groups import weight_decay_split
@@ -416,9 +260,6 @@ class LLMBenchmark(Benchmark):
         return BenchmarkData(train=CycledSteps(pool, d.global_batch_size, d.micro_batch_size, rank, world_size),
                              eval=[rows(evals)], train_samples=0,
                              eval_samples=d.eval_samples or EVAL_SEQUENCES)  # fmt: skip
-
-    def flops_per_sample(self, cfg: RunConfig) -> float | None:
-        return decoder_flops_per_token(cfg.model, cfg.data.seq_length) * cfg.data.seq_length
 
     # -- MLPerf ---------------------------------------------------------------------------------
     @abstractmethod
@@ -483,56 +324,7 @@ class Llama31Benchmark(LLMBenchmark):
         "llama-1b": lambda: llama("llama-1b", LLAMA_1B, gbs=32, micro=1, lr=1e-3),
         "llama31-8b": lambda: llama("llama31-8b", LLAMA31_8B, gbs=32, micro=1, lr=1e-3),
     }
-    plans_layout = True
-
-    def plan_layout(self, cfg: RunConfig, resources, probe) -> tuple[RunConfig, list[str]]:
-        """``perf.layout=auto``: the fewest blocks recomputed (the last ones) with which the model fits each GPU,
-        FSDP2 sharding its parameters, gradients and optimizer state over the ranks (layout.sharded, from a probe of
-        two unsharded blocks on one GPU); nothing offloaded unless given. Then the rows a micro-batch: up to
-        :data:`PLANNED_ROWS` where they fit with no more blocks recomputed (a micro-batch other than the preset's is
-        kept as given). ConfigError, one sentence, where even every block recomputed does not fit."""
-        from trainbench.families.planner import MARGIN, best, describe, fixed_keys, gib, sharded, with_rows
-
-        if cfg.distributed.tp > 1:
-            raise ConfigError(f"perf.layout=auto plans FSDP2 over all the ranks; with distributed.tp="
-                              f"{cfg.distributed.tp} set the layout keys by hand (perf.layout=manual)")  # fmt: skip
-        preset = self.config(cfg.preset)
-        given = fixed_keys(cfg, preset)
-        layers, name = cfg.model.num_layers, f"{self.name}/{cfg.preset}"
-        fixed = {"perf.offload_blocks": 0, "perf.offload_recomputed_inputs": False} | given
-        fastest, smallest = best(layers, sharded(probe, resources.gpus), resources, fixed)
-        if fastest is None:
-            need, held = smallest.gpu_bytes / (1 - MARGIN), smallest.account
-            raise ConfigError(
-                f"{name} does not fit {resources.gpus} x {resources.gpu_name} of {gib(resources.gpu_bytes)}: even "
-                f"with every block recomputed it needs {gib(need)} a GPU (weights {gib(held['weights'])}, gradients "
-                f"and optimizer state {gib(held['gradients and optimizer state'])}); use more GPUs (--nproc N) or "
-                "larger ones"
-            )
-        rows, probed = cfg.data.micro_batch_size, cfg.data.micro_batch_size
-        per_rank = cfg.data.global_batch_size // resources.gpus
-        if rows == preset.data.micro_batch_size:
-            for more in range(PLANNED_ROWS, rows, -1):
-                if more % probed or per_rank % more:
-                    continue
-                plan, _ = best(layers, sharded(with_rows(probe, more // probed), resources.gpus), resources, fixed)
-                if plan is not None and plan.recompute <= fastest.recompute and plan.offload <= fastest.offload:
-                    rows, fastest = more, plan
-                    break
-        keys = fastest.keys() | ({"data.micro_batch_size": rows} if rows != cfg.data.micro_batch_size else {})
-        planned = self.with_layout(cfg, keys)
-        lines = describe(fastest, layers, resources, given, rows * cfg.data.seq_length)
-        lines[0] += f"; micro-batches of {rows} row{'s' if rows > 1 else ''}"
-        if rows != probed:
-            lines.append(f"  rows: {rows} a micro-batch, the most up to {PLANNED_ROWS} that fit with no more blocks "
-                         f"recomputed (the prediction counts a row's time as at {probed}; measured faster a token: "
-                         "docs/llm.md)")  # fmt: skip
-        if resources.gpus > 1:
-            lines[0] += f"; FSDP2 over the {resources.gpus} ranks"
-            lines.append("  not modelled: FSDP2's gathers and reduce-scatters, which overlap the compute")
-        else:
-            lines[0] += "; the whole model on the GPU"
-        return planned, lines
+    family = DecoderFamily(plans_layout=True)
 
     def waived_checks(self, cfg: RunConfig) -> frozenset[str]:
         waived = set()

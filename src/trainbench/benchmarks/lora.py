@@ -18,6 +18,7 @@ Rules followed (mlcommons/training `llama2_70b_lora`, MLPerf Training 5.1, mlper
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,18 +27,18 @@ import numpy as np
 
 from trainbench.benchmarks import lora_prepare
 from trainbench.benchmarks.base import BenchmarkData
-from trainbench.benchmarks.llm import LLMBenchmark, recompute_fewer
+from trainbench.benchmarks.llm import LLMBenchmark
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data import sft
 from trainbench.data.steps import CycledSteps, batched, eval_share
 from trainbench.errors import ConfigError, DataError
 from trainbench.families.configs import LoraModelConfig
+from trainbench.families.decoder.family import LoraFamily
 from trainbench.mlperf import constants
 
 if TYPE_CHECKING:
     import torch
 
-    from trainbench.distributed import DistInfo, Placed
 
 ANSWER_SHARE = 0.1  # of a GovReport row's tokens, the summary's (where the loss is): about a tenth
 GOVREPORT_EVAL = 173  # validation sequences MLPerf's runs log
@@ -93,7 +94,6 @@ class LoraBenchmark(LLMBenchmark):
     metric_explanation = ("eval_loss is the mean over the validation sequences of each sequence's mean cross entropy "
                           "on its answer tokens, in nats (as the reference evaluates); lower is better.")  # fmt: skip
     optimizer_name = "adamw"
-    shards_one_rank = False  # its frozen base has a sharding of its own: model.base_sharding
     full_preset = "llama2-70b"
     presets = {
         "tiny": tiny,
@@ -114,26 +114,11 @@ class LoraBenchmark(LLMBenchmark):
     }
 
     def validate(self, cfg: RunConfig) -> None:
-        import torch
-        from torch import nn
-
-        from trainbench.families.decoder.model import DecoderLM
-
         super().validate(cfg)
         m = cfg.model
         if cfg.data.seq_length > 8192 and m.rope_theta == 10000.0 and m.num_layers == 80:
             raise ConfigError(f"data.seq_length={cfg.data.seq_length}: Llama-2-70B was trained on 4096 tokens and "
                               "MLPerf fine-tunes it on 8192")  # fmt: skip
-        if not m.targets:
-            raise ConfigError("model.lora_targets names no layer; MLPerf's are qkv_proj,o_proj")
-        with torch.device("meta"):
-            linears = {n.rsplit(".", 1)[-1] for n, mod in DecoderLM(m).named_modules() if isinstance(mod, nn.Linear)}
-        unknown = [t for t in m.targets if t not in linears]
-        if unknown:
-            raise ConfigError(
-                f"model.lora_targets names '{unknown[0]}', which is not a linear layer of this model; its linear "
-                f"layers are {', '.join(sorted(linears))} (MLPerf adapts qkv_proj,o_proj)"
-            )
 
     def eval_every_samples(self, cfg: RunConfig) -> int:
         gbs = cfg.data.global_batch_size
@@ -232,127 +217,12 @@ class LoraBenchmark(LLMBenchmark):
                                                rank, world_size),
                              eval=[rows(d.eval_batch_size)], train_samples=0, eval_samples=GOVREPORT_EVAL)  # fmt: skip
 
-    def flops_per_sample(self, cfg: RunConfig) -> float | None:
-        """NVIDIA's count for a row of the 70B model (forward and backward of the frozen base and the adapters,
-        recompute excluded): 2,598 TFLOP at 80 blocks of the 70B width and 8192 tokens; per block for fewer."""
-        m = cfg.model
-        if (m.hidden_size, m.intermediate_size, m.vocab_size, cfg.data.seq_length) != (
-                LLAMA2_70B.hidden_size, LLAMA2_70B.intermediate_size, LLAMA2_70B.vocab_size, 8192):  # fmt: skip
-            return None
-        return 2598e12 * m.num_layers / LLAMA2_70B.num_layers
-
-    # -- model ----------------------------------------------------------------------------------
-    def build_model(self, cfg: RunConfig) -> torch.nn.Module:
-        import torch
-
-        from trainbench.families.decoder.model import DecoderLM
-
-        with torch.device("meta"):
-            return DecoderLM(cfg.model)
-
-    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        from trainbench.families.decoder.lora_placement import place_lora
-
-        m = dataclasses.replace(cfg.model, base_weights=self.base_weights(cfg))
-        placed = place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
-                            cfg.perf.compile, cfg.seed)  # fmt: skip
-        return recompute_fewer(placed, cfg, info.device)
-
-    # -- layout (perf.layout=auto) ----------------------------------------------------------------
-    plans_layout = True
-
-    def probe_config(self, cfg: RunConfig) -> RunConfig:
-        """Probed with the FP8 base, the one a plan picks where the GPU has FP8 (unless the base is given)."""
-        base = cfg.model.base_precision if "model.base_precision" in self._given(cfg) else "fp8"
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, base_precision=base))
-
-    def _given(self, cfg: RunConfig) -> dict:
-        from trainbench.families.planner import fixed_keys
-
-        return fixed_keys(cfg, self.config(cfg.preset))
-
-    def plan_layout(self, cfg: RunConfig, resources, probe) -> tuple[RunConfig, list[str]]:
-        """The FP8 base on every GPU with the fastest mix of kept, offloaded and recomputed blocks that fits
-        (layout.best); where no FP8 replica fits, the sentence says what would (the bf16 base sharded over GPUs)."""
-        from trainbench.families.planner import best, describe, refusal
-
-        given = self._given(cfg)
-        layers = cfg.model.num_layers
-        base = given.get("model.base_precision", "fp8" if resources.fp8 else "auto")
-        name = f"{self.name}/{cfg.preset}"
-        if base == "fp8" and not resources.fp8:
-            raise ConfigError(f"model.base_precision=fp8 needs FP8 tensor cores (compute capability 8.9 or newer); "
-                              f"{resources.gpu_name} has none: use model.base_precision=auto")  # fmt: skip
-        if base != "fp8":
-            return self._plan_sharded(cfg, resources, given)
-        if given.get("model.base_sharding") == "fsdp":
-            return self._plan_fp8_sharded(cfg, resources, probe, "model.base_sharding=fsdp was given")
-        fastest, smallest = best(layers, probe, resources, given)
-        if fastest is None and resources.gpus > 1 and "perf.offload_blocks" not in given:
-            return self._plan_fp8_sharded(cfg, resources, probe, refusal(name, smallest, layers, resources, probe))
-        if fastest is None:
-            raise ConfigError(refusal(name, smallest, layers, resources, probe))
-        planned = self.with_layout(cfg, {"model.base_precision": "fp8", **fastest.keys()})
-        tokens = cfg.data.micro_batch_size * cfg.data.seq_length
-        return planned, describe(fastest, layers, resources, given, tokens)
-
-    def _plan_fp8_sharded(self, cfg: RunConfig, resources, probe, why_not: str) -> tuple[RunConfig, list[str]]:
-        """The FP8 base sharded by FSDP2 (gathered in FP8 a block at a time), every block recomputed: where a replica
-        per GPU does not fit. Its memory: the base's shards, two gathered blocks, the inputs, one block's working."""
-        from trainbench.families.planner import GIB, MARGIN, gib
-
-        layers, world = cfg.model.num_layers, resources.gpus
-        weights = layers * probe.block_weight_bytes + probe.other_weight_bytes
-        need = (weights / world + 2 * probe.block_weight_bytes + layers * probe.input_bytes + probe.kept_bytes
-                + layers * probe.optimizer_bytes_per_block / world + probe.working_bytes)  # fmt: skip
-        if need > resources.gpu_bytes * (1 - MARGIN):
-            raise ConfigError(f"{why_not}; nor does the FP8 base sharded over {world} GPUs ({gib(need)} a GPU)")
-        planned = dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model, base_precision="fp8", base_sharding="fsdp"),
-            perf=dataclasses.replace(cfg.perf, activation_checkpointing=True, recompute_blocks=0, offload_blocks=0,
-                                     offload_recomputed_inputs=False))  # fmt: skip
-        self.validate(planned)
-        seconds = probe.head_s + layers * (2 * probe.forward_s + probe.backward_s)
-        tokens = cfg.data.micro_batch_size * cfg.data.seq_length
-        return planned, [f"layout (perf.layout=auto) for {world} x {resources.gpu_name} of {gib(resources.gpu_bytes)}: "
-                         f"no FP8 replica fits beside the activations, so the FP8 base is sharded by FSDP2 over the "
-                         f"{world} GPUs (gathered in FP8 a block at a time) and every block is recomputed",
-                         f"  predicted: {seconds:.2f} s a micro-batch ({tokens / seconds:,.0f} tokens/s a GPU before "
-                         f"the gathers' cost, not modelled), about {need / GIB:.1f} GiB a GPU"]  # fmt: skip
-
-    def _plan_sharded(self, cfg: RunConfig, resources, given: dict) -> tuple[RunConfig, list[str]]:
-        """The bf16 base sharded by FSDP2 over the ranks, every block recomputed: where its shards fit."""
-        from trainbench.families.planner import GIB, gib
-
-        params = cfg.model.num_params()
-        need = 2 * params / resources.gpus + 24 * GIB  # bf16 shards, gathered blocks, inputs, logits
-        if need > resources.gpu_bytes:
-            gpus = math.ceil(2 * params / max(1, resources.gpu_bytes - 24 * GIB))
-            raise ConfigError(f"{self.name}/{cfg.preset} with a bf16 base needs about {gib(need)} a GPU on "
-                              f"{resources.gpus} x {resources.gpu_name} of {gib(resources.gpu_bytes)}: use at least "
-                              f"{gpus} GPUs, or model.base_precision=fp8 on GPUs with FP8")  # fmt: skip
-        planned = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, activation_checkpointing=True,
-                                                                    recompute_blocks=0))  # fmt: skip
-        return planned, [f"layout (perf.layout=auto): the bf16 base sharded by FSDP2 over {resources.gpus} x "
-                         f"{resources.gpu_name}, every block recomputed (about {gib(need)} a GPU)"]  # fmt: skip
-
-    def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
-        """Which base was read, the type its files store and what the run made of it."""
-        from trainbench.families.decoder.hf_checkpoint import FLOAT_TYPES, HFCheckpoint
-
-        folder = self.base_weights(cfg)
-        if folder is None:
-            return [f"base weights: random, from seed {cfg.seed} (a throughput measurement)"]
-        with HFCheckpoint(folder) as ckpt:
-            stored = sorted({FLOAT_TYPES.get(ckpt.dtype(n), ckpt.dtype(n)) for n in ckpt.where})
-        if cfg.model.base_precision == "fp8":
-            made = "quantised to FP8 (e4m3, a scale per output channel) block by block"
-        else:
-            target = "bfloat16" if bf16 and device.type == "cuda" else "float32"
-            made = f"used as {target}" + ("" if stored == [target] else " (" + "; ".join(
-                f"{t} {'widened exactly' if _wider(target, t) else 'rounded'} to {target}" for t in stored
-                if t != target) + ")")  # fmt: skip
-        return [f"base weights: {folder}, stored as {', '.join(stored)}, {made}"]
+    @functools.cached_property
+    def family(self) -> LoraFamily:
+        """LoRA on the frozen decoder, its base read from :meth:`base_weights`; NVIDIA's count for a row of the 70B
+        model, 2,598 TFLOP at 80 blocks of its width and 8,192 tokens (forward and backward of the frozen base and the
+        adapters, recompute excluded)."""
+        return LoraFamily(self.base_weights, LLAMA2_70B, 8192, 2598e12)
 
     def end_lr(self, cfg: RunConfig) -> float:
         return cfg.schedule.end_lr if cfg.schedule.end_lr is not None else 0.0
@@ -404,9 +274,3 @@ class LoraBenchmark(LLMBenchmark):
 
     def prepare(self, args) -> int:
         return lora_prepare.prepare(args, self)
-
-
-def _wider(target: str, stored: str) -> bool:
-    """Whether every ``stored`` value is exactly a ``target`` value (float16 -> float32, bfloat16 -> float32)."""
-    bits = {"bfloat16": (8, 8), "float16": (11, 5), "float32": (24, 8), "float64": (53, 11)}  # mantissa, exponent
-    return all(a >= b for a, b in zip(bits[target], bits[stored], strict=True))

@@ -61,12 +61,12 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         raise UserError(f"--profile-steps must be 0 or more, got {profile_steps}")
     if cfg.resume:
         raise ConfigError("resume=true does not apply to trainbench bench: a measurement starts afresh")
-    layers = bench.depth(cfg)
-    depths = parse_blocks(blocks, layers, bench.block_period(cfg)) if layers is not None else None
+    layers = bench.family.depth(cfg)
+    depths = parse_blocks(blocks, layers, bench.family.block_period(cfg)) if layers is not None else None
     if blocks is not None and layers is None:
         raise UserError(f"--blocks: {bench.name}'s model has no blocks to truncate")
     if depths:
-        bench.truncated(cfg, depths[0])  # a model that cannot be cut to these depths stops before any folder
+        bench.family.truncated(cfg, depths[0])  # a model that cannot be cut to these depths stops before any folder
     family = None
     if compare is not None:
         from trainbench.train import compare_hf
@@ -90,7 +90,7 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         # Truncated: the whole model need not fit this GPU (that is what the depths are for). Each depth is planned
         # for its own blocks, all at the deepest's rows a micro-batch, which fit the shallower ones too: the rate
         # between depths is extrapolated, so they share their micro-batch. Before any folder, as below.
-        rows = planned(bench, bench.truncated(cfg, max(depths)), console.print)[0].data.micro_batch_size
+        rows = planned(bench, bench.family.truncated(cfg, max(depths)), console.print)[0].data.micro_batch_size
         plan = [f"perf.layout=auto: each depth measured is planned for its own blocks, all at {rows} row"
                 f"{'s' if rows > 1 else ''} a micro-batch (the deepest's); the whole model is not planned"]  # fmt: skip
     else:
@@ -158,14 +158,14 @@ def _truncated(cfg: RunConfig, depth: int | None, layers: int | None, run_dir: P
     if unplanned is not None and unplanned.perf.layout == "auto" and out is not None:
         from trainbench.launch.plan import planned
 
-        truncated, lines = planned(bench, bench.truncated(unplanned, depth), out.say)
+        truncated, lines = planned(bench, bench.family.truncated(unplanned, depth), out.say)
         if rows is not None and truncated.data.micro_batch_size != rows:
             truncated = bench.with_layout(truncated, {"data.micro_batch_size": rows})
             lines[:1] = [f"{lines[0]} (measured at {rows} a micro-batch, as the deepest)"] if lines else []
         for line in lines[:1]:
             out.say(f"at {depth} blocks: {line}")
     else:
-        truncated = bench.truncated(cfg, depth)
+        truncated = bench.family.truncated(cfg, depth)
     save_config(truncated, run_dir / f"config_{depth}_blocks.yaml")
     return truncated
 

@@ -104,7 +104,7 @@ def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[R
     this machine (else, as for a Slurm job, only a cached probe can be used)."""
     if cfg.perf.layout != "auto" or cfg.resume:
         return cfg, []
-    if not bench.plans_layout:
+    if not bench.family.plans_layout:
         raise ConfigError(f"perf.layout=auto: {bench.name} has no layout to plan (its keys are used as given); "
                           "set perf.layout=manual")  # fmt: skip
     if (resolve_device(cfg.device) if here else cfg.device) == "cpu":

@@ -236,14 +236,14 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
     last = raws[max(raws)]
     device = last["device"]  # as rank 0 saw it: a Slurm job's GPUs are not those where bench started
     ranks = cfg.distributed.world_size
-    per_sample = bench.tokens_per_sample(cfg)
+    per_sample = bench.family.tokens_per_sample(cfg)
     gbs = cfg.data.global_batch_size
     step_s = at_depth({d: r["seconds"] / r["steps"] for d, r in raws.items()}, layers)
     eval_s = at_depth({d: r["eval_seconds_per_sample"] for d, r in raws.items()}, layers)
     measured = "extrapolated" if depths else "measured"
     samples_per_step = last.get("samples_per_step", gbs)  # a packed row holds several samples
     samples_per_s = samples_per_step / step_s
-    flops = bench.flops_per_sample(cfg)
+    flops = bench.family.flops_per_sample(cfg)
     peak = peak_tflops(device)
     result: dict[str, Any] = {
         "kind": KIND,

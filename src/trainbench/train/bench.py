@@ -84,12 +84,12 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         "seconds": seconds,
         "samples_per_step": timed.samples / steps,
         "samples_per_s": timed.samples / seconds,
-        "tokens_per_s": timed.samples * bench.tokens_per_sample(cfg) / seconds,
+        "tokens_per_s": timed.samples * bench.family.tokens_per_sample(cfg) / seconds,
         "mean_loss": timed.loss,
         "peak_memory_gib": peak,
         "eval_seconds_per_sample": eval_seconds_per_row / info.world_size,  # each rank its own rows, side by side
         "eval_samples": run.data.eval_samples,
-        "notes": run.placed.notes + bench.model_notes(cfg, info.device, run.bf16),
+        "notes": run.placed.notes + bench.family.model_notes(cfg, info.device, run.bf16),
         "profile": timed.profile,
         "router": router,
         "device": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
@@ -126,7 +126,7 @@ def _does_not_fit(cfg: RunConfig, bench: Benchmark, info: DistInfo, exc: torch.O
     peak = torch.cuda.max_memory_allocated(info.device) / 2**30
     asked = re.search(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)", str(exc))
     failed = f"an allocation of {asked.group(1)} failed" if asked else "an allocation failed"
-    layers = bench.depth(cfg)
+    layers = bench.family.depth(cfg)
     at = f" at {layers} blocks" if layers else ""
     ways = ["measure fewer blocks (--blocks)"] if layers and layers > 2 else []
     micro = cfg.data.micro_batch_size
@@ -179,7 +179,7 @@ def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, profi
         if profile_steps:
             out.say(f"  profiling {profile_steps} more steps")
             profile = _profiled(lambda k: one(warmup + steps + k, next(it)), profile_steps, run_dir, info,
-                                bench.depth(cfg))  # fmt: skip
+                                bench.family.depth(cfg))  # fmt: skip
     finally:
         batches.close()
     loss = float(all_reduce_sum(totals.loss_sum.clone(), info)) / (warmup + steps + profile_steps)

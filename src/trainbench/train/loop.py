@@ -123,7 +123,7 @@ def announce(out: RunConsole, cfg: RunConfig, bench: Benchmark, run: RunSetup, i
         f"{'>=' if bench.higher_is_better else '<='} {cfg.eval.target}"
     )
     threads = [info.threads_note] if info.threads_note else []
-    for note in threads + run.placed.notes + bench.model_notes(cfg, info.device, run.bf16):
+    for note in threads + run.placed.notes + bench.family.model_notes(cfg, info.device, run.bf16):
         out.say(f"run {index}: {note}")
 
 

@@ -105,7 +105,7 @@ def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | Non
     limit_gpu_memory(cfg, info.device)
     bf16 = uses_bf16(cfg, info.device)
     seed_everything(cfg.seed)
-    placed = bench.place(bench.build_model(cfg), cfg, info, bf16)
+    placed = bench.family.place(bench.family.build_model(cfg), cfg, info, bf16)
     optimizer = bench.build_optimizer(cfg, placed.module)
     eval_every = cfg.eval.every_samples or bench.eval_every_samples(cfg)
     first_eval = bench.first_eval_samples(cfg, eval_every)
@@ -114,7 +114,7 @@ def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | Non
         state = checkpoint.load(ckpt, placed.module, optimizer, info)
         state.resumed += 1
     # The data stream is in rows: step x GBS of them were consumed (a packed row holds several samples).
-    data_rank, data_ranks = bench.data_rank(cfg, info)
+    data_rank, data_ranks = bench.family.data_rank(cfg, info)
     if synthetic:
         data = bench.bench_data(cfg, data_rank, data_ranks)
     else:

@@ -1,0 +1,104 @@
+"""What a model family gives the loop and the measurements: the model, where it runs and how fast.
+
+A family owns everything about one kind of model: its architecture (``model.py`` beside this file's packages), its
+placement over the ranks (DDP, FSDP2, tensor and expert parallelism), its speed paths (FP8, host offload,
+recomputation, kernels of its own), its layout plan (``perf.layout=auto``) and the hooks `trainbench bench` needs to
+cut it to fewer blocks and count its work. A :class:`~trainbench.benchmarks.base.Benchmark` is MLPerf's recipe around
+a family (presets, data, optimizer, loss and metric, eval cadence, rules) and names its family in ``family``; the
+loop reaches the model through ``benchmark.family`` and never asks which family it runs. docs/extending.md says how
+to add one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from trainbench.config import RunConfig
+from trainbench.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainbench.distributed import DistInfo, Placed
+
+
+class ModelFamily(ABC):
+    """One kind of model: built, placed, checked, planned and measured. Stateless apart from what its constructor
+    takes; one instance may serve several benchmarks."""
+
+    name: str
+    """The family's name, for messages (``decoder``, ``encoder``, ``mmdit``, ``hstu``)."""
+    has_experts = False
+    """Whether its model has a mixture of experts that ``distributed.ep`` can spread over the ranks."""
+    shards_one_rank = False
+    """Whether its placement can shard the model with FSDP2 on one rank too (``distributed.shard_one_rank``)."""
+    plans_layout = False
+    """Whether ``perf.layout=auto`` chooses its layout keys (:meth:`plan_layout`)."""
+
+    # -- checks ---------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def validate(self, cfg: RunConfig) -> None:
+        """ConfigError, one sentence, for a shape, placement or speed path this family cannot run as configured."""
+
+    def unused_for(self, cfg: RunConfig) -> dict[str, str]:
+        """Config keys this family's model does not read for ``cfg`` (e.g. those of another architecture), with why."""
+        return {}
+
+    # -- model and placement --------------------------------------------------------------------------------------
+    @abstractmethod
+    def build_model(self, cfg: RunConfig) -> torch.nn.Module:
+        """The model, on the CPU or the meta device; :meth:`place` puts it on the rank's devices."""
+
+    @abstractmethod
+    def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
+        """Put ``model`` on the rank's device with the family's parallelism, compilation and speed paths, applied
+        from outside the architecture."""
+
+    def data_rank(self, cfg: RunConfig, info: DistInfo) -> tuple[int, int]:
+        """(rank, ranks) among the data-parallel replicas: which share of each global batch this rank reads."""
+        return info.rank, info.world_size
+
+    def model_notes(self, cfg: RunConfig, device: torch.device, bf16: bool) -> list[str]:
+        """Lines for the run's console on choices made for this machine (e.g. which kernel ``auto`` picked)."""
+        return []
+
+    # -- layout (perf.layout=auto) --------------------------------------------------------------------------------
+    def probe_config(self, cfg: RunConfig, preset: RunConfig) -> RunConfig:
+        """The config the layout probe measures: the run's, with what the plan may choose set to be probed (keys
+        moved from ``preset``, the config of ``cfg``'s preset, are the user's)."""
+        return cfg
+
+    def plan_layout(self, cfg: RunConfig, preset: RunConfig, resources, probe) -> tuple[dict[str, Any], list[str]]:
+        """The layout keys chosen for ``resources`` (planner.Resources) from ``probe`` (planner.BlockProbe), as
+        ``{key: value}``, and the console lines saying what and why; ``preset`` is the config of ``cfg``'s preset
+        (keys moved from it are the user's, kept as given). ConfigError where nothing fits."""
+        raise ConfigError(f"perf.layout=auto: the {self.name} family has no layout to plan")
+
+    # -- throughput (trainbench bench) ----------------------------------------------------------------------------
+    def depth(self, cfg: RunConfig) -> int | None:
+        """The model's depth in the blocks `trainbench bench --blocks` truncates it by (None: none to truncate). A
+        block is the unit the step time grows by in a straight line, so that a few truncated depths extrapolate to
+        the model's own: a decoder's layer by default."""
+        return getattr(cfg.model, "num_layers", None)
+
+    def block_period(self, cfg: RunConfig) -> tuple[int, str]:
+        """After how many blocks the model's blocks repeat (1: all alike), and what alternates, for a sentence: the
+        depths `trainbench bench --blocks` measures must lie a multiple of it apart, so that each difference between
+        them adds whole repeats and the slope is that of the model's average block."""
+        return 1, ""
+
+    def truncated(self, cfg: RunConfig, depth: int) -> RunConfig:
+        """``cfg`` with its model cut to ``depth`` of :meth:`depth`'s blocks (UserError, one sentence, where it cannot
+        be cut that way)."""
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth))
+
+    def tokens_per_sample(self, cfg: RunConfig) -> int:
+        """Tokens one sample of the global batch counts (a row of the sequence length by default)."""
+        return cfg.data.seq_length
+
+    def flops_per_sample(self, cfg: RunConfig) -> float | None:
+        """Floating-point operations of one sample's forward and backward as NVIDIA counts them for its MLPerf
+        submissions (recompute excluded), for the MFU; None where no count is defined."""
+        return None
