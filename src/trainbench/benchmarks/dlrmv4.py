@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.benchmarks.prepare_common import claim, progress_bar, synthetic_sizes, write_manifest
@@ -29,9 +27,11 @@ from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig
 from trainbench.data import yambda
 from trainbench.data.steps import CycledSteps
 from trainbench.errors import ConfigError, DataError, UserError
+from trainbench.families.configs import HstuConfig
 from trainbench.families.hstu.family import HstuFamily
-from trainbench.families.hstu.model import HstuConfig
-from trainbench.optim.rowwise_adagrad import AdamRowWiseAdagrad
+
+if TYPE_CHECKING:
+    import torch
 
 TRAIN_SAMPLES = 2_290_835_423  # the rules' training samples (the reference's anchors of Yambda-5B)
 EVAL_SAMPLES = 2_058_204
@@ -222,6 +222,8 @@ class Dlrmv4Benchmark(Benchmark):
 
     # -- optimizer ------------------------------------------------------------------------------
     def build_optimizer(self, cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+        from trainbench.optim.rowwise_adagrad import AdamRowWiseAdagrad
+
         o = cfg.optimizer
         tables = {id(p) for p in model.table_parameters()}
         dense = [p for p in model.parameters() if id(p) not in tables]
@@ -235,15 +237,21 @@ class Dlrmv4Benchmark(Benchmark):
 
     # -- the step -------------------------------------------------------------------------------
     def loss_weights(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        import torch
+
         return torch.tensor([batch["label"].shape[0]], dtype=torch.float32, device=batch["label"].device)
 
     def loss(self, model, batch, weights):
+        import torch.nn.functional as F
+
         logits = model(batch)
         return F.binary_cross_entropy_with_logits(logits.float(), batch["label"], reduction="sum") / weights[0]
 
     def eval_sums(self, model, batch) -> torch.Tensor:
         """Each eval sample's logit and label at its place in the eval set ([2 x eval size], float64, zeros
         elsewhere): summed over batches and ranks they are the whole set's, exactly."""
+        import torch
+
         size = int(batch["eval_size"][0])
         out = torch.zeros(2 * size, dtype=torch.float64, device=batch["label"].device)
         index = batch["index"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainbench.config import option
+from trainbench.errors import ConfigError
 
 
 @dataclass(kw_only=True)
@@ -286,3 +287,90 @@ class FluxConfig:
         embed += (h * h + h) + (self.context_dim * h + h)
         final = (h * 2 * h + 2 * h) + (h * self.in_channels + self.in_channels)
         return embed + self.double_blocks * 2 * stream + self.single_blocks * single + final
+
+
+# -- dlrmv4: the HSTU ranker ----------------------------------------------------------------------------------------
+# The columns of an anchor event a cross feature may combine (data/yambda.py computes each anchor's).
+CROSS_KEYS = ("uid", "item_id", "artist_id", "album_id", "hour_of_day", "is_organic")
+# The reference's seven crosses and their table sizes (dlrm_v3/configs.py, YAMBDA_5B_CROSS_SPECS).
+REFERENCE_CROSSES = ("uid*artist_id:100000000,uid*album_id:40000000,uid*hour_of_day:24000000,"
+                     "item_id*hour_of_day:40000000,artist_id*hour_of_day:32000000,uid*is_organic:2000000,"
+                     "uid*artist_id*hour_of_day:40000000")  # fmt: skip
+ACTIONS = 9  # an event's pool bits (listen-plus 1, like 2, skip 4: 0..7) and 8, the candidate's unknown action
+CANDIDATE_ACTION = 8
+
+
+@dataclass(frozen=True)
+class Cross:
+    """A hashed cross feature: its anchor columns and its table's rows."""
+
+    keys: tuple[str, ...]
+    rows: int
+
+    @property
+    def name(self) -> str:
+        return "_x_".join(self.keys)
+
+
+def parse_crosses(spec: str) -> list[Cross]:
+    """``model.cross_features`` (``a*b:rows,...``) as crosses; one sentence where it is malformed or names a column
+    an anchor event does not have."""
+    crosses = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        keys, sep, rows = part.partition(":")
+        if not sep or not rows.strip().isdigit() or int(rows) < 1:
+            raise ConfigError(f"model.cross_features: {part!r} is not COLUMN*COLUMN:ROWS (e.g. uid*artist_id:1000)")
+        names = tuple(k.strip() for k in keys.split("*"))
+        missing = [k for k in names if k not in CROSS_KEYS]
+        if missing:
+            raise ConfigError(f"model.cross_features: {part!r} names {', '.join(missing)}, which the data has no "
+                              f"column for (an anchor event has {', '.join(CROSS_KEYS)})")  # fmt: skip
+        crosses.append(Cross(names, int(rows)))
+    return crosses
+
+
+@dataclass(kw_only=True)
+class HstuConfig:
+    """The run config's ``model`` section for dlrmv4 (defaults: the reference's shape, dlrm_v3/configs.py)."""
+
+    embedding_dim: int = option(512, "Width of every embedding table's rows.", at_least=1)
+    model_dim: int = option(512, "Width of the HSTU layers' residual stream (the reference's transducer dim).",
+                            at_least=1)  # fmt: skip
+    num_layers: int = option(5, "HSTU layers.", at_least=1)
+    num_heads: int = option(4, "Attention heads of each HSTU layer.", at_least=1)
+    attention_dim: int = option(128, "Query and key width per head.", at_least=1)
+    linear_dim: int = option(128, "Value and gate (U) width per head.", at_least=1)
+    input_dropout: float = option(0.2, "Dropout on the sequence's input embeddings.", at_least=0, below=1)
+    linear_dropout: float = option(0.1, "Dropout on each layer's gated output before its projection.", at_least=0,
+                                   below=1)  # fmt: skip
+    uid_rows: int = option(1_000_000, "Rows of the user table: user ids must lie below it.", at_least=1)
+    item_rows: int = option(9_390_000, "Rows of the track table (history and candidate).", at_least=1)
+    artist_rows: int = option(1_290_000, "Rows of the artist table.", at_least=1)
+    album_rows: int = option(3_370_000, "Rows of the album table.", at_least=1)
+    cross_features: str = option(REFERENCE_CROSSES, "Hashed cross features, COLUMN*COLUMN:ROWS,... over the anchor "
+                                 f"event's columns ({', '.join(CROSS_KEYS)}).")  # fmt: skip
+    history_length: int = option(2048, "History events a sample keeps: the newest third of each pool (listen-plus, "
+                                 "like, skip) before the candidate.", at_least=3)  # fmt: skip
+
+    @property
+    def crosses(self) -> list[Cross]:
+        return parse_crosses(self.cross_features)
+
+    @property
+    def contextual(self) -> int:
+        """Contextual tokens: the user's and one per cross feature."""
+        return 1 + len(self.crosses)
+
+    @property
+    def history(self) -> int:
+        """History positions of a sample: three pools of ``history_length // 3``."""
+        return 3 * (self.history_length // 3)
+
+    @property
+    def sequence_length(self) -> int:
+        return self.contextual + self.history + 1
+
+    def table_rows(self) -> dict[str, int]:
+        """Every embedding table and its rows, in the order the model holds them."""
+        rows = {"uid": self.uid_rows, "item": self.item_rows, "artist": self.artist_rows, "album": self.album_rows}
+        return rows | {c.name: c.rows for c in self.crosses}
