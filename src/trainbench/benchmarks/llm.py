@@ -155,9 +155,10 @@ def kept_blocks(cfg: RunConfig) -> int:
     return cfg.model.num_layers - (cfg.perf.recompute_blocks or cfg.model.num_layers)
 
 
-# The most rows a micro-batch llama31_8b's perf.layout=auto chooses: two rows of 8,192 tokens measured 5-7 % faster a
-# token than one on one H200 (the compiled elementwise kernels, half the gradient accumulations; docs/llm.md), more
-# not measured. Chosen only where they fit with no more blocks recomputed: a recomputed block costs more than that.
+# The most rows a micro-batch llama31_8b's perf.layout=auto chooses: two rows of 8,192 tokens measured faster a token
+# than one (the compiled elementwise kernels, half the gradient accumulations; docs/llm.md, "Blocks recomputed, chosen
+# by the tool"), more not measured. Chosen only where they fit with no more blocks recomputed: a recomputed block costs
+# more than that.
 PLANNED_ROWS = 2
 EVAL_SEQUENCES = 1024  # MLPerf's C4 validation sequences (llama31_8b; a throughput run's eval set where none is set)
 
