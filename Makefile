@@ -16,6 +16,8 @@ PYTEST := $(BIN)/python -m pytest -n auto --dist loadgroup
 # python3 that holds torch (a GPU machine's own image: trainbench from src/).
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 GPU_PYTEST := PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pytest -q --dist load
+# The single-GPU tier's modules, one a subject: every tests/test_gpu_*.py but the multi-GPU one.
+GPU_TESTS := $(filter-out tests/test_gpu_multi.py,$(sort $(wildcard tests/test_gpu_*.py)))
 
 .PHONY: demo test test-all test-gpu test-gpu-multi lint clean image
 
@@ -38,8 +40,8 @@ test-all: lint
 
 # One GPU: three workers share it, then the tests that measure its speed run with it to themselves.
 test-gpu:
-	$(GPU_PYTEST) -n 3 -m "gpu and not multigpu and not alone" tests/test_gpu.py
-	$(GPU_PYTEST) -n 0 -m "gpu and alone" tests/test_gpu.py
+	$(GPU_PYTEST) -n 3 -m "gpu and not multigpu and not alone" $(GPU_TESTS)
+	$(GPU_PYTEST) -n 0 -m "gpu and alone" $(GPU_TESTS)
 
 # Two GPUs or more of one host: every parallel path over NCCL, three workers sharing the first two GPUs.
 test-gpu-multi:

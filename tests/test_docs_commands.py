@@ -36,7 +36,10 @@ def documented() -> list[tuple[str, str]]:
     """(where, command line) of every documented command."""
     sources = {p.relative_to(REPO).as_posix(): p.read_text() for p in [REPO / "README.md", *REPO.glob("docs/*.md")]}
     sources |= {
-        f"trainbench {n} --help": getattr(cli, f"EXAMPLES_{n.upper()}") for n in ("run", "submit", "prepare", "bench")
+        "trainbench run --help": cli.run.EXAMPLES_RUN,
+        "trainbench submit --help": cli.run.EXAMPLES_SUBMIT,
+        "trainbench prepare --help": cli.data.EXAMPLES_PREPARE,
+        "trainbench bench --help": cli.bench.EXAMPLES_BENCH,
     }
     sources |= {f"trainbench prepare {b.name} --help": b.prepare_examples for b in BENCHMARKS.values()}
     found = []

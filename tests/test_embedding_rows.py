@@ -1,5 +1,5 @@
 """families/decoder/embedding_rows: an embedding whose backward adds its gradient into .grad by the rows a micro-batch
-touches, against torch's embedding and autograd's accumulation (tests/test_gpu.py holds it to them on CUDA too)."""
+touches, against torch's embedding and autograd's accumulation (tests/test_gpu_llm.py holds it to them on CUDA too)."""
 
 import pytest
 import torch

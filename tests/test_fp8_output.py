@@ -1,5 +1,5 @@
 """The output layer and its cross entropy in FP8 (families/decoder/fp8_output.py), on the CPU: the same values the CUDA
-kernels compute (tests/test_gpu.py compares the two), against torch's cross entropy in fp32."""
+kernels compute (tests/test_gpu_fp8.py compares the two), against torch's cross entropy in fp32."""
 
 import pytest
 import torch

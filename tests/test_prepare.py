@@ -589,12 +589,12 @@ def test_flex_attention_and_dense_masks_give_the_same_packed_loss():
     for attention in ("auto", "sdpa"):
         torch.manual_seed(0)
         model = BertForPreTraining(dataclasses.replace(cfg, packed_attention=attention)).eval()
-        with torch.no_grad():  # FlexAttention's backward needs CUDA (tests/test_gpu.py covers it there)
+        with torch.no_grad():  # FlexAttention's backward needs CUDA (tests/test_gpu_bert.py covers it there)
             assert model.packed_kernel(torch.device("cpu")) == ("flex" if attention == "auto" else "sdpa")
             losses.append(bench.loss(model, batch, bench.loss_weights(batch)).item())
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     # Training with attention dropout in fp32 keeps the dense path: FlexAttention has no dropout. In bf16 on
-    # CUDA the varlen flash kernel takes packed rows, dropout or not (tests/test_gpu.py).
+    # CUDA the varlen flash kernel takes packed rows, dropout or not (tests/test_gpu_bert.py).
     dropout = BertForPreTraining(dataclasses.replace(cfg, attention_dropout=0.1)).train()
     assert dropout.packed_kernel(torch.device("cuda")) == "sdpa"
     import trainbench.families.encoder.model as bert

@@ -1,5 +1,6 @@
 """The lazy builder behind trainbench's Triton kernels (fp8.py, glu_kernel.py): built once on first use, None where
-Triton is absent (the kernels themselves are checked against their torch forms in tests/test_gpu.py)."""
+Triton is absent (the kernels themselves are checked against their torch forms in tests/test_gpu_fp8.py and
+tests/test_gpu_moe.py)."""
 
 import sys
 import types

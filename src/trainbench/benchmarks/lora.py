@@ -100,8 +100,8 @@ class LoraBenchmark(LLMBenchmark):
         "llama2-70b": lambda: _full(),
     }
     synthetic_sizes = {"tiny": {"train": 6000, "eval": 173}}
-    # Expandable segments: at 70B on one H200 the caching allocator otherwise strands about 8 GiB between its blocks,
-    # 4 more recomputed blocks' worth (docs/notes/lora-fp8-one-gpu.md).
+    # Expandable segments: at 70B on one GPU the caching allocator otherwise strands several recomputed blocks' worth
+    # of memory between its blocks (docs/notes/lora-fp8-one-gpu.md, "3. Fragmentation: expandable segments").
     cuda_alloc_conf = "expandable_segments:True"
     unused_keys = LLMBenchmark.unused_keys | {
         "data.eval_samples": "it evaluates every validation sequence, as MLPerf's rules ask",

@@ -41,8 +41,8 @@ from trainbench.errors import DataError, UserError
 ALL_FORMATS = ("fixed", "varlength", "bins", "packed")
 BINS = (128, 256, 384, 512)  # the 4-bin split by sequence length
 _TABLE = ("offset", "len_a", "nsp", "mask_offset")  # columns of a chunk's per-instance table
-# Peak memory of one worker per MB of chunk text, plus its fixed cost (measured: 368 MB at --chunk-mb 4,
-# 1.0 GB at --chunk-mb 16, the same for a 21 MB and a 41 MB corpus; see docs/performance.md).
+# Peak memory of one worker per MB of chunk text, plus its fixed cost (measured at --chunk-mb 4 and 16 on two
+# corpora: docs/notes/data-preparation.md, "BERT data preparation").
 _WORKER_MB_PER_CHUNK_MB = 55
 _WORKER_BASE_MB = 200
 

@@ -2,10 +2,10 @@
 
 The forward quantises its input per row (one scale per token) and multiplies on the FP8 tensor cores
 (``torch._scaled_mm``, rowwise scales, bf16 out). The backward needs the gradient of the input only (the weight is
-frozen): ``dx = dy @ W = (dy * s) @ Wq`` with ``s`` the weight's per-output-channel scales, so the scaled gradient
-is quantised per row and multiplied by the same FP8 weight, transposed on the fly (a copy of one layer at a time,
-not a second copy of the model) by a tiled Triton transpose: 0.47 ms for a 70B block's five weights on an H200,
-against 5.2 ms through torch's float8 copy (perf/fp8_transpose.py). LoRA adapters (a forward hook on the same
+frozen): ``dx = dy @ W = (dy * s) @ Wq`` with ``s`` the weight's per-output-channel scales, so the scaled gradient is
+quantised per row and multiplied by the same FP8 weight, transposed on the fly (a copy of one layer at a time, not a
+second copy of the model) by a tiled Triton transpose, about a tenth of the time of torch's float8 copy
+(perf/fp8_transpose.py; the figures: docs/performance.md, "Llama-2-70B LoRA"). LoRA adapters (a forward hook on the same
 layer) stay in bf16/fp32.
 
 Off CUDA (tests) the product is taken with the dequantised weight, in the input's precision: the same numbers

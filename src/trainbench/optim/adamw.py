@@ -3,9 +3,10 @@
 On CUDA the update of each large fp32 parameter (``OWN_KERNEL_MIN`` elements or more: the experts', the attention
 projections', the embedding and the output layer) is one pass of a Triton kernel of our own (``tb_adamw``): it reads
 the parameter, its gradient and the two moments and writes the three back, the arithmetic of torch's fused AdamW in
-fp32. torch's fused kernel moved those 28 bytes a parameter at about 2.1 TB/s on an H200 in the model's profile
-(``perf/adamw.py`` measures both, and torch's update compiled); the smaller parameters keep torch's fused update,
-where a launch each would cost more than it saves. The CPU keeps torch's update, so CPU runs repeat bit for bit.
+fp32. torch's fused kernel moved those 28 bytes a parameter well below the GPU's bandwidth in the model's profile
+(docs/gpt_oss.md, "The optimizer's update in one pass of our own"; ``perf/adamw.py`` measures both, and torch's update
+compiled); the smaller parameters keep torch's fused update, where a launch each would cost more than it saves. The CPU
+keeps torch's update, so CPU runs repeat bit for bit.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ OWN_KERNEL_BLOCK = 1024  # elements a program (perf/adamw.py: 1,024 the fastest 
 
 def own_kernel_chosen(choice: str, world_size: int) -> bool:
     """Whether ``perf.optimizer_kernel``'s ``choice`` puts the large parameters on ``tb_adamw``. ``auto``: on one rank,
-    where the update alone took 14 % less time than torch's fused one on an H200; not over several ranks, where whole
-    steps on 4 H200 measured 0.6 % (llama31_8b) and 1.2 to 6.7 % (gpt_oss_20b in FP8) slower with it than with torch's
-    update in the same calls (docs/performance.md)."""
+    where the update alone took less time than torch's fused one; not over several ranks, where whole steps of
+    llama31_8b and gpt_oss_20b in FP8 were slower with it than with torch's update in the same calls (the figures:
+    docs/performance.md, "The optimizer's update over several ranks")."""
     return choice == "own" or (choice == "auto" and world_size == 1)
 
 

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from trainbench.distributed import DistInfo, Placed
 
 # The most rows a micro-batch llama31_8b's perf.layout=auto chooses: two rows of 8,192 tokens measured faster a token
-# than one on one H200 (the compiled elementwise kernels, half the gradient accumulations; docs/llm.md), more not
-# measured. Chosen only where they fit with no more blocks recomputed: a recomputed block costs more than that.
+# than one (the compiled elementwise kernels, half the gradient accumulations; docs/llm.md, "Blocks recomputed, chosen
+# by the tool"), more not measured. Chosen only where they fit with no more blocks recomputed: a recomputed block costs
+# more than that.
 PLANNED_ROWS = 2
 
 

@@ -8,11 +8,11 @@ each row's expert's bias where the block has biases. Two activations:
   ``(up + 1) * gate * sigmoid(alpha * gate)``.
 
 Compiled as tensor operations, the activation's backward (two strided slices' gradients, the clamps' masks, the bias
-recomputed by its expert index) fused with the FP8 cast of its result into a two-pass row reduction that recomputed
-all of it twice: 8 ms a micro-batch of 131,584 rows on an H200, about six times its bytes' time; the forward, fused
-with the FP8 cast of the activation the same way, took 2 ms. Here each is one opaque op: on CUDA a Triton kernel that
-reads ``h`` (with the bias) and, backward, the output's gradient once, and writes its result once, in fp32
-arithmetic; elsewhere (and for float64) the same formulas in torch. The FP8 casts that follow read the result.
+recomputed by its expert index) fused with the FP8 cast of its result into a two-pass row reduction that recomputed all
+of it twice, several times its bytes' time, and the forward, fused with the FP8 cast of the activation the same way, was
+slow too (the figures: docs/gpt_oss.md, "The activation and the weights' casts"). Here each is one opaque op: on CUDA a
+Triton kernel that reads ``h`` (with the bias) and, backward, the output's gradient once, and writes its result once, in
+fp32 arithmetic; elsewhere (and for float64) the same formulas in torch. The FP8 casts that follow read the result.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 Compilation is per block: the bf16 layout compiles each block with its checkpointing (as the pretraining decoder
 does); the FP8 layout compiles inside the checkpointing, so a recomputed block keeps nothing of what its compiled
 graph would save for the backward (compiled around it, every FP8 block's activations stayed alive: out of memory at
-80 layers on one H200). On 2 H200 the bf16 layout was 8-10 % slower compiled inside (docs/notes/lora.md).
+80 layers on one H200). On 2 GPUs the bf16 layout was slower compiled inside (docs/lora.md, "FP8 frozen base").
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ FULL_INIT_MAX_PARAMS = 2_000_000_000
 # Inductor options for a compiled block (they concern its Triton kernels only, so the CPU's code is unchanged). A
 # block's backward fuses each RMSNorm's backward, a row reduction, with the FP8 cast of the norm's output that the
 # weight gradients' GEMMs read transposed; left to Inductor's defaults, that fused kernel writes the transposed
-# bytes one at a time (0.6 ms a call at 8,192 x 4,096 on an H200). Tiled reductions, and the norm weight's column
-# sums in a kernel of their own (no mix-order reduction), make those writes coalesced: about 0.6 ms less a block and
-# micro-batch at the 8B width (docs/notes/llm.md, "Inductor's tiling").
+# bytes one at a time. Tiled reductions, and the norm weight's column sums in a kernel of their own (no mix-order
+# reduction), make those writes coalesced: less time a block and micro-batch at the 8B width (the figures:
+# docs/notes/llm.md, "Inductor's tiling"; docs/llm.md, "FP8 training").
 BLOCK_COMPILE_OPTIONS = {"triton.tile_reductions": True, "triton.prefer_nd_tiling": True,
                          "triton.mix_order_reduction": False}  # fmt: skip
 

@@ -1,0 +1,132 @@
+"""`trainbench bench`: the machine's training throughput on a benchmark, and its summary on the console."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainbench.cli.run import list_systems, on_system, run_overrides
+from trainbench.errors import UserError
+
+EXAMPLES_BENCH = """examples:
+  trainbench bench llama2_70b_lora --preset llama2-70b      (its layout planned for this GPU: perf.layout=auto)
+  trainbench bench llama31_8b --preset llama31-8b model.precision=fp8 --blocks 2,6
+  trainbench bench bert --preset tiny --steps 5 --warmup 2
+"""
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="measure the machine's training throughput on a benchmark (not a time-to-train result)",
+        description="Train BENCH's model, placed as `trainbench run` places it, on rows made in memory and shaped "
+        "like its data: time --steps optimizer steps after --warmup, and one eval batch. Prints and writes "
+        "bench.json: samples and tokens per second (per rank too), MFU, peak memory, energy per token, and the "
+        "time to train projected from the ruleset's reference convergence points. No MLPerf log is written.",
+        epilog=EXAMPLES_BENCH,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
+    bench.add_argument("--preset", help="starting config (default: the benchmark's MLPerf shape)")
+    bench.add_argument("--config", action="append", default=[], metavar="FILE.yaml", help="YAML overrides; may repeat")
+    bench.add_argument("--steps", type=int, default=10, help="timed optimizer steps (default 10)")
+    bench.add_argument("--warmup", type=int, default=3, help="optimizer steps before the timing (default 3)")
+    bench.add_argument("--nproc", type=int, help="processes on this node (GPUs or CPU ranks); >1 uses torchrun")
+    bench.add_argument(
+        "--system",
+        help="measure as a Slurm job on this system (systems/NAME.yaml, built in, or a YAML "
+        "path; ? lists them): its nodes and ranks, its container",
+    )
+    bench.add_argument("--blocks", metavar="N,M", help="measure these truncated depths and extrapolate to the "
+                       "model's (a model that does not fit); every figure is then labelled extrapolated")  # fmt: skip
+    bench.add_argument(
+        "--profile-steps",
+        type=int,
+        default=2,
+        metavar="N",
+        help="on a GPU, profile N more steps after the timed ones: the step's split (compute, exposed "
+        "communication, idle) and its GPU time by kind of kernel (default 2; 0: none)",
+    )
+    bench.add_argument(
+        "--memory-snapshot",
+        action="store_true",
+        help="on a GPU, record every allocation: memory_peak.pickle (pytorch.org/memory_viz) and "
+        "memory_peak.txt, the bytes held at the end by the code that allocated them (memory_oom.* where "
+        "an allocation fails)",
+    )
+    bench.add_argument("--ruleset", help="ruleset whose reference convergence points the projection uses")
+    bench.add_argument("--compare", choices=("hf", "hf-compiled"), help="hf: also time HF transformers (+ peft for "
+                       "LoRA; diffusers for flux1), eager and compiled, at the same shape and depth, in the same "
+                       "call (one process); hf-compiled: compiled only (at large shapes the eager step is slow "
+                       "and may not fit)")  # fmt: skip
+    bench.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+
+def cmd_bench(args) -> int:
+    from trainbench.benchmarks import get_benchmark
+    from trainbench.console import console
+    from trainbench.launch.bench import run_bench
+    from trainbench.launch.local import build_config
+    from trainbench.report import bench_report
+
+    overrides = run_overrides(args)
+    system = None
+    if args.system == "?":
+        return list_systems()
+    if args.system is not None:
+        if args.nproc is not None:
+            raise UserError("--nproc and --system both say how many ranks: the system's file says it for --system")
+        system, cfg, bench = on_system(args.benchmark, args.preset, args.config, overrides, args.system)
+    else:
+        preset = args.preset or get_benchmark(args.benchmark).full_preset
+        bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
+    command = ["trainbench", *sys.argv[1:]]
+    run_dir, raws, layers, depths, peers = run_bench(
+        bench, cfg, args.steps, args.warmup, args.blocks, args.compare, args.profile_steps, system, command,
+        args.memory_snapshot)  # fmt: skip
+    result = bench_report.summarise(bench, cfg, raws, layers, depths, peers)
+    bench_report.save(run_dir, result)
+    console.print(bench_summary(result), markup=False)
+    console.print(f"results: {run_dir}  ({run_dir / 'bench.json'})")
+    return 0
+
+
+def bench_summary(r: dict) -> str:
+    """bench.json in a few lines."""
+    how = r["figures"] + (f" from {', '.join(map(str, r['blocks_measured']))} of {r['blocks']} blocks"
+                          if r["blocks_measured"] else "")  # fmt: skip
+    lines = [f"{r['benchmark']}/{r['preset']} on {r['ranks']} x {r['device']} ({how}; {r['kind']}):",
+             f"  {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_per_rank']:,.0f} per rank), "
+             f"{r['samples_per_s']:,.2f} samples/s, {r['step_seconds']:.3f} s a step of "
+             f"{r['samples_per_step']:,.0f} samples"
+             + (f" in {r['global_batch_size']} packed rows" if r["samples_per_step"] != r["global_batch_size"]
+                else "")]  # fmt: skip
+    extra = []
+    if r["mfu"] is not None:
+        extra.append(f"MFU {r['mfu']:.1%}")
+    if r["peak_memory_gib"] is not None:
+        extra.append(f"peak memory {r['peak_memory_gib']:.1f} GiB")
+    if r["energy_joules_per_token"] is not None:
+        extra.append(f"{r['energy_joules_per_token'] * 1e3:.2f} mJ per token")
+    for name, g in (r.get("gpus") or {}).items():
+        extra.append(f"{name}: {g['power_w']:.0f} W, SM {g['sm_clock_mhz']:.0f} MHz (medians), throttled by "
+                     f"{', '.join(g['throttle_reasons']) or 'nothing'}")  # fmt: skip
+    if extra:
+        lines.append("  " + ", ".join(extra))
+    for name, peer in (r.get("compare") or {}).items():
+        lines.append(f"  {name}: " + (peer["error"] if "error" in peer else f"{peer['tokens_per_s']:,.0f} tokens/s; "
+                                      f"ours {peer['ours_over_it']:.2f}x its rate"))  # fmt: skip
+    if r.get("router"):
+        busiest = r["router"]["busiest_over_mean"]
+        worst, median = max(range(len(busiest)), key=busiest.__getitem__), sorted(busiest)[len(busiest) // 2]
+        lines.append(f"  router: the busiest of {r['router']['experts']} experts gets {max(busiest):.2f}x the mean "
+                     f"tokens (block {worst}), {median:.2f}x in the median block")  # fmt: skip
+    if r.get("profile"):
+        from trainbench.report.bench_report import split_line
+
+        lines.append("  " + split_line(r["profile"]))
+    p = r["projection"]
+    if p:
+        lines.append(f"  projected time to train ({r['figures']}, ruleset {r['ruleset']}): {p['minutes']:.1f} min "
+                     f"({p['samples_to_target']:,.0f} samples to target, {p['evals']} evals)")  # fmt: skip
+    return "\n".join(lines)

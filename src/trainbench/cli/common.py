@@ -1,0 +1,19 @@
+"""What the commands share: a table on the console."""
+
+from __future__ import annotations
+
+
+def print_table(title: str, head: list[str], rows: list[list[str]]) -> None:
+    """A rich table of ``rows`` under ``head``, its cells shown as text."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from trainbench.console import console
+
+    # Cells are data (a plugin's description, a results folder's values): shown as text, never read as markup.
+    table = Table(title=Text(str(title)))
+    for h in head:
+        table.add_column(Text(str(h)))
+    for row in rows:
+        table.add_row(*(Text(str(cell)) for cell in row))
+    console.print(table)

@@ -1,0 +1,249 @@
+"""The mixture of experts on one GPU: the grouped product, the experts in FP8 (output, gradients, the rows' and the
+weights' casts, the stand-ins' weight gradients), and the activation kernels.
+
+Part of the single-GPU tier (``make test-gpu``, every tests/test_gpu_*.py but test_gpu_multi.py), skipped where no
+CUDA device is visible."""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.usefixtures("empty_compile_caches"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
+]
+
+
+def test_the_experts_grouped_product_on_cuda_matches_the_padded_batched_one():
+    """families/decoder/moe: torch's grouped GEMM (bf16, CUDA) against the padded batched product, groups of uneven
+    sizes (one empty)."""
+    from trainbench.families.decoder.moe import _grouped
+
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 17, 42], device="cuda")
+    x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4, 64, 96, device="cuda", dtype=torch.bfloat16)
+    grouped = _grouped(x, w, counts)
+    padded = _grouped(x.float(), w.float(), counts)  # fp32: the padded path
+    assert grouped.shape == (64, 96)
+    assert torch.allclose(grouped.float(), padded, rtol=2e-2, atol=2e-1)
+
+
+@pytest.mark.parametrize("activation, bias", [("silu", False), ("gpt_oss", True)])
+def test_the_experts_in_fp8_match_bf16_in_output_and_every_gradient_on_cuda(activation, bias):
+    """families/decoder/moe with fp8 (FP8 grouped products, each expert's rows padded to 16) against the same layer
+    in bf16 and in fp64: FP8's error in the output and in the input's, experts' and router's gradients is of FP8's
+    size (a few percent of each tensor's norm), and no more than a few times bf16's own."""
+    from trainbench.families.decoder.moe import MoE, MoEShape, experts_in_fp8
+
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation=activation, bias=bias)
+    torch.manual_seed(0)
+    base = MoE(shape)
+    for p in base.parameters():
+        torch.nn.init.normal_(p, std=0.06)
+    x0 = torch.randn(2048, 256)
+    direction = torch.randn(2048, 256)
+
+    def run(dtype, fp8):
+        layer = MoE(shape).cuda().to(torch.float64 if dtype == torch.float64 else torch.float32)
+        layer.load_state_dict(base.state_dict())
+        if fp8:
+            assert experts_in_fp8(torch.nn.Sequential(layer), torch.device("cuda")) == 1
+        x = x0.cuda().to(layer.gate_up_proj.dtype).requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out, _ = layer(x)
+        (out.double() * direction.cuda().double()).sum().backward()
+        return {"output": out.double(), "input": x.grad.double()} | {
+            n: p.grad.double() for n, p in layer.named_parameters()
+        }
+
+    exact, bf16, fp8 = run(torch.float64, False), run(torch.bfloat16, False), run(torch.bfloat16, True)
+    for name, e in exact.items():
+        scale = float(e.detach().norm())
+        err_b, err_f = (float((r[name] - e).detach().norm()) / scale for r in (bf16, fp8))
+        # e4m3 keeps 3 bits of mantissa: about 4 % a rounded operand, two products deep; bf16 (8 bits) far less, so
+        # an error well above bf16's also shows that the FP8 product ran (the down projection's bias gradient, a
+        # sum of the output's gradient per expert, takes no product)
+        assert err_f < 0.1 and (name == "down_proj_bias" or 2 * err_b < err_f), (name, err_f, err_b)
+
+
+@pytest.mark.parametrize("spread", [1.0, 1e3])
+def test_the_experts_fp8_weight_gradient_matches_each_experts_product_in_float64_on_cuda(spread):
+    """moe.fp8_weight_grad: each expert's x^T grad over its rows (groups of multiples of 16 rows, one of none) as
+    one FP8 grouped product, against float64: within FP8's error (e4m3 rounds each operand by up to 6 %; the sums
+    over an expert's rows average much of it out), also where the rows' magnitudes spread over ``spread``, and far
+    above bf16's own error (the product ran in FP8); an expert with no rows gets zeros."""
+    from trainbench.families.decoder.moe import _e4m3, fp8_weight_grad
+
+    torch.manual_seed(0)
+    counts = torch.tensor([256, 0, 64, 1024, 16, 512], device="cuda")
+    groups, rows = counts.numel(), int(counts.sum())
+    group = torch.repeat_interleave(torch.arange(groups, device="cuda"), counts)
+    magnitude = torch.logspace(0, math.log10(spread), rows, device="cuda")[torch.randperm(rows, device="cuda")]
+    x = (torch.randn(rows, 128, device="cuda") * magnitude[:, None]).bfloat16()
+    grad = (torch.randn(rows, 96, device="cuda") / magnitude[:, None]).bfloat16()
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    got = fp8_weight_grad(x, _e4m3(x, -1)[1], grad, _e4m3(grad, -1)[1], group, groups, offsets).double()
+    assert got.shape == (groups, 128, 96)
+    assert got[1].abs().max() == 0
+    for g in range(groups):
+        if counts[g] == 0:
+            continue
+        rows_g = group == g
+        exact = x[rows_g].double().t() @ grad[rows_g].double()
+        bf16 = (x[rows_g].t() @ grad[rows_g]).double()
+        err, err_bf16 = (float((r - exact).norm() / exact.norm()) for r in (got[g], bf16))
+        assert err < 0.08 and err > 2 * err_bf16, (g, err, err_bf16)
+
+
+def _two_fp8_expert_layers() -> list[torch.nn.Module]:
+    """Two FP8 expert layers on CUDA (GPT-OSS's activation, with biases) holding the same random weights."""
+    from trainbench.families.decoder.moe import MoE, MoEShape, experts_in_fp8
+
+    shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation="gpt_oss", bias=True)
+    torch.manual_seed(0)
+    base = MoE(shape)
+    for p in base.parameters():
+        torch.nn.init.normal_(p, std=0.06)
+    layers = []
+    for _ in range(2):
+        layer = MoE(shape).cuda()
+        layer.load_state_dict(base.state_dict())
+        experts_in_fp8(layer, torch.device("cuda"))
+        layers.append(layer)
+    return layers
+
+
+def test_the_rows_fp8_casts_compiled_outside_a_block_equal_the_eager_ones_for_every_row_count_on_cuda():
+    """moe._rows_e4m3 with ``compiled`` (the expert-parallel dispatch runs outside the compiled blocks): the e4m3 rows
+    and their scales' reciprocals equal the eager casts' bit for bit, at row counts that change every call (as the
+    rows that arrive at a rank do) and at both of the experts' widths, without a compilation for each count."""
+    from trainbench.families.decoder import moe
+
+    torch._dynamo.utils.counters.clear()
+    for i, rows in enumerate((4096, 4112, 65_536, 12_304, 16, 30_000, 4128)):
+        t = torch.randn(rows, 2880 if i % 2 else 5760, device="cuda", dtype=torch.bfloat16) * (i + 1)
+        (q, recip), (want_q, want_recip) = moe._rows_e4m3(t, compiled=True), moe._e4m3(t, -1)
+        assert q.dtype == torch.float8_e4m3fn and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(recip, want_recip)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # one a width: the rows dynamic, the width not
+
+
+def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_step_on_cuda():
+    """cache_fp8_weight_casts (one unsharded rank): over 3 steps of 2 micro-batches with the fused AdamW (which leaves
+    the weights' version counters alone), the layer that casts its weights once a step gives the outputs and
+    gradients of the same layer casting them in every call, also after a weight written in place outside a step.
+    Left stale for one step (no after_step), it does not: what the comparison would catch."""
+    from trainbench.families.decoder.moe import cache_fp8_weight_casts
+
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    roots, optimizers = [], []
+    for layer in _two_fp8_expert_layers():
+        root = torch.nn.Sequential(layer)
+        roots.append(root)
+        optimizers.append(torch.optim.AdamW(root.parameters(), lr=1e-2, fused=True))
+    after_step = cache_fp8_weight_casts(roots[1])
+    xs = [torch.randn(512, 256, device="cuda") for _ in range(2)]
+
+    def step(stale: bool = False):
+        outs = []
+        for root, opt in zip(roots, optimizers, strict=True):
+            outs.append([])
+            for x in xs:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    out, _ = root(x)
+                out.float().square().sum().backward()
+                outs[-1].append(out.detach().float())
+            outs[-1] += [p.grad.clone() for p in root.parameters()]
+            opt.step()
+            opt.zero_grad()
+        if not stale:
+            after_step()
+        return [float((a - b).norm() / b.norm()) for a, b in zip(outs[1], outs[0], strict=True)]
+
+    assert "_fp8_gate_up_proj_0" not in roots[1][0]._buffers
+    for _ in range(3):
+        assert max(step()) < 1e-4
+    assert "_fp8_gate_up_proj_0" in roots[1][0]._buffers  # the cached casts were the ones used
+    step(stale=True)
+    assert max(step()[:2]) > 1e-2  # outputs from the weights of a step before
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        roots[1](xs[0])  # the casts made again after that step's after_step: fresh
+    roots[1].load_state_dict(roots[0].state_dict())  # as a checkpoint's load: in place, the weights' versions move
+    assert max(step()) < 1e-4
+
+
+def test_the_experts_weight_gradients_added_through_their_stand_ins_equal_autograds_compiled_on_cuda():
+    """With the weights' casts made once a step, the compiled layer's experts add their bf16 weight gradients into
+    the fp32 ``.grad`` through stand-ins (moe._fp32_grad_stand_in, its cast and addition compiled): over 3 steps of 2
+    micro-batches every gradient and output equals, bit for bit, the same layer's with the stand-ins taken away
+    (autograd's cast and add), and the steps after the first compile nothing new."""
+    from trainbench.families.decoder.moe import cache_fp8_weight_casts
+
+    roots, after_steps = [], []
+    for with_standins, layer in zip((False, True), _two_fp8_expert_layers(), strict=True):
+        root = torch.nn.ModuleDict({"moe": layer})
+        root.forward = lambda x, layer=layer: layer(x)
+        layer.compile(dynamic=False)
+        after_steps.append(cache_fp8_weight_casts(root))  # the casts and the gradients' additions compiled
+        if not with_standins:  # runs after the hook that hands them out
+            root.register_forward_pre_hook(lambda m, args, layer=layer: setattr(layer, "_grad_standins", {}))
+        roots.append(root)
+    xs = [torch.randn(512, 256, device="cuda") for _ in range(2)]
+    torch._dynamo.utils.counters.clear()
+    for step in range(3):
+        if step == 1:
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        results = []
+        for root, after_step in zip(roots, after_steps, strict=True):
+            outs = []
+            for i, x in enumerate(xs):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    out, _ = root(x)
+                (out.float().square() * (i + 1)).sum().backward()
+                outs.append(out.detach())
+            results.append(outs + [p.grad.clone() for p in root.parameters()])
+            with torch.no_grad():
+                for p in root.parameters():
+                    p.sub_(1e-2 * p.grad.sign())
+            root.zero_grad()
+            after_step()
+        assert roots[1]["moe"]._grad_standins and not roots[0]["moe"]._grad_standins
+        for a, b in zip(*results, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("activation", ["silu", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_activation_kernels_match_their_torch_form_on_cuda(activation, dtype):
+    """glu_kernel's Triton kernels, forward and backward, against the same formulas in torch (the backward's is the
+    one the CPU tests check against autograd), on values across GPT-OSS's clamps and exactly on them, each row's
+    expert's bias added; a width that is not a multiple of the kernels' block."""
+    from trainbench.families.decoder.glu_kernel import _glu_backward_torch, glu, glu_backward, glu_forward
+
+    torch.manual_seed(0)
+    rows, ffn, experts = 300, 1500, 5
+    h = (torch.randn(rows, 2 * ffn, device="cuda") * 6).to(dtype)
+    h[0, :8] = torch.tensor([7.0, 7.0, -7.0, -7.0, 7.5, -7.5, 6.5, 7.5])
+    grad = torch.randn(rows, ffn, device="cuda").to(dtype)
+    bias = torch.randn(experts, 2 * ffn, device="cuda")
+    bias[:, :8] = 0.0
+    group = torch.randint(0, experts, (rows,), device="cuda").sort().values
+    for b, g in ((None, None), (bias, group)):
+        act = glu_forward(h, b, g, activation, 1.702, 7.0)
+        x = h if b is None else h + b[g].to(dtype)
+        expected = glu(x.float(), activation, 1.702, 7.0)  # the forward in fp32, rounded once, as the kernel does
+        assert act.dtype == dtype and act.shape == grad.shape
+        assert torch.allclose(act.float(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+        ours = glu_backward(h, b, g, grad, activation, 1.702, 7.0)
+        ref = _glu_backward_torch(h, b, g, grad, activation, 1.702, 7.0)
+        assert ours.dtype == dtype and ours.shape == h.shape
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the same fp32 value may round one step apart
+        assert torch.allclose(ours.float(), ref.float(), rtol=tol, atol=tol * float(ref.float().abs().max()))
+        assert float((ours.float() - ref.float()).norm() / ref.float().norm()) < tol / 10
+        if activation == "gpt_oss":
+            assert [ours[0, i].item() == 0 for i in range(8)] == [False, False, False, False, True, True, False, True]
