@@ -447,7 +447,8 @@ def test_recomputed_blocks_with_their_inputs_on_the_host_train_like_kept_ones_on
     from trainbench.distributed import DistInfo
     from trainbench.families.decoder import offload
     from trainbench.families.decoder.lora_placement import place_lora
-    from trainbench.families.decoder.model import DecoderLM, recompute_last
+    from trainbench.families.decoder.memory import recompute_last
+    from trainbench.families.decoder.model import DecoderLM
 
     monkeypatch.setattr(offload, "MIN_BYTES", 1 << 20)
     cfg = dataclasses.replace(TINY, hidden_size=1024, num_heads=8, num_kv_heads=2, intermediate_size=2816,
@@ -884,7 +885,7 @@ def test_tiny_gpt_oss_reaches_its_target_compiled_on_cuda(tmp_path, preset):
 
 def test_tiny_gpt_oss_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys):
     """model.precision=fp8 on gpt_oss_20b, compiled: the blocks' attention projections in torchao's float8 training,
-    the experts' grouped products in FP8 (families/decoder/moe._FP8Grouped), the router in fp32; the log discloses
+    the experts' grouped products in FP8 (families/decoder/moe_fp8._FP8Grouped), the router in fp32; the log discloses
     FP8."""
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     run_dir = tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", "tiny", "perf.compile=true",
@@ -899,10 +900,11 @@ def test_tiny_gpt_oss_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsy
 
 @pytest.mark.parametrize("activation, bias", [("silu", False), ("gpt_oss", True)])
 def test_the_experts_in_fp8_match_bf16_in_output_and_every_gradient_on_cuda(activation, bias):
-    """families/decoder/moe with fp8 (FP8 grouped products, each expert's rows padded to 16) against the same layer
+    """families/decoder/moe with moe_fp8 (FP8 grouped products, each expert's rows padded to 16) against the same layer
     in bf16 and in fp64: FP8's error in the output and in the input's, experts' and router's gradients is of FP8's
     size (a few percent of each tensor's norm), and no more than a few times bf16's own."""
-    from trainbench.families.decoder.moe import MoE, MoEShape, experts_in_fp8
+    from trainbench.families.decoder.moe import MoE, MoEShape
+    from trainbench.families.decoder.moe_fp8 import experts_in_fp8
 
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation=activation, bias=bias)
@@ -953,11 +955,11 @@ def test_the_cast_transpose_kernel_equals_its_torch_form_bit_for_bit_on_cuda():
 
 @pytest.mark.parametrize("spread", [1.0, 1e3])
 def test_the_experts_fp8_weight_gradient_matches_each_experts_product_in_float64_on_cuda(spread):
-    """moe.fp8_weight_grad: each expert's x^T grad over its rows (groups of multiples of 16 rows, one of none) as
+    """moe_fp8.fp8_weight_grad: each expert's x^T grad over its rows (groups of multiples of 16 rows, one of none) as
     one FP8 grouped product, against float64: within FP8's error (e4m3 rounds each operand by up to 6 %; the sums
     over an expert's rows average much of it out), also where the rows' magnitudes spread over ``spread``, and far
     above bf16's own error (the product ran in FP8); an expert with no rows gets zeros."""
-    from trainbench.families.decoder.moe import _e4m3, fp8_weight_grad
+    from trainbench.families.decoder.moe_fp8 import _e4m3, fp8_weight_grad
 
     torch.manual_seed(0)
     counts = torch.tensor([256, 0, 64, 1024, 16, 512], device="cuda")
@@ -982,7 +984,8 @@ def test_the_experts_fp8_weight_gradient_matches_each_experts_product_in_float64
 
 def _two_fp8_expert_layers() -> list[torch.nn.Module]:
     """Two FP8 expert layers on CUDA (GPT-OSS's activation, with biases) holding the same random weights."""
-    from trainbench.families.decoder.moe import MoE, MoEShape, experts_in_fp8
+    from trainbench.families.decoder.moe import MoE, MoEShape
+    from trainbench.families.decoder.moe_fp8 import experts_in_fp8
 
     shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation="gpt_oss", bias=True)
     torch.manual_seed(0)
@@ -999,10 +1002,10 @@ def _two_fp8_expert_layers() -> list[torch.nn.Module]:
 
 
 def test_the_rows_fp8_casts_compiled_outside_a_block_equal_the_eager_ones_for_every_row_count_on_cuda():
-    """moe._rows_e4m3 with ``compiled`` (the expert-parallel dispatch runs outside the compiled blocks): the e4m3 rows
-    and their scales' reciprocals equal the eager casts' bit for bit, at row counts that change every call (as the
-    rows that arrive at a rank do) and at both of the experts' widths, without a compilation for each count."""
-    from trainbench.families.decoder import moe
+    """moe_fp8._rows_e4m3 with ``compiled`` (the expert-parallel dispatch runs outside the compiled blocks): the e4m3
+    rows and their scales' reciprocals equal the eager casts' bit for bit, at row counts that change every call (as
+    the rows that arrive at a rank do) and at both of the experts' widths, without a compilation for each count."""
+    from trainbench.families.decoder import moe_fp8 as moe
 
     torch._dynamo.utils.counters.clear()
     for i, rows in enumerate((4096, 4112, 65_536, 12_304, 16, 30_000, 4128)):
@@ -1018,7 +1021,7 @@ def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_st
     the weights' version counters alone), the layer that casts its weights once a step gives the outputs and
     gradients of the same layer casting them in every call, also after a weight written in place outside a step.
     Left stale for one step (no after_step), it does not: what the comparison would catch."""
-    from trainbench.families.decoder.moe import cache_fp8_weight_casts
+    from trainbench.families.decoder.moe_fp8 import cache_fp8_weight_casts
 
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     roots, optimizers = [], []
@@ -1059,10 +1062,10 @@ def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_st
 
 def test_the_experts_weight_gradients_added_through_their_stand_ins_equal_autograds_compiled_on_cuda():
     """With the weights' casts made once a step, the compiled layer's experts add their bf16 weight gradients into
-    the fp32 ``.grad`` through stand-ins (moe._fp32_grad_stand_in, its cast and addition compiled): over 3 steps of 2
-    micro-batches every gradient and output equals, bit for bit, the same layer's with the stand-ins taken away
+    the fp32 ``.grad`` through stand-ins (moe_fp8._fp32_grad_stand_in, its cast and addition compiled): over 3 steps
+    of 2 micro-batches every gradient and output equals, bit for bit, the same layer's with the stand-ins taken away
     (autograd's cast and add), and the steps after the first compile nothing new."""
-    from trainbench.families.decoder.moe import cache_fp8_weight_casts
+    from trainbench.families.decoder.moe_fp8 import cache_fp8_weight_casts
 
     roots, after_steps = [], []
     for with_standins, layer in zip((False, True), _two_fp8_expert_layers(), strict=True):

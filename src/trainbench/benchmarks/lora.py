@@ -26,7 +26,7 @@ import numpy as np
 
 from trainbench.benchmarks import lora_prepare
 from trainbench.benchmarks.base import BenchmarkData
-from trainbench.benchmarks.llm import LLMBenchmark, recompute_fewer
+from trainbench.benchmarks.llm import LLMBenchmark
 from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
 from trainbench.data import sft
 from trainbench.data.steps import CycledSteps, batched, eval_share
@@ -254,9 +254,8 @@ class LoraBenchmark(LLMBenchmark):
         from trainbench.families.decoder.lora_placement import place_lora
 
         m = dataclasses.replace(cfg.model, base_weights=self.base_weights(cfg))
-        placed = place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
-                            cfg.perf.compile, cfg.seed)  # fmt: skip
-        return recompute_fewer(placed, cfg, info.device)
+        return place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
+                          cfg.perf.compile, cfg.seed, perf=cfg.perf)  # fmt: skip
 
     # -- layout (perf.layout=auto) ----------------------------------------------------------------
     plans_layout = True
