@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from trainbench.benchmarks import get_benchmark  # noqa: E402
 from trainbench.families.decoder.gpt_oss import GptOssBlock  # noqa: E402
-from trainbench.families.decoder.moe import cache_fp8_weight_casts, experts_in_fp8  # noqa: E402
+from trainbench.families.decoder.moe_fp8 import cache_fp8_weight_casts, experts_in_fp8  # noqa: E402
 
 
 def layer(preset: str, fp8: bool, device: torch.device, weight_grad: str = "fp8") -> torch.nn.Module:

@@ -1,7 +1,7 @@
 """gpt_oss_20b's expert weight gradients alone on this GPU, for one micro-batch: the bf16 grouped product against the
-FP8 one (`trainbench.families.decoder.moe.fp8_weight_grad`, with fast and with full fp32 accumulation), its operands'
-cast and transpose (`trainbench.families.fp8.cast_transpose_e4m3`) against the compiler's, and each product's error
-against float64 for two experts.
+FP8 one (`trainbench.families.decoder.moe_fp8.fp8_weight_grad`, with fast and with full fp32 accumulation), its
+operands' cast and transpose (`trainbench.families.fp8.cast_transpose_e4m3`) against the compiler's, and each
+product's error against float64 for two experts.
 
     python perf/moe_weight_grad.py --out OUT
 
@@ -22,7 +22,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from trainbench.families.decoder.moe import _e4m3, _group_scaled_transpose, fp8_weight_grad  # noqa: E402
+from trainbench.families.decoder.moe_fp8 import _e4m3, _group_scaled_transpose, fp8_weight_grad  # noqa: E402
 from trainbench.families.fp8 import E4M3, E4M3_MAX, cast_transpose_e4m3  # noqa: E402
 
 

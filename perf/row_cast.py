@@ -4,9 +4,9 @@ this GPU, against the GPU's copy bandwidth.
 Ways timed, each on bf16 rows [rows, width] at gpt_oss_20b's widths (2,880: the experts' input and the down
 projection's gradient; 5,760: the gate and up projection's gradient), the row count changing between calls as the
 rows that arrive at a rank do:
-- ``eager``: ``trainbench.families.decoder.moe._e4m3`` run by torch's eager kernels;
+- ``eager``: ``trainbench.families.decoder.moe_fp8._e4m3`` run by torch's eager kernels;
 - ``compiled-all-dynamic``: the same function compiled with every dimension dynamic (the product's way before);
-- ``product``: ``trainbench.families.decoder.moe._rows_e4m3(t, compiled=True)``, what the dispatch calls today;
+- ``product``: ``trainbench.families.decoder.moe_fp8._rows_e4m3(t, compiled=True)``, what the dispatch calls today;
 - ``copy``: ``t.clone()`` (reads and writes 2 bytes an element: the bandwidth ceiling's yardstick).
 Each way's bytes are its reads and writes at the least: 2 bytes an element read, 1 written, 4 a row's scale.
 
@@ -25,7 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from trainbench.families.decoder import moe  # noqa: E402
+from trainbench.families.decoder import moe_fp8 as moe  # noqa: E402
 
 WIDTHS = (2880, 5760)
 ROWS = (65_536, 65_920, 64_896, 66_304)  # about 2 x 8,192 tokens x 4 choices a rank, changing a little each call

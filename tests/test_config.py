@@ -270,7 +270,8 @@ def test_fp8_placement_refuses_a_device_without_fp8_tensor_cores(monkeypatch):
     with pytest.raises(ConfigError, match=r"compute capability 8.9 or newer.*NVIDIA A100-SXM4-80GB has 8.0"):
         fp8.min_capability(torch.device("cuda", 0))
     # the experts' FP8 grouped products need Hopper: an Ada GPU (8.9) trains a decoder in FP8, not a mixture of experts
-    from trainbench.families.decoder.moe import MoE, MoEShape, experts_in_fp8
+    from trainbench.families.decoder.moe import MoE, MoEShape
+    from trainbench.families.decoder.moe_fp8 import experts_in_fp8, in_fp8
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 9))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA L40S")
@@ -280,7 +281,7 @@ def test_fp8_placement_refuses_a_device_without_fp8_tensor_cores(monkeypatch):
     with pytest.raises(ConfigError, match=r"the experts' FP8 grouped products \(compute capability 9.0 or newer: "
                                           r"Hopper, Blackwell\); NVIDIA L40S has 8.9"):  # fmt: skip
         experts_in_fp8(moe, torch.device("cuda", 0))
-    assert not moe[0].fp8 and moe[0].align_rows == 1
+    assert not in_fp8(moe[0]) and moe[0].align_rows == 1
 
 
 def test_fp8_training_swaps_only_the_blocks_linear_layers_keeping_their_names():

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from trainbench.families.decoder.memory import recompute_all
 from trainbench.families.decoder.model import DecoderConfig, DecoderLM, load_hf_weights
 
 transformers = pytest.importorskip("transformers")
@@ -122,8 +123,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     ids = torch.randint(0, 512, (2, 24))
     grads = []
     for checkpointing in (False, True):
-        for block in model.model.layers:
-            block.checkpointing = checkpointing
+        recompute_all(model, checkpointing)
         model.zero_grad()
         model(ids).logsumexp(-1).mean().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -132,7 +132,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 
 def test_recompute_last_checkpoints_only_the_last_blocks():
-    from trainbench.families.decoder.model import recompute_last
+    from trainbench.families.decoder.memory import recompute_last
 
     model = DecoderLM(dataclasses.replace(SMALL, num_layers=4))
     recompute_last(model, 3)
@@ -145,7 +145,7 @@ def test_recompute_spread_leaves_the_other_blocks_spread_over_the_depth():
     """With host offload the recomputed blocks are interleaved with the others, so that the offloaded blocks (chosen
     evenly among the others) are spread over the whole forward: at the 70B LoRA's H100 plan (80 blocks, 46
     recomputed) no more than 2 of the other blocks are adjacent, and every count from none to all is exact."""
-    from trainbench.families.decoder.model import recompute_spread
+    from trainbench.families.decoder.memory import recompute_spread
     from trainbench.families.decoder.offload import spread
 
     model = DecoderLM(dataclasses.replace(SMALL, num_layers=8))
@@ -186,3 +186,85 @@ def test_loss_with_targets_is_the_cross_entropy_of_the_logits_and_of_hf_with_gra
     # HF's loss is the mean over the shifted labels of the same tokens
     hf_loss = hf(input_ids=ids, labels=ids).loss
     assert hf_loss.item() * 32 * 2 == pytest.approx(loss.item(), rel=1e-5)
+
+
+def _forward_runs(model: DecoderLM) -> list[int]:
+    """How many times each block's computation has run (its attention's forward counted), from now on."""
+    runs = [0] * len(model.model.layers)
+    for i, block in enumerate(model.model.layers):
+        block.self_attn.register_forward_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+    return runs
+
+
+@pytest.mark.parametrize(("recompute_blocks", "recomputed"), [(0, [True, True, True]), (2, [False, True, True])])
+def test_the_placement_applies_checkpointing_from_the_perf_keys_and_the_blocks_run_again_in_backward(
+    recompute_blocks, recomputed
+):
+    """place_decoder with perf.activation_checkpointing (and perf.recompute_blocks): the blocks it chose run their
+    forward again during the backward and the others do not, the state-dict keys stay the unplaced model's, and the
+    loss and every gradient equal those of the model placed without checkpointing."""
+    from trainbench.config import PerfConfig
+    from trainbench.distributed import DistInfo
+    from trainbench.families.decoder.placement import place_decoder
+
+    cfg = dataclasses.replace(SMALL, num_layers=3)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for checkpointing in (False, True):
+        perf = PerfConfig(activation_checkpointing=checkpointing, recompute_blocks=recompute_blocks * checkpointing)
+        with torch.device("meta"):
+            model = DecoderLM(cfg)
+        placed = place_decoder(model, cfg, info, 1, False, checkpointing, False, 0, perf=perf)
+        assert list(placed.module.state_dict()) == list(DecoderLM(cfg).state_dict())
+        runs = _forward_runs(placed.module)
+        loss = placed.model(ids, targets=ids)
+        assert runs == [1, 1, 1]
+        loss.backward()
+        results[checkpointing] = (runs, loss.detach(), [p.grad for p in placed.module.parameters()], placed.notes)
+    runs, loss, grads, notes = results[True]
+    assert runs == [2 if r else 1 for r in recomputed]
+    assert results[False][0] == [1, 1, 1]
+    assert torch.equal(loss, results[False][1])
+    for a, b in zip(grads, results[False][2], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if recompute_blocks:
+        assert "activation checkpointing on the last 2 of 3 blocks" in notes
+    with torch.no_grad():  # nothing to recompute for: each block runs once
+        runs = _forward_runs(placed.module)
+        placed.model(ids)
+    assert runs == [1, 1, 1]
+
+
+@pytest.mark.full  # (about 70 s of CPU compilation)
+def test_compiled_blocks_with_checkpointing_from_outside_give_the_eager_gradients():
+    """wrap_blocks with checkpointing and compilation (the placement's order: checkpointing, then each block's
+    compile, which compiles the call that looks the block's forward up, the checkpointed one): the same loss and
+    gradients as the eager model without checkpointing, and the checkpoint is reached from the compiled call."""
+    from trainbench.families.decoder import memory
+    from trainbench.families.decoder.placement import wrap_blocks
+
+    torch.manual_seed(0)
+    eager, compiled = DecoderLM(SMALL), DecoderLM(SMALL)
+    compiled.load_state_dict(eager.state_dict())
+    reached = []
+    real_checkpoint = memory.checkpoint
+
+    def counted_checkpoint(*args, **kwargs):
+        reached.append(1)
+        return real_checkpoint(*args, **kwargs)
+
+    memory.checkpoint = counted_checkpoint
+    try:
+        wrap_blocks(compiled, checkpointing=True, compile_blocks=True)
+        assert all(block._compiled_call_impl is not None for block in compiled.model.layers)
+        ids = torch.randint(0, 512, (2, 24))
+        losses = [model(ids).logsumexp(-1).mean() for model in (eager, compiled)]
+        for loss in losses:
+            loss.backward()
+    finally:
+        memory.checkpoint = real_checkpoint
+    assert reached
+    torch.testing.assert_close(losses[0], losses[1])
+    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)

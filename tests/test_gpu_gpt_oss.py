@@ -26,7 +26,7 @@ def test_tiny_gpt_oss_reaches_its_target_compiled_on_cuda(tmp_path, preset):
 
 def test_tiny_gpt_oss_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys):
     """model.precision=fp8 on gpt_oss_20b, compiled: the blocks' attention projections in torchao's float8 training,
-    the experts' grouped products in FP8 (families/decoder/moe._FP8Grouped), the router in fp32; the log discloses
+    the experts' grouped products in FP8 (families/decoder/moe_fp8._FP8Grouped), the router in fp32; the log discloses
     FP8."""
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     run_dir = tiny_run_to_target_on_cuda(tmp_path, "gpt_oss_20b", "--preset", "tiny", "perf.compile=true",

@@ -82,7 +82,8 @@ def test_recomputed_blocks_with_their_inputs_on_the_host_train_like_kept_ones_on
     from trainbench.distributed import DistInfo
     from trainbench.families.decoder import offload
     from trainbench.families.decoder.lora_placement import place_lora
-    from trainbench.families.decoder.model import DecoderLM, recompute_last
+    from trainbench.families.decoder.memory import recompute_last
+    from trainbench.families.decoder.model import DecoderLM
 
     monkeypatch.setattr(offload, "MIN_BYTES", 1 << 20)
     cfg = dataclasses.replace(TINY, hidden_size=1024, num_heads=8, num_kv_heads=2, intermediate_size=2816,

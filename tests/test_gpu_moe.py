@@ -33,10 +33,11 @@ def test_the_experts_grouped_product_on_cuda_matches_the_padded_batched_one():
 
 @pytest.mark.parametrize("activation, bias", [("silu", False), ("gpt_oss", True)])
 def test_the_experts_in_fp8_match_bf16_in_output_and_every_gradient_on_cuda(activation, bias):
-    """families/decoder/moe with fp8 (FP8 grouped products, each expert's rows padded to 16) against the same layer
+    """families/decoder/moe with moe_fp8 (FP8 grouped products, each expert's rows padded to 16) against the same layer
     in bf16 and in fp64: FP8's error in the output and in the input's, experts' and router's gradients is of FP8's
     size (a few percent of each tensor's norm), and no more than a few times bf16's own."""
-    from trainbench.families.decoder.moe import MoE, MoEShape, experts_in_fp8
+    from trainbench.families.decoder.moe import MoE, MoEShape
+    from trainbench.families.decoder.moe_fp8 import experts_in_fp8
 
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation=activation, bias=bias)
@@ -72,11 +73,11 @@ def test_the_experts_in_fp8_match_bf16_in_output_and_every_gradient_on_cuda(acti
 
 @pytest.mark.parametrize("spread", [1.0, 1e3])
 def test_the_experts_fp8_weight_gradient_matches_each_experts_product_in_float64_on_cuda(spread):
-    """moe.fp8_weight_grad: each expert's x^T grad over its rows (groups of multiples of 16 rows, one of none) as
+    """moe_fp8.fp8_weight_grad: each expert's x^T grad over its rows (groups of multiples of 16 rows, one of none) as
     one FP8 grouped product, against float64: within FP8's error (e4m3 rounds each operand by up to 6 %; the sums
     over an expert's rows average much of it out), also where the rows' magnitudes spread over ``spread``, and far
     above bf16's own error (the product ran in FP8); an expert with no rows gets zeros."""
-    from trainbench.families.decoder.moe import _e4m3, fp8_weight_grad
+    from trainbench.families.decoder.moe_fp8 import _e4m3, fp8_weight_grad
 
     torch.manual_seed(0)
     counts = torch.tensor([256, 0, 64, 1024, 16, 512], device="cuda")
@@ -101,7 +102,8 @@ def test_the_experts_fp8_weight_gradient_matches_each_experts_product_in_float64
 
 def _two_fp8_expert_layers() -> list[torch.nn.Module]:
     """Two FP8 expert layers on CUDA (GPT-OSS's activation, with biases) holding the same random weights."""
-    from trainbench.families.decoder.moe import MoE, MoEShape, experts_in_fp8
+    from trainbench.families.decoder.moe import MoE, MoEShape
+    from trainbench.families.decoder.moe_fp8 import experts_in_fp8
 
     shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation="gpt_oss", bias=True)
     torch.manual_seed(0)
@@ -118,10 +120,10 @@ def _two_fp8_expert_layers() -> list[torch.nn.Module]:
 
 
 def test_the_rows_fp8_casts_compiled_outside_a_block_equal_the_eager_ones_for_every_row_count_on_cuda():
-    """moe._rows_e4m3 with ``compiled`` (the expert-parallel dispatch runs outside the compiled blocks): the e4m3 rows
-    and their scales' reciprocals equal the eager casts' bit for bit, at row counts that change every call (as the
-    rows that arrive at a rank do) and at both of the experts' widths, without a compilation for each count."""
-    from trainbench.families.decoder import moe
+    """moe_fp8._rows_e4m3 with ``compiled`` (the expert-parallel dispatch runs outside the compiled blocks): the e4m3
+    rows and their scales' reciprocals equal the eager casts' bit for bit, at row counts that change every call (as
+    the rows that arrive at a rank do) and at both of the experts' widths, without a compilation for each count."""
+    from trainbench.families.decoder import moe_fp8 as moe
 
     torch._dynamo.utils.counters.clear()
     for i, rows in enumerate((4096, 4112, 65_536, 12_304, 16, 30_000, 4128)):
@@ -137,7 +139,7 @@ def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_st
     the weights' version counters alone), the layer that casts its weights once a step gives the outputs and
     gradients of the same layer casting them in every call, also after a weight written in place outside a step.
     Left stale for one step (no after_step), it does not: what the comparison would catch."""
-    from trainbench.families.decoder.moe import cache_fp8_weight_casts
+    from trainbench.families.decoder.moe_fp8 import cache_fp8_weight_casts
 
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
     roots, optimizers = [], []
@@ -178,10 +180,10 @@ def test_the_experts_fp8_weight_casts_made_once_a_step_follow_every_optimizer_st
 
 def test_the_experts_weight_gradients_added_through_their_stand_ins_equal_autograds_compiled_on_cuda():
     """With the weights' casts made once a step, the compiled layer's experts add their bf16 weight gradients into
-    the fp32 ``.grad`` through stand-ins (moe._fp32_grad_stand_in, its cast and addition compiled): over 3 steps of 2
-    micro-batches every gradient and output equals, bit for bit, the same layer's with the stand-ins taken away
+    the fp32 ``.grad`` through stand-ins (moe_fp8._fp32_grad_stand_in, its cast and addition compiled): over 3 steps
+    of 2 micro-batches every gradient and output equals, bit for bit, the same layer's with the stand-ins taken away
     (autograd's cast and add), and the steps after the first compile nothing new."""
-    from trainbench.families.decoder.moe import cache_fp8_weight_casts
+    from trainbench.families.decoder.moe_fp8 import cache_fp8_weight_casts
 
     roots, after_steps = [], []
     for with_standins, layer in zip((False, True), _two_fp8_expert_layers(), strict=True):

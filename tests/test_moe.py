@@ -12,6 +12,7 @@ from conftest import spawned
 
 from trainbench.families.decoder.glu_kernel import glu, glu_backward
 from trainbench.families.decoder.moe import MoE, MoEShape, load_balancing_loss, route
+from trainbench.families.decoder.moe_fp8 import fp8_products
 
 
 def _random(module: torch.nn.Module) -> None:
@@ -294,14 +295,15 @@ def _two_fp8_expert_layers():
     layer, x, direction = _expert_parallel_case()
     pair = torch.nn.ModuleList([layer.float(), copy.deepcopy(layer.float())])
     for m in pair:
-        m.gather_rows, m.fp8, m.align_rows, m.fp8_weight_grad = True, True, 16, True
+        m.gather_rows = True
+        fp8_products(m, weight_grad="fp8")
     return pair, x.to(torch.bfloat16), direction.float()
 
 
 def _cached_casts_worker(rank: int, world: int, port: int, out: str) -> None:
     """One rank of two: the same FP8 expert-parallel layer with and without cache_fp8_weight_casts, 2 steps of 2
     micro-batches of this rank's tokens each, a sign-descent step between; rank 0 writes what it saw."""
-    from trainbench.families.decoder import moe
+    from trainbench.families.decoder import moe_fp8 as moe
 
     def body(pair, x, direction):
         torch._scaled_grouped_mm = _scaled_grouped_mm_on_cpu
@@ -363,11 +365,11 @@ def test_under_expert_parallelism_each_rank_casts_its_share_of_the_fp8_experts_o
 
 
 def test_the_weight_gradient_operands_take_one_power_of_two_scale_an_expert_and_are_transposed():
-    """moe._group_scaled_transpose (the FP8 weight gradient's operands): [rows, n] becomes row-major [n, rows] in e4m3
-    whose scale is constant over each expert's rows (the grouped product sums along them), a power of two that
+    """moe_fp8._group_scaled_transpose (the FP8 weight gradient's operands): [rows, n] becomes row-major [n, rows] in
+    e4m3 whose scale is constant over each expert's rows (the grouped product sums along them), a power of two that
     brings the expert's largest magnitude within e4m3's range; dequantised it gives the rows back to e4m3's
     rounding; an expert with no rows gets 1."""
-    from trainbench.families.decoder.moe import _e4m3, _group_scaled_transpose
+    from trainbench.families.decoder.moe_fp8 import _e4m3, _group_scaled_transpose
     from trainbench.families.fp8 import E4M3_MAX
 
     torch.manual_seed(0)
@@ -405,11 +407,11 @@ class _ProductThroughACast(torch.autograd.Function):
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_weights_gradient_added_through_its_bf16_stand_in_equals_autograds_cast_and_add(compiled):
-    """The experts' weights cast once a step hand their products a stand-in (moe._fp32_grad_stand_in), a leaf
+    """The experts' weights cast once a step hand their products a stand-in (moe_fp8._fp32_grad_stand_in), a leaf
     whose hook adds each micro-batch's bf16 gradient into the fp32 ``.grad`` itself: over 3 micro-batches the
     gradient equals, bit for bit, autograd's (each bf16 gradient cast to fp32, then accumulated). Compiled
     (AOTAutograd, as the blocks compile), a new stand-in in each micro-batch compiles once."""
-    from trainbench.families.decoder.moe import _fp32_grad_stand_in
+    from trainbench.families.decoder.moe_fp8 import _fp32_grad_stand_in
 
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(3, 16, 24))

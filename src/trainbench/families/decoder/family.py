@@ -31,51 +31,6 @@ if TYPE_CHECKING:
 PLANNED_ROWS = 2
 
 
-def recompute_fewer(placed: Placed, cfg: RunConfig, device: torch.device) -> Placed:
-    """``perf.recompute_blocks``: activation checkpointing on the last N blocks only, or with ``perf.offload_blocks``
-    on N blocks spread over the depth among the others; ``perf.offload_blocks``: of the others, N (spread evenly)
-    keep their saved activations in host memory."""
-    from trainbench.families.decoder.model import recompute_last, recompute_spread
-    from trainbench.families.decoder.offload import offload_blocks
-
-    count = cfg.perf.recompute_blocks
-    if cfg.perf.activation_checkpointing and count:
-        if cfg.perf.offload_blocks:
-            chosen = recompute_spread(placed.module, count)
-            placed.notes.append(f"activation checkpointing on {count} of {cfg.model.num_layers} blocks, spread among "
-                                f"those offloaded: {_ranges(chosen)}")  # fmt: skip
-        else:
-            recompute_last(placed.module, count)
-            placed.notes.append(f"activation checkpointing on the last {count} of {cfg.model.num_layers} blocks")
-    if cfg.perf.offload_blocks or cfg.perf.offload_recomputed_inputs:
-        inputs = cfg.perf.offload_recomputed_inputs
-        offload = offload_blocks(placed.module.model.layers, cfg.perf.offload_blocks, device, inputs)
-        which = " (of the recomputed ones, their input)" if inputs else ""
-        placed.notes.append(f"saved activations of blocks {_ranges(offload.offloaded)} kept in host memory between "
-                            f"forward and backward{which}")  # fmt: skip
-    return placed
-
-
-def _ranges(indices: list[int]) -> str:
-    """0, 2, 4-9: sorted block indices, runs of consecutive ones as a range."""
-    out: list[str] = []
-    for i in indices:
-        if out and "-" not in out[-1] and int(out[-1]) == i - 1:
-            out[-1] = f"{out[-1]}-{i}"
-        elif out and "-" in out[-1] and int(out[-1].split("-")[1]) == i - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{i}"
-        else:
-            out.append(str(i))
-    return ", ".join(out)
-
-
-def kept_blocks(cfg: RunConfig) -> int:
-    """How many blocks keep their activations (are not recomputed)."""
-    if not cfg.perf.activation_checkpointing:
-        return cfg.model.num_layers
-    return cfg.model.num_layers - (cfg.perf.recompute_blocks or cfg.model.num_layers)
-
-
 def output_layer_in_fp8(cfg: RunConfig) -> None:
     """ConfigError, one sentence, where ``model.output_precision=fp8`` cannot be honoured: without the blocks in FP8,
     with the output layer tied to the embedding, or with a vocabulary or width FP8's products cannot take."""
@@ -174,10 +129,9 @@ class DecoderFamily(ModelFamily):
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         from trainbench.families.decoder.placement import place_decoder
 
-        placed = place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
-                               cfg.perf.compile, cfg.seed, cfg.distributed.ep,
-                               cfg.distributed.shard_one_rank)  # fmt: skip
-        return recompute_fewer(placed, cfg, info.device)
+        return place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
+                             cfg.perf.compile, cfg.seed, cfg.distributed.ep, cfg.distributed.shard_one_rank,
+                             perf=cfg.perf)  # fmt: skip
 
     def data_rank(self, cfg: RunConfig, info: DistInfo) -> tuple[int, int]:
         tp = cfg.distributed.tp
@@ -354,9 +308,12 @@ class LoraFamily(DecoderFamily):
             if cfg.perf.offload_recomputed_inputs and not cfg.perf.activation_checkpointing:
                 raise ConfigError("perf.offload_recomputed_inputs=true but no block is recomputed "
                                   "(perf.activation_checkpointing=false)")  # fmt: skip
-            if cfg.perf.offload_blocks > kept_blocks(cfg):
+            from trainbench.families.decoder.memory import kept_blocks
+
+            kept = kept_blocks(cfg.perf, m.num_layers)
+            if cfg.perf.offload_blocks > kept:
                 raise ConfigError(
-                    f"perf.offload_blocks={cfg.perf.offload_blocks} but only {kept_blocks(cfg)} "
+                    f"perf.offload_blocks={cfg.perf.offload_blocks} but only {kept} "
                     f"blocks keep their activations (perf.recompute_blocks="
                     f"{cfg.perf.recompute_blocks} of {m.num_layers}, 0 meaning all, with "
                     f"perf.activation_checkpointing={str(cfg.perf.activation_checkpointing).lower()})"
@@ -376,9 +333,8 @@ class LoraFamily(DecoderFamily):
         from trainbench.families.decoder.lora_placement import place_lora
 
         m = dataclasses.replace(cfg.model, base_weights=self.base_weights(cfg))
-        placed = place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
-                            cfg.perf.compile, cfg.seed)  # fmt: skip
-        return recompute_fewer(placed, cfg, info.device)
+        return place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
+                          cfg.perf.compile, cfg.seed, perf=cfg.perf)  # fmt: skip
 
     def flops_per_sample(self, cfg: RunConfig) -> float | None:
         """NVIDIA's count for a row of the full model (forward and backward of the frozen base and the adapters,

@@ -164,7 +164,7 @@ class GptOssBlock(Block):
         # The gradient of this micro-batch's load-balancing loss (GptOssLM.set_aux_loss_scale).
         self.register_buffer("aux_loss_scale", torch.zeros(()), persistent=False)
 
-    def _forward(self, x: torch.Tensor, rope, mask: BlockMask | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, mask: BlockMask | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask)
         out, logits = self.mlp(self.post_attention_layernorm(x))
         if self.aux_loss_coeff and torch.is_grad_enabled():

@@ -17,19 +17,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from trainbench.config import PerfConfig
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError
 from trainbench.families import fp8
 from trainbench.families.decoder import lora
 from trainbench.families.decoder.hf_checkpoint import HFCheckpoint, check_shapes, fill, load_into
+from trainbench.families.decoder.memory import own_forward, recompute_all, recompute_and_offload, run_from_outside
 from trainbench.families.decoder.model import DecoderLM, init_part, lm_loss
 from trainbench.families.decoder.placement import parallelize, sharded_comm_precision, use_flex_for_packed_rows
 
 
 def place_lora(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, tp: int, bf16: bool,
-               checkpointing: bool, compile_blocks: bool, seed: int) -> Placed:  # fmt: skip
+               checkpointing: bool, compile_blocks: bool, seed: int,
+               perf: PerfConfig | None = None) -> Placed:  # fmt: skip
     """``model`` (built on the meta device) with adapters, placed and materialised: the base from
-    ``cfg.base_weights`` (or the seed, where none is given), the adapters from the seed."""
+    ``cfg.base_weights`` (or the seed, where none is given), the adapters from the seed; with ``perf``, what its
+    blocks keep for the backward chosen by its keys last (:func:`~trainbench.families.decoder.memory.
+    recompute_and_offload`: checkpointing on fewer blocks, host offload)."""
     if tp != 1:
         raise ConfigError("distributed.tp must be 1 for LoRA: its adapters are sharded by FSDP2 only")
     lora.attach(model, cfg.targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
@@ -63,7 +68,7 @@ def place_lora(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, tp: 
               if cfg.base_sharding == "replicate" else "FP8 base sharded by FSDP2, gathered in FP8")  # fmt: skip
     placed.notes.append(f"LoRA: {trainable:,} trainable parameters (rank {cfg.lora_rank}, on {cfg.lora_targets}); "
                         f"{layout}")  # fmt: skip
-    return placed
+    return placed if perf is None else recompute_and_offload(placed, perf, info.device)
 
 
 def compile_inside_checkpointing(model: DecoderLM) -> None:
@@ -71,7 +76,7 @@ def compile_inside_checkpointing(model: DecoderLM) -> None:
     checkpoint as well kept every FP8 block's activations alive: out of memory at 80 layers), and the output
     layer with its loss."""
     for block in model.model.layers:
-        block._forward = torch.compile(block._forward, dynamic=False)
+        run_from_outside(block, torch.compile(own_forward(block), dynamic=False))
     model.loss_fn = torch.compile(lm_loss, dynamic=False)
 
 
@@ -96,8 +101,8 @@ def _place_fp8(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, chec
         if ckpt is not None:
             ckpt.close()
     lora.load_adapters(model, lora.full_init(model, seed))
+    recompute_all(model, checkpointing)
     for block in model.model.layers:
-        block.checkpointing = checkpointing
         if block.mlp.swiglu:  # the gate and up activations kept for the backward in FP8: half their memory
             block.mlp.gated = fp8.silu_mul_fp8_saved
     if info.world_size == 1:
@@ -126,9 +131,9 @@ def _place_fp8_sharded(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistIn
     with torch.device("meta"):
         template = DecoderLM(cfg)  # full-precision parts to fill and quantise, one at a time
     lora.attach(template, cfg.targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
+    recompute_all(model, checkpointing)
     for block in model.model.layers:
         fp8.quantize_frozen(block, as_parameters=True)
-        block.checkpointing = checkpointing
         if block.mlp.swiglu:
             block.mlp.gated = fp8.silu_mul_fp8_saved
     mesh = make_mesh(info.device.type, info.world_size, 1)["dp"]

@@ -9,7 +9,9 @@ HF Llama state dict or safetensors file loads as it is (:func:`load_hf_weights`)
 ``model.embed_positions`` and norm and projection biases under the same scheme.
 
 The model is meant to be built on the meta device (no memory), parallelised from outside
-(``trainbench.families.decoder.placement``) and only then materialised with :meth:`DecoderLM.init_weights`.
+(``trainbench.families.decoder.placement``) and only then materialised with :meth:`DecoderLM.init_weights`. What a
+block keeps for its backward (activation checkpointing, host offload) is applied from outside too
+(``trainbench.families.decoder.memory``).
 Attention is causal SDPA (flash attention on CUDA).
 """
 
@@ -22,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from torch.utils.checkpoint import checkpoint
 
 from trainbench.families.configs import DecoderConfig
 
@@ -161,27 +162,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = norm(cfg)
         self.mlp = MLP(cfg)
 
-    checkpointing = False  # recompute this block's activations in backward (activation checkpointing)
-    saved_to_host = None  # a models.offload.HostOffload keeping this block's saved activations in host memory
-
     def forward(self, x: torch.Tensor, rope=None, mask: torch.Tensor | None = None) -> torch.Tensor:
-        # Inside the block's own forward, so a sharding wrapper's hooks (gather, cast) stay outside the
-        # recomputed region and run again for the recomputation.
-        if not torch.is_grad_enabled() or (self.saved_to_host is None and not self.checkpointing):
-            return self._forward(x, rope, mask)
-        if self.saved_to_host is None:
-            return checkpoint(self._forward, x, rope, mask, use_reentrant=False)
-        shared = [*(rope or ()), mask if isinstance(mask, torch.Tensor) else None]
-        with self.saved_to_host.saving(self, shared):
-            if not self.checkpointing:
-                return self._forward(x, rope, mask)
-            # A recomputed block keeps only its input, and that waits in host memory too (torch's non-reentrant
-            # checkpoint holds it in a closure, out of the offload's reach).
-            from trainbench.families.decoder.offload import recompute_from_host
-
-            return recompute_from_host(self._forward, x, rope, mask)
-
-    def _forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -285,27 +266,6 @@ def init_part(part: nn.Module, cfg: DecoderConfig) -> None:
             module.reset_parameters()
         elif hasattr(module, "init_parameters"):  # parameters of its own (a mixture of experts' stacked experts)
             module.init_parameters(std, out_std)
-
-
-def recompute_last(model: DecoderLM, count: int) -> None:
-    """Activation checkpointing on the last ``count`` blocks only; the others keep their activations (faster, more
-    memory). The first ones keep theirs: backward frees them last, and nothing is gained by which ones."""
-    layers = model.model.layers
-    for i, block in enumerate(layers):
-        block.checkpointing = i >= len(layers) - count
-
-
-def recompute_spread(model: DecoderLM, count: int) -> list[int]:
-    """Activation checkpointing on ``count`` blocks chosen so that the others are spread evenly over the depth (the
-    k-th of them at k x blocks / others); returns the recomputed blocks. For host offload: the blocks whose saved
-    tensors cross the host link are then spread over the whole forward and backward, not packed into their first
-    part (where the copies outrun the link and stall the step)."""
-    layers = model.model.layers
-    others = len(layers) - count
-    keep = {k * len(layers) // others for k in range(others)}
-    for i, block in enumerate(layers):
-        block.checkpointing = i not in keep
-    return [i for i in range(len(layers)) if i not in keep]
 
 
 def load_hf_weights(model: DecoderLM, path: str | Path) -> None:

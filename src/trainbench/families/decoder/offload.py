@@ -75,8 +75,9 @@ def _movable(t: torch.Tensor) -> bool:
 
 class HostOffload:
     """Saved activations of ``blocks[i]`` for each ``i`` in ``offloaded`` kept in pinned host memory; ``install``
-    wires it into the blocks (``Block.saved_to_host``) and a forward hook on every block, which counts the blocks
-    a forward and a backward have reached."""
+    wires it into the blocks (their ``saved_to_host``, read where the placement runs them:
+    :mod:`~trainbench.families.decoder.memory`) and a forward hook on every block, which counts the blocks a forward
+    and a backward have reached."""
 
     def __init__(self, blocks: Sequence[nn.Module], offloaded: Iterable[int]):
         self.blocks = list(blocks)
@@ -95,7 +96,11 @@ class HostOffload:
         return {_storage(t) for t in [*block.parameters(), *block.buffers()] if t.device.type != "meta"}
 
     def install(self) -> HostOffload:
+        from trainbench.families.decoder.memory import placed_from_outside, run_from_outside
+
         for i, block in enumerate(self.blocks):
+            if not placed_from_outside(block):
+                run_from_outside(block)
             if i in self.states:
                 block.saved_to_host = self
             self._hooks.append(block.register_forward_hook(self._after_forward(i)))

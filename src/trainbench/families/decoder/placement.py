@@ -3,9 +3,10 @@
 A 2-d DeviceMesh named ``("dp", "tp")``: tensor parallelism inside each ``tp`` group (DTensor
 ``parallelize_module``: q/k/v and gate/up column-parallel, o/down row-parallel, so each block needs one
 all-reduce after attention and one after the MLP), FSDP2 (``fully_shard``) over ``dp`` with bf16
-parameters and fp32 gradient reduction on CUDA, activation checkpointing and ``torch.compile`` per block.
-The order is the one FSDP2 and DTensor expect: TP, then checkpointing and compile, then FSDP, then
-materialisation.
+parameters and fp32 gradient reduction on CUDA, activation checkpointing (``families/decoder/memory.py``) and
+``torch.compile`` per block. The order is the one FSDP2 and DTensor expect: TP, then checkpointing and compile, then
+FSDP, then materialisation; checkpointing on fewer blocks and host offload (``perf.recompute_blocks``,
+``perf.offload_blocks``) last, on the placed model.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainbench.config import PerfConfig
 from trainbench.distributed import DistInfo, Placed
 from trainbench.errors import ConfigError
+from trainbench.families.decoder.memory import recompute_all, recompute_and_offload
 from trainbench.families.decoder.model import DecoderConfig, DecoderLM, lm_loss
 
 FUSED_QKV_TP = ("model.fused_qkv=true (one qkv_proj) has no tensor-parallel plan: set distributed.tp=1, or "
@@ -122,10 +125,11 @@ def shard_blocks(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, bf
 
 
 def wrap_blocks(model: DecoderLM, checkpointing: bool, compile_blocks: bool) -> None:
-    """Checkpointing and compilation per block (and of the output layer with its loss), in place: parameter names
-    stay those of HF Llama."""
+    """Checkpointing (every block, or none: :mod:`~trainbench.families.decoder.memory`) and compilation per block
+    (and of the output layer with its loss), in place: parameter names stay those of HF Llama. The compiled call of
+    a block runs its checkpointing inside."""
+    recompute_all(model, checkpointing)
     for block in model.model.layers:
-        block.checkpointing = checkpointing
         if compile_blocks:
             block.compile(dynamic=False, options=BLOCK_COMPILE_OPTIONS)
     if compile_blocks:
@@ -165,7 +169,7 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
             apply_tp(model, mesh["tp"])
     if model.cfg.precision == "fp8":  # before compilation and FSDP: both then see torchao's Float8Linear
         from trainbench.families import fp8
-        from trainbench.families.decoder.moe import experts_in_fp8
+        from trainbench.families.decoder.moe_fp8 import experts_in_fp8
 
         fp8.min_capability(device)
         fp8.train_blocks_in_fp8(model, sharded=sharded)
@@ -208,9 +212,12 @@ def _one_after_another(*functions: Callable[[], None] | None) -> Callable[[], No
 
 
 def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int, bf16: bool, checkpointing: bool,
-                  compile_blocks: bool, seed: int, ep: int = 1, shard_one_rank: bool = False) -> Placed:  # fmt: skip
+                  compile_blocks: bool, seed: int, ep: int = 1, shard_one_rank: bool = False,
+                  perf: PerfConfig | None = None) -> Placed:  # fmt: skip
     """``model`` (built on the meta device) sharded over the ranks (on one rank too where ``shard_one_rank``),
-    materialised and initialised from ``seed``."""
+    materialised and initialised from ``seed``; with ``perf``, what its blocks keep for the backward chosen by its
+    keys last (:func:`~trainbench.families.decoder.memory.recompute_and_offload`: checkpointing on fewer blocks,
+    host offload)."""
     full = None
     if cfg.num_params() <= FULL_INIT_MAX_PARAMS:
         whole = type(model)(cfg)
@@ -255,8 +262,8 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
             # Sharded by FSDP2, the experts' weights are gathered anew for each forward: cast there. Spread by expert
             # parallelism, FSDP2 leaves them alone and each rank casts its share once a step.
             if not sharded or ep > 1:
-                from trainbench.families.decoder.moe import cache_fp8_weight_casts
+                from trainbench.families.decoder.moe_fp8 import cache_fp8_weight_casts
 
                 out.after_step = _one_after_another(out.after_step, cache_fp8_weight_casts(placed, compile_blocks))
                 out.notes.append("the experts' weights cast to FP8 once a step, not in every micro-batch")
-    return out
+    return out if perf is None else recompute_and_offload(out, perf, info.device)
