@@ -351,7 +351,7 @@ def test_the_8b_keeps_layout_keys_given_by_hand_and_refuses_a_plan_with_tensor_p
 def test_gpt_oss_has_no_plan_of_its_own():
     from trainbench.benchmarks import get_benchmark
 
-    assert get_benchmark("llama31_8b").plans_layout and not get_benchmark("gpt_oss_20b").plans_layout
+    assert get_benchmark("llama31_8b").family.plans_layout and not get_benchmark("gpt_oss_20b").family.plans_layout
 
 
 def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path, monkeypatch):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainbench.benchmarks.bert import load_checkpoint
 from trainbench.errors import DataError
+from trainbench.families.encoder.family import load_checkpoint
 from trainbench.families.encoder.model import BertConfig, BertForPreTraining, from_hf_state_dict, to_hf_state_dict
 
 transformers = pytest.importorskip("transformers")
