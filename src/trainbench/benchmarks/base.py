@@ -82,6 +82,10 @@ class Benchmark(ABC):
     """The examples ``trainbench prepare NAME --help`` ends with."""
     cuda_alloc_conf: str | None = None
     """``PYTORCH_CUDA_ALLOC_CONF`` for its processes where the user set none (None: torch's default)."""
+    hf_twin: str | None = None
+    """The module of its model family that builds HF's model of its architecture for `bench --compare hf`
+    (``trainbench.families.<family>.hf``: peer, check, packages, build, loss, kernels; measure/compare_hf.py); None:
+    HF has no model of it."""
 
     @property
     def rulesets(self) -> tuple[str, ...]:
@@ -310,7 +314,7 @@ class Benchmark(ABC):
         return []
 
     # -- layout (perf.layout=auto) ----------------------------------------------------------------
-    plans_layout = False  # whether perf.layout=auto chooses this benchmark's layout keys (launch/plan.py)
+    plans_layout = False  # whether perf.layout=auto chooses this benchmark's layout keys (measure/layout.py)
 
     def probe_config(self, cfg: RunConfig) -> RunConfig:
         """The config the layout probe measures (the run's, with what the plan may choose set to be probed)."""

@@ -150,6 +150,7 @@ class BertBenchmark(Benchmark):
                           "prediction is the original token; higher is better.")  # fmt: skip
     higher_is_better = True
     optimizer_name = "lamb"
+    hf_twin = "trainbench.families.encoder.hf"
     full_preset = "large"
     presets = {"tiny": tiny, "base": base, "large": large}
     synthetic_sizes = SYNTHETIC_SIZES

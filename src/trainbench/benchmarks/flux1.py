@@ -70,6 +70,7 @@ class Flux1Benchmark(Benchmark):
     higher_is_better = False
     optimizer_name = "adamw"
     full_preset = "flux1-schnell"
+    hf_twin = "trainbench.families.mmdit.hf"
     presets = {
         "tiny": lambda: preset("tiny", TINY, gbs=32, micro=32, lr=1e-3, warmup=10, every=1024, eval_samples=256),
         # The first reference convergence point: GBS 512, lr 2e-4, 1,600 warmup steps.

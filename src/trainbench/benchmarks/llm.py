@@ -210,6 +210,7 @@ class LLMBenchmark(Benchmark):
                           "log of the perplexity); lower is better.")  # fmt: skip
     higher_is_better = False
     shards_one_rank = True
+    hf_twin = "trainbench.families.decoder.hf"
     eval_every: int
     unused_keys = {
         "data.max_predictions": "it predicts every next token, not masked ones",
