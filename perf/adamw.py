@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO / "src"))
 
 from timing import cuda_ms  # noqa: E402  (perf/timing.py, beside this script)
 
-from trainbench.launch.local import build_config  # noqa: E402
 from trainbench.optim.adamw import OWN_KERNEL_BLOCK, AdamClipped  # noqa: E402
+from trainbench.resolve import build_config  # noqa: E402
 
 
 def model_and_grads(benchmark: str, preset: str, blocks: int):

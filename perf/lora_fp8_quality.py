@@ -36,7 +36,7 @@ def wider_base(folder: Path, width: int, layers: int, seed: int) -> list[str]:
 
     from trainbench.families.decoder.hf_checkpoint import save_sharded
     from trainbench.families.decoder.model import DecoderLM
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     shape = {"model.hidden_size": width, "model.num_layers": layers, "model.num_heads": width // 128,
              "model.num_kv_heads": max(1, width // 512), "model.intermediate_size": width * 11 // 4}  # fmt: skip

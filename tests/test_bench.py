@@ -86,7 +86,7 @@ def test_flux_blocks_are_a_double_block_and_its_share_of_single_ones(tmp_path, m
     the tiny preset, 2 at FLUX.1's 19 + 38), so its step time is extrapolated in a straight line to the model's
     depth, and the MFU counts the whole model's FLOPs at that rate (a peak stood in for on the CPU)."""
     from trainbench.benchmarks import get_benchmark
-    from trainbench.launch.local import load_run_config
+    from trainbench.resolve import load_run_config
 
     monkeypatch.setattr("trainbench.report.bench_report.peak_tflops", lambda device: 1.0)
     folder, result = measured("flux1", tmp_path / "r", "--blocks", "1,2", "--steps", "1", "--warmup", "0",
@@ -147,7 +147,7 @@ def test_a_model_that_does_not_fit_is_one_sentence_naming_what_would(tmp_path, c
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 448.00 MiB.")
 
-    monkeypatch.setattr("trainbench.train.bench._timed_steps", out_of_memory)
+    monkeypatch.setattr("trainbench.measure.throughput._timed_steps", out_of_memory)
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=80 << 30)
     )
@@ -163,6 +163,7 @@ def test_a_model_that_does_not_fit_is_one_sentence_naming_what_would(tmp_path, c
     ("args", "says"),
     [
         (["gpt3"], "transformers has no model of gpt3's architecture"),
+        (["dlrmv4"], "transformers has no model of dlrmv4's architecture"),
         (["llama31_8b", "--nproc", "2"], "--compare hf runs in one process"),
         (["flux1", "model.mlp_ratio=2"], "FluxTransformer2DModel fixes the MLP ratio at 4 and the RoPE base at 10000"),
     ],
@@ -208,17 +209,17 @@ def test_compare_hf_times_transformers_gpt_oss_beside_our_mixture_of_experts(tmp
 
     from trainbench.benchmarks import get_benchmark
     from trainbench.families.decoder.gpt_oss import GptOssLM
-    from trainbench.train import compare_hf
+    from trainbench.measure import compare_hf
 
     bench = get_benchmark("gpt_oss_20b")
     cfg = bench.config("tiny-hf")
     assert compare_hf.require(bench, cfg) == "moe"
-    model = compare_hf.build("moe", cfg, torch.device("cpu"))
+    model = compare_hf.twin(bench).build(cfg, torch.device("cpu"))
     assert type(model).__name__ == "GptOssForCausalLM"
     ours = {n.replace(".mlp.", ".mlp.experts.") if n.split(".")[-1].startswith(("gate_up", "down_proj")) else n
             for n, _ in GptOssLM(cfg.model).named_parameters()}  # fmt: skip
     assert ours == {n for n, _ in model.named_parameters()}  # the same parameters: the same work
-    result = compare_hf.measure(bench, cfg, "moe", False, 1, 1, torch.device("cpu"))
+    result = compare_hf.measure(bench, cfg, False, 1, 1, torch.device("cpu"))
     assert "error" not in result and result["seconds"] > 0 and result["samples_per_step"] == 32
 
 
@@ -250,14 +251,14 @@ def test_diffusers_flux_peer_trains_on_the_same_loss_as_ours():
     from test_flux import ours_from_diffusers
 
     from trainbench.benchmarks import get_benchmark
-    from trainbench.train import compare_hf
+    from trainbench.measure import compare_hf
 
     bench = get_benchmark("flux1")
     cfg = bench.config("tiny")
     cpu = torch.device("cpu")
     assert compare_hf.require(bench, cfg) == "flux"
     torch.manual_seed(0)
-    theirs = compare_hf.build("flux", cfg, cpu)
+    theirs = compare_hf.twin(bench).build(cfg, cpu)
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(std=0.1)
@@ -266,7 +267,7 @@ def test_diffusers_flux_peer_trains_on_the_same_loss_as_ours():
     batch = next(iter(next(iter(bench.bench_data(cfg, 0, 1).train))))
     t = bench.to_device(batch, cpu)
     mine = bench.loss(ours, t, bench.loss_weights(t))
-    peer = compare_hf.loss_of("flux", bench, theirs, batch, cpu)
+    peer = compare_hf.twin(bench).loss(bench, cfg, theirs, batch, cpu)
     nothing = bench.loss(lambda img, *rest: torch.zeros_like(img), t, bench.loss_weights(t))
     assert peer.item() == pytest.approx(mine.item(), rel=1e-5)
     assert abs(mine.item() - nothing.item()) > 0.1  # the model's prediction counts in the loss
@@ -282,14 +283,18 @@ def test_our_rows_become_the_inputs_hf_trains_on_with_the_same_loss_positions():
     import torch
 
     from trainbench.benchmarks import get_benchmark
-    from trainbench.train.compare_hf import IGNORE, inputs
+    from trainbench.families.decoder import hf as decoder_hf
+    from trainbench.families.encoder import hf as encoder_hf
+    from trainbench.measure import compare_hf
 
+    IGNORE = decoder_hf.IGNORE
     cpu = torch.device("cpu")
     for name, family in (("llama2_70b_lora", "decoder_lora"), ("llama31_8b", "decoder"), ("bert", "encoder")):
         bench = get_benchmark(name)
         cfg = bench.config("tiny")
+        assert compare_hf.twin(bench).peer(cfg) == family
         batch = next(iter(bench.bench_data(cfg, 0, 1).train))[0]
-        hf = inputs(family, batch, cpu)
+        hf = encoder_hf.inputs(batch, cpu) if family == "encoder" else decoder_hf.inputs(cfg, batch, cpu)
         if family == "encoder":
             valid = batch["masked_lm_positions"] > 0
             rows, cols = valid.nonzero()
@@ -303,6 +308,31 @@ def test_our_rows_become_the_inputs_hf_trains_on_with_the_same_loss_positions():
             assert (hf["labels"][:, 1:] != IGNORE).numpy().tolist() == ours.tolist()
             assert int(ours.sum()) > 0 and (hf["labels"][:, 1:][torch.as_tensor(ours)] ==
                                             torch.as_tensor(batch["tokens"][:, 1:][ours])).all()  # fmt: skip
+
+
+def test_each_benchmark_names_its_hf_twin_in_its_model_family():
+    """``--compare hf`` asks the benchmark for its twin (ModelFamily.hf_twin): a module of families/ answering the same
+    calls for every family, or None where HF has no model of the architecture (the comparer then says so)."""
+    import importlib
+
+    from trainbench.benchmarks import BENCHMARKS
+    from trainbench.families.encoder import hf as encoder_hf
+
+    calls = ("peer", "check", "packages", "build", "loss", "kernels")
+    named = {}
+    for bench in BENCHMARKS.values():
+        if bench.family.hf_twin is None:
+            continue
+        assert bench.family.hf_twin.startswith("trainbench.families.") and bench.family.hf_twin.endswith(".hf"), (
+            bench.family.hf_twin
+        )
+        twin = importlib.import_module(bench.family.hf_twin)
+        assert all(callable(getattr(twin, call, None)) for call in calls), bench.family.hf_twin
+        named[bench.name] = twin.peer(bench.config("tiny"))
+    assert named["bert"] == "encoder" and named["flux1"] == "flux" and named["gpt_oss_20b"] == "moe"
+    assert named["gpt3"] is None  # a decoder, but not one transformers has
+    assert BENCHMARKS["dlrmv4"].family.hf_twin is None
+    assert encoder_hf.packages(BENCHMARKS["bert"].config("tiny")) == ["transformers"]
 
 
 def _trace(kernels: list[tuple[str, float, float]]) -> dict:
@@ -392,8 +422,8 @@ def test_depths_a_whole_repeat_of_the_blocks_apart_are_taken():
     """gpt_oss_20b's windowed and whole-prefix blocks alternate: 1 and 3 blocks (one of each kind between them) or 2
     and 4 are measured; with no window every block is alike and any two depths do."""
     from trainbench.benchmarks import get_benchmark
-    from trainbench.launch.bench import parse_blocks
-    from trainbench.launch.local import build_config
+    from trainbench.measure.bench import parse_blocks
+    from trainbench.resolve import build_config
 
     bench, cfg = build_config("gpt_oss_20b", "gpt-oss-20b", [], {})
     assert parse_blocks("1,3", 24, bench.family.block_period(cfg)) == [1, 3]
@@ -411,8 +441,8 @@ def test_truncated_depths_under_a_planned_layout_share_the_deepest_depth_s_rows(
     depth's rows a micro-batch, so that the rate between them is extrapolated at one micro-batch. A stand-in
     planner, as a GPU's probe would plan: the whole model does not fit, 1 block takes 32 rows, 2 blocks 16."""
     from trainbench.errors import ConfigError
-    from trainbench.launch import plan
-    from trainbench.launch.local import load_run_config
+    from trainbench.measure import layout as plan
+    from trainbench.resolve import load_run_config
 
     asked = []
 

@@ -6,7 +6,7 @@ from trainbench.benchmarks import BENCHMARKS
 from trainbench.cli import main as cli_main
 from trainbench.config import apply_overrides, parse_key_values, read_yaml_overrides, save_config
 from trainbench.errors import ConfigError
-from trainbench.launch.local import build_config, load_run_config
+from trainbench.resolve import build_config, load_run_config
 
 
 def test_large_preset_is_the_mlperf_reference_shape():

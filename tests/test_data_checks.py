@@ -395,7 +395,7 @@ def test_a_shard_changed_since_preparation_is_read_whole_and_its_values_compared
 ):
     data = linked_copy(bert_data, tmp_path / "data")
     shard = data / "train" / "part_00005_of_00008.hdf5"
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     rewrite_hdf5(shard, lambda arrays: None)  # the same values, written again: a newer file that agrees with its record
     bench, cfg = build_config("bert", "tiny", [], {"data.dir": str(data), "progress": "false"})
@@ -412,7 +412,7 @@ def test_a_shard_changed_since_preparation_is_read_whole_and_its_values_compared
 
 
 def test_bert_data_prepared_before_shards_were_recorded_loads_with_a_note(bert_data, tmp_path, capsys):
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     data = linked_copy(bert_data, tmp_path / "data")
     edited_manifest(data, lambda m: [entry.pop("values", None) for entry in m["files"].values()])

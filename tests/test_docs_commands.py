@@ -115,7 +115,7 @@ def test_a_documented_command_runs_as_written(where, command, sandbox, monkeypat
     args = [match for word in shlex.split(command)[1:] for match in expand(word)]
     launched = []
 
-    def launch(bench, cfg, nexp=1, given=None):  # the training: recorded, not run
+    def launch(bench, cfg, nexp=1, given=None, plan=None):  # the training: recorded, not run
         launched.append((bench.name, cfg))
         if cfg.output.run_dir and not Path(cfg.output.run_dir).exists():  # a later command reads the folder it names
             shutil.copytree(sandbox / "results" / "finished", cfg.output.run_dir)
@@ -127,7 +127,7 @@ def test_a_documented_command_runs_as_written(where, command, sandbox, monkeypat
             preflight(bench, cfg)  # the data it names is here, and the processes fit: check them as a run would
         return sandbox / "results" / "finished", []
 
-    def submit(bench, cfg, system, nexp, dry_run, command_line, chain=1):  # a cluster: recorded, not asked
+    def submit(bench, cfg, system, nexp, dry_run, command_line, chain=1, plan=None):  # a cluster: recorded, not asked
         launched.append((bench.name, cfg))
         return sandbox / "results" / "finished", "#!/bin/bash\n", None
 
@@ -146,7 +146,7 @@ def test_a_documented_command_runs_as_written(where, command, sandbox, monkeypat
         return
     if args[0] == "bench":  # a GPU's measurement at full size: its options and config are built and checked only
         from trainbench.config import parse_key_values
-        from trainbench.launch.local import build_config
+        from trainbench.resolve import build_config
 
         parsed, extra = cli._parser().parse_known_args(args)
         preset = parsed.preset or registry()[parsed.benchmark].full_preset

@@ -206,7 +206,7 @@ def test_fp8_is_refused_on_the_cpu_and_swaps_the_blocks_layers_but_not_their_mod
     from trainbench.errors import ConfigError
     from trainbench.families import fp8
     from trainbench.families.mmdit.placement import in_fp8
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     with pytest.raises(ConfigError, match="model.precision=fp8 trains on FP8 tensor cores: it needs an NVIDIA GPU"):
         build_config("flux1", "tiny", overrides={"model.precision": "fp8", "device": "cpu"})

@@ -82,7 +82,7 @@ def test_the_output_layer_in_fp8_follows_the_unswapped_loss_within_fp8_rounding(
     from trainbench.distributed import Placed
     from trainbench.families.decoder import fp8_output
     from trainbench.families.decoder.model import DecoderLM
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     _, cfg = build_config("llama31_8b", "tiny")
     torch.manual_seed(0)

@@ -171,14 +171,14 @@ def test_tokens_after_an_end_of_document_token_are_not_predicted():
     ],
 )
 def test_bad_layouts_are_one_sentence(overrides, says):
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     with pytest.raises(ConfigError, match=says):
         build_config("gpt_oss_20b", "tiny", None, overrides)
 
 
 def test_expert_parallelism_is_refused_where_there_are_no_experts():
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     with pytest.raises(ConfigError, match="distributed.ep=2: llama31_8b has no mixture of experts"):
         build_config("llama31_8b", "tiny", None, {"distributed.ep": "2", "distributed.nproc": "2"})
@@ -186,7 +186,7 @@ def test_expert_parallelism_is_refused_where_there_are_no_experts():
 
 @pytest.mark.parametrize("name", ["bert", "llama2_70b_lora", "flux1"])
 def test_one_rank_sharding_is_refused_where_the_placement_has_none(name):
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     with pytest.raises(ConfigError, match=f"distributed.shard_one_rank=true: {name}'s placement has no one-rank"):
         build_config(name, "tiny", None, {"distributed.shard_one_rank": "true"})
@@ -218,7 +218,7 @@ def test_check_data_reads_the_manifest_once(llm_data, monkeypatch):
     """gpt_oss_20b's check of its data (the end-of-document token, the vocabulary) and the family's (every shard,
     the end-of-document token against the vocabulary) share one reading of manifest.json."""
     from trainbench.benchmarks import gpt_oss, llm
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     read, real = [], llm.read_manifest
     monkeypatch.setattr(llm, "read_manifest", lambda folder: read.append(folder) or real(folder))

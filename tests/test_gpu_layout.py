@@ -23,9 +23,9 @@ def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_t
     """The probe (two blocks of a 2048-wide LoRA model through the run's own build) measures what the planner needs,
     and the plan made from it for a 48-block model of that width fits this GPU by its own account."""
 
-    from trainbench.launch.local import build_config
-    from trainbench.launch.plan import block_probe, resources
-    from trainbench.train import probe
+    from trainbench.measure import probe
+    from trainbench.measure.layout import block_probe, resources
+    from trainbench.resolve import build_config
 
     bench, cfg = build_config("llama2_70b_lora", "llama2-70b", [], {
         "device": "cuda", "model.hidden_size": "2048", "model.num_heads": "16", "model.num_kv_heads": "4",
@@ -48,8 +48,8 @@ def test_the_layout_probe_measures_a_compiled_block_of_the_8b_model(precision):
     """perf.layout=auto for llama31_8b probes its blocks compiled (Module.compile) as the run builds them: the marks
     around a block run outside its graph, so its forward, backward and kept bytes are measured (traced into the
     graph, the probe's CUDA events were never recorded and it failed)."""
-    from trainbench.launch.local import build_config
-    from trainbench.train import probe
+    from trainbench.measure import probe
+    from trainbench.resolve import build_config
 
     if precision == "fp8":
         pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
@@ -68,11 +68,11 @@ def test_the_layout_probe_measures_a_compiled_block_of_the_8b_model(precision):
 
 @pytest.mark.alone  # (the host link's rates)
 def test_the_host_link_shared_by_every_gpu_here_is_no_faster_than_one_gpu_alone(tmp_path):
-    """train/probe.link_rates on every GPU of this machine at once (one GPU: the same as alone): each GPU's
+    """measure/probe.link_rates on every GPU of this machine at once (one GPU: the same as alone): each GPU's
     rate both ways is real and no more than its rate copying alone (timing spread aside); the ``--link`` entry writes
     the pair a plan caches."""
-    from trainbench.launch.plan import main
-    from trainbench.train import probe
+    from trainbench.measure import probe
+    from trainbench.measure.layout import main
 
     alone = probe.link_rates()
     shared = probe.link_rates(gpus=torch.cuda.device_count())
@@ -87,7 +87,7 @@ def test_a_gpu_memory_limit_holds_the_allocator_to_it_on_cuda():
     """perf.gpu_memory_gib: the allocator refuses what a GPU of that size would not have had free, grants what it
     would, and a limit above the GPU's memory is one sentence."""
     from trainbench.errors import ConfigError
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
     from trainbench.train.setup import limit_gpu_memory
 
     gc.collect()

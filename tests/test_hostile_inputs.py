@@ -203,7 +203,7 @@ def test_keys_without_effect_are_refused_by_the_python_api_too():
     import dataclasses
 
     from trainbench.errors import ConfigError
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     with pytest.raises(ConfigError, match="distributed.grad_reduce_dtype=bf16 has no effect on this run of bert: one "
                                           "rank all-reduces no gradients"):  # fmt: skip

@@ -38,7 +38,7 @@ def test_the_model_counts_every_gib_and_charges_copies_only_beyond_the_forward_t
 def test_the_copies_are_charged_at_the_rate_measured_while_the_gpu_computes():
     """Where the probe measured the link while a step ran, the plan counts on that rate: 34 blocks out during a
     0.96 s forward fit at the idle 52 GB/s, not at 30 GB/s; one H100 then offloads fewer blocks and recomputes more."""
-    from trainbench.launch.plan import block_probe
+    from trainbench.measure.layout import block_probe
 
     busy = dataclasses.replace(P70, to_host_busy_bytes_s=30e9, to_gpu_busy_bytes_s=30e9)
     assert busy.rates() == (30e9, 30e9) and P70.rates() == (52e9, 50e9)
@@ -70,8 +70,8 @@ def test_a_plan_for_several_ranks_a_node_measures_the_shared_link_once_and_says_
     """--nproc 4 on a machine with the GPUs: the shared link is measured once (in a process of its own, faked here)
     and cached with the probe; a plan for 4 ranks counts it and prints it, one for 1 rank does not, and a failed
     measurement leaves one GPU's rates with a line that says so."""
-    from trainbench.launch import plan
-    from trainbench.train import probe
+    from trainbench.measure import layout as plan
+    from trainbench.measure import probe
 
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
     bench, cfg = _lora_cfg()
@@ -135,7 +135,7 @@ def test_too_little_host_memory_offloads_less_or_is_refused_naming_what_would_fi
 
 
 def _lora_cfg(**perf):
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     return build_config("llama2_70b_lora", "llama2-70b", [], {"device": "cuda", **perf})
 
@@ -186,8 +186,8 @@ def test_contradicting_or_impossible_layout_keys_are_one_sentence(tmp_path, caps
 
 
 def test_a_cached_probe_plans_a_job_and_none_is_one_sentence_before_any_folder(tmp_path, monkeypatch, capsys):
-    from trainbench.launch.plan import planned
-    from trainbench.train import probe
+    from trainbench.measure import probe
+    from trainbench.measure.layout import planned
 
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
     bench, cfg = _lora_cfg()
@@ -216,8 +216,8 @@ def test_a_cached_probe_plans_a_job_and_none_is_one_sentence_before_any_folder(t
 
 
 def test_a_run_on_a_cpu_has_nothing_to_plan():
-    from trainbench.launch.local import build_config
-    from trainbench.launch.plan import planned
+    from trainbench.measure.layout import planned
+    from trainbench.resolve import build_config
 
     bench, cfg = build_config("llama2_70b_lora", "llama2-70b", [], {"device": "cpu"})
     same, lines = planned(bench, cfg, print)
@@ -259,8 +259,8 @@ def test_a_gpu_memory_limit_plans_a_smaller_gpu_and_is_refused_without_a_gpu(tmp
     as taken there too) plans as an H100 does; on the CPU the key is one sentence before any folder."""
     import torch
 
-    from trainbench.launch.plan import planned
-    from trainbench.train import probe
+    from trainbench.measure import probe
+    from trainbench.measure.layout import planned
     from trainbench.train.setup import limit_gpu_memory
 
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
@@ -295,7 +295,7 @@ P8 = BlockProbe(kept_bytes=int(0.86 * GIB), input_bytes=8192 * 4096 * 4, block_w
 
 
 def _llama_cfg(**keys):
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     return build_config("llama31_8b", "llama31-8b", [], {"device": "cuda", "model.precision": "fp8",
                                                           "perf.layout": "auto", **keys})  # fmt: skip
@@ -355,11 +355,11 @@ def test_gpt_oss_has_no_plan_of_its_own():
 
 
 def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path, monkeypatch):
-    """The launcher's path (launch/plan.planned) with a probe of the 8B cached as the probe would write it: 2 ranks of
-    H100 recompute blocks, with the probe's line; the gradients and state outside the blocks are read from it, and a
-    probe of the older format (without them) is not used."""
-    from trainbench.launch.plan import planned
-    from trainbench.train import probe
+    """The launcher's planner (measure/layout.planned) with a probe of the 8B cached as the probe would write it: 2
+    ranks of H100 recompute blocks, with the probe's line; the gradients and state outside the blocks are read from it,
+    and a probe of the older format (without them) is not used."""
+    from trainbench.measure import probe
+    from trainbench.measure.layout import planned
 
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
     bench, cfg = _llama_cfg(**{"distributed.nproc": "2"})
@@ -382,9 +382,9 @@ def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path,
 
 
 def test_the_probe_reports_the_clock_and_power_of_the_gpu_its_steps_kept_busy():
-    """train/probe.busiest_gpu over telemetry.measured_window's summary: the GPU with the most busy samples (on a node,
-    the probe's one; the idle ones are not in the summary or have fewer), or None where nothing was sampled."""
-    from trainbench.train.probe import busiest_gpu
+    """measure/probe.busiest_gpu over telemetry.measured_window's summary: the GPU with the most busy samples (on a
+    node, the probe's one; the idle ones are not in the summary or have fewer), or None where nothing was sampled."""
+    from trainbench.measure.probe import busiest_gpu
 
     summary = {"node_gpu0": {"busy_samples": 9, "sm_clock_mhz": 1755.0, "power_w": 698.2},
                "node_gpu3": {"busy_samples": 1, "sm_clock_mhz": 1980.0, "power_w": 120.0}}  # fmt: skip
@@ -393,14 +393,14 @@ def test_the_probe_reports_the_clock_and_power_of_the_gpu_its_steps_kept_busy():
 
 
 def test_the_probe_counts_a_block_s_own_optimizer_state_and_puts_the_embedding_s_outside_the_blocks():
-    """train/probe._optimizer_bytes after an AdamW step of a model whose embedding and output layer train too: a
+    """measure/probe._optimizer_bytes after an AdamW step of a model whose embedding and output layer train too: a
     block's share is its own state (two fp32 moments) and gradient; the rest (what the step left beyond the weights,
     less the blocks' share, plus the gradients outside the blocks) is the embedding's and the output layer's."""
     import types
 
     import torch
 
-    from trainbench.train.probe import _optimizer_bytes
+    from trainbench.measure.probe import _optimizer_bytes
 
     model = torch.nn.Module()
     model.embed = torch.nn.Embedding(100, 8)
@@ -425,7 +425,7 @@ def test_the_probe_marks_a_compiled_block_from_outside_its_graph(monkeypatch):
     every step: traced into the block's graph, their CUDA events were never recorded and the probe failed."""
     import torch
 
-    from trainbench.train import probe
+    from trainbench.measure import probe
 
     calls = []
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)

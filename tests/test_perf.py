@@ -11,7 +11,7 @@ from tests.conftest import only_run_dir, read_metrics, run_cli, tiny_spec
 from trainbench.data.bert_hdf5 import TrainBatches, find_shards
 from trainbench.data.synthetic_bert import prepare_synthetic
 from trainbench.errors import ConfigError
-from trainbench.launch.local import build_config
+from trainbench.resolve import build_config
 
 QUICK = ["progress=false", "eval_samples=256", "eval.every_samples=320", "schedule.max_samples=640"]
 needs_compiler = pytest.mark.skipif(

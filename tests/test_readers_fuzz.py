@@ -498,7 +498,7 @@ def _bert_late_id(data: Path) -> None:
 def test_a_file_linked_from_outside_and_a_late_bad_id_are_refused_before_any_folder(reader, damage, request, tmp_path):
     """Asked of the benchmark's check_data (what the CLI runs before any folder), not through a run that would train."""
     from trainbench.errors import DataError
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
 
     benchmark, fixture, _, _ = READERS[reader]
     data = linked_copy(request.getfixturevalue(fixture), tmp_path / "data")

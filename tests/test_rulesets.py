@@ -15,9 +15,9 @@ from conftest import only_run_dir, run_cli
 from trainbench import __version__
 from trainbench.benchmarks import get_benchmark
 from trainbench.distributed import DistInfo, Placed
-from trainbench.launch.local import build_config
 from trainbench.mlperf import DISCLOSURE_KEYS, check_compliance, known_mlperf_benchmarks, read_log, round_benchmarks
 from trainbench.report.package import check_package
+from trainbench.resolve import build_config
 from trainbench.train.setup import run_disclosure
 
 ONE = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

@@ -37,7 +37,7 @@ def test_unknown_system_lists_the_known_ones(capsys, small_data):
 
 def test_system_layout_gives_batch_per_gpu_accumulation_and_cpu_binding():
     from trainbench.benchmarks.bert import large
-    from trainbench.launch.systems import fit_micro_batch
+    from trainbench.resolve import fit_micro_batch
 
     one = load_system("dgxh100_1x8")
     cfg = fit_micro_batch(large(), one)
@@ -213,7 +213,7 @@ def test_names_paths_and_values_with_shell_syntax_are_never_executed(small_data,
     assert "--container-image=reg#img:$(touch PWNED5)" in args
     assert any(a.startswith("--container-mounts=/a b:/c;$(touch PWNED4),") for a in args)
     # The override is data in config.yaml, not text in the script.
-    from trainbench.launch.local import load_run_config
+    from trainbench.resolve import load_run_config
 
     assert load_run_config(run_dir / "config.yaml")[1].output.submission_org == evil
 
@@ -555,7 +555,7 @@ def test_a_dry_run_does_not_need_the_data_on_this_machine(tmp_path, capsys):
 def test_a_two_node_job_computes_accumulation_from_every_rank_of_every_node(small_data, tmp_path, capsys):
     """submit once set distributed.nproc to one node's ranks and computed the accumulation from it: 2 nodes x 1 rank
     logged accumulation 2 where each rank trained one micro-batch of 32 (global batch 64)."""
-    from trainbench.launch.local import load_run_config
+    from trainbench.resolve import load_run_config
 
     assert run_cli("submit", "bert", "--preset", "tiny", "--system", "local_cpu_2x1", "--dry-run",
                    f"data.dir={small_data}", f"output.results_dir={tmp_path}") == 0  # fmt: skip
@@ -579,7 +579,7 @@ def test_a_job_whose_ranks_differ_from_its_config_stops_before_training(small_da
     from trainbench.benchmarks import get_benchmark
     from trainbench.distributed import DistInfo
     from trainbench.errors import ConfigError
-    from trainbench.launch.local import build_config
+    from trainbench.resolve import build_config
     from trainbench.train.setup import build_run
 
     bench, cfg = build_config("bert", "tiny", overrides={"data.dir": str(small_data), "distributed.nodes": "2"})
@@ -803,7 +803,7 @@ def test_a_killed_rank_a_lost_node_and_the_time_limit_each_stop_the_job_and_the_
 
 def test_submit_starts_from_each_benchmarks_mlperf_shape_unless_told(tmp_path):
     from trainbench.benchmarks import BENCHMARKS
-    from trainbench.launch.local import load_run_config
+    from trainbench.resolve import load_run_config
 
     for name, bench in BENCHMARKS.items():
         assert bench.full_preset in bench.presets, name
@@ -833,17 +833,19 @@ def test_an_mpi_plugin_the_cluster_has_not_got_is_caught_before_submit(tmp_path,
 
 
 def test_a_measurements_job_script_runs_each_rank_of_the_system_once_with_no_requeue(tmp_path):
-    from trainbench.launch.local import build_config
+    from trainbench.measure.bench import RANK
+    from trainbench.resolve import build_config
 
     system = load_system("dgxh100_1x8")
     _, cfg = build_config("llama31_8b", "llama31-8b", [], {"device": "cuda"})
     run_dir = tmp_path / "a b; $(touch x)"
-    script = slurm.render_bench_script(system, cfg, run_dir, ["trainbench", "bench", "llama31_8b"], "/venv/python")
+    script = slurm.render_bench_script(system, cfg, run_dir, ["trainbench", "bench", "llama31_8b"], "/venv/python",
+                                       f'{RANK} "$RUN_DIR"')  # fmt: skip
     assert "#SBATCH --nodes=1" in script and "#SBATCH --gpus-per-node=8" in script
     assert "--requeue" not in script and "--signal" not in script and "--array" not in script
     sruns = [line for line in script.splitlines() if line.startswith("srun ")]
-    worker = next(line for line in sruns if "trainbench.launch.worker" in line)
-    assert worker.endswith('-m trainbench.launch.worker "$RUN_DIR" 0 --bench') and "--ntasks-per-node=8" in worker
+    worker = next(line for line in sruns if "trainbench.measure.bench" in line)
+    assert worker.endswith('-m trainbench.measure.bench "$RUN_DIR"') and "--ntasks-per-node=8" in worker
     assert f"RUN_DIR='{run_dir}'" in script  # quoted: data, never code
     assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
 
@@ -876,4 +878,4 @@ def test_a_measurement_runs_as_one_job_a_depth_on_two_nodes(tmp_path, capsys):
     assert len(outputs) == 2  # one job a depth
     printed = capsys.readouterr().out
     assert "submitted job" in printed and "not a time-to-train result" in printed
-    assert "--bench" in (folder / "bench.sbatch").read_text()
+    assert "-m trainbench.measure.bench" in (folder / "bench.sbatch").read_text()

@@ -20,8 +20,10 @@ LAYERS = [
     {"data", "families", "optim", "convert"},  # on-disk formats, model families (architecture, placement, speed),
     # optimizers
     {"benchmarks"},  # the benchmark interface and the definitions
+    {"resolve"},  # from a preset, YAML files and overrides (or a saved config.yaml) to the config a run trains with
     {"train"},  # the one training loop
     {"launch"},  # in-process, torchrun and Slurm launch
+    {"measure"},  # throughput (`trainbench bench`), the layout probe and plan, the HF peers: the loop's step, timed
     {"report"},  # scores, reports and packages read from results folders
     {"cli", "__main__"},
 ]
@@ -85,7 +87,12 @@ def test_no_benchmark_name_is_a_literal_outside_the_benchmark_definitions():
 SCREEN = 50  # lines
 
 
-@pytest.mark.parametrize("path", sorted((SRC / "train").glob("*.py")), ids=lambda p: p.name)
+# The loop, and the measurements that run its step (they left train/ for measure/, the rule with them).
+ON_ONE_SCREEN = sorted((SRC / "train").glob("*.py")) + [SRC / "measure" / f"{name}.py" for name in
+                                                        ("probe", "throughput", "compare_hf")]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ON_ONE_SCREEN, ids=lambda p: p.relative_to(SRC).as_posix())
 def test_every_function_of_the_training_loop_fits_on_one_screen(path):
     long = [
         f"{node.name}: {node.end_lineno - node.lineno + 1} lines"

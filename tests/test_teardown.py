@@ -244,14 +244,14 @@ def test_what_other_ranks_said_is_named_once_with_how_many_said_it(tmp_path):
 _RANK_ONE_FAILS = """
 import os
 if os.environ.get("RANK") == "1":
-    import trainbench.train.bench
+    import trainbench.measure.throughput
     import trainbench.train.loop
     from trainbench.errors import UserError
 
     def fail(*args, **kwargs):
         raise UserError("rank 1 alone could not go on")
 
-    trainbench.train.bench.measure = trainbench.train.loop.train = fail
+    trainbench.measure.throughput.measure = trainbench.train.loop.train = fail
 """
 
 

@@ -65,9 +65,9 @@ def add_bench_parser(sub) -> None:
 def cmd_bench(args) -> int:
     from trainbench.benchmarks import get_benchmark
     from trainbench.console import console
-    from trainbench.launch.bench import run_bench
-    from trainbench.launch.local import build_config
+    from trainbench.measure.bench import run_bench
     from trainbench.report import bench_report
+    from trainbench.resolve import build_config
 
     overrides = run_overrides(args)
     system = None

@@ -127,7 +127,9 @@ def run_overrides(args) -> dict[str, str]:
 def cmd_run(args) -> int:
     from trainbench.config import apply_overrides, describe
     from trainbench.console import console
-    from trainbench.launch.local import build_config, run_experiments
+    from trainbench.launch.local import run_experiments
+    from trainbench.measure.layout import planned
+    from trainbench.resolve import build_config
 
     overrides = run_overrides(args)
     if args.help_config:
@@ -136,7 +138,7 @@ def cmd_run(args) -> int:
         return 0
     bench, cfg = build_config(args.benchmark, args.preset, args.config, overrides)
     given = apply_overrides(bench.config(args.preset), overrides)  # the dotted keys the command line sets
-    run_dir, records = run_experiments(bench, cfg, args.nexp, given)
+    run_dir, records = run_experiments(bench, cfg, args.nexp, given, plan=planned)
     ok = all(r.outcome and r.outcome["status"] == "success" and r.compliance and r.compliance.ok for r in records)
     finished = [r.outcome for r in records if r.outcome]
     if finished:
@@ -153,8 +155,8 @@ def on_system(benchmark: str, preset: str | None, configs: list[str], overrides:
     import dataclasses
 
     from trainbench.benchmarks import get_benchmark
-    from trainbench.launch.local import build_config
     from trainbench.launch.systems import load_system
+    from trainbench.resolve import build_config
 
     system = load_system(name)
     changes = {k: v for k, v in (("nodes", nodes), ("time", time), ("array_parallel", array_parallel)) if v is not None}
@@ -170,6 +172,7 @@ def cmd_submit(args) -> int:
     from trainbench.config import parse_key_values
     from trainbench.console import console
     from trainbench.launch.slurm import submit
+    from trainbench.measure.layout import planned
 
     if args.system == "?":
         return list_systems()
@@ -181,7 +184,9 @@ def cmd_submit(args) -> int:
     system, cfg, bench = on_system(args.benchmark, args.preset, args.config, overrides, args.system, args.nodes,
                                     args.time, args.array_parallel)  # fmt: skip
     command = ["trainbench", *(sys.argv[1:] if sys.argv[1:2] == ["submit"] else ["submit", args.benchmark])]
-    run_dir, script, job_id = submit(bench, cfg, system, args.nexp, args.dry_run, command, chain=args.chain)
+    run_dir, script, job_id = submit(
+        bench, cfg, system, args.nexp, args.dry_run, command, chain=args.chain, plan=planned
+    )
     layout = system.naming(cfg.data.global_batch_size, cfg.data.micro_batch_size)
     if args.dry_run:
         console.print(script, markup=False, highlight=False)

@@ -1,5 +1,5 @@
 """Choosing how a model's blocks use the GPU (``perf.layout=auto``): a memory and time model of one step from what a
-probe measured of one block on this GPU (train/probe.py), the GPU's and the host's memory, and a search over the
+probe measured of one block on this GPU (measure/probe.py), the GPU's and the host's memory, and a search over the
 layouts the placement can build.
 
 A block of the decoder either keeps what it saved for its backward on the GPU, or keeps it in pinned host memory

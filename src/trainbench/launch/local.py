@@ -11,18 +11,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainbench.benchmarks import get_benchmark
 from trainbench.benchmarks.base import Benchmark
-from trainbench.config import RunConfig, apply_overrides, leaves, read_yaml_overrides, save_config
+from trainbench.config import RunConfig, leaves, save_config
 from trainbench.console import RunConsole, console
 from trainbench.distributed import THREADS_WHY, available_slots, cpu_threads, init_distributed, resolve_device, shutdown
 from trainbench.errors import ConfigError, DataError, Preempted, UserError
-from trainbench.launch.systems import System, fit_micro_batch, largest_micro_batch
 from trainbench.mlperf import ComplianceResult, check_compliance, constants, read_log
+from trainbench.resolve import PATH_KEYS, absolute_paths, allocator_settings, experiment_config, load_run_config
 from trainbench.runfiles import (
     CONFIG,
     CONSOLE,
@@ -36,56 +36,6 @@ from trainbench.runfiles import (
     read_json,
 )
 from trainbench.version import describe, provenance
-
-
-def build_config(
-    benchmark: str,
-    preset: str,
-    yaml_files: list[str] | None = None,
-    overrides: dict | None = None,
-    system: System | None = None,
-) -> tuple[Benchmark, RunConfig]:
-    """Preset, then YAML files in order, then key=value overrides; validated. Where neither sets the micro-batch,
-    the preset's is cut to fit each process's share of the global batch. ``system`` (`submit`, `bench --system`):
-    the job's ranks (its nodes x ranks per node) and the largest micro-batch that splits the global batch over them
-    are set before the config is validated, so that it is judged at the job's ranks (a key that takes effect on
-    several ranks only is refused on one and accepted on the system's)."""
-    bench = get_benchmark(benchmark)
-    cfg = bench.config(preset)
-    for key in ("benchmark", "preset"):
-        if key in (overrides or {}):
-            raise ConfigError(f"{key} is not a key to set: name the benchmark and preset on the command line "
-                              f"(`trainbench run BENCHMARK --preset PRESET`), not {key}={overrides[key]}")  # fmt: skip
-    explicit: set[str] = set()
-    for path in yaml_files or []:
-        values = read_yaml_overrides(path)
-        values.pop("benchmark", None)
-        values.pop("preset", None)
-        explicit |= set(apply_overrides(cfg, values))
-    explicit |= set(apply_overrides(cfg, overrides or {}))
-    if yaml_files and "output.config_filename" not in explicit:  # MLPerf's config_filename: what the run read
-        cfg.output.config_filename = ",".join(Path(f).name for f in yaml_files)
-    if "data.micro_batch_size" not in explicit:
-        replicas = max(1, cfg.distributed.world_size // max(1, cfg.distributed.tp))
-        micro = largest_micro_batch(cfg.data.global_batch_size, replicas, cfg.data.micro_batch_size)
-        cfg.data.micro_batch_size = micro or cfg.data.micro_batch_size  # None: validate says what does not split
-    if system is not None:
-        cfg = fit_micro_batch(cfg, system)
-        cfg.distributed = dataclasses.replace(cfg.distributed, nproc=system.ranks_per_node, nodes=system.nodes)
-    bench.validate(cfg)
-    cfg.output.ruleset = bench.ruleset_of(cfg)  # named in the saved config: a later default never changes the run's
-    return bench, cfg
-
-
-def load_run_config(path: Path) -> tuple[Benchmark, RunConfig]:
-    """Load a saved config.yaml back into the same RunConfig; one sentence where it names no benchmark and preset (a
-    file trainbench did not save, or one damaged since)."""
-    values = read_yaml_overrides(path)
-    benchmark, preset = values.pop("benchmark", None), values.pop("preset", None)
-    if not all(isinstance(v, str) and v for v in (benchmark, preset)):
-        raise UserError(f"{path} names no benchmark and preset at its top, so it is not a config trainbench saved; "
-                        "restore it from the run, or remove it")  # fmt: skip
-    return build_config(benchmark, preset, overrides=values)
 
 
 def refuse_used_run_dir(run_dir: Path) -> None:
@@ -120,10 +70,6 @@ class RunRecord:
     stopped: str | None = None  # why a run that did not end stopped, as its run_<i>.json says
 
 
-def experiment_config(cfg: RunConfig, index: int) -> RunConfig:
-    return dataclasses.replace(cfg, seed=cfg.seed + index)
-
-
 def preflight(bench: Benchmark, cfg: RunConfig) -> str:
     """Fail before creating anything for what can be checked up front; returns the device kind."""
     allocator_settings(bench)
@@ -146,13 +92,6 @@ def preflight_device(cfg: RunConfig) -> str:
             f"use --nproc {slots} or fewer"
         )
     return device
-
-
-def allocator_settings(bench: Benchmark) -> None:
-    """The benchmark's CUDA allocator settings for this process and the ranks it starts, unless the user set some
-    (read by torch at the first CUDA allocation, which comes later)."""
-    if bench.cuda_alloc_conf:
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", bench.cuda_alloc_conf)
 
 
 def resume_run_dir(bench: Benchmark, cfg: RunConfig) -> Path:
@@ -183,34 +122,48 @@ RUN_LOCKED = "TRAINBENCH_RUN_LOCKED"
 RESUME_KEYS = ("resume", "output.run_dir", "output.results_dir", "output.progress")
 
 
-def run_experiments(
-    bench: Benchmark, cfg: RunConfig, nexp: int = 1, given: list[str] | None = None
-) -> tuple[Path, list[RunRecord]]:
+# perf.layout=auto's planner (measure/layout.planned), passed in by the caller above the launcher: (benchmark, config,
+# say, here=True) -> the config with its layout chosen and the lines saying why.
+Planner = Callable[..., tuple[RunConfig, list[str]]]
+
+
+def run_experiments(bench: Benchmark, cfg: RunConfig, nexp: int = 1, given: list[str] | None = None, *,
+                    plan: Planner) -> tuple[Path, list[RunRecord]]:  # fmt: skip
     """Run ``nexp`` experiments into one results folder. ``given``: the keys set on the command line (resume=true
-    refuses any that would change the run's saved settings)."""
+    refuses any that would change the run's saved settings); ``plan``: perf.layout=auto's planner."""
     if nexp < 1:
         raise ConfigError(f"--nexp must be at least 1, got {nexp}")
-    lock = None
-    try:
-        if cfg.resume:
-            run_dir = resume_run_dir(bench, cfg)  # a run folder (its config.yaml), else nothing is made
-            lock = FolderLock(run_dir, "resume=true").acquire()  # one process at a time continues a run folder
-            _, saved = load_run_config(run_dir / CONFIG)  # continue with the settings the run started with
-            _refuse_changes_on_resume(saved, cfg, given or [], run_dir)
-            cfg = dataclasses.replace(
-                saved, resume=True, output=dataclasses.replace(saved.output, run_dir=str(run_dir))
-            )
-        else:
-            cfg = absolute_paths(cfg)  # the run may be resumed, or its job started, from another directory
-            if cfg.output.run_dir:
-                refuse_used_run_dir(Path(cfg.output.run_dir))
-        return _run_locked(bench, cfg, nexp, lock)
-    finally:
-        if lock is not None:
-            lock.release()
+    with contextlib.ExitStack() as locks:
+        cfg = _resumed(bench, cfg, given or [], locks) if cfg.resume else _fresh(cfg)
+        device = _checked(bench, cfg, nexp)
+        cfg, lines = plan(bench, cfg, console.print)  # before any folder: a layout that cannot fit stops here
+        run_dir = _claim_folder(bench, cfg, locks)
+        out = _open_folder(bench, cfg, run_dir, lines)
+        return run_dir, _run_each(bench, cfg, nexp, run_dir, device, out)
 
 
-def _run_locked(bench: Benchmark, cfg: RunConfig, nexp: int, lock: FolderLock | None) -> tuple[Path, list[RunRecord]]:
+def _resumed(bench: Benchmark, cfg: RunConfig, given: list[str], locks: contextlib.ExitStack) -> RunConfig:
+    """resume=true: the run folder to continue, locked while this process runs it, and the settings the run started
+    with (its config.yaml); a key given on the command line that would change them is refused."""
+    run_dir = resume_run_dir(bench, cfg)  # a run folder (its config.yaml), else nothing is made
+    locks.enter_context(FolderLock(run_dir, "resume=true"))  # one process at a time continues a run folder
+    _, saved = load_run_config(run_dir / CONFIG)
+    _refuse_changes_on_resume(saved, cfg, given, run_dir)
+    return dataclasses.replace(saved, resume=True, output=dataclasses.replace(saved.output, run_dir=str(run_dir)))
+
+
+def _fresh(cfg: RunConfig) -> RunConfig:
+    """A new run: its paths absolute (it may be resumed, or its job started, from another directory), and a folder
+    it names refused where it holds anything."""
+    cfg = absolute_paths(cfg)
+    if cfg.output.run_dir:
+        refuse_used_run_dir(Path(cfg.output.run_dir))
+    return cfg
+
+
+def _checked(bench: Benchmark, cfg: RunConfig, nexp: int) -> str:
+    """What can be checked before any folder is made (the device, the data; a resumed run's inputs and checkpoints
+    against its start); returns the device kind."""
     try:
         device = preflight(bench, cfg)
         if cfg.resume:
@@ -219,24 +172,25 @@ def _run_locked(bench: Benchmark, cfg: RunConfig, nexp: int, lock: FolderLock | 
         if cfg.resume:
             raise DataError(f"resuming {cfg.output.run_dir} with the settings in its {CONFIG}: {exc}") from None
         raise
-    from trainbench.launch.plan import planned
+    return device
 
-    cfg, plan = planned(bench, cfg, console.print)  # before any folder: a layout that cannot fit stops here
+
+def _claim_folder(bench: Benchmark, cfg: RunConfig, locks: contextlib.ExitStack) -> Path:
+    """The results folder: the one named (made where missing) or a new one; a new run locks it here (a resumed one
+    holds its lock already)."""
     if cfg.output.run_dir:
         run_dir = Path(cfg.output.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
         run_dir = new_run_dir(cfg.output.results_dir, bench.name, cfg.preset)
-    own = FolderLock(run_dir, "a run").acquire() if lock is None else None
-    try:
-        return _train_all(bench, cfg, nexp, run_dir, device, plan)
-    finally:
-        if own is not None:
-            own.release()
+    if not cfg.resume:
+        locks.enter_context(FolderLock(run_dir, "a run"))
+    return run_dir
 
 
-def _train_all(bench: Benchmark, cfg: RunConfig, nexp: int, run_dir: Path, device: str,
-               plan: list[str] = ()) -> tuple[Path, list[RunRecord]]:  # fmt: skip
+def _open_folder(bench: Benchmark, cfg: RunConfig, run_dir: Path, plan: list[str]) -> RunConsole:
+    """The folder's config.yaml, its console (the plan's lines first) and the inputs' identity (recorded at a run's
+    start, checked on resume); returns the console."""
     save_config(cfg, run_dir / CONFIG, f"resolved config, written by {describe()}")
     out = RunConsole(run_dir / CONSOLE)
     for line in plan:
@@ -247,19 +201,17 @@ def _train_all(bench: Benchmark, cfg: RunConfig, nexp: int, run_dir: Path, devic
                     "not checked against the run's start")  # fmt: skip
         _write_inputs(bench, cfg, run_dir)
     out.say(f"results folder: {run_dir}")
+    return out
+
+
+def _run_each(bench: Benchmark, cfg: RunConfig, nexp: int, run_dir: Path, device: str,
+              out: RunConsole) -> list[RunRecord]:  # fmt: skip
+    """Each experiment in turn (a resumed one that finished is skipped), its outcome said and checked, and the
+    folder's summary written, also where one stops."""
     records: list[RunRecord] = []
     try:
         for index in range(nexp):
-            if cfg.resume and RunFiles(run_dir, index).finished:
-                out.say(f"run {index}: finished already")
-            else:
-                if cfg.resume and not _has_checkpoint(run_dir, index):
-                    out.say(f"run {index}: no checkpoint to resume from; it starts again from its beginning")
-                with FolderLock.of_run(run_dir, index, f"run {index}"):
-                    if cfg.distributed.nproc == 1:
-                        _run_in_process(bench, experiment_config(cfg, index), run_dir, index, device)
-                    else:
-                        _run_torchrun(cfg, run_dir, index)
+            _run_one(bench, cfg, run_dir, index, device, out)
             records.append(_collect(bench, run_dir, index, cfg))
             _report(out, records[-1])
     except BaseException:
@@ -270,7 +222,21 @@ def _train_all(bench: Benchmark, cfg: RunConfig, nexp: int, run_dir: Path, devic
             write_summary(bench, cfg, run_dir, records)
         raise
     write_summary(bench, cfg, run_dir, records)
-    return run_dir, records
+    return records
+
+
+def _run_one(bench: Benchmark, cfg: RunConfig, run_dir: Path, index: int, device: str, out: RunConsole) -> None:
+    """Experiment ``index`` under its own lock, in this process or under torchrun; nothing where it finished."""
+    if cfg.resume and RunFiles(run_dir, index).finished:
+        out.say(f"run {index}: finished already")
+        return
+    if cfg.resume and not _has_checkpoint(run_dir, index):
+        out.say(f"run {index}: no checkpoint to resume from; it starts again from its beginning")
+    with FolderLock.of_run(run_dir, index, f"run {index}"):
+        if cfg.distributed.nproc == 1:
+            _run_in_process(bench, experiment_config(cfg, index), run_dir, index, device)
+        else:
+            _run_torchrun(cfg, run_dir, index)
 
 
 def _has_checkpoint(run_dir: Path, index: int) -> bool:
@@ -376,25 +342,6 @@ def _refuse_changes_on_resume(saved: RunConfig, given_cfg: RunConfig, given: lis
             )
 
 
-# Config keys that name files or folders: saved absolute, so a resume (or a job) started elsewhere reads the same.
-PATH_KEYS = ("data.dir", "model.init_checkpoint", "model.base_weights", "output.run_dir")
-
-
-def path_values(cfg: RunConfig) -> dict[str, str]:
-    """The paths the config sets (PATH_KEYS that the benchmark's config has and gives a value), by key."""
-    table = leaves(cfg)
-    return {k: v for k in PATH_KEYS if k in table and (v := getattr(table[k].owner, table[k].field.name))}
-
-
-def absolute_paths(cfg: RunConfig) -> RunConfig:
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data), model=dataclasses.replace(cfg.model),
-                              output=dataclasses.replace(cfg.output))  # fmt: skip
-    table = leaves(cfg)
-    for key, value in path_values(cfg).items():
-        setattr(table[key].owner, table[key].field.name, str(Path(value).expanduser().absolute()))
-    return cfg
-
-
 def _run_in_process(bench: Benchmark, cfg: RunConfig, run_dir: Path, index: int, device: str) -> None:
     import torch.distributed as dist
 
@@ -409,15 +356,16 @@ def _run_in_process(bench: Benchmark, cfg: RunConfig, run_dir: Path, index: int,
             shutdown()
 
 
-def torchrun_worker(nproc: int, *worker_args: str) -> tuple[list[str], dict[str, str]]:
-    """The command and environment that start ``nproc`` ranks of ``trainbench.launch.worker WORKER_ARGS`` on this
-    node under torchrun, the cores shared out among them."""
+def torchrun_worker(nproc: int, *worker_args: str, module: str = "trainbench.launch.worker"
+                    ) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+    """The command and environment that start ``nproc`` ranks of ``python -m MODULE WORKER_ARGS`` (a training run's
+    ranks: launch/worker.py) on this node under torchrun, the cores shared out among them."""
     env = dict(os.environ)
     # Chosen here for every rank at once (torchrun would set 1 where OMP_NUM_THREADS is unset), and said why.
     threads, why = cpu_threads(nproc, env)
     env |= {"OMP_NUM_THREADS": str(threads), THREADS_WHY: why}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}",
-           "-m", "trainbench.launch.worker", *worker_args]  # fmt: skip
+           "-m", module, *worker_args]  # fmt: skip
     return cmd, env
 
 

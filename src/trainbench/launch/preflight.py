@@ -35,7 +35,7 @@ def checks(run_dir: Path, gpus_per_node: int) -> str | None:
         probe.unlink()
     except OSError as exc:
         return f"the results folder {run_dir} is not writable here ({exc.strerror or exc})"
-    from trainbench.launch.local import load_run_config
+    from trainbench.resolve import load_run_config
     from trainbench.runfiles import CONFIG
 
     try:

@@ -30,9 +30,10 @@ from pathlib import Path
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, has_control_character, save_config
 from trainbench.errors import UserError
-from trainbench.launch.local import absolute_paths, new_run_dir, path_values
+from trainbench.launch.local import Planner, new_run_dir
 from trainbench.launch.systems import System, load_system, save_system
 from trainbench.node import SITE_CACHE_CLEAR_ENV
+from trainbench.resolve import absolute_paths, load_run_config, path_values
 from trainbench.runfiles import CONFIG, FolderLock, RunFiles
 from trainbench.version import describe
 
@@ -228,15 +229,17 @@ def _job_parts(system: System, cfg: RunConfig, run_dir: Path, command: list[str]
     return JobParts(sb, srun, env, box, run_dir, python, recorded, layout, system.cache_clear_command)
 
 
-def render_bench_script(system: System, cfg: RunConfig, run_dir: Path, command: list[str], python: str) -> str:
-    """The sbatch script of a throughput measurement (`trainbench bench --system`): every rank measures the depth
-    that bench_request.json names; no requeue (a measurement that is stopped is measured again)."""
+def render_bench_script(system: System, cfg: RunConfig, run_dir: Path, command: list[str], python: str,
+                        rank: str) -> str:  # fmt: skip
+    """The sbatch script of a throughput measurement (`trainbench bench --system`): every rank runs ``python -m
+    RANK`` (the measurement's module and arguments), which measures the depth that bench_request.json names; no
+    requeue (a measurement that is stopped is measured again)."""
     job = _job_parts(system, cfg, run_dir, command, python, "slurm-bench-%j.out")
     lines = [
         *job.head(job.sbatch),
         *job.environment,
         *job.box.start_lines,
-        job.each_rank('trainbench.launch.worker "$RUN_DIR" 0 --bench'),
+        job.each_rank(rank),
     ]
     return job.script(lines, job.sbatch)
 
@@ -425,10 +428,18 @@ def check_container(system: System) -> None:
 
 
 def submit(
-    bench: Benchmark, cfg: RunConfig, system: System, nexp: int, dry_run: bool, command: list[str], chain: int = 1
+    bench: Benchmark,
+    cfg: RunConfig,
+    system: System,
+    nexp: int,
+    dry_run: bool,
+    command: list[str],
+    chain: int = 1,
+    *,
+    plan: Planner,
 ) -> tuple[Path, str, str | None]:
     """Write the results folder's config.yaml and submit.sbatch; submit it (``chain`` times, as a chain of jobs of
-    one name) unless ``dry_run``.
+    one name) unless ``dry_run``. ``plan``: perf.layout=auto's planner, from the cached probe of the system's GPU.
 
     Returns (run folder, script text, the first job's id or None)."""
     if nexp < 1:
@@ -444,15 +455,14 @@ def submit(
         check_mpi(system)
         bench.check_data(cfg)
     from trainbench.console import console
-    from trainbench.launch.plan import planned
 
     try:
-        cfg, plan = planned(bench, cfg, console.print, here=False)  # from the cached probe of the system's GPU
+        cfg, lines = plan(bench, cfg, console.print, here=False)  # from the cached probe of the system's GPU
     except UserError as exc:
         if not dry_run:
             raise
-        plan = [f"dry run, layout not planned: {exc}"]
-    for line in plan:
+        lines = [f"dry run, layout not planned: {exc}"]
+    for line in lines:
         console.print(line, markup=False)
     run_dir = new_run_dir(cfg.output.results_dir, bench.name, f"{cfg.preset}-{system.name}").resolve()
     cfg = absolute_paths(cfg)  # the job starts in another directory: data and base weights saved absolute
@@ -490,12 +500,13 @@ def submit(
     return run_dir, script, job["job_id"]
 
 
-def bench_job(system: System, cfg: RunConfig, run_dir: Path, command: list[str], say) -> None:
-    """One depth of a throughput measurement as a Slurm job (``trainbench bench --system``): the script written to
-    bench.sbatch, submitted with ``sbatch --wait``; returns when the job has ended. Ctrl-C cancels the job."""
+def bench_job(system: System, cfg: RunConfig, run_dir: Path, command: list[str], say, rank: str) -> None:
+    """One depth of a throughput measurement as a Slurm job (``trainbench bench --system``; ``rank``: the module and
+    arguments each rank runs): the script written to bench.sbatch, submitted with ``sbatch --wait``; returns when the
+    job has ended. Ctrl-C cancels the job."""
     python = system.container.python if system.container else sys.executable
     path = run_dir / "bench.sbatch"
-    path.write_text(render_bench_script(system, cfg, run_dir, command, python))
+    path.write_text(render_bench_script(system, cfg, run_dir, command, python, rank))
     try:
         proc = subprocess.Popen(["sbatch", "--wait", "--parsable", str(path)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -584,8 +595,6 @@ def _resubmit(run_dir: Path, path: Path, time_limit: str | None) -> tuple[list[i
     if time_limit is not None:
         system = dataclasses.replace(system, time=time_limit)
         system.validate()
-    from trainbench.launch.local import load_run_config
-
     bench, cfg = load_run_config(run_dir / CONFIG)
     check_cluster(system)
     check_mpi(system)
@@ -608,7 +617,7 @@ def _resubmit(run_dir: Path, path: Path, time_limit: str | None) -> tuple[list[i
 def finish(run_dir: Path, index: int, rc: int) -> int:
     """After a run's srun: its compliance check, the folder's summary, and the job state; returns the job's exit
     code."""
-    from trainbench.launch.local import _collect, load_run_config, write_summary
+    from trainbench.launch.local import _collect, write_summary
 
     bench, cfg = load_run_config(run_dir / CONFIG)
     nexp = json.loads((run_dir / "job.json").read_text()).get("nexp", 1) if (run_dir / "job.json").exists() else 1

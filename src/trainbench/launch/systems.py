@@ -256,28 +256,6 @@ def allocation_shares(allowed: set[int], ranks: int, sysfs: Path = Path("/sys/de
     return shares
 
 
-def fit_micro_batch(cfg, system: System):
-    """The config with the largest micro-batch (at most the preset's) that splits the global batch over
-    the system's ranks; the rest is gradient accumulation."""
-    world = system.nodes * system.ranks_per_node
-    micro = largest_micro_batch(cfg.data.global_batch_size, world, cfg.data.micro_batch_size)
-    if micro is None:
-        raise ConfigError(
-            f"global batch {cfg.data.global_batch_size} does not split over {world} ranks "
-            f"({system.nodes} nodes x {system.ranks_per_node}); change data.global_batch_size or --nodes"
-        )
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, micro_batch_size=micro))
-
-
-def largest_micro_batch(global_batch: int, ranks: int, limit: int) -> int | None:
-    """The largest micro-batch, at most ``limit``, that divides each of ``ranks`` data-parallel ranks' share of the
-    global batch; None where the ranks do not split it."""
-    per_rank, rest = divmod(global_batch, ranks)
-    if rest or per_rank == 0:
-        return None
-    return max(d for d in range(1, min(per_rank, limit) + 1) if per_rank % d == 0)
-
-
 def _builtin_dir():
     return resources.files("trainbench") / "systems"
 

@@ -13,14 +13,9 @@ from rich.markup import escape
 from trainbench.console import console
 from trainbench.distributed import init_distributed, leave, resolve_device, shutdown
 from trainbench.errors import Preempted, UserError
-from trainbench.launch.local import (
-    RUN_LOCKED,
-    allocator_settings,
-    check_or_record_inputs,
-    experiment_config,
-    load_run_config,
-)
+from trainbench.launch.local import RUN_LOCKED, check_or_record_inputs
 from trainbench.launch.systems import allocation_shares, format_cpus, parse_cpus
+from trainbench.resolve import allocator_settings, experiment_config, load_run_config
 from trainbench.runfiles import CONFIG, RANKS_LOCK, FolderLock, RunFiles, rank_error
 from trainbench.train.duties import StopSignal
 from trainbench.train.loop import train
@@ -31,8 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     StopSignal.install_early()
     argv = sys.argv[1:] if argv is None else argv
     run_dir, index, resume = Path(argv[0]), int(argv[1]), "--resume" in argv[2:]
-    if "--bench" in argv[2:]:
-        return bench_rank(run_dir)
     if RUN_LOCKED in os.environ:
         # Beside the launcher's lock, held by this rank until its process ends (the kernel drops it, however it
         # ends): the folder stays in use while any rank of the run lives, even where the launcher is gone.
@@ -66,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             RunFiles(run_dir, index).preempted_marker.touch()
         return Preempted.exit_code
     except UserError as exc:
-        _say_error(exc, info, run_dir, f"run{index}")
+        say_error(exc, info, run_dir, f"run{index}")
         return 1
     finally:
         shutdown(drain=ended)
@@ -75,45 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def bench_rank(run_dir: Path) -> int:
-    """One rank of a throughput measurement (`trainbench bench`): the depth its request names; rank 0 writes the
-    figures."""
-    import json
-
-    from trainbench.launch.bench import RAW, REQUEST
-    from trainbench.train.bench import measure
-
-    request = json.loads((run_dir / REQUEST).read_text())
-    depth = request["depth"]
-    config = run_dir / f"config_{depth}_blocks.yaml"
-    bench, cfg = load_run_config(config if config.exists() else run_dir / CONFIG)
-    allocator_settings(bench)
-    info = init_distributed(resolve_device(cfg.device), cfg.distributed.backend, cfg.distributed.timeout_s)
-    ended = False
-    try:
-        bind_cpus(info)
-        raw = measure(
-            cfg,
-            bench,
-            run_dir,
-            info,
-            request["steps"],
-            request["warmup"],
-            request["profile_steps"],
-            request.get("snapshot", False),
-        )
-        if info.is_main:
-            (run_dir / RAW.format(depth=depth)).write_text(json.dumps(raw, indent=2))
-        ended = True
-    except UserError as exc:
-        _say_error(exc, info, run_dir, f"bench{depth}")
-        return 1
-    finally:
-        shutdown(drain=ended)
-    return 0
-
-
-def _say_error(exc: UserError, info, run_dir: Path, what: str) -> None:
+def say_error(exc: UserError, info, run_dir: Path, what: str) -> None:
     """Rank 0 prints the sentence; another rank leaves it in the run folder for its launcher to name."""
     if info.is_main:
         console.print(f"[red]error:[/red] {escape(str(exc))}")

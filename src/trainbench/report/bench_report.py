@@ -230,7 +230,7 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
               depths: list[int] | None, peers: dict[str, dict] | None = None) -> dict[str, Any]:  # fmt: skip
     """bench.json: the figures at the model's depth, measured or (``depths``) extrapolated from the truncated ones by
     a straight line of step time against blocks."""
-    from trainbench.launch.bench import KIND
+    from trainbench.measure.bench import KIND
     from trainbench.report.projection import project
 
     last = raws[max(raws)]

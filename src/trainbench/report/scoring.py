@@ -301,6 +301,6 @@ def folder_benchmark(run_dir: Path, logs: list[Path]) -> tuple[str, str]:
 def folder_config(path: Path):
     """(benchmark, config) of a results folder's config.yaml, for `check` and `package`; one sentence where it is not
     a config trainbench saved (:func:`trainbench.launch.local.load_run_config` says which)."""
-    from trainbench.launch.local import load_run_config
+    from trainbench.resolve import load_run_config
 
     return load_run_config(path)

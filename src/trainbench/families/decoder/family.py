@@ -62,6 +62,7 @@ class DecoderFamily(ModelFamily):
     and rows a micro-batch for a machine."""
 
     name = "decoder"
+    hf_twin = "trainbench.families.decoder.hf"
     shards_one_rank = True
     ARCH_UNUSED = {
         "llama": {"model.max_seq_length": "the llama architecture has rotary positions"},

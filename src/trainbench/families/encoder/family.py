@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 class EncoderFamily(ModelFamily):
     name = "encoder"
+    hf_twin = "trainbench.families.encoder.hf"
 
     def validate(self, cfg: RunConfig) -> None:
         import torch

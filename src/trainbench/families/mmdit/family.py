@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 class MMDiTFamily(ModelFamily):
     name = "mmdit"
+    hf_twin = "trainbench.families.mmdit.hf"
 
     def validate(self, cfg: RunConfig) -> None:
         from trainbench.families import fp8

@@ -21,7 +21,7 @@ from trainbench.families.planner import GIB, BlockProbe, Resources, host_availab
 def probe(bench: Benchmark, cfg: RunConfig, here: bool, say) -> dict:
     """This shape's probe: cached, else (``here``: this machine has the GPU the run uses) measured now in a process
     of its own and cached."""
-    from trainbench.train import probe as probing
+    from trainbench.measure import probe as probing
 
     found = probing.cached(cfg)
     if found is not None:
@@ -50,7 +50,7 @@ def _measured(*args: str) -> tuple[int, Any]:
     exit code and the JSON it wrote (None where it wrote none)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        code = subprocess.run([sys.executable, "-m", "trainbench.launch.plan", *args, str(out)]).returncode
+        code = subprocess.run([sys.executable, "-m", "trainbench.measure.layout", *args, str(out)]).returncode
         return code, json.loads(out.read_text()) if code == 0 and out.exists() else None
 
 
@@ -79,7 +79,7 @@ def shared_link(bench: Benchmark, cfg: RunConfig, data: dict, here: bool, say) -
             "link's rates of one GPU copying alone")  # fmt: skip
         return data
     data = data | {"shared_link": data.get("shared_link", {}) | {str(ranks): rates}}
-    from trainbench.train import probe as probing
+    from trainbench.measure import probe as probing
 
     probing.save(bench.probe_config(cfg), data)
     return data
@@ -144,14 +144,14 @@ def _shared(p: BlockProbe, ranks: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``CONFIG OUT``: probe the config's model on GPU 0 (train/probe.py) and write the figures to OUT (JSON).
-    ``--link N OUT``: the host link's rates one GPU keeps while N GPUs copy at once (train/probe.link_rates), as a
+    """``CONFIG OUT``: probe the config's model on GPU 0 (measure/probe.py) and write the figures to OUT (JSON).
+    ``--link N OUT``: the host link's rates one GPU keeps while N GPUs copy at once (measure/probe.link_rates), as a
     JSON pair (to the host, back)."""
     import torch
 
     from trainbench.console import console
-    from trainbench.launch.local import allocator_settings, load_run_config
-    from trainbench.train.probe import PROBE_BLOCKS, link_rates, measure
+    from trainbench.measure.probe import PROBE_BLOCKS, link_rates, measure
+    from trainbench.resolve import allocator_settings, load_run_config
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[0] == "--link":

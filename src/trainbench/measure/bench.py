@@ -1,5 +1,6 @@
-"""`trainbench bench`: lay out a throughput measurement's folder and run it in this process or under torchrun, at the
-model's depth or (``--blocks``) at truncated ones; report/bench_report.py turns rank 0's figures into bench.json."""
+"""`trainbench bench`: lay out a throughput measurement's folder and run it in this process, under torchrun or as a
+Slurm job, at the model's depth or (``--blocks``) at truncated ones; each rank started for it runs this module
+(``python -m trainbench.measure.bench RUN_DIR``); report/bench_report.py turns rank 0's figures into bench.json."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, save_config
 from trainbench.console import RunConsole
 from trainbench.errors import ConfigError, UserError
-from trainbench.launch.local import allocator_settings, new_run_dir, preflight_device, torchrun_worker
+from trainbench.launch.local import new_run_dir, preflight_device, torchrun_worker
 from trainbench.launch.systems import System
+from trainbench.resolve import absolute_paths, allocator_settings, load_run_config
 from trainbench.runfiles import CONFIG, CONSOLE, other_ranks_error
 
 REQUEST = "bench_request.json"
 RAW = "bench_raw_{depth}.json"
 KIND = "throughput measurement (trainbench bench): not a time-to-train result"
+RANK = "trainbench.measure.bench"  # what each rank of a measurement runs (python -m): main below
 
 
 def parse_blocks(text: str | None, layers: int, period: tuple[int, str] = (1, "")) -> list[int] | None:
@@ -67,18 +70,18 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         raise UserError(f"--blocks: {bench.name}'s model has no blocks to truncate")
     if depths:
         bench.family.truncated(cfg, depths[0])  # a model that cannot be cut to these depths stops before any folder
-    family = None
+    hf_peer = None
     if compare is not None:
-        from trainbench.train import compare_hf
+        from trainbench.measure import compare_hf
 
         if compare not in COMPARE:
             raise UserError(f"--compare {compare}: the one peer trainbench measures is hf (transformers, peft, "
                             "diffusers), eager and compiled, or hf-compiled (compiled only)")  # fmt: skip
         if system is not None:
             raise UserError(f"--compare {compare} runs in this process: drop --system")
-        family = compare_hf.require(bench, cfg)
+        hf_peer = compare_hf.require(bench, cfg)
     from trainbench.console import console
-    from trainbench.launch.plan import planned
+    from trainbench.measure.layout import planned
 
     if system is not None:
         cfg, plan = planned(bench, cfg, console.print, here=False)
@@ -109,7 +112,7 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
         run_cfg = _truncated(cfg, depth, layers, run_dir, unplanned, out, rows)
         if cfg.distributed.nproc == 1:
             from trainbench.distributed import init_distributed
-            from trainbench.train.bench import measure
+            from trainbench.measure.throughput import measure
 
             info = init_distributed(device, cfg.distributed.backend, cfg.distributed.timeout_s)
             raw = measure(run_cfg, bench, run_dir, info, steps, warmup, profile_steps, snapshot)
@@ -118,8 +121,8 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
             _torchrun(run_cfg, run_dir, depth, out)
         raws[depth] = json.loads((run_dir / RAW.format(depth=depth)).read_text())
         out.say(_depth_line(raws[depth], depth))
-        if family is not None:
-            _compare_at(bench, run_cfg, family, steps, warmup, device, peers, depth, out, COMPARE[compare])
+        if hf_peer is not None:
+            _compare_at(bench, run_cfg, hf_peer, steps, warmup, device, peers, depth, out, COMPARE[compare])
     return run_dir, raws, layers, depths, peers
 
 
@@ -141,7 +144,7 @@ def bench_of(cfg: RunConfig) -> Benchmark:
 
 def _request(run_dir: Path, steps: int, warmup: int, depth: int | None, profile_steps: int,
              snapshot: bool = False) -> None:  # fmt: skip
-    """What every rank of the next measurement reads (launch/worker.bench_rank)."""
+    """What every rank of the next measurement reads (:func:`rank`)."""
     request = {"steps": steps, "warmup": warmup, "depth": depth, "profile_steps": profile_steps, "snapshot": snapshot}
     (run_dir / REQUEST).write_text(json.dumps(request))
 
@@ -156,7 +159,7 @@ def _truncated(cfg: RunConfig, depth: int | None, layers: int | None, run_dir: P
         return cfg
     bench = bench_of(cfg)
     if unplanned is not None and unplanned.perf.layout == "auto" and out is not None:
-        from trainbench.launch.plan import planned
+        from trainbench.measure.layout import planned
 
         truncated, lines = planned(bench, bench.family.truncated(unplanned, depth), out.say)
         if rows is not None and truncated.data.micro_batch_size != rows:
@@ -172,7 +175,6 @@ def _truncated(cfg: RunConfig, depth: int | None, layers: int | None, run_dir: P
 
 def _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system, command, plan):
     """Each depth as one Slurm job of ``system``'s nodes and ranks, one after the other."""
-    from trainbench.launch.local import absolute_paths
     from trainbench.launch.slurm import bench_job, check_cluster, check_container, check_mpi
 
     check_container(system)
@@ -198,7 +200,7 @@ def _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system,
             out.say(f"measuring {depth} of {layers} blocks")
         _request(run_dir, steps, warmup, depth, profile_steps)
         run_cfg = _truncated(cfg, depth, layers, run_dir)
-        bench_job(system, run_cfg, run_dir, command, out.say)
+        bench_job(system, run_cfg, run_dir, command, out.say, f'{RANK} "$RUN_DIR"')
         raw = run_dir / RAW.format(depth=depth)
         if not raw.exists():
             logs = sorted(run_dir.glob("slurm-bench-*.out"), key=lambda p: p.stat().st_mtime)
@@ -210,21 +212,21 @@ def _on_system(bench, cfg, steps, warmup, depths, layers, profile_steps, system,
     return run_dir, raws, layers, depths, {}
 
 
-def _compare_at(bench, cfg, family, steps, warmup, device, peers, depth, out, ways: tuple[bool, ...]) -> None:
+def _compare_at(bench, cfg, hf_peer, steps, warmup, device, peers, depth, out, ways: tuple[bool, ...]) -> None:
     """HF's steps at ``depth`` (``ways``: compiled or not), after ours has let go of the GPU."""
     import gc
 
     import torch
 
-    from trainbench.train import compare_hf
+    from trainbench.measure import compare_hf
 
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     for compiled in ways:
         name = f"hf_{'compiled' if compiled else 'eager'}"
-        out.say(f"measuring {name} ({family}){f' at {depth} blocks' if depth else ''}")
-        peers.setdefault(name, {})[depth] = compare_hf.measure(bench, cfg, family, compiled, steps, warmup,
+        out.say(f"measuring {name} ({hf_peer}){f' at {depth} blocks' if depth else ''}")
+        peers.setdefault(name, {})[depth] = compare_hf.measure(bench, cfg, compiled, steps, warmup,
                                                                torch.device(device, 0) if device == "cuda"
                                                                else torch.device("cpu"))  # fmt: skip
         out.say(_depth_line(peers[name][depth], depth, name))
@@ -234,7 +236,7 @@ def _torchrun(cfg: RunConfig, run_dir: Path, depth: int, out: RunConsole) -> Non
     """One depth measured by ``nproc`` ranks under torchrun. Rank 0 writes the figures after the timed steps' last
     collective, so every rank had done those steps: a rank that fails after that (on its way out, a thread of its own
     at interpreter exit) does not undo them."""
-    cmd, env = torchrun_worker(cfg.distributed.nproc, str(run_dir), "0", "--bench")
+    cmd, env = torchrun_worker(cfg.distributed.nproc, str(run_dir), module=RANK)
     code = subprocess.run(cmd, env=env).returncode
     written = (run_dir / RAW.format(depth=depth)).exists()
     if code != 0 and written:
@@ -245,3 +247,57 @@ def _torchrun(cfg: RunConfig, run_dir: Path, depth: int, out: RunConsole) -> Non
         said = other_ranks_error(run_dir, f"bench{depth}")
         raise UserError(f"the measurement failed under torchrun (exit code {code}){'; ' + said if said else ''}; "
                         f"see the messages above and {run_dir / CONSOLE}")  # fmt: skip
+
+
+def rank(run_dir: Path) -> int:
+    """One rank of a throughput measurement that torchrun or srun started: the depth its request names; rank 0 writes
+    the figures."""
+    from trainbench.distributed import init_distributed, resolve_device, shutdown
+    from trainbench.launch.worker import bind_cpus, say_error
+    from trainbench.measure.throughput import measure
+
+    request = json.loads((run_dir / REQUEST).read_text())
+    depth = request["depth"]
+    config = run_dir / f"config_{depth}_blocks.yaml"
+    bench, cfg = load_run_config(config if config.exists() else run_dir / CONFIG)
+    allocator_settings(bench)
+    info = init_distributed(resolve_device(cfg.device), cfg.distributed.backend, cfg.distributed.timeout_s)
+    ended = False
+    try:
+        bind_cpus(info)
+        raw = measure(
+            cfg,
+            bench,
+            run_dir,
+            info,
+            request["steps"],
+            request["warmup"],
+            request["profile_steps"],
+            request.get("snapshot", False),
+        )
+        if info.is_main:
+            (run_dir / RAW.format(depth=depth)).write_text(json.dumps(raw, indent=2))
+        ended = True
+    except UserError as exc:
+        say_error(exc, info, run_dir, f"bench{depth}")
+        return 1
+    finally:
+        shutdown(drain=ended)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``RUN_DIR``: one rank of the measurement in RUN_DIR (torchrun's or Slurm's environment)."""
+    import sys
+
+    from trainbench.train.duties import StopSignal
+
+    StopSignal.install_early()
+    argv = sys.argv[1:] if argv is None else argv
+    return rank(Path(argv[0]))
+
+
+if __name__ == "__main__":
+    from trainbench.distributed import leave
+
+    leave(main())  # never through Python's finalization: see leave()
