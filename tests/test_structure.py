@@ -227,3 +227,34 @@ def test_the_offload_key_is_read_in_the_decoder_family_alone():
     })  # fmt: skip
     outside = [r for r in readers if not r.startswith("families/")]
     assert readers and not outside, f"read outside families/: {outside}"
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Each module of src/trainbench (dotted, below ``trainbench.``) with the modules of src/trainbench it imports, at
+    module level or inside functions (``from trainbench.x import y`` counts ``x.y`` where that is a module)."""
+    names = {".".join(p.relative_to(SRC).with_suffix("").parts): p for p in SRC.rglob("*.py")}
+    names = {n.removesuffix(".__init__"): p for n, p in names.items()}
+    return {
+        name: {m for m in imported_modules(path) if m in names and m != name and not name.startswith(m + ".")}
+        for name, path in names.items()
+    }
+
+
+def test_no_two_modules_import_each_other_through_any_path():
+    """No import cycle between files (one would make the layers a lie inside a package, and the order of imports
+    matter): a depth-first search over every module's imports finds no way back to where it started."""
+    graph, state, cycles = module_imports(), {}, []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
+    assert not cycles, "\n".join(cycles)

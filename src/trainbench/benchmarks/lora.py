@@ -53,7 +53,6 @@ TINY = LoraModelConfig(
     vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384,
     max_seq_length=256, rope_theta=10000.0, fused_qkv=True, init_std=0.1,
 )  # fmt: skip
-TINY_TOPICS = 48
 
 
 def _run(preset: str, model: LoraModelConfig, seq: int, lr: float, target: float = 0.925) -> RunConfig:

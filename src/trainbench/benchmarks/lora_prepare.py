@@ -11,6 +11,7 @@ from trainbench.errors import DataError, UserError
 
 # The tiny base is written in shards this small, so tiny runs read several shards as 70B runs do.
 TINY_SHARD_BYTES = 100_000
+TINY_TOPICS = 48  # the tiny preset's synthetic GovReport: its documents' topics
 # What --force replaces of another data set in --out.
 REPLACED = ("train", "eval", "base")
 
@@ -70,7 +71,6 @@ def _prepare(args, bench) -> int:
                 "eval": sizes["eval"]}  # fmt: skip
         if claim(out, spec, args.force, REPLACED):
             return 0
-        from trainbench.benchmarks.lora import TINY_TOPICS
 
         splits = {"train": p.synthetic_split(vocab, TINY_TOPICS, spec["train"], args.seed, 1),
                   "eval": p.synthetic_split(vocab, TINY_TOPICS, spec["eval"], args.seed, 2)}  # fmt: skip

@@ -305,12 +305,11 @@ def finish_placement(placed: Placed, sharded: bool, unchanged: str) -> None:
     """A placed model whose blocks train in FP8 (:func:`train_blocks_in_fp8`): the console's line on how many layers
     do and what stays as it was (``unchanged``), and, where FSDP2 shards it (``sharded``), the scales' update after
     each optimizer step. A decoder's output layer (``lm_head``) is named on whichever side it is: in FP8 where the
-    model's loss is :func:`trainbench.families.decoder.fp8_output.lm_loss_fp8` (``model.output_precision=fp8``)."""
+    model's loss says its products are (``output_in_fp8``: :func:`trainbench.families.decoder.fp8_output.lm_loss_fp8`,
+    ``model.output_precision=fp8``)."""
     n = sum(type(m).__name__ == "Float8Linear" for m in placed.module.modules())
-    from trainbench.families.decoder.fp8_output import lm_loss_fp8
-
     head = getattr(placed.module, "lm_head", None)
-    output = getattr(placed.module, "loss_fn", None) is lm_loss_fp8
+    output = getattr(getattr(placed.module, "loss_fn", None), "output_in_fp8", False)
     if head is not None and not output:
         unchanged = f"the output layer and {unchanged}"
     also = ", the output layer and its loss too (FP8 products, the logits' gradient at a fixed scale)" if output else ""

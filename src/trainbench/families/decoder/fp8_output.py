@@ -259,6 +259,9 @@ def lm_loss_fp8(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) ->
     return _Fp8OutputLoss.apply(rows.contiguous(), head.weight, flat.contiguous(), casts, CHUNK_ROWS, into)
 
 
+lm_loss_fp8.output_in_fp8 = True  # fp8.finish_placement names the output layer among the FP8 ones
+
+
 def cache_output_casts(model: nn.Module, compiled: bool = True) -> Callable[[], None]:
     """The output layer (``model.lm_head``) of a model on one unsharded rank casts its weight once a step instead of
     in each micro-batch: before a forward of ``model``, where the weight changed since its last cast

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from trainbench.errors import DataError
-from trainbench.families.decoder.model import DecoderConfig
+from trainbench.families.configs import DecoderConfig
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -23,8 +23,9 @@ from trainbench.errors import ConfigError
 from trainbench.families import fp8
 from trainbench.families.decoder import lora
 from trainbench.families.decoder.hf_checkpoint import HFCheckpoint, check_shapes, fill, load_into
-from trainbench.families.decoder.memory import own_forward, recompute_all, recompute_and_offload, run_from_outside
+from trainbench.families.decoder.memory import recompute_all, recompute_and_offload
 from trainbench.families.decoder.model import DecoderLM, init_part, lm_loss
+from trainbench.families.decoder.offload import own_forward, run_from_outside
 from trainbench.families.decoder.placement import parallelize, sharded_comm_precision, use_flex_for_packed_rows
 
 

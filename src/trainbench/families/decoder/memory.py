@@ -6,66 +6,26 @@ in pinned host memory (:mod:`trainbench.families.decoder.offload`); a recomputed
 The placement chooses for each block from the perf keys (``perf.activation_checkpointing``,
 ``perf.recompute_blocks``, ``perf.offload_blocks``, ``perf.offload_recomputed_inputs``: :func:`recompute_and_offload`).
 
-The block's module stays the architecture alone: :func:`run_from_outside` sets its ``forward`` as an instance
-attribute (a ``functools.partial`` of :func:`_run` around the block's own forward), so its parameter names and
-state-dict keys are unchanged, and ``torch.compile`` of the block (``nn.Module.compile``, which compiles the call
-that looks ``forward`` up) and FSDP2's hooks (around that call) see it as they saw the block's own forward: the
-recomputed region lies inside the sharding wrapper's gather and cast, which run again for the recomputation. Two
-instance attributes say what a block does: ``checkpointing`` (recomputed) and ``saved_to_host`` (the
-:class:`~trainbench.families.decoder.offload.HostOffload` keeping its saved tensors in host memory, or None).
+The block's module stays the architecture alone: :func:`~trainbench.families.decoder.offload.run_from_outside` sets
+its ``forward`` as an instance attribute (a ``functools.partial`` of ``offload._run`` around the block's own
+forward), so its parameter names and state-dict keys are unchanged, and ``torch.compile`` of the block
+(``nn.Module.compile``, which compiles the call that looks ``forward`` up) and FSDP2's hooks (around that call) see it
+as they saw the block's own forward: the recomputed region lies inside the sharding wrapper's gather and cast, which
+run again for the recomputation. Two instance attributes say what a block does: ``checkpointing`` (recomputed) and
+``saved_to_host`` (the :class:`~trainbench.families.decoder.offload.HostOffload` keeping its saved tensors in host
+memory, or None).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from trainbench.config import PerfConfig
 from trainbench.distributed import Placed
-from trainbench.families.decoder.offload import offload_blocks, recompute_from_host
-
-
-def own_forward(block: nn.Module) -> Callable:
-    """The block's own forward (its class's: the architecture), bound to it."""
-    return type(block).forward.__get__(block)
-
-
-def _run(block: nn.Module, forward: Callable, x: torch.Tensor, rope=None, mask: torch.Tensor | None = None):
-    """``block``'s forward as the placement runs it: ``forward`` (the block's own, or its compiled form) as it is,
-    recomputed in the backward (``block.checkpointing``), and/or with what it saves in host memory
-    (``block.saved_to_host``)."""
-    if not torch.is_grad_enabled() or (block.saved_to_host is None and not block.checkpointing):
-        return forward(x, rope, mask)
-    if block.saved_to_host is None:
-        return checkpoint(forward, x, rope, mask, use_reentrant=False)
-    shared = [*(rope or ()), mask if isinstance(mask, torch.Tensor) else None]
-    with block.saved_to_host.saving(block, shared):
-        if not block.checkpointing:
-            return forward(x, rope, mask)
-        # A recomputed block keeps only its input, and that waits in host memory too (torch's non-reentrant
-        # checkpoint holds it in a closure, out of the offload's reach).
-        return recompute_from_host(forward, x, rope, mask)
-
-
-def run_from_outside(block: nn.Module, forward: Callable | None = None) -> None:
-    """Run ``block`` through :func:`_run` from now on, around ``forward`` (its own forward where None, or what
-    replaces it, as its compiled form); what it keeps (``checkpointing``, ``saved_to_host``) is left as it was, and
-    is nothing special where never set."""
-    if "checkpointing" not in vars(block):
-        block.checkpointing = False
-    if "saved_to_host" not in vars(block):
-        block.saved_to_host = None
-    block.forward = functools.partial(_run, block, forward if forward is not None else own_forward(block))
-
-
-def placed_from_outside(block: nn.Module) -> bool:
-    """Whether ``block`` runs through :func:`_run`."""
-    forward = vars(block).get("forward")
-    return isinstance(forward, functools.partial) and forward.func is _run
+from trainbench.families.decoder.offload import offload_blocks, placed_from_outside, run_from_outside
 
 
 def _blocks(model_or_blocks: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:

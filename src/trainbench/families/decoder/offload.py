@@ -10,17 +10,23 @@ activations. docs/notes/lora-fp8-one-gpu.md measures it.
 
 Only tensors the block made are moved: its parameters and buffers, what the whole model shares (rotary tables,
 masks) and anything smaller than ``MIN_BYTES`` stay where they are.
+
+The end of this module runs a block's forward as its placement chose, from outside the block
+(:func:`run_from_outside`): as it is, recomputed in the backward, with its saved tensors here, or both;
+:mod:`trainbench.families.decoder.memory` chooses which blocks do what.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trainbench.errors import ConfigError
 
@@ -96,8 +102,6 @@ class HostOffload:
         return {_storage(t) for t in [*block.parameters(), *block.buffers()] if t.device.type != "meta"}
 
     def install(self) -> HostOffload:
-        from trainbench.families.decoder.memory import placed_from_outside, run_from_outside
-
         for i, block in enumerate(self.blocks):
             if not placed_from_outside(block):
                 run_from_outside(block)
@@ -309,3 +313,43 @@ def recompute_from_host(fn, x: torch.Tensor, rope, mask) -> torch.Tensor:
 
 
 _NEEDS_GRAD = torch.empty(0, requires_grad=True)
+
+
+# -- a block's forward as its placement runs it (recomputed, offloaded, or as it is), set from outside the block --
+def own_forward(block: nn.Module) -> Callable:
+    """The block's own forward (its class's: the architecture), bound to it."""
+    return type(block).forward.__get__(block)
+
+
+def _run(block: nn.Module, forward: Callable, x: torch.Tensor, rope=None, mask: torch.Tensor | None = None):
+    """``block``'s forward as the placement runs it: ``forward`` (the block's own, or its compiled form) as it is,
+    recomputed in the backward (``block.checkpointing``), and/or with what it saves in host memory
+    (``block.saved_to_host``)."""
+    if not torch.is_grad_enabled() or (block.saved_to_host is None and not block.checkpointing):
+        return forward(x, rope, mask)
+    if block.saved_to_host is None:
+        return checkpoint(forward, x, rope, mask, use_reentrant=False)
+    shared = [*(rope or ()), mask if isinstance(mask, torch.Tensor) else None]
+    with block.saved_to_host.saving(block, shared):
+        if not block.checkpointing:
+            return forward(x, rope, mask)
+        # A recomputed block keeps only its input, and that waits in host memory too (torch's non-reentrant
+        # checkpoint holds it in a closure, out of the offload's reach).
+        return recompute_from_host(forward, x, rope, mask)
+
+
+def run_from_outside(block: nn.Module, forward: Callable | None = None) -> None:
+    """Run ``block`` through :func:`_run` from now on, around ``forward`` (its own forward where None, or what
+    replaces it, as its compiled form); what it keeps (``checkpointing``, ``saved_to_host``) is left as it was, and
+    is nothing special where never set."""
+    if "checkpointing" not in vars(block):
+        block.checkpointing = False
+    if "saved_to_host" not in vars(block):
+        block.saved_to_host = None
+    block.forward = functools.partial(_run, block, forward if forward is not None else own_forward(block))
+
+
+def placed_from_outside(block: nn.Module) -> bool:
+    """Whether ``block`` runs through :func:`_run`."""
+    forward = vars(block).get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _run
