@@ -7,7 +7,7 @@
 #   perf/bench_figures.sh llm       Llama 3.1 8B in FP8, 2 and 6 blocks measured, extrapolated to 32
 #   perf/bench_figures.sh llm-row   the same with an optimizer step per row (global batch 1)
 #   perf/bench_figures.sh llm-auto  the same as llm with the layout planned for this GPU at each depth
-#                                     (perf.layout=auto: the rows a micro-batch, blocks recomputed only where needed)
+#                                     (perf.plan=auto: the rows a micro-batch, blocks recomputed only where needed)
 #   perf/bench_figures.sh llm-shard1  the same as llm sharded by FSDP2 over the one GPU (distributed.shard_one_rank),
 #                                     the FP8 weights gathered in FP8: run beside llm, in the same call
 #   perf/bench_figures.sh bert      BERT-large at MLPerf's batch (768 = 48 x 16 accumulation on one GPU), fixed rows
@@ -37,7 +37,7 @@
 # On one node of several GPUs (NPROC, default: every GPU nvidia-smi lists), each with telemetry in its bench.json:
 #   perf/bench_figures.sh node-lora   the 70B LoRA with its layout planned for NPROC GPUs (replicas or a sharded base)
 #   perf/bench_figures.sh node-llm    Llama 3.1 8B in FP8, the whole 32-block model sharded over NPROC GPUs, the
-#                                     blocks recomputed planned for them (perf.layout=auto: none where they fit)
+#                                     blocks recomputed planned for them (perf.plan=auto: none where they fit)
 #   perf/bench_figures.sh node-moe    gpt_oss_20b, experts spread over NPROC GPUs (distributed.ep); the whole model
 #                                     on 8 GPUs, 2 and 4 blocks extrapolated on fewer; in FP8:
 #                                     EXTRA=model.precision=fp8 TAG=-fp8 perf/bench_figures.sh node-moe
@@ -79,7 +79,7 @@ bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT
 
 for what in "$@"; do
     case $what in
-    lora) bench lora llama2_70b_lora --preset llama2-70b perf.layout=manual model.base_precision=fp8 \
+    lora) bench lora llama2_70b_lora --preset llama2-70b perf.plan=manual model.base_precision=fp8 \
         perf.offload_blocks=40 --steps 2 --warmup 1 ;;
     lora-auto) bench lora_auto llama2_70b_lora --preset llama2-70b --steps 2 --warmup 1 --profile-steps 0 ;;
     lora-auto-80) bench lora_auto_80 llama2_70b_lora --preset llama2-70b perf.gpu_memory_gib=79.2 --steps 2 --warmup 1 \
@@ -88,7 +88,7 @@ for what in "$@"; do
         --steps 3 --warmup 2 ;;
     llm-shard1) bench llm_shard1 llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
         distributed.shard_one_rank=true --steps 3 --warmup 2 ;;
-    llm-auto) bench llm_auto llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true perf.layout=auto \
+    llm-auto) bench llm_auto llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true perf.plan=auto \
         --blocks 2,6 --steps 3 --warmup 2 ;;
     llm-row) bench llm_row llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --blocks 2,6 \
         data.global_batch_size=1 --steps 8 --warmup 3 ;;  # an optimizer step per row
@@ -98,7 +98,7 @@ for what in "$@"; do
         --steps 3 --warmup 2 --compare hf ;;
     bert-hf) bench bert_hf bert --preset large perf.compile=true data.layout=packed --steps 2 --warmup 1 \
         --compare hf ;;  # HF on fixed rows of the same samples (it has no packed rows)
-    lora-hf) bench lora_hf llama2_70b_lora --preset llama2-70b perf.layout=manual model.base_precision=fp8 \
+    lora-hf) bench lora_hf llama2_70b_lora --preset llama2-70b perf.plan=manual model.base_precision=fp8 \
         --blocks 4,8 --steps 2 --warmup 1 --compare hf ;;
     gpt-oss-hf) bench gpt_oss_hf gpt_oss_20b --preset gpt-oss-20b-hf perf.compile=true --blocks 2,4 \
         --steps 3 --warmup 2 --compare hf ;;
@@ -126,7 +126,7 @@ for what in "$@"; do
         data.global_batch_size=64 data.micro_batch_size=16 --steps 5 --warmup 2 --profile-steps 0 --compare hf ;;
     node-lora) bench node_lora llama2_70b_lora --preset llama2-70b --nproc "$NPROC" --steps 2 --warmup 1 ;;
     node-llm) bench node_llm llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --nproc "$NPROC" \
-        perf.layout=auto --steps 3 --warmup 2 ;;
+        perf.plan=auto --steps 3 --warmup 2 ;;
     node-moe)
         if [ "$NPROC" -ge 8 ]; then depth=(); else depth=(--blocks 2,4); fi
         bench node_moe gpt_oss_20b --preset gpt-oss-20b perf.compile=true distributed.ep="$NPROC" --nproc "$NPROC" \

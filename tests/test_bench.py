@@ -436,7 +436,7 @@ def test_depths_a_whole_repeat_of_the_blocks_apart_are_taken():
 
 
 def test_truncated_depths_under_a_planned_layout_share_the_deepest_depth_s_rows(tmp_path, monkeypatch, capsys):
-    """bench --blocks with perf.layout=auto: the whole model is not planned (it need not fit this GPU: the 8B on one
+    """bench --blocks with perf.plan=auto: the whole model is not planned (it need not fit this GPU: the 8B on one
     H100 was refused before any depth was measured); each depth is planned for its own blocks, all at the deepest
     depth's rows a micro-batch, so that the rate between them is extrapolated at one micro-batch. A stand-in
     planner, as a GPU's probe would plan: the whole model does not fit, 1 block takes 32 rows, 2 blocks 16."""
@@ -447,7 +447,7 @@ def test_truncated_depths_under_a_planned_layout_share_the_deepest_depth_s_rows(
     asked = []
 
     def planned(bench, cfg, say, here=True):
-        if cfg.perf.layout != "auto":
+        if cfg.perf.plan != "auto":
             return cfg, []
         asked.append(cfg.model.num_layers)
         if cfg.model.num_layers > 2:
@@ -457,7 +457,7 @@ def test_truncated_depths_under_a_planned_layout_share_the_deepest_depth_s_rows(
 
     monkeypatch.setattr(plan, "planned", planned)
     folder, result = measured("llama31_8b", tmp_path / "r", "--blocks", "1,2", "model.num_layers=4",
-                              "perf.layout=auto")  # fmt: skip
+                              "perf.plan=auto")  # fmt: skip
     printed = capsys.readouterr().out
     assert 4 not in asked and result["figures"] == "extrapolated"
     for depth in (1, 2):

@@ -372,3 +372,19 @@ def test_an_mlperf_name_the_ruleset_does_not_know_is_refused_before_training(tmp
         assert not (tmp_path / "r").exists()
     finally:
         unregister("misnamed_lm")
+
+
+def test_a_renamed_key_still_works_under_its_old_name_with_a_one_line_notice(capsys):
+    """perf.layout became perf.plan: the old name sets the new key (on the command line, in YAML and in a saved
+    config.yaml alike, all through apply_overrides) and says so once; an unknown key is still refused."""
+    from trainbench import config
+    from trainbench.resolve import build_config
+
+    config._noticed.discard("perf.layout")
+    _, cfg = build_config("llama2_70b_lora", "tiny", overrides={"perf.layout": "manual"})
+    _, again = build_config("llama2_70b_lora", "tiny", overrides={"perf.layout": "manual"})
+    assert cfg.perf.plan == again.perf.plan == "manual"
+    said = capsys.readouterr().out
+    assert said.count("config key 'perf.layout' is now 'perf.plan'") == 1, said
+    with pytest.raises(ConfigError, match="unknown config key 'perf.layoutt'"):
+        build_config("llama2_70b_lora", "tiny", overrides={"perf.layoutt": "auto"})

@@ -45,7 +45,7 @@ def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_t
 
 @pytest.mark.parametrize("precision", ["auto", "fp8"])
 def test_the_layout_probe_measures_a_compiled_block_of_the_8b_model(precision):
-    """perf.layout=auto for llama31_8b probes its blocks compiled (Module.compile) as the run builds them: the marks
+    """perf.plan=auto for llama31_8b probes its blocks compiled (Module.compile) as the run builds them: the marks
     around a block run outside its graph, so its forward, backward and kept bytes are measured (traced into the
     graph, the probe's CUDA events were never recorded and it failed)."""
     from trainbench.measure import probe

@@ -1,4 +1,4 @@
-"""perf.layout=auto: the memory and time model of a step (families/planner.py), the 70B LoRA's plan for faked GPUs and
+"""perf.plan=auto: the memory and time model of a step (families/planner.py), the 70B LoRA's plan for faked GPUs and
 hosts, its refusals, keys given by hand kept as given, and the launcher's use of a cached probe before any folder."""
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def test_a_gpu_too_small_is_one_sentence_naming_what_would_fit(resources, says):
 
 def test_the_plan_sets_the_layout_keys_and_says_why():
     bench, cfg = _lora_cfg()
-    assert cfg.perf.layout == "auto" and cfg.perf.compile  # the full-size preset plans its own layout
+    assert cfg.perf.plan == "auto" and cfg.perf.compile  # the full-size preset plans its own layout
     planned, lines = bench.plan_layout(cfg, H100, P70)
     assert planned.model.base_precision == "fp8" and planned.perf.activation_checkpointing
     assert planned.perf.offload_recomputed_inputs and planned.perf.offload_blocks > 20
@@ -206,7 +206,7 @@ def test_a_cached_probe_plans_a_job_and_none_is_one_sentence_before_any_folder(t
     assert lines[-1].endswith("52 GB/s out, 50 GB/s back idle, 41 and 38 GB/s while a step runs (the plan's)")
     assert busy_plan.perf.offload_blocks < done.perf.offload_blocks  # the slower link carries fewer blocks' copies
     # a hand key changes the probed base: the FP8 probe is not used for a bf16 base
-    bench, manual = _lora_cfg(**{"perf.layout": "manual"})
+    bench, manual = _lora_cfg(**{"perf.plan": "manual"})
     assert planned(bench, manual, print, here=False) == (manual, [])
     # a dry run with nothing cached writes the script and says the layout was not planned
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "empty"))
@@ -222,13 +222,13 @@ def test_a_run_on_a_cpu_has_nothing_to_plan():
     bench, cfg = build_config("llama2_70b_lora", "llama2-70b", [], {"device": "cpu"})
     same, lines = planned(bench, cfg, print)
     assert same is cfg and "no GPU here, nothing to plan" in lines[0]
-    bench, cfg = build_config("bert", "tiny", [], {"perf.layout": "auto"})
+    bench, cfg = build_config("bert", "tiny", [], {"perf.plan": "auto"})
     with pytest.raises(ConfigError, match="bert has no layout to plan"):
         planned(bench, cfg, print)
 
 
 def test_a_truncated_depth_is_planned_for_its_own_blocks():
-    """bench --blocks under perf.layout=auto: each truncated model gets a plan of its own depth (the full model's
+    """bench --blocks under perf.plan=auto: each truncated model gets a plan of its own depth (the full model's
     recompute count could exceed it)."""
     bench, cfg = _lora_cfg()
     full, _ = bench.plan_layout(cfg, H100, P70)
@@ -251,7 +251,7 @@ def test_where_no_replica_fits_several_gpus_shard_the_fp8_base():
     assert bench.plan_layout(given, H200, P70)[0].model.base_sharding == "fsdp"
     with pytest.raises(ConfigError, match="needs model.base_sharding=replicate"):
         _lora_cfg(**{"model.base_precision": "fp8", "model.base_sharding": "fsdp", "perf.offload_blocks": "2",
-                     "perf.layout": "manual"})  # fmt: skip
+                     "perf.plan": "manual"})  # fmt: skip
 
 
 def test_a_gpu_memory_limit_plans_a_smaller_gpu_and_is_refused_without_a_gpu(tmp_path, monkeypatch, capsys):
@@ -298,7 +298,7 @@ def _llama_cfg(**keys):
     from trainbench.resolve import build_config
 
     return build_config("llama31_8b", "llama31-8b", [], {"device": "cuda", "model.precision": "fp8",
-                                                          "perf.layout": "auto", **keys})  # fmt: skip
+                                                          "perf.plan": "auto", **keys})  # fmt: skip
 
 
 def test_fsdp2_shares_the_weights_gradients_and_state_of_the_8b_and_recomputes_only_where_they_crowd_a_gpu():

@@ -206,7 +206,7 @@ class PerfConfig:
         "The input of each recomputed block (all it keeps between forward and backward) waits in pinned host memory "
         "too (CUDA; llama2_70b_lora with model.base_precision=fp8): 128 MiB a block at the 70B shape.",
     )
-    layout: str = option(
+    plan: str = option(
         "manual",
         "How recompute, offload and the base's precision are chosen (llama2_70b_lora; llama31_8b: the blocks "
         "recomputed and up to 2 rows a micro-batch where they fit with no more recomputed): manual (the keys as "
@@ -217,7 +217,7 @@ class PerfConfig:
     gpu_memory_gib: float | None = option(
         None,
         "Use at most this much of each GPU, as if it had this much memory in all (CUDA): the allocator refuses beyond "
-        "it and perf.layout=auto plans for it, e.g. 79.6 to plan and run an 80 GB H100's layout on a larger GPU. "
+        "it and perf.plan=auto plans for it, e.g. 79.6 to plan and run an 80 GB H100's layout on a larger GPU. "
         "None: the whole GPU.",
         above=0,
     )
@@ -336,7 +336,20 @@ def leaves(cfg: Any, prefix: str = "") -> dict[str, Leaf]:
     return out
 
 
+RENAMED = {"perf.layout": "perf.plan"}
+"""Keys given a new name, old -> new: the old one still works for one release, with a one-line notice."""
+_noticed: set[str] = set()
+
+
 def _resolve_key(key: str, table: dict[str, Leaf]) -> Leaf:
+    if key in RENAMED:
+        if key not in _noticed:
+            _noticed.add(key)
+            from trainbench.console import console
+
+            console.print(f"note: config key '{key}' is now '{RENAMED[key]}'; the old name will stop working in the "
+                          "next release", style="yellow")  # fmt: skip
+        key = RENAMED[key]
     if key in table:
         return table[key]
     matches = [k for k in table if k.rsplit(".", 1)[-1] == key]

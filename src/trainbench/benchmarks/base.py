@@ -293,7 +293,7 @@ class Benchmark(ABC):
     @abstractmethod
     def eval_metric(self, sums: torch.Tensor) -> float: ...
 
-    # -- layout (perf.layout=auto) ----------------------------------------------------------------
+    # -- layout (perf.plan=auto) ----------------------------------------------------------------
     def probe_config(self, cfg: RunConfig) -> RunConfig:
         """The config the layout probe measures: its family's choice, the keys set away from the preset kept."""
         return self.family.probe_config(cfg, self.config(cfg.preset))

@@ -68,10 +68,10 @@ def _run(preset: str, model: LoraModelConfig, seq: int, lr: float, target: float
 
 
 def _full() -> RunConfig:
-    """MLPerf's shape, compiled, its layout planned for the GPUs it runs on (perf.layout=auto)."""
+    """MLPerf's shape, compiled, its layout planned for the GPUs it runs on (perf.plan=auto)."""
     cfg = _run("llama2-70b", LLAMA2_70B, seq=8192, lr=4e-4)
     cfg.perf.compile = True
-    cfg.perf.layout = "auto"
+    cfg.perf.plan = "auto"
     return cfg
 
 

@@ -9,7 +9,7 @@ from trainbench.cli.run import list_systems, on_system, run_overrides
 from trainbench.errors import UserError
 
 EXAMPLES_BENCH = """examples:
-  trainbench bench llama2_70b_lora --preset llama2-70b      (its layout planned for this GPU: perf.layout=auto)
+  trainbench bench llama2_70b_lora --preset llama2-70b      (its layout planned for this GPU: perf.plan=auto)
   trainbench bench llama31_8b --preset llama31-8b model.precision=fp8 --blocks 2,6
   trainbench bench bert --preset tiny --steps 5 --warmup 2
 """

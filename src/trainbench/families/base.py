@@ -2,7 +2,7 @@
 
 A family owns everything about one kind of model: its architecture (``model.py`` beside this file's packages), its
 placement over the ranks (DDP, FSDP2, tensor and expert parallelism), its speed paths (FP8, host offload,
-recomputation, kernels of its own), its layout plan (``perf.layout=auto``) and the hooks `trainbench bench` needs to
+recomputation, kernels of its own), its layout plan (``perf.plan=auto``) and the hooks `trainbench bench` needs to
 cut it to fewer blocks and count its work. A :class:`~trainbench.benchmarks.base.Benchmark` is MLPerf's recipe around
 a family (presets, data, optimizer, loss and metric, eval cadence, rules) and names its family in ``family``; the
 loop reaches the model through ``benchmark.family`` and never asks which family it runs. docs/extending.md says how
@@ -35,7 +35,7 @@ class ModelFamily(ABC):
     shards_one_rank = False
     """Whether its placement can shard the model with FSDP2 on one rank too (``distributed.shard_one_rank``)."""
     plans_layout = False
-    """Whether ``perf.layout=auto`` chooses its layout keys (:meth:`plan_layout`)."""
+    """Whether ``perf.plan=auto`` chooses its layout keys (:meth:`plan_layout`)."""
     hf_twin: str | None = None
     """The module of this family that builds HF's model of its architecture for `bench --compare hf`
     (``trainbench.families.<family>.hf``: peer, check, packages, build, loss, kernels; measure/compare_hf.py); None:
@@ -68,7 +68,7 @@ class ModelFamily(ABC):
         """Lines for the run's console on choices made for this machine (e.g. which kernel ``auto`` picked)."""
         return []
 
-    # -- layout (perf.layout=auto) --------------------------------------------------------------------------------
+    # -- layout (perf.plan=auto) --------------------------------------------------------------------------------
     def probe_config(self, cfg: RunConfig, preset: RunConfig) -> RunConfig:
         """The config the layout probe measures: the run's, with what the plan may choose set to be probed (keys
         moved from ``preset``, the config of ``cfg``'s preset, are the user's)."""
@@ -78,7 +78,7 @@ class ModelFamily(ABC):
         """The layout keys chosen for ``resources`` (planner.Resources) from ``probe`` (planner.BlockProbe), as
         ``{key: value}``, and the console lines saying what and why; ``preset`` is the config of ``cfg``'s preset
         (keys moved from it are the user's, kept as given). ConfigError where nothing fits."""
-        raise ConfigError(f"perf.layout=auto: the {self.name} family has no layout to plan")
+        raise ConfigError(f"perf.plan=auto: the {self.name} family has no layout to plan")
 
     # -- throughput (trainbench bench) ----------------------------------------------------------------------------
     def depth(self, cfg: RunConfig) -> int | None:

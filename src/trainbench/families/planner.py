@@ -1,4 +1,4 @@
-"""Choosing how a model's blocks use the GPU (``perf.layout=auto``): a memory and time model of one step from what a
+"""Choosing how a model's blocks use the GPU (``perf.plan=auto``): a memory and time model of one step from what a
 probe measured of one block on this GPU (measure/probe.py), the GPU's and the host's memory, and a search over the
 layouts the placement can build.
 
@@ -229,7 +229,7 @@ def describe(plan: Plan, layers: int, r: Resources, fixed: dict[str, Any], token
     kept = layers - plan.recompute - plan.offload
     given = f"; kept as given: {', '.join(f'{k}={v}' for k, v in fixed.items())}" if fixed else ""
     lines = [
-        f"layout (perf.layout=auto) for {r.gpus} x {r.gpu_name} of {gib(r.gpu_bytes)}, {gib(r.host_bytes)} of host "
+        f"layout (perf.plan=auto) for {r.gpus} x {r.gpu_name} of {gib(r.gpu_bytes)}, {gib(r.host_bytes)} of host "
         f"memory a rank: {kept} blocks keep their activations on the GPU, {plan.offload} keep them in host memory, "
         f"{plan.recompute} are recomputed" + (" (their inputs in host memory)" if plan.offload_inputs else "") + given,
         f"  predicted: {plan.seconds:.2f} s a micro-batch ({tokens / plan.seconds:,.0f} tokens/s a GPU"

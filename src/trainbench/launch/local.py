@@ -122,7 +122,7 @@ RUN_LOCKED = "TRAINBENCH_RUN_LOCKED"
 RESUME_KEYS = ("resume", "output.run_dir", "output.results_dir", "output.progress")
 
 
-# perf.layout=auto's planner (measure/layout.planned), passed in by the caller above the launcher: (benchmark, config,
+# perf.plan=auto's planner (measure/layout.planned), passed in by the caller above the launcher: (benchmark, config,
 # say, here=True) -> the config with its layout chosen and the lines saying why.
 Planner = Callable[..., tuple[RunConfig, list[str]]]
 
@@ -130,7 +130,7 @@ Planner = Callable[..., tuple[RunConfig, list[str]]]
 def run_experiments(bench: Benchmark, cfg: RunConfig, nexp: int = 1, given: list[str] | None = None, *,
                     plan: Planner) -> tuple[Path, list[RunRecord]]:  # fmt: skip
     """Run ``nexp`` experiments into one results folder. ``given``: the keys set on the command line (resume=true
-    refuses any that would change the run's saved settings); ``plan``: perf.layout=auto's planner."""
+    refuses any that would change the run's saved settings); ``plan``: perf.plan=auto's planner."""
     if nexp < 1:
         raise ConfigError(f"--nexp must be at least 1, got {nexp}")
     with contextlib.ExitStack() as locks:

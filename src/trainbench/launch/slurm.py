@@ -439,7 +439,7 @@ def submit(
     plan: Planner,
 ) -> tuple[Path, str, str | None]:
     """Write the results folder's config.yaml and submit.sbatch; submit it (``chain`` times, as a chain of jobs of
-    one name) unless ``dry_run``. ``plan``: perf.layout=auto's planner, from the cached probe of the system's GPU.
+    one name) unless ``dry_run``. ``plan``: perf.plan=auto's planner, from the cached probe of the system's GPU.
 
     Returns (run folder, script text, the first job's id or None)."""
     if nexp < 1:

@@ -89,12 +89,12 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
     allocator_settings(bench)
     device = preflight_device(cfg)
     unplanned, rows = cfg, None
-    if depths and cfg.perf.layout == "auto":
+    if depths and cfg.perf.plan == "auto":
         # Truncated: the whole model need not fit this GPU (that is what the depths are for). Each depth is planned
         # for its own blocks, all at the deepest's rows a micro-batch, which fit the shallower ones too: the rate
         # between depths is extrapolated, so they share their micro-batch. Before any folder, as below.
         rows = planned(bench, bench.family.truncated(cfg, max(depths)), console.print)[0].data.micro_batch_size
-        plan = [f"perf.layout=auto: each depth measured is planned for its own blocks, all at {rows} row"
+        plan = [f"perf.plan=auto: each depth measured is planned for its own blocks, all at {rows} row"
                 f"{'s' if rows > 1 else ''} a micro-batch (the deepest's); the whole model is not planned"]  # fmt: skip
     else:
         cfg, plan = planned(bench, cfg, console.print)  # before any folder: a layout that cannot fit stops here
@@ -152,13 +152,13 @@ def _request(run_dir: Path, steps: int, warmup: int, depth: int | None, profile_
 def _truncated(cfg: RunConfig, depth: int | None, layers: int | None, run_dir: Path, unplanned: RunConfig | None = None,
                out: RunConsole | None = None, rows: int | None = None) -> RunConfig:  # fmt: skip
     """The config measured at ``depth`` blocks, saved beside the folder's own where it is not the model's depth; under
-    perf.layout=auto planned again for that depth (from ``unplanned``, the config before any plan), at ``rows`` a
+    perf.plan=auto planned again for that depth (from ``unplanned``, the config before any plan), at ``rows`` a
     micro-batch where given. The benchmark says what a block is
     (:meth:`~trainbench.benchmarks.base.Benchmark.truncated`)."""
     if depth == layers:
         return cfg
     bench = bench_of(cfg)
-    if unplanned is not None and unplanned.perf.layout == "auto" and out is not None:
+    if unplanned is not None and unplanned.perf.plan == "auto" and out is not None:
         from trainbench.measure.layout import planned
 
         truncated, lines = planned(bench, bench.family.truncated(unplanned, depth), out.say)

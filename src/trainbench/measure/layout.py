@@ -1,4 +1,4 @@
-"""``perf.layout=auto`` before any folder is made: the probe of this GPU (cached, or run in a process of its own) and
+"""``perf.plan=auto`` before any folder is made: the probe of this GPU (cached, or run in a process of its own) and
 the machine's memory, handed to the benchmark's planner; the config that comes back has the layout keys set."""
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ def probe(bench: Benchmark, cfg: RunConfig, here: bool, say) -> dict:
     if found is not None:
         return found
     if not here:
-        raise UserError(f"perf.layout=auto plans from a probe of the GPU the job runs on, and none is cached for "
+        raise UserError(f"perf.plan=auto plans from a probe of the GPU the job runs on, and none is cached for "
                         f"{bench.name}/{cfg.preset} at this shape and software version: run `trainbench bench "
                         f"{bench.name} --preset {cfg.preset} --steps 1 --warmup 0` once on one of the system's nodes "
-                        f"(it probes and caches in {probing.cache_dir()}), or set perf.layout=manual with the layout "
+                        f"(it probes and caches in {probing.cache_dir()}), or set perf.plan=manual with the layout "
                         f"keys")  # fmt: skip
-    say(f"probing {probing.PROBE_BLOCKS} blocks of {bench.name}/{cfg.preset} on this GPU for perf.layout=auto "
+    say(f"probing {probing.PROBE_BLOCKS} blocks of {bench.name}/{cfg.preset} on this GPU for perf.plan=auto "
         f"(once per GPU model and software version; cached in {probing.cache_dir()})")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.yaml"
@@ -40,7 +40,7 @@ def probe(bench: Benchmark, cfg: RunConfig, here: bool, say) -> dict:
         code, data = _measured(str(config))
     if data is None:
         raise UserError(f"the layout probe of {bench.name}/{cfg.preset} failed (exit code {code}; see above); "
-                        "set perf.layout=manual with the layout keys to run without it")  # fmt: skip
+                        "set perf.plan=manual with the layout keys to run without it")  # fmt: skip
     probing.save(cfg, data)
     return data
 
@@ -72,7 +72,7 @@ def shared_link(bench: Benchmark, cfg: RunConfig, data: dict, here: bool, say) -
     ranks = cfg.distributed.nproc
     if ranks < 2 or not here or str(ranks) in data.get("shared_link", {}):
         return data
-    say(f"measuring the host link with {ranks} GPUs copying at once for perf.layout=auto (cached with the probe)")
+    say(f"measuring the host link with {ranks} GPUs copying at once for perf.plan=auto (cached with the probe)")
     code, rates = _measured("--link", str(ranks))
     if rates is None:
         say(f"the host link's measurement with {ranks} GPUs failed (exit code {code}; see above): the plan counts the "
@@ -99,16 +99,16 @@ def resources(cfg: RunConfig, data: dict, here: bool) -> Resources:
 
 
 def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[RunConfig, list[str]]:
-    """The config with the layout ``perf.layout=auto`` chose and the lines saying why (nothing to do for
-    ``perf.layout=manual`` or a resumed run, whose saved config holds its plan). ``here``: the run's GPUs are on
+    """The config with the layout ``perf.plan=auto`` chose and the lines saying why (nothing to do for
+    ``perf.plan=manual`` or a resumed run, whose saved config holds its plan). ``here``: the run's GPUs are on
     this machine (else, as for a Slurm job, only a cached probe can be used)."""
-    if cfg.perf.layout != "auto" or cfg.resume:
+    if cfg.perf.plan != "auto" or cfg.resume:
         return cfg, []
     if not bench.family.plans_layout:
-        raise ConfigError(f"perf.layout=auto: {bench.name} has no layout to plan (its keys are used as given); "
-                          "set perf.layout=manual")  # fmt: skip
+        raise ConfigError(f"perf.plan=auto: {bench.name} has no layout to plan (its keys are used as given); "
+                          "set perf.plan=manual")  # fmt: skip
     if (resolve_device(cfg.device) if here else cfg.device) == "cpu":
-        return cfg, [f"perf.layout=auto: no GPU here, nothing to plan ({bench.name}'s layout keys as given)"]
+        return cfg, [f"perf.plan=auto: no GPU here, nothing to plan ({bench.name}'s layout keys as given)"]
     data = shared_link(bench, cfg, probe(bench, bench.probe_config(cfg), here, say), here, say)
     ranks = cfg.distributed.nproc
     p = block_probe(data, ranks)

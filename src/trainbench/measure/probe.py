@@ -1,4 +1,4 @@
-"""The probe behind ``perf.layout=auto``: two blocks of the run's model, built and placed by the run's own code
+"""The probe behind ``perf.plan=auto``: two blocks of the run's model, built and placed by the run's own code
 (``build_run``) at the run's width and sequence length, one micro-batch a step, on this GPU; it measures what
 layout.BlockProbe holds (a block's saved bytes, its forward and backward time, the weights, the working set) and the
 pinned copy rates to and from the host, with the GPU idle and while a training step runs. Run in a process of its own
@@ -80,7 +80,7 @@ def probe_config(cfg):
             recompute_blocks=0,
             offload_blocks=0,
             offload_recomputed_inputs=False,
-            layout="manual",
+            plan="manual",
             cuda_graphs=False,
         ),  # fmt: skip
         distributed=dataclasses.replace(cfg.distributed, nproc=1, nodes=1),

@@ -3,7 +3,7 @@
 
 Each builds its model on the meta device, places it (FSDP2, tensor or expert parallelism, compiled blocks, FP8,
 recomputation and host offload: :mod:`.placement`, :mod:`.lora_placement`), checks the shapes and speed paths a config
-asks for, plans its layout for a machine (``perf.layout=auto``, from :mod:`trainbench.families.planner`'s arithmetic)
+asks for, plans its layout for a machine (``perf.plan=auto``, from :mod:`trainbench.families.planner`'s arithmetic)
 and tells `trainbench bench` how to cut and count it.
 """
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from trainbench.distributed import DistInfo, Placed
 
-# The most rows a micro-batch llama31_8b's perf.layout=auto chooses: two rows of 8,192 tokens measured faster a token
+# The most rows a micro-batch llama31_8b's perf.plan=auto chooses: two rows of 8,192 tokens measured faster a token
 # than one (the compiled elementwise kernels, half the gradient accumulations; docs/llm.md, "Blocks recomputed, chosen
 # by the tool"), more not measured. Chosen only where they fit with no more blocks recomputed: a recomputed block costs
 # more than that.
@@ -58,7 +58,7 @@ def decoder_flops_per_token(model: DecoderConfig, seq: int) -> float:
 class DecoderFamily(ModelFamily):
     """Llama- or GPT-3-shaped decoders (``model.arch``), trained in full: FSDP2 over the ranks (on one rank too with
     ``distributed.shard_one_rank``), tensor parallelism within a node, compiled blocks, FP8 blocks and output layer,
-    recomputation of some or all blocks; ``plans_layout``: whether ``perf.layout=auto`` plans its blocks recomputed
+    recomputation of some or all blocks; ``plans_layout``: whether ``perf.plan=auto`` plans its blocks recomputed
     and rows a micro-batch for a machine."""
 
     name = "decoder"
@@ -142,7 +142,7 @@ class DecoderFamily(ModelFamily):
         return decoder_flops_per_token(cfg.model, cfg.data.seq_length) * cfg.data.seq_length
 
     def plan_layout(self, cfg: RunConfig, preset: RunConfig, resources, probe) -> tuple[dict[str, Any], list[str]]:
-        """``perf.layout=auto``: the fewest blocks recomputed (the last ones) with which the model fits each GPU,
+        """``perf.plan=auto``: the fewest blocks recomputed (the last ones) with which the model fits each GPU,
         FSDP2 sharding its parameters, gradients and optimizer state over the ranks (planner.sharded, from a probe of
         two unsharded blocks on one GPU); nothing offloaded unless given. Then the rows a micro-batch: up to
         :data:`PLANNED_ROWS` where they fit with no more blocks recomputed (a micro-batch other than the preset's is
@@ -152,8 +152,8 @@ class DecoderFamily(ModelFamily):
         if not self.plans_layout:
             return super().plan_layout(cfg, preset, resources, probe)
         if cfg.distributed.tp > 1:
-            raise ConfigError(f"perf.layout=auto plans FSDP2 over all the ranks; with distributed.tp="
-                              f"{cfg.distributed.tp} set the layout keys by hand (perf.layout=manual)")  # fmt: skip
+            raise ConfigError(f"perf.plan=auto plans FSDP2 over all the ranks; with distributed.tp="
+                              f"{cfg.distributed.tp} set the layout keys by hand (perf.plan=manual)")  # fmt: skip
         given = fixed_keys(cfg, preset)
         layers, name = cfg.model.num_layers, f"{cfg.benchmark}/{cfg.preset}"
         fixed = {"perf.offload_blocks": 0, "perf.offload_recomputed_inputs": False} | given
@@ -275,7 +275,7 @@ class GptOssFamily(DecoderFamily):
 class LoraFamily(DecoderFamily):
     """LoRA adapters on a frozen decoder read from HF safetensors: the base replicated on each GPU or sharded by
     FSDP2 (``model.base_sharding``), in bf16 or FP8 (``model.base_precision``), some blocks recomputed and some
-    blocks' activations in host memory, planned for a machine by ``perf.layout=auto``. ``base_weights``: the base's
+    blocks' activations in host memory, planned for a machine by ``perf.plan=auto``. ``base_weights``: the base's
     folder for a config (the recipe knows where its data set names it); ``full_shape``: the model NVIDIA's FLOP count
     is given for, and ``full_flops`` that count for a row of ``full_seq`` tokens."""
 
@@ -288,8 +288,8 @@ class LoraFamily(DecoderFamily):
         self.full_shape, self.full_seq, self.full_flops = full_shape, full_seq, full_flops
 
     def offloads_activations(self, cfg: RunConfig) -> bool:
-        # (under perf.layout=auto the plan sets the FP8 base before the run starts)
-        return cfg.model.base_precision == "fp8" or cfg.perf.layout == "auto"
+        # (under perf.plan=auto the plan sets the FP8 base before the run starts)
+        return cfg.model.base_precision == "fp8" or cfg.perf.plan == "auto"
 
     def validate(self, cfg: RunConfig) -> None:
         import torch
@@ -364,7 +364,7 @@ class LoraFamily(DecoderFamily):
                 if t != target) + ")")  # fmt: skip
         return [f"base weights: {folder}, stored as {', '.join(stored)}, {made}"]
 
-    # -- layout (perf.layout=auto) --------------------------------------------------------------------------------
+    # -- layout (perf.plan=auto) --------------------------------------------------------------------------------
     def probe_config(self, cfg: RunConfig, preset: RunConfig) -> RunConfig:
         """Probed with the FP8 base, the one a plan picks where the GPU has FP8 (unless the base is given)."""
         from trainbench.families.planner import fixed_keys
@@ -412,7 +412,7 @@ class LoraFamily(DecoderFamily):
                 "perf.offload_recomputed_inputs": False}  # fmt: skip
         seconds = probe.head_s + layers * (2 * probe.forward_s + probe.backward_s)
         tokens = cfg.data.micro_batch_size * cfg.data.seq_length
-        return keys, [f"layout (perf.layout=auto) for {world} x {resources.gpu_name} of {gib(resources.gpu_bytes)}: "
+        return keys, [f"layout (perf.plan=auto) for {world} x {resources.gpu_name} of {gib(resources.gpu_bytes)}: "
                       f"no FP8 replica fits beside the activations, so the FP8 base is sharded by FSDP2 over the "
                       f"{world} GPUs (gathered in FP8 a block at a time) and every block is recomputed",
                       f"  predicted: {seconds:.2f} s a micro-batch ({tokens / seconds:,.0f} tokens/s a GPU before "
@@ -430,7 +430,7 @@ class LoraFamily(DecoderFamily):
                               f"{resources.gpus} x {resources.gpu_name} of {gib(resources.gpu_bytes)}: use at least "
                               f"{gpus} GPUs, or model.base_precision=fp8 on GPUs with FP8")  # fmt: skip
         return {"perf.activation_checkpointing": True, "perf.recompute_blocks": 0}, [
-            f"layout (perf.layout=auto): the bf16 base sharded by FSDP2 over {resources.gpus} x "
+            f"layout (perf.plan=auto): the bf16 base sharded by FSDP2 over {resources.gpus} x "
             f"{resources.gpu_name}, every block recomputed (about {gib(need)} a GPU)"]  # fmt: skip
 
 
