@@ -439,3 +439,16 @@ def rewrite_hdf5(path: Path, change) -> None:
     with h5py.File(path, "w") as f:
         for key, value in arrays.items():
             f.create_dataset(key, data=value)
+
+
+def single_gpu_tier() -> list:
+    """The marks of every test module of the single-GPU tier (tests/test_gpu_*.py but test_gpu_multi.py): the ``gpu``
+    marker, torch's compile caches emptied first, and a skip with the reason where no CUDA device is visible."""
+    import pytest
+    import torch
+
+    return [
+        pytest.mark.gpu,
+        pytest.mark.usefixtures("empty_compile_caches"),
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
+    ]

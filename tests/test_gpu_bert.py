@@ -8,13 +8,9 @@ import json
 
 import pytest
 import torch
-from conftest import only_run_dir, run_cli
+from conftest import only_run_dir, run_cli, single_gpu_tier
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.usefixtures("empty_compile_caches"),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
-]
+pytestmark = single_gpu_tier()
 
 
 def test_bf16_forward_agrees_with_fp32_on_cuda():

@@ -6,13 +6,9 @@ CUDA device is visible."""
 
 import pytest
 import torch
-from conftest import train_float8_layers
+from conftest import single_gpu_tier, train_float8_layers
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.usefixtures("empty_compile_caches"),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
-]
+pytestmark = single_gpu_tier()
 
 
 def test_fp8_frozen_linear_matches_bf16_compiled_and_eager_on_cuda():

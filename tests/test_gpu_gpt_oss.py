@@ -8,13 +8,9 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_run_to_target_on_cuda
+from conftest import single_gpu_tier, tiny_run_to_target_on_cuda
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.usefixtures("empty_compile_caches"),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
-]
+pytestmark = single_gpu_tier()
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-hf"])

@@ -10,12 +10,9 @@ import json
 
 import pytest
 import torch
+from conftest import single_gpu_tier
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.usefixtures("empty_compile_caches"),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
-]
+pytestmark = single_gpu_tier()
 
 
 @pytest.mark.alone  # (compares the host link's rates while a step runs and while none does)

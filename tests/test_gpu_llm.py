@@ -6,13 +6,9 @@ CUDA device is visible."""
 
 import pytest
 import torch
-from conftest import only_run_dir, run_cli, tiny_run_to_target_on_cuda
+from conftest import only_run_dir, run_cli, single_gpu_tier, tiny_run_to_target_on_cuda
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.usefixtures("empty_compile_caches"),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
-]
+pytestmark = single_gpu_tier()
 
 
 def test_decoder_packed_rows_through_flex_match_the_dense_mask_with_gradients_on_cuda():

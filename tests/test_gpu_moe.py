@@ -8,12 +8,9 @@ import math
 
 import pytest
 import torch
+from conftest import single_gpu_tier
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.usefixtures("empty_compile_caches"),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
-]
+pytestmark = single_gpu_tier()
 
 
 def test_the_experts_grouped_product_on_cuda_matches_the_padded_batched_one():

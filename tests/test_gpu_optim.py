@@ -6,12 +6,9 @@ CUDA device is visible."""
 
 import pytest
 import torch
+from conftest import single_gpu_tier
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.usefixtures("empty_compile_caches"),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none is visible"),
-]
+pytestmark = single_gpu_tier()
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # clipped, and a norm under the limit (factor 1)
