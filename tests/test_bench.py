@@ -432,7 +432,7 @@ def test_depths_a_whole_repeat_of_the_blocks_apart_are_taken():
     assert bench.family.block_period(plain) == (1, "")
     assert parse_blocks("2,3", 24, bench.family.block_period(plain)) == [2, 3]
     llm = get_benchmark("llama31_8b")
-    assert llm.block_period(cfg) == (1, "")
+    assert llm.family.block_period(cfg) == (1, "")
 
 
 def test_truncated_depths_under_a_planned_layout_share_the_deepest_depth_s_rows(tmp_path, monkeypatch, capsys):
