@@ -441,7 +441,7 @@ def test_truncated_depths_under_a_planned_layout_share_the_deepest_depth_s_rows(
     depth's rows a micro-batch, so that the rate between them is extrapolated at one micro-batch. A stand-in
     planner, as a GPU's probe would plan: the whole model does not fit, 1 block takes 32 rows, 2 blocks 16."""
     from trainbench.errors import ConfigError
-    from trainbench.measure import layout as plan
+    from trainbench.measure import plan
     from trainbench.resolve import load_run_config
 
     asked = []

@@ -21,7 +21,7 @@ def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_t
     and the plan made from it for a 48-block model of that width fits this GPU by its own account."""
 
     from trainbench.measure import probe
-    from trainbench.measure.layout import block_probe, resources
+    from trainbench.measure.plan import block_probe, resources
     from trainbench.resolve import build_config
 
     bench, cfg = build_config("llama2_70b_lora", "llama2-70b", [], {
@@ -69,7 +69,7 @@ def test_the_host_link_shared_by_every_gpu_here_is_no_faster_than_one_gpu_alone(
     rate both ways is real and no more than its rate copying alone (timing spread aside); the ``--link`` entry writes
     the pair a plan caches."""
     from trainbench.measure import probe
-    from trainbench.measure.layout import main
+    from trainbench.measure.plan import main
 
     alone = probe.link_rates()
     shared = probe.link_rates(gpus=torch.cuda.device_count())

@@ -38,7 +38,7 @@ def test_the_model_counts_every_gib_and_charges_copies_only_beyond_the_forward_t
 def test_the_copies_are_charged_at_the_rate_measured_while_the_gpu_computes():
     """Where the probe measured the link while a step ran, the plan counts on that rate: 34 blocks out during a
     0.96 s forward fit at the idle 52 GB/s, not at 30 GB/s; one H100 then offloads fewer blocks and recomputes more."""
-    from trainbench.measure.layout import block_probe
+    from trainbench.measure.plan import block_probe
 
     busy = dataclasses.replace(P70, to_host_busy_bytes_s=30e9, to_gpu_busy_bytes_s=30e9)
     assert busy.rates() == (30e9, 30e9) and P70.rates() == (52e9, 50e9)
@@ -70,8 +70,7 @@ def test_a_plan_for_several_ranks_a_node_measures_the_shared_link_once_and_says_
     """--nproc 4 on a machine with the GPUs: the shared link is measured once (in a process of its own, faked here)
     and cached with the probe; a plan for 4 ranks counts it and prints it, one for 1 rank does not, and a failed
     measurement leaves one GPU's rates with a line that says so."""
-    from trainbench.measure import layout as plan
-    from trainbench.measure import probe
+    from trainbench.measure import plan, probe
 
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
     bench, cfg = _lora_cfg()
@@ -187,7 +186,7 @@ def test_contradicting_or_impossible_layout_keys_are_one_sentence(tmp_path, caps
 
 def test_a_cached_probe_plans_a_job_and_none_is_one_sentence_before_any_folder(tmp_path, monkeypatch, capsys):
     from trainbench.measure import probe
-    from trainbench.measure.layout import planned
+    from trainbench.measure.plan import planned
 
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
     bench, cfg = _lora_cfg()
@@ -216,7 +215,7 @@ def test_a_cached_probe_plans_a_job_and_none_is_one_sentence_before_any_folder(t
 
 
 def test_a_run_on_a_cpu_has_nothing_to_plan():
-    from trainbench.measure.layout import planned
+    from trainbench.measure.plan import planned
     from trainbench.resolve import build_config
 
     bench, cfg = build_config("llama2_70b_lora", "llama2-70b", [], {"device": "cpu"})
@@ -260,7 +259,7 @@ def test_a_gpu_memory_limit_plans_a_smaller_gpu_and_is_refused_without_a_gpu(tmp
     import torch
 
     from trainbench.measure import probe
-    from trainbench.measure.layout import planned
+    from trainbench.measure.plan import planned
     from trainbench.train.setup import limit_gpu_memory
 
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
@@ -355,11 +354,11 @@ def test_gpt_oss_has_no_plan_of_its_own():
 
 
 def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path, monkeypatch):
-    """The launcher's planner (measure/layout.planned) with a probe of the 8B cached as the probe would write it: 2
+    """The launcher's planner (measure/plan.planned) with a probe of the 8B cached as the probe would write it: 2
     ranks of H100 recompute blocks, with the probe's line; the gradients and state outside the blocks are read from it,
     and a probe of the older format (without them) is not used."""
     from trainbench.measure import probe
-    from trainbench.measure.layout import planned
+    from trainbench.measure.plan import planned
 
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
     bench, cfg = _llama_cfg(**{"distributed.nproc": "2"})

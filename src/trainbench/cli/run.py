@@ -128,7 +128,7 @@ def cmd_run(args) -> int:
     from trainbench.config import apply_overrides, describe
     from trainbench.console import console
     from trainbench.launch.local import run_experiments
-    from trainbench.measure.layout import planned
+    from trainbench.measure.plan import planned
     from trainbench.resolve import build_config
 
     overrides = run_overrides(args)
@@ -172,7 +172,7 @@ def cmd_submit(args) -> int:
     from trainbench.config import parse_key_values
     from trainbench.console import console
     from trainbench.launch.slurm import submit
-    from trainbench.measure.layout import planned
+    from trainbench.measure.plan import planned
 
     if args.system == "?":
         return list_systems()

@@ -122,7 +122,7 @@ RUN_LOCKED = "TRAINBENCH_RUN_LOCKED"
 RESUME_KEYS = ("resume", "output.run_dir", "output.results_dir", "output.progress")
 
 
-# perf.plan=auto's planner (measure/layout.planned), passed in by the caller above the launcher: (benchmark, config,
+# perf.plan=auto's planner (measure/plan.planned), passed in by the caller above the launcher: (benchmark, config,
 # say, here=True) -> the config with its layout chosen and the lines saying why.
 Planner = Callable[..., tuple[RunConfig, list[str]]]
 

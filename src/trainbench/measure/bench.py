@@ -81,7 +81,7 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
             raise UserError(f"--compare {compare} runs in this process: drop --system")
         hf_peer = compare_hf.require(bench, cfg)
     from trainbench.console import console
-    from trainbench.measure.layout import planned
+    from trainbench.measure.plan import planned
 
     if system is not None:
         cfg, plan = planned(bench, cfg, console.print, here=False)
@@ -159,7 +159,7 @@ def _truncated(cfg: RunConfig, depth: int | None, layers: int | None, run_dir: P
         return cfg
     bench = bench_of(cfg)
     if unplanned is not None and unplanned.perf.plan == "auto" and out is not None:
-        from trainbench.measure.layout import planned
+        from trainbench.measure.plan import planned
 
         truncated, lines = planned(bench, bench.family.truncated(unplanned, depth), out.say)
         if rows is not None and truncated.data.micro_batch_size != rows:

@@ -2,7 +2,7 @@
 (``build_run``) at the run's width and sequence length, one micro-batch a step, on this GPU; it measures what
 layout.BlockProbe holds (a block's saved bytes, its forward and backward time, the weights, the working set) and the
 pinned copy rates to and from the host, with the GPU idle and while a training step runs. Run in a process of its own
-(``python -m trainbench.measure.layout CONFIG OUT``), so the launcher never holds a CUDA context; its answer is cached
+(``python -m trainbench.measure.plan CONFIG OUT``), so the launcher never holds a CUDA context; its answer is cached
 per GPU model, software versions and shape."""
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def _measured(*args: str) -> tuple[int, Any]:
     exit code and the JSON it wrote (None where it wrote none)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        code = subprocess.run([sys.executable, "-m", "trainbench.measure.layout", *args, str(out)]).returncode
+        code = subprocess.run([sys.executable, "-m", "trainbench.measure.plan", *args, str(out)]).returncode
         return code, json.loads(out.read_text()) if code == 0 and out.exists() else None
 
 
