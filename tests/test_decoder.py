@@ -240,21 +240,22 @@ def test_the_placement_applies_checkpointing_from_the_perf_keys_and_the_blocks_r
 def test_compiled_blocks_with_checkpointing_from_outside_give_the_eager_gradients():
     """wrap_blocks with checkpointing and compilation (the placement's order: checkpointing, then each block's
     compile, which compiles the call that looks the block's forward up, the checkpointed one): the same loss and
-    gradients as the eager model without checkpointing, and the checkpoint is reached from the compiled call."""
-    from trainbench.families.decoder import memory
+    gradients as the eager model without checkpointing, and the checkpoint (offload.py's, where a placed block's
+    forward runs) is reached from the compiled call."""
+    from trainbench.families.decoder import offload
     from trainbench.families.decoder.placement import wrap_blocks
 
     torch.manual_seed(0)
     eager, compiled = DecoderLM(SMALL), DecoderLM(SMALL)
     compiled.load_state_dict(eager.state_dict())
     reached = []
-    real_checkpoint = memory.checkpoint
+    real_checkpoint = offload.checkpoint
 
     def counted_checkpoint(*args, **kwargs):
         reached.append(1)
         return real_checkpoint(*args, **kwargs)
 
-    memory.checkpoint = counted_checkpoint
+    offload.checkpoint = counted_checkpoint
     try:
         wrap_blocks(compiled, checkpointing=True, compile_blocks=True)
         assert all(block._compiled_call_impl is not None for block in compiled.model.layers)
@@ -263,7 +264,7 @@ def test_compiled_blocks_with_checkpointing_from_outside_give_the_eager_gradient
         for loss in losses:
             loss.backward()
     finally:
-        memory.checkpoint = real_checkpoint
+        offload.checkpoint = real_checkpoint
     assert reached
     torch.testing.assert_close(losses[0], losses[1])
     for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
