@@ -246,3 +246,14 @@ def test_the_activation_kernels_match_their_torch_form_on_cuda(activation, dtype
         assert float((ours.float() - ref.float()).norm() / ref.float().norm()) < tol / 10
         if activation == "gpt_oss":
             assert [ours[0, i].item() == 0 for i in range(8)] == [False, False, False, False, True, True, False, True]
+
+
+def test_the_cuda_placement_gives_every_expert_layer_the_fused_activation_on_cuda():
+    """The decoder's placement on CUDA sets BiasGLU (glu_kernel's forward and backward kernels) as every expert layer's
+    ``biased_activation``, and the placed model trains a step with it."""
+    from test_moe import placed_gpt_oss_experts
+
+    from trainbench.families.decoder.glu_kernel import BiasGLU
+
+    layers = placed_gpt_oss_experts(torch.device("cuda"))
+    assert len(layers) == 2 and all(m.biased_activation is BiasGLU.apply for m in layers)

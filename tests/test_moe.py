@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import spawned
 
-from trainbench.families.decoder.glu_kernel import glu, glu_backward
+from trainbench.families.decoder.glu_kernel import BiasGLU, glu, glu_backward
 from trainbench.families.decoder.moe import MoE, MoEShape, load_balancing_loss, route
 from trainbench.families.decoder.moe_fp8 import fp8_products
 
@@ -141,16 +141,16 @@ def test_the_activation_backward_as_one_op_equals_autograd_at_and_beyond_the_cla
 
 @pytest.mark.parametrize("activation, bias", [("silu", False), ("gpt_oss", True)])
 def test_the_experts_with_the_activation_backward_as_one_op_equal_autograd(activation, bias):
-    """The layer with ``glu_kernel`` (the CUDA path: BiasGLU, one op for the activation's backward, the first bias's
-    gradient by a product) against autograd of the tensor operations: outputs and every gradient, in float64, the
-    weights large enough that GPT-OSS's clamps cut some rows."""
+    """The layer with BiasGLU as its ``biased_activation`` (the CUDA placement's: one op for the activation's
+    backward, the first bias's gradient by a product) against autograd of the tensor operations: outputs and every
+    gradient, in float64, the weights large enough that GPT-OSS's clamps cut some rows."""
     shape = MoEShape(hidden=32, ffn=24, experts=6, top_k=3, activation=activation, bias=bias)
 
     def path(kernel):
         def setup(layer):
             with torch.no_grad():
                 layer.gate_up_proj.mul_(10)
-            layer.glu_kernel = kernel
+            layer.biased_activation = BiasGLU.apply if kernel else None
 
         return setup
 
@@ -434,3 +434,30 @@ def test_a_weights_gradient_added_through_its_bf16_stand_in_equals_autograds_cas
     assert weight.grad.dtype == torch.float32 and weight.grad.abs().sum() > 0
     if compiled:
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def placed_gpt_oss_experts(device: torch.device) -> list[MoE]:
+    """The expert layers of a two-block GPT-OSS model built on the meta device and placed on ``device`` by the
+    decoder's placement, after one forward and backward (their loss finite)."""
+    from trainbench.families.decoder.gpt_oss import GptOssConfig, GptOssLM
+    from trainbench.families.decoder.placement import parallelize
+
+    cfg = GptOssConfig(block="gpt_oss", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       attention_head_dim=16, intermediate_size=32, num_experts=4, experts_per_token=2,
+                       sliding_window=16)  # fmt: skip
+    with torch.device("meta"):
+        model = GptOssLM(cfg)
+    model = parallelize(model, device, 1, 1, device.type == "cuda", False, False, None, 0)
+    ids = torch.randint(0, 128, (2, 33), device=device, generator=torch.Generator(device).manual_seed(0))
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        loss = model(ids[:, :-1], targets=ids[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss)
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def test_the_cpu_placement_leaves_the_experts_activation_to_autograd():
+    """On the CPU the experts' activation stays the tensor operations under autograd (the golden runs' sums); the
+    fused op is the CUDA placement's (tests/test_gpu_moe.py)."""
+    layers = placed_gpt_oss_experts(torch.device("cpu"))
+    assert len(layers) == 2 and all(m.biased_activation is None for m in layers)

@@ -152,8 +152,8 @@ ARCHITECTURE = sorted(p for p in FAMILIES.rglob("*.py") if p.name in ("model.py"
 # Kernels an architecture file still calls itself, each with where it is chosen, until its family's placement hands
 # it in from outside: a new entry needs a reason here.
 ARCHITECTURE_KERNELS = {
-    ("encoder/model.py", "cudnn_attention"): "BERT's packed attention picks cuDNN's kernel by model.packed_attention",
-    ("decoder/moe.py", "glu_kernel"): "the experts' fused GLU and group sums are the layer's own products",
+    ("encoder/model.py", "cudnn_attention"): "BERT picks its packed attention's kernel at each call, by "
+    "model.packed_attention and by what the call allows (autocast, gradients, dropout in training or not)",
 }
 
 

@@ -18,19 +18,9 @@ fp32 arithmetic; elsewhere (and for float64) the same formulas in torch. The FP8
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from trainbench.families.decoder.moe import MoE, glu, group_sums
 from trainbench.families.triton_kernels import lazy_kernel
-
-
-def glu(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    """The activation of ``h`` [..., 2 x ffn] (gate and up interleaved): [..., ffn]."""
-    gate, up = h[..., ::2], h[..., 1::2]
-    if activation == "silu":
-        return F.silu(gate) * up
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
 def _glu_backward_torch(h, bias, group, grad, activation: str, alpha: float, limit: float) -> torch.Tensor:
@@ -170,14 +160,6 @@ def _(h, bias, group, grad, activation, alpha, limit):
     return torch.empty_like(h)
 
 
-def group_sums(rows: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
-    """The sum of ``rows`` [n, width] over each group (``group`` [n]): [groups, width], as a product of the groups'
-    indicator [groups, n] and the rows, in the rows' precision with the product's fp32 accumulation. Indexing's own
-    backward adds every row into its group with an atomic add, thousands of rows onto the same addresses."""
-    members = torch.arange(groups, device=group.device)[:, None] == group[None, :]
-    return members.to(rows.dtype) @ rows
-
-
 class BiasGLU(torch.autograd.Function):
     """:func:`glu` of ``h + bias[group]`` (``bias`` None: of ``h``), its backward one :func:`glu_backward` (which adds
     the bias again itself, so the biased rows are never stored) and, for the bias, a product of the experts'
@@ -195,3 +177,12 @@ class BiasGLU(torch.autograd.Function):
         grad_h = glu_backward(h, bias, group, grad, *ctx.config)
         grad_bias = None if bias is None else group_sums(grad_h, group, bias.shape[0]).to(bias.dtype)
         return grad_h, grad_bias, None, None, None, None
+
+
+def fuse_activations(model: torch.nn.Module) -> int:
+    """Every expert layer of ``model`` with its activation (and its first bias, forward and backward) as one op,
+    :class:`BiasGLU`, set as its ``biased_activation``: the CUDA placement's. Returns how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        layer.biased_activation = BiasGLU.apply
+    return len(layers)

@@ -17,19 +17,38 @@ signature (:attr:`MoE.expert_product`): under ``model.precision=fp8``, FP8's (``
 product may need each expert's rows to start on a multiple of some count (16 for FP8's): the rows are then laid out
 with each expert's group padded by zero rows (``align_rows``), in a buffer of a size fixed by the token count (no
 wait on the GPU for the counts). With expert parallelism each rank pads the rows that arrive for its experts, whose
-counts its all-to-all already brought to the host.
+counts its all-to-all already brought to the host. The activation of the first product's rows and their experts'
+biases may be swapped the same way for one op (:attr:`MoE.biased_activation`): on CUDA the placement sets the fused
+kernel's (``families/decoder/glu_kernel.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainbench.families.decoder.glu_kernel import BiasGLU, glu, group_sums
+
+def glu(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """The experts' activation of ``h`` [..., 2 x ffn] (gate and up interleaved): [..., ffn]."""
+    gate, up = h[..., ::2], h[..., 1::2]
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def group_sums(rows: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
+    """The sum of ``rows`` [n, width] over each group (``group`` [n]): [groups, width], as a product of the groups'
+    indicator [groups, n] and the rows, in the rows' precision with the product's fp32 accumulation. Indexing's own
+    backward adds every row into its group with an atomic add, thousands of rows onto the same addresses."""
+    members = torch.arange(groups, device=group.device)[:, None] == group[None, :]
+    return members.to(rows.dtype) @ rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +101,11 @@ class MoE(nn.Module):
         # forward or the backward; the experts' biases take their gradient by a product, _GroupBias), or by
         # indexing and index_add_ (the CPU's, whose sums the golden runs keep). None: gathers on CUDA.
         self.gather_rows: bool | None = None
-        # The activation's backward (and the first bias's gradient) as one kernel (glu_kernel.BiasGLU), or through
-        # autograd of the activation's tensor operations (the CPU's, whose sums the golden runs keep). None: on CUDA.
-        self.glu_kernel: bool | None = None
+        # The activation of the first product's rows plus their experts' biases as one op of the signature
+        # (h, bias or None, group or None, activation, alpha, limit), set by a placement (on CUDA the fused kernel's,
+        # glu_kernel.BiasGLU.apply); None: the bias added and the activation's tensor operations under autograd (the
+        # CPU's, whose sums the golden runs keep).
+        self.biased_activation: Callable[..., torch.Tensor] | None = None
         # The row alignment of each expert's group that expert_product needs (16 for FP8's, set with it by the
         # placement; 1: the groups packed back to back)
         self.align_rows = 1
@@ -133,10 +154,10 @@ class MoE(nn.Module):
         weights given) through its expert."""
         product = self._gathers(rows.device)
         h = self.expert_product(rows, gate_up, counts, group, "gate_up_proj")
-        if rows.is_cuda if self.glu_kernel is None else self.glu_kernel:
+        if self.biased_activation is not None:
             s = self.shape
-            act = BiasGLU.apply(h, gate_up_bias, group if gate_up_bias is not None else None, s.activation, s.alpha,
-                                s.limit)  # fmt: skip
+            act = self.biased_activation(h, gate_up_bias, group if gate_up_bias is not None else None, s.activation,
+                                         s.alpha, s.limit)  # fmt: skip
         else:
             if gate_up_bias is not None:
                 h = _add_group_bias(h, gate_up_bias, group, product)

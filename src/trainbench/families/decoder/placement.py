@@ -174,6 +174,10 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
         fp8.min_capability(device)
         fp8.train_blocks_in_fp8(model, sharded=sharded)
         experts_in_fp8(model, device, getattr(model.cfg, "expert_weight_grad", "fp8"), compile_blocks)
+    if device.type == "cuda":  # the experts' activation as one kernel, forward and backward
+        from trainbench.families.decoder.glu_kernel import fuse_activations
+
+        fuse_activations(model)
     wrap_blocks(model, checkpointing, compile_blocks)
     if getattr(model.cfg, "output_precision", "auto") == "fp8":  # (its own FP8 function, not compiled: see there)
         from trainbench.families.decoder.fp8_output import lm_loss_fp8
