@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trainbench.cli.common import add_config_arguments
 from trainbench.cli.run import list_systems, on_system, run_overrides
 from trainbench.errors import UserError
 
@@ -28,7 +29,7 @@ def add_bench_parser(sub) -> None:
     )
     bench.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
     bench.add_argument("--preset", help="starting config (default: the benchmark's MLPerf shape)")
-    bench.add_argument("--config", action="append", default=[], metavar="FILE.yaml", help="YAML overrides; may repeat")
+    add_config_arguments(bench)
     bench.add_argument("--steps", type=int, default=10, help="timed optimizer steps (default 10)")
     bench.add_argument("--warmup", type=int, default=3, help="optimizer steps before the timing (default 3)")
     bench.add_argument("--nproc", type=int, help="processes on this node (GPUs or CPU ranks); >1 uses torchrun")
@@ -59,7 +60,6 @@ def add_bench_parser(sub) -> None:
                        "LoRA; diffusers for flux1), eager and compiled, at the same shape and depth, in the same "
                        "call (one process); hf-compiled: compiled only (at large shapes the eager step is slow "
                        "and may not fit)")  # fmt: skip
-    bench.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
 def cmd_bench(args) -> int:

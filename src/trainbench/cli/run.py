@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from trainbench.cli.common import print_table
+from trainbench.cli.common import add_config_arguments, print_table
 from trainbench.errors import UserError
 
 EXAMPLES_RUN = """examples:
@@ -41,20 +41,13 @@ def add_run_parser(sub) -> None:
     )
     run.add_argument("benchmark", help="benchmark name (see `trainbench list`)")
     run.add_argument("--preset", default="tiny", help="starting config (default: tiny)")
-    run.add_argument(
-        "--config",
-        action="append",
-        default=[],
-        metavar="FILE.yaml",
-        help="YAML file of overrides (nested or dotted keys); may repeat, applied in order",
-    )
+    add_config_arguments(run, "YAML file of overrides (nested or dotted keys); may repeat, applied in order")
     run.add_argument("--nproc", type=int, help="processes on this node (GPUs or CPU ranks); >1 uses torchrun")
     run.add_argument("--nexp", type=int, default=1, help="experiments to run, seeds seed..seed+K-1 (default 1)")
     run.add_argument(
         "--ruleset", help="mlperf-logging ruleset the log follows (default: the benchmark's newest; output.ruleset)"
     )
     run.add_argument("--help-config", action="store_true", help="print every config key with its value and exit")
-    run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
 def add_submit_parser(sub) -> None:
@@ -74,7 +67,7 @@ def add_submit_parser(sub) -> None:
         "--preset", help="starting config (default: the benchmark's MLPerf shape: large, llama31-8b, gpt3-175b, "
         "llama2-70b, gpt-oss-20b, flux1-schnell)"
     )  # fmt: skip
-    subm.add_argument("--config", action="append", default=[], metavar="FILE.yaml", help="YAML overrides; may repeat")
+    add_config_arguments(subm)
     subm.add_argument("--nodes", type=int, help="nodes (default: the system's)")
     subm.add_argument("--time", help="time limit HH:MM:SS (default: the system's)")
     subm.add_argument("--nexp", type=int, default=1, help="experiments: a job array of K runs (default 1)")
@@ -94,7 +87,6 @@ def add_submit_parser(sub) -> None:
         "--ruleset", help="mlperf-logging ruleset the log follows (default: the benchmark's newest; output.ruleset)"
     )
     subm.add_argument("--dry-run", action="store_true", help="write and print the script; do not submit")
-    subm.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
 def add_resubmit_parser(sub) -> None:
