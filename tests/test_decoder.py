@@ -215,7 +215,7 @@ def test_the_placement_applies_checkpointing_from_the_perf_keys_and_the_blocks_r
         perf = PerfConfig(activation_checkpointing=checkpointing, recompute_blocks=recompute_blocks * checkpointing)
         with torch.device("meta"):
             model = DecoderLM(cfg)
-        placed = place_decoder(model, cfg, info, 1, False, checkpointing, False, 0, perf=perf)
+        placed = place_decoder(model, cfg, info, 1, False, perf, 0)
         assert list(placed.module.state_dict()) == list(DecoderLM(cfg).state_dict())
         runs = _forward_runs(placed.module)
         loss = placed.model(ids, targets=ids)

@@ -24,6 +24,7 @@ def test_offloaded_blocks_train_like_kept_ones_with_less_gpu_memory_on_cuda(monk
     import dataclasses
 
     from trainbench.benchmarks.lora import TINY
+    from trainbench.config import PerfConfig
     from trainbench.distributed import DistInfo
     from trainbench.families.decoder import offload
     from trainbench.families.decoder.lora_placement import place_lora
@@ -35,7 +36,7 @@ def test_offloaded_blocks_train_like_kept_ones_with_less_gpu_memory_on_cuda(monk
     with torch.device("meta"):
         model = DecoderLM(cfg)
     one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
-    model = place_lora(model, cfg, one, 1, True, False, True, 0).module
+    model = place_lora(model, cfg, one, 1, True, PerfConfig(compile=True), 0).module
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 1000, (2, 2048), generator=gen).cuda()
 
@@ -75,6 +76,7 @@ def test_recomputed_blocks_with_their_inputs_on_the_host_train_like_kept_ones_on
     import dataclasses
 
     from trainbench.benchmarks.lora import TINY
+    from trainbench.config import PerfConfig
     from trainbench.distributed import DistInfo
     from trainbench.families.decoder import offload
     from trainbench.families.decoder.lora_placement import place_lora
@@ -87,7 +89,7 @@ def test_recomputed_blocks_with_their_inputs_on_the_host_train_like_kept_ones_on
     with torch.device("meta"):
         model = DecoderLM(cfg)
     one = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
-    model = place_lora(model, cfg, one, 1, True, False, True, 0).module
+    model = place_lora(model, cfg, one, 1, True, PerfConfig(compile=True), 0).module
     recompute_last(model, 4)  # all four (the first's input needs no gradient): 0 and 1 are released in the forward
     tokens = torch.randint(0, 1000, (2, 2048), generator=torch.Generator().manual_seed(0)).cuda()
 

@@ -287,6 +287,7 @@ def _fp8_fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
     from trainbench.benchmarks.llm import TINY_MODEL
+    from trainbench.config import PerfConfig
     from trainbench.distributed import DistInfo
     from trainbench.families import fp8
     from trainbench.families.decoder.model import DecoderLM
@@ -300,7 +301,7 @@ def _fp8_fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     with torch.device("meta"):
         model = DecoderLM(cfg)
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
-    placed = place_decoder(model, cfg, info, 1, True, False, False, 0)
+    placed = place_decoder(model, cfg, info, 1, True, PerfConfig(), 0)
     linears = [m for m in placed.module.modules() if type(m).__name__ == "Float8Linear"]
     locals_ = [m.weight._local_tensor if isinstance(m.weight, DTensor) else m.weight for m in linears]
     before = [getattr(t, "_precomputed_scale", None) for t in locals_]

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import spawn_ranks
 
+from trainbench.config import PerfConfig
 from trainbench.errors import DataError
 from trainbench.families.decoder import lora
 from trainbench.families.decoder.hf_checkpoint import load_into, save_sharded
@@ -302,7 +303,7 @@ def test_the_sharded_fp8_base_holds_fp8_shards_equal_to_the_replicated_base(tmp_
             cfg = dataclasses.replace(TINY, base_precision="fp8", base_sharding=sharding)
             with torch.device("meta"):
                 model = DecoderLM(cfg)
-            placed[sharding] = place_lora(model, cfg, one, 1, False, False, False, 7)
+            placed[sharding] = place_lora(model, cfg, one, 1, False, PerfConfig(), 7)
         sharded = dict(placed["fsdp"].module.named_parameters())
         whole = dict(placed["replicate"].module.named_buffers()) | dict(placed["replicate"].module.named_parameters())
         fp8_names = [n for n in sharded if n.endswith(("weight_fp8", "weight_scale"))]

@@ -130,9 +130,8 @@ class DecoderFamily(ModelFamily):
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         from trainbench.families.decoder.placement import place_decoder
 
-        return place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
-                             cfg.perf.compile, cfg.seed, cfg.distributed.ep, cfg.distributed.shard_one_rank,
-                             perf=cfg.perf)  # fmt: skip
+        return place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf, cfg.seed, cfg.distributed.ep,
+                             cfg.distributed.shard_one_rank)  # fmt: skip
 
     def data_rank(self, cfg: RunConfig, info: DistInfo) -> tuple[int, int]:
         tp = cfg.distributed.tp
@@ -334,8 +333,7 @@ class LoraFamily(DecoderFamily):
         from trainbench.families.decoder.lora_placement import place_lora
 
         m = dataclasses.replace(cfg.model, base_weights=self.base_weights(cfg))
-        return place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf.activation_checkpointing,
-                          cfg.perf.compile, cfg.seed, perf=cfg.perf)  # fmt: skip
+        return place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf, cfg.seed)
 
     def flops_per_sample(self, cfg: RunConfig) -> float | None:
         """NVIDIA's count for a row of the full model (forward and backward of the frozen base and the adapters,

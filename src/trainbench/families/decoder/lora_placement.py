@@ -29,13 +29,14 @@ from trainbench.families.decoder.offload import own_forward, run_from_outside
 from trainbench.families.decoder.placement import parallelize, sharded_comm_precision, use_flex_for_packed_rows
 
 
-def place_lora(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, tp: int, bf16: bool,
-               checkpointing: bool, compile_blocks: bool, seed: int,
-               perf: PerfConfig | None = None) -> Placed:  # fmt: skip
+def place_lora(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, tp: int, bf16: bool, perf: PerfConfig,
+               seed: int) -> Placed:  # fmt: skip
     """``model`` (built on the meta device) with adapters, placed and materialised: the base from
-    ``cfg.base_weights`` (or the seed, where none is given), the adapters from the seed; with ``perf``, what its
-    blocks keep for the backward chosen by its keys last (:func:`~trainbench.families.decoder.memory.
-    recompute_and_offload`: checkpointing on fewer blocks, host offload)."""
+    ``cfg.base_weights`` (or the seed, where none is given), the adapters from the seed; compiled and checkpointed by
+    ``perf.compile`` and ``perf.activation_checkpointing``, and what its blocks keep for the backward chosen by
+    ``perf``'s other keys last (:func:`~trainbench.families.decoder.memory.recompute_and_offload`: checkpointing on
+    fewer blocks, host offload)."""
+    checkpointing, compile_blocks = perf.activation_checkpointing, perf.compile
     if tp != 1:
         raise ConfigError("distributed.tp must be 1 for LoRA: its adapters are sharded by FSDP2 only")
     lora.attach(model, cfg.targets, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout)
@@ -69,7 +70,7 @@ def place_lora(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, tp: 
               if cfg.base_sharding == "replicate" else "FP8 base sharded by FSDP2, gathered in FP8")  # fmt: skip
     placed.notes.append(f"LoRA: {trainable:,} trainable parameters (rank {cfg.lora_rank}, on {cfg.lora_targets}); "
                         f"{layout}")  # fmt: skip
-    return placed if perf is None else recompute_and_offload(placed, perf, info.device)
+    return recompute_and_offload(placed, perf, info.device)
 
 
 def compile_inside_checkpointing(model: DecoderLM) -> None:

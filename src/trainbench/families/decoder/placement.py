@@ -215,13 +215,14 @@ def _one_after_another(*functions: Callable[[], None] | None) -> Callable[[], No
     return after_step
 
 
-def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int, bf16: bool, checkpointing: bool,
-                  compile_blocks: bool, seed: int, ep: int = 1, shard_one_rank: bool = False,
-                  perf: PerfConfig | None = None) -> Placed:  # fmt: skip
+def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int, bf16: bool, perf: PerfConfig,
+                  seed: int, ep: int = 1, shard_one_rank: bool = False) -> Placed:  # fmt: skip
     """``model`` (built on the meta device) sharded over the ranks (on one rank too where ``shard_one_rank``),
-    materialised and initialised from ``seed``; with ``perf``, what its blocks keep for the backward chosen by its
-    keys last (:func:`~trainbench.families.decoder.memory.recompute_and_offload`: checkpointing on fewer blocks,
-    host offload)."""
+    materialised and initialised from ``seed``; compiled per block and checkpointed by ``perf.compile`` and
+    ``perf.activation_checkpointing``, and what its blocks keep for the backward chosen by ``perf``'s other keys last
+    (:func:`~trainbench.families.decoder.memory.recompute_and_offload`: checkpointing on fewer blocks, host
+    offload)."""
+    checkpointing, compile_blocks = perf.activation_checkpointing, perf.compile
     full = None
     if cfg.num_params() <= FULL_INIT_MAX_PARAMS:
         whole = type(model)(cfg)
@@ -270,4 +271,4 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
 
                 out.after_step = _one_after_another(out.after_step, cache_fp8_weight_casts(placed, compile_blocks))
                 out.notes.append("the experts' weights cast to FP8 once a step, not in every micro-batch")
-    return out if perf is None else recompute_and_offload(out, perf, info.device)
+    return recompute_and_offload(out, perf, info.device)
