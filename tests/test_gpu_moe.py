@@ -256,4 +256,4 @@ def test_the_cuda_placement_gives_every_expert_layer_the_fused_activation_on_cud
     from trainbench.families.decoder.glu_kernel import BiasGLU
 
     layers = placed_gpt_oss_experts(torch.device("cuda"))
-    assert len(layers) == 2 and all(m.biased_activation is BiasGLU.apply for m in layers)
+    assert len(layers) == 2 and all(m.biased_activation == BiasGLU.apply for m in layers)  # == : a new bound method
