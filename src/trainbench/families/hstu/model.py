@@ -1,7 +1,8 @@
 """The HSTU ranker of MLPerf's dlrmv4 (generative_recommenders' DLRMv3 on Yambda): embedding tables for the user, the
 track, its artist and album and hashed crosses of them; a user's listening history and one candidate track as one
 sequence through HSTU layers; a click (listen-plus) logit for the candidate. Architecture only: the tables' optimizer
-lives in ``optim/rowwise_adagrad.py``, the placement in ``families/data_parallel.py``, the recipe in
+lives in ``optim/rowwise_adagrad.py``, the placement in ``family.py`` (``families/data_parallel.py``, and
+``sharded_tables.py`` where the tables are sharded), the recipe in
 ``benchmarks/dlrmv4.py``.
 
 A sequence is ``contextual`` tokens (the user's table and one per cross feature), ``history`` tokens (right-aligned:
