@@ -231,6 +231,12 @@ class PerfConfig:
         "where it measured faster; torch over several ranks, where it did not: docs/performance.md).",
         choices=("auto", "own", "torch"),
     )
+    sharded_tables: bool = option(
+        False,
+        "dlrmv4: shard every embedding table row-wise over the ranks (one all-to-all for all tables' lookups and "
+        "their gradients, RowWiseAdagrad on the touched rows alone, the dense parameters under DDP) instead of every "
+        "rank holding every table (docs/dlrmv4.md).",
+    )
     gc_every_steps: int = option(
         50,
         "N > 0: objects made during set-up are frozen, automatic garbage collection is off, and every rank "

@@ -8,9 +8,9 @@ learning rate within 0.5-1.5x of 1e-6 x GBS / 8192; an eval every 0.1 % of the 2
 fraction divided once by the global batch, rounded up, times the batch), the first where the rules put it (the first
 grid point at or after floor((4480 x GBS + 135,331,840) / 3) samples); 2,058,204 eval samples; AUC computed exactly.
 
-What runs here: every rank holds every table (the CPU's data parallelism); the GPU path of the reference (tables
-sharded over the ranks with all-to-all lookups, a fused RowWiseAdagrad, a host cache of cold rows) is not built
-(docs/dlrmv4.md).
+What runs here: every rank holds every table by default; with ``perf.sharded_tables`` the family shards the tables
+row-wise over the ranks (all-to-all lookups, RowWiseAdagrad on the touched rows); a host cache of cold rows is not
+built (docs/dlrmv4.md).
 """
 
 from __future__ import annotations

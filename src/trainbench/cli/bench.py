@@ -40,6 +40,8 @@ def add_bench_parser(sub) -> None:
     )
     bench.add_argument("--blocks", metavar="N,M", help="measure these truncated depths and extrapolate to the "
                        "model's (a model that does not fit); every figure is then labelled extrapolated")  # fmt: skip
+    bench.add_argument("--table-rows", type=int, metavar="N", help="cut every embedding table to at most N rows "
+                       "(dlrmv4: tables that do not fit); the figures are then labelled truncated")  # fmt: skip
     bench.add_argument(
         "--profile-steps",
         type=int,
@@ -83,8 +85,10 @@ def cmd_bench(args) -> int:
     command = ["trainbench", *sys.argv[1:]]
     run_dir, raws, layers, depths, peers = run_bench(
         bench, cfg, args.steps, args.warmup, args.blocks, args.compare, args.profile_steps, system, command,
-        args.memory_snapshot)  # fmt: skip
+        args.memory_snapshot, args.table_rows)  # fmt: skip
     result = bench_report.summarise(bench, cfg, raws, layers, depths, peers)
+    if args.table_rows is not None:
+        result["tables_truncated_to_rows"] = args.table_rows
     bench_report.save(run_dir, result)
     console.print(bench_summary(result), markup=False)
     console.print(f"results: {run_dir}  ({run_dir / 'bench.json'})")
@@ -95,6 +99,8 @@ def bench_summary(r: dict) -> str:
     """bench.json in a few lines."""
     how = r["figures"] + (f" from {', '.join(map(str, r['blocks_measured']))} of {r['blocks']} blocks"
                           if r["blocks_measured"] else "")  # fmt: skip
+    if r.get("tables_truncated_to_rows"):
+        how += f", tables truncated to {r['tables_truncated_to_rows']:,} rows"
     lines = [f"{r['benchmark']}/{r['preset']} on {r['ranks']} x {r['device']} ({how}; {r['kind']}):",
              f"  {r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s_per_rank']:,.0f} per rank), "
              f"{r['samples_per_s']:,.2f} samples/s, {r['step_seconds']:.3f} s a step of "

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from trainbench.config import RunConfig
-from trainbench.errors import ConfigError
+from trainbench.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     import torch
@@ -46,9 +46,12 @@ class ModelFamily(ABC):
     def validate(self, cfg: RunConfig) -> None:
         """ConfigError, one sentence, for a shape, placement or speed path this family cannot run as configured."""
 
+    shards_tables = False
+    """Whether its placement can shard embedding tables over the ranks (``perf.sharded_tables``)."""
+
     def unused_for(self, cfg: RunConfig) -> dict[str, str]:
         """Config keys this family's model does not read for ``cfg`` (e.g. those of another architecture), with why."""
-        return {}
+        return {} if self.shards_tables else {"perf.sharded_tables": f"the {self.name} family has no tables to shard"}
 
     # -- model and placement --------------------------------------------------------------------------------------
     @abstractmethod
@@ -97,6 +100,11 @@ class ModelFamily(ABC):
         """``cfg`` with its model cut to ``depth`` of :meth:`depth`'s blocks (UserError, one sentence, where it cannot
         be cut that way)."""
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=depth))
+
+    def tables_truncated(self, cfg: RunConfig, rows: int) -> RunConfig:
+        """``cfg`` with every embedding table cut to at most ``rows`` rows (`trainbench bench --table-rows`: a model
+        whose tables do not fit, measured with smaller ones; UserError, one sentence, where it has none)."""
+        raise UserError(f"--table-rows: the {self.name} family's model has no embedding tables to truncate")
 
     def tokens_per_sample(self, cfg: RunConfig) -> int:
         """Tokens one sample of the global batch counts (a row of the sequence length by default)."""

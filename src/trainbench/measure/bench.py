@@ -50,12 +50,18 @@ COMPARE = {"hf": (False, True), "hf-compiled": (True,)}  # --compare: HF's steps
 
 def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks: str | None,
               compare: str | None = None, profile_steps: int = 2, system: System | None = None,
-              command: list[str] | None = None, snapshot: bool = False
+              command: list[str] | None = None, snapshot: bool = False, table_rows: int | None = None
               ) -> tuple[Path, dict, int | None, list[int] | None, dict]:  # fmt: skip
     """Measure, into a new results folder: in this process, under torchrun (``--nproc``), or as one Slurm job a depth
     on ``system`` (``command``: what the user typed, recorded in the job script). Returns the folder, rank 0's
     figures by depth measured, the model's depth, the truncated depths measured (None: the model's own) and the
-    peers' figures (``compare="hf"``: HF's, eager and compiled, by depth; ``"hf-compiled"``: compiled only)."""
+    peers' figures (``compare="hf"``: HF's, eager and compiled, by depth; ``"hf-compiled"``: compiled only).
+    ``table_rows``: every embedding table cut to at most that many rows (the figures are then of truncated tables)."""
+    if table_rows is not None:
+        if table_rows < 1:
+            raise UserError(f"--table-rows must be at least 1, got {table_rows}")
+        cfg = bench.family.tables_truncated(cfg, table_rows)
+        bench.validate(cfg)
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
     if warmup < 0:
@@ -102,6 +108,9 @@ def run_bench(bench: Benchmark, cfg: RunConfig, steps: int, warmup: int, blocks:
     save_config(cfg, run_dir / CONFIG)
     out = RunConsole(run_dir / CONSOLE)
     out.say(f"results folder: {run_dir} ({KIND})")
+    if table_rows is not None:
+        out.say(f"every embedding table truncated to at most {table_rows:,} rows (--table-rows): its figures are "
+                "those of the truncated tables")  # fmt: skip
     for line in plan:
         out.say(line)
     raws, peers = {}, {}

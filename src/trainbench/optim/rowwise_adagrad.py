@@ -7,20 +7,27 @@ summed over the step's lookups of it (dimension D):
     s_r <- s_r + sum(g_r^2) / D
     w_r <- w_r - lr * g_r / (sqrt(s_r) + eps)
 
-A row no lookup touched keeps its weights and its accumulator. Here the tables' gradients are dense (zero in the
-untouched rows), so the update over every row is that update exactly: an untouched row adds 0 to its accumulator
-and moves by 0. No weight decay. The dense parameters' global gradient norm is clipped before Adam; the tables'
-gradients are not clipped (the reference's fused update applies them in the backward, outside any clip).
+A row no lookup touched keeps its weights and its accumulator. Where every rank holds every table, the tables'
+gradients are dense (zero in the untouched rows), so the update over every row is that update exactly: an untouched
+row adds 0 to its accumulator and moves by 0. Where the tables are sharded over the ranks
+(families/hstu/sharded_tables.py), a table's parameter has no gradient: its lookups' backward appends (rows, row
+gradients) of this rank's shard to the parameter's ``ROW_GRADS`` list, over every micro-batch of the step, and
+:func:`rowwise_adagrad_rows_` updates the touched rows alone (no [rows, D] gradient is made). No weight decay.
+The dense parameters' global gradient norm is clipped before Adam; the tables' gradients are not clipped (the
+reference's fused update applies them in the backward, outside any clip).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from trainbench.optim.adamw import AdamClipped
 from trainbench.optim.sqrt import sqrt
 
 SPARSE = "rowwise_adagrad"  # the key marking the tables' parameter group
+ROW_GRADS = "row_grads"
+"""The attribute of a sharded table's parameter holding the step's [(local rows [n], gradients [n, D]), ...]."""
 
 
 @torch.no_grad()
@@ -29,6 +36,34 @@ def rowwise_adagrad_(weight: torch.Tensor, grad: torch.Tensor, accumulator: torc
     """One row-wise Adagrad step of a [rows, D] table in place (``accumulator``: [rows])."""
     accumulator.add_(grad.square().mean(dim=1))
     weight.sub_(grad * (lr / (sqrt(accumulator) + eps)).unsqueeze(1))
+
+
+@torch.no_grad()
+def rowwise_adagrad_rows_(weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, accumulator: torch.Tensor,
+                          lr: float, eps: float) -> None:  # fmt: skip
+    """The row-wise Adagrad step of :func:`rowwise_adagrad_` for the rows a step touched only: ``rows`` [n] (repeats
+    allowed) with their gradients ``grads`` [n, D], summed per unique row first, then the same arithmetic on those
+    rows gathered (``index_select``) and written back (``index_copy_``)."""
+    unique, inverse = torch.unique(rows, return_inverse=True)
+    summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
+    summed.index_add_(0, inverse, grads)
+    grown = accumulator.index_select(0, unique).add_(summed.square().mean(dim=1))
+    accumulator.index_copy_(0, unique, grown)
+    moved = weight.index_select(0, unique).sub_(summed * (lr / (sqrt(grown) + eps)).unsqueeze(1))
+    weight.index_copy_(0, unique, moved)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _accumulator(p: torch.Tensor) -> torch.Tensor:
+    """Zeros, one a row of ``p``: sharded like ``p`` where it is a DTensor sharded by rows (each rank's accumulator
+    covers its shard's rows, and a checkpoint saves each shard once)."""
+    if not isinstance(p, DTensor):
+        return torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)
+    local = torch.zeros(p.to_local().shape[0], dtype=p.dtype, device=p.to_local().device)
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=(p.shape[0],), stride=(1,))
 
 
 class AdamRowWiseAdagrad(AdamClipped):
@@ -40,6 +75,16 @@ class AdamRowWiseAdagrad(AdamClipped):
                  table_eps: float) -> None:  # fmt: skip
         groups = [{"params": list(dense)}, {"params": list(tables), SPARSE: True, "eps": table_eps}]
         super().__init__(groups, max_grad_norm, lr=lr, betas=betas, eps=eps, weight_decay=0.0, fused=True)
+
+    def __setstate__(self, state: dict) -> None:
+        """Adam's reads a ``step`` in every parameter's state (loading a checkpoint comes here); a table's state is its
+        accumulator alone, kept aside meanwhile."""
+        tables = {id(p) for g in state["param_groups"] if g.get(SPARSE) for p in g["params"]}
+        held = {p: s for p, s in state["state"].items() if id(p) in tables}
+        for p in held:
+            del state["state"][p]
+        super().__setstate__(state)
+        self.state.update(held)
 
     def _groups(self, sparse: bool) -> list[dict]:
         return [g for g in self.param_groups if bool(g.get(SPARSE)) == sparse]
@@ -74,10 +119,17 @@ class AdamRowWiseAdagrad(AdamClipped):
                 p.grad = grad
         for group in self._groups(sparse=True):
             for p in group["params"]:
-                if p.grad is None:
+                pending = getattr(p, ROW_GRADS, None)
+                if p.grad is None and pending is None:  # (a sharded table's state is made on every rank at once)
                     continue
                 state = self.state[p]
                 if "accumulator" not in state:
-                    state["accumulator"] = torch.zeros(p.shape[0], dtype=p.dtype, device=p.device)
-                rowwise_adagrad_(p, p.grad, state["accumulator"], float(group["lr"]), group["eps"])
+                    state["accumulator"] = _accumulator(p)
+                lr, eps, accumulator = float(group["lr"]), group["eps"], _local(state["accumulator"])
+                if p.grad is not None:  # dense: every rank's whole table (or checkpoint loading's zeros)
+                    rowwise_adagrad_(_local(p), _local(p.grad), accumulator, lr, eps)
+                if pending:
+                    rows, grads = zip(*pending, strict=True)
+                    rowwise_adagrad_rows_(_local(p), torch.cat(rows), torch.cat(grads), accumulator, lr, eps)
+                    pending.clear()
         return loss

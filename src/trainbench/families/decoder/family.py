@@ -74,7 +74,7 @@ class DecoderFamily(ModelFamily):
 
     def unused_for(self, cfg: RunConfig) -> dict[str, str]:
         """The keys of the architecture ``model.arch`` does not have (llama: max_seq_length, gpt3: rope_theta)."""
-        return self.ARCH_UNUSED.get(cfg.model.arch, {})
+        return super().unused_for(cfg) | self.ARCH_UNUSED.get(cfg.model.arch, {})
 
     def validate(self, cfg: RunConfig) -> None:
         from trainbench.families import fp8

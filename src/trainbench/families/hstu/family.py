@@ -1,6 +1,7 @@
 """The HSTU ranker family (dlrmv4): embedding tables for the user, the items and their crosses, and HSTU layers over
-a user's history and one candidate. Every rank holds every table and DDP averages all gradients (the sharded tables
-of the GPU path, with all-to-all between the ranks, are not built)."""
+a user's history and one candidate. By default every rank holds every table and DDP averages all gradients; with
+``perf.sharded_tables`` the tables are sharded row-wise over the ranks (sharded_tables.py: one all-to-all for every
+table's lookups and their gradients) and DDP averages the dense parameters' gradients alone."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
 class HstuFamily(ModelFamily):
     name = "hstu"
+    shards_tables = True
 
     def validate(self, cfg: RunConfig) -> None:
         m = cfg.model
@@ -28,6 +30,9 @@ class HstuFamily(ModelFamily):
             raise ConfigError("model.cross_features names one cross twice")
         if m.num_heads * m.linear_dim < 1 or m.attention_dim < 1:
             raise ConfigError("model: the heads need a width")
+        if cfg.perf.sharded_tables and cfg.perf.cuda_graphs:
+            raise ConfigError("perf.sharded_tables exchanges rows in sizes known only at run time, which CUDA graphs "
+                              "cannot replay: leave perf.cuda_graphs=false")  # fmt: skip
 
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
         from trainbench.families.hstu.model import HstuRanker
@@ -37,7 +42,29 @@ class HstuFamily(ModelFamily):
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         from trainbench.families.data_parallel import place_data_parallel
 
-        return place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip_norm=None)
+        if not cfg.perf.sharded_tables:
+            return place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip_norm=None)
+        from torch.nn.parallel import DistributedDataParallel
+
+        from trainbench.families.hstu.sharded_tables import shard_tables, start_row_gradients
+
+        tables = shard_tables(model, info)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, tables)
+        placed = place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip_norm=None)
+        start_row_gradients(model)
+        placed.notes.append(f"{len(tables)} embedding tables sharded row-wise over {info.world_size} rank(s), looked "
+                            "up through one all-to-all; DDP over the dense parameters only")  # fmt: skip
+        return placed
+
+    def tables_truncated(self, cfg: RunConfig, rows: int) -> RunConfig:
+        import dataclasses
+
+        m = cfg.model
+        crosses = ",".join(f"{'*'.join(c.keys)}:{min(c.rows, rows)}" for c in m.crosses)
+        model = dataclasses.replace(m, uid_rows=min(m.uid_rows, rows), item_rows=min(m.item_rows, rows),
+                                    artist_rows=min(m.artist_rows, rows), album_rows=min(m.album_rows, rows),
+                                    cross_features=crosses)  # fmt: skip
+        return dataclasses.replace(cfg, model=model)
 
     def tokens_per_sample(self, cfg: RunConfig) -> int:
         return cfg.model.sequence_length

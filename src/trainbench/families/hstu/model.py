@@ -1,7 +1,8 @@
 """The HSTU ranker of MLPerf's dlrmv4 (generative_recommenders' DLRMv3 on Yambda): embedding tables for the user, the
 track, its artist and album and hashed crosses of them; a user's listening history and one candidate track as one
 sequence through HSTU layers; a click (listen-plus) logit for the candidate. Architecture only: the tables' optimizer
-lives in ``optim/rowwise_adagrad.py``, the placement in ``families/data_parallel.py``, the recipe in
+lives in ``optim/rowwise_adagrad.py``, the placement in ``family.py`` (``families/data_parallel.py``, and
+``sharded_tables.py`` where the tables are sharded), the recipe in
 ``benchmarks/dlrmv4.py``.
 
 A sequence is ``contextual`` tokens (the user's table and one per cross feature), ``history`` tokens (right-aligned:
@@ -57,6 +58,15 @@ class HstuLayer(nn.Module):
         return x + self.output(y)
 
 
+class TableLookup:
+    """The rows of the model's tables for a list of ``(table name, ids)`` requests, in order: the seam through which
+    a placement keeps the tables elsewhere (families/hstu/sharded_tables.py shards them over the ranks and looks all
+    requests up with one exchange). This default looks each request up in the model's own tables, one after another."""
+
+    def __call__(self, tables: nn.ModuleDict, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        return [tables[name](ids) for name, ids in requests]
+
+
 class HstuRanker(nn.Module):
     """Listen-plus logits [batch] for a batch of samples (data/yambda.py's arrays)."""
 
@@ -65,6 +75,7 @@ class HstuRanker(nn.Module):
         self.cfg = cfg
         e, dim = cfg.embedding_dim, cfg.model_dim
         self.tables = nn.ModuleDict({name: nn.Embedding(rows, e) for name, rows in cfg.table_rows().items()})
+        self.lookup = TableLookup()
         self.cross_names = [c.name for c in cfg.crosses]
         self.context_in = nn.Linear(e, dim)
         self.content_in = nn.Linear(3 * e, dim)  # a track: its own, its artist's and its album's rows
@@ -90,10 +101,6 @@ class HstuRanker(nn.Module):
         """The embedding tables' weights: the sparse optimizer's (RowWiseAdagrad); every other parameter is dense."""
         return [t.weight for t in self.tables.values()]
 
-    def _content(self, item: torch.Tensor, artist: torch.Tensor, album: torch.Tensor) -> torch.Tensor:
-        t = self.tables
-        return torch.cat([t["item"](item), t["artist"](artist), t["album"](album)], dim=-1)
-
     def attention_mask(self, history_length: torch.Tensor) -> torch.Tensor:
         """[batch, T, T]: a query attends the keys at or before it that are not padding (the history is
         right-aligned, so a sample of length n has its padding at history positions below H - n)."""
@@ -106,12 +113,16 @@ class HstuRanker(nn.Module):
         return causal & ~padding.unsqueeze(-2)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        t = self.tables
-        context = [t["uid"](batch["uid"])] + [t[n](batch["cross"][:, i]) for i, n in enumerate(self.cross_names)]
-        context = self.context_in(torch.stack(context, dim=1))
-        history = self.content_in(self._content(batch["hist_item"], batch["hist_artist"], batch["hist_album"]))
-        history = history + self.actions(batch["hist_action"])
-        candidate_content = self._content(batch["cand_item"], batch["cand_artist"], batch["cand_album"])
+        # Every table's rows in one request list: the user's, each cross's, then a track's own, artist's and album's
+        # rows for the history and for the candidate.
+        content = ("item", "artist", "album")
+        requests = [("uid", batch["uid"])] + [(n, batch["cross"][:, i]) for i, n in enumerate(self.cross_names)]
+        requests += [(n, batch[f"hist_{n}"]) for n in content] + [(n, batch[f"cand_{n}"]) for n in content]
+        rows = self.lookup(self.tables, requests)
+        c = len(requests) - 2 * len(content)
+        context = self.context_in(torch.stack(rows[:c], dim=1))
+        history = self.content_in(torch.cat(rows[c : c + 3], dim=-1)) + self.actions(batch["hist_action"])
+        candidate_content = torch.cat(rows[c + 3 :], dim=-1)
         candidate = self.content_in(candidate_content) + self.actions.weight[CANDIDATE_ACTION]
         x = torch.cat([context, history, candidate.unsqueeze(1)], dim=1) + self.positions.weight
         x = F.dropout(x, self.cfg.input_dropout, self.training)
