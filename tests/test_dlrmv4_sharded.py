@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,8 +93,25 @@ def test_a_sharded_tables_step_leaves_no_gradient_on_the_tables_and_moves_only_t
 
 
 # -- whole runs: 1 rank = 2 ranks = accumulation ---------------------------------------------------------------------
+# 1,025 eval samples: two ranks' shares (512 and 513) take one and two batches of 512, so the first rank ends each eval
+# on an empty batch to join the second's last exchange.
 COMMON = ["run", "dlrmv4", "--preset", "tiny", "progress=false", "log_every_steps=1", "telemetry_hz=0",
-          "schedule.max_samples=1280", "eval.every_samples=640", "eval_samples=512"]  # fmt: skip
+          "schedule.max_samples=1280", "eval.every_samples=640", "eval_samples=1025"]  # fmt: skip
+
+
+def test_every_rank_passes_as_many_eval_batches_the_shorter_shares_ending_on_an_empty_one():
+    """The eval's batches of each rank's share, the ranks' shares uneven: as many batches on every rank (the sharded
+    lookups are an exchange each batch), the added ones empty and after the share's end, every sample in one batch."""
+    from trainbench.data.yambda import YambdaEval
+
+    for total, batch, world in [(1025, 512, 2), (10, 4, 3), (3, 8, 4), (2048, 512, 4)]:
+        ranks = [YambdaEval(None, np.zeros((total, 3)), total, batch, r, world).batches for r in range(world)]
+        assert len({len(b) for b in ranks}) == 1, (total, batch, world)
+        covered = [i for b in ranks for r in b for i in r]
+        assert sorted(covered) == list(range(total))
+        assert all(len(r) <= batch for b in ranks for r in b)
+    uneven = [YambdaEval(None, np.zeros((1025, 3)), 1025, 512, r, 2).batches for r in range(2)]
+    assert [len(r) for r in uneven[0]] == [512, 0] and [len(r) for r in uneven[1]] == [512, 1]
 
 
 @pytest.fixture(scope="module")

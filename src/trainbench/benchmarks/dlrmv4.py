@@ -215,7 +215,7 @@ class Dlrmv4Benchmark(Benchmark):
                     "cand_album": ids(m.album_rows, n), "label": (rng.random(n) < 0.5).astype(np.float32)}  # fmt: skip
 
         n = d.eval_batch_size
-        evals = rows(n) | {"index": np.arange(n, dtype=np.int64), "eval_size": np.full(n, n, dtype=np.int64)}
+        evals = rows(n) | {"index": np.arange(n, dtype=np.int64), "eval_size": np.array([n], dtype=np.int64)}
         return BenchmarkData(train=CycledSteps([rows(d.global_batch_size)], d.global_batch_size, d.micro_batch_size,
                                                rank, world_size),
                              eval=[evals], train_samples=0, eval_samples=d.eval_samples or EVAL_SAMPLES)  # fmt: skip
@@ -249,7 +249,8 @@ class Dlrmv4Benchmark(Benchmark):
 
     def eval_sums(self, model, batch) -> torch.Tensor:
         """Each eval sample's logit and label at its place in the eval set ([2 x eval size], float64, zeros
-        elsewhere): summed over batches and ranks they are the whole set's, exactly."""
+        elsewhere): summed over batches and ranks they are the whole set's, exactly. ``eval_size`` is one number a
+        batch, so an empty batch (a shorter share's last) gives zeros."""
         import torch
 
         size = int(batch["eval_size"][0])

@@ -486,12 +486,16 @@ class YambdaSteps:
 class YambdaEval:
     """This rank's share of the eval anchors (the first ``total``), in batches built at each pass (nothing of the eval
     set is held between evals); each batch carries its samples' eval indices and the eval set's size, which the exact
-    AUC needs."""
+    AUC needs. Every rank passes the same number of batches, a rank with fewer samples ending on an empty one: the
+    sharded tables' lookups (``perf.sharded_tables``) are an exchange every rank must join, batch for batch."""
 
     def __init__(self, builder: SampleBuilder, anchors: np.ndarray, total: int, batch_size: int, rank: int,
                  world_size: int) -> None:  # fmt: skip
         self.builder, self.anchors, self.total = builder, anchors, total
         self.batches = batched(eval_share(total, rank, world_size), batch_size)
+        most = max(len(batched(eval_share(total, r, world_size), batch_size)) for r in range(world_size))
+        end = eval_share(total, rank, world_size).stop
+        self.batches += [range(end, end)] * (most - len(self.batches))
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -501,4 +505,4 @@ class YambdaEval:
             anchors = np.asarray(self.anchors[r.start : r.stop])
             batch = self.builder.build(anchors)
             yield batch | {"index": np.arange(r.start, r.stop, dtype=np.int64),
-                           "eval_size": np.full(len(r), self.total, dtype=np.int64)}  # fmt: skip
+                           "eval_size": np.array([self.total], dtype=np.int64)}  # fmt: skip
