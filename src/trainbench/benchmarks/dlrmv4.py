@@ -84,12 +84,18 @@ def tiny() -> RunConfig:
     )  # fmt: skip
 
 
+# The HSTU layers' attention is dense here ([batch, heads, T, T] scores, T = 2,056 at the reference's history: 34 MB
+# a sample in bf16, several such tensors a layer kept for the backward): 32 samples a micro-batch, 64 an eval batch fit
+# one H200 beside the tables; 1,024 a batch, one such tensor alone is 32 GiB (a jagged kernel is not built).
+MICRO_BATCH = 32
+
+
 def full() -> RunConfig:
     """The reference's shape and the first reference convergence point: GBS 8,192 at lr 1e-6."""
     return RunConfig(
         benchmark="dlrmv4", preset="dlrmv4", model=HstuConfig(),
-        data=DataConfig(seq_length=MAX_SEQUENCE_LENGTH, global_batch_size=8192, micro_batch_size=1024,
-                        eval_batch_size=1024, eval_samples=EVAL_SAMPLES),
+        data=DataConfig(seq_length=MAX_SEQUENCE_LENGTH, global_batch_size=8192, micro_batch_size=MICRO_BATCH,
+                        eval_batch_size=2 * MICRO_BATCH, eval_samples=EVAL_SAMPLES),
         optimizer=OptimizerConfig(name="adam", lr=LR_PER_8192, beta1=0.95, beta2=0.999, epsilon=1e-8,
                                   weight_decay=0.0, max_grad_norm=1.0),
         schedule=ScheduleConfig(warmup_steps=WARMUP_STEPS, total_steps=1_000_000),
