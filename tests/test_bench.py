@@ -414,6 +414,19 @@ def test_kernel_kinds_tell_fp8_gemms_attention_and_compiled_casts_apart():
     assert kind("Memcpy HtoD (Pageable -> Device)") == "copy"
     assert kind("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>") == "other"
     assert kind("void lamb_stage_1<float>") == "optimizer"
+    # torch's elementwise kernels name their functor's lambda, its layer norm a norm_kernel: neither is the optimizer
+    silu = ("void at::native::vectorized_elementwise_kernel<8, at::native::(anonymous namespace)::silu_kernel("
+            "at::TensorIteratorBase&)::{lambda()#1}::operator()() const::{la")  # fmt: skip
+    layer_norm = ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, false>(int, "
+                  "float, float const*, float const*, float const*, float*, float*, ")  # fmt: skip
+    assert kind(silu) == kind(layer_norm) == "other"
+    assert (
+        kind(
+            "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+            "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::opera"
+        )
+        == "copy"
+    )
     assert kind("tb_output_grad") == kind("tb_glu_backward") == "own kernels"  # the families' Triton kernels
     assert kind("tb_adamw") == "optimizer"  # optim/adamw's update counts with the optimizer
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import time
 from pathlib import Path
 
@@ -153,7 +154,7 @@ KERNEL_KINDS = (  # first match wins: (kind, substrings of the lower-cased kerne
     ("attention", ("flash", "fmha", "attn", "attention", "sdpa", "cudnn")),
     ("fp8 gemm", ("e4m3", "f8f8", "fp8", "qgmma", "_qq", "_qr", "_rq")),  # cuBLAS's nvjet: q = e4m3, r = e5m2
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "sm90")),
-    ("optimizer", ("adam", "lamb", "multi_tensor", "foreach", "norm_kernel")),
+    ("optimizer", ("adam", "lamb", "multi_tensor", "foreach", "norm_kernel")),  # (lambdas, layer norms: see below)
     ("copy", ("memcpy", "memset", "copy")),
     ("other", ("",)),
 )
@@ -170,6 +171,9 @@ def kernel_kind(name: str) -> str:
     low = name.lower()
     if low.startswith(OWN_KERNEL_PREFIX):
         return next((kind for own, kind in OWN_KERNEL_KINDS.items() if low.startswith(own)), "own kernels")
+    # torch's elementwise kernels carry their functor's "{lambda()#1}" and its normalisation layers' are
+    # "..._norm_kernel": neither is LAMB nor the gradients' norm.
+    low = re.sub(r"lambda|(layer|rms|group|batch)_norm", "~", low)
     return next(kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys))
 
 
