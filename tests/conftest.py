@@ -29,6 +29,32 @@ REPO = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = REPO.parent / "shared" / "scripts" / "local-slurm"
 CLUSTER_GROUP = "cluster"  # the xdist group of every test that uses the real Slurm cluster or the container image
 
+# About how many seconds the longest xdist groups (a module's tests, the cluster's, a golden run) take in
+# `make test-all` on CI's 2 cores, from two runs' --durations (2026-11-29): the order in which the workers are handed
+# the groups, longest first. A group not named here took under 50 s and goes after them. Only the order matters:
+# measure again (pytest --durations=0) when a group grows past its neighbours.
+GROUP_SECONDS = {
+    CLUSTER_GROUP: 1000,  # the image built (180 s) and used, and every job on the two-node cluster
+    "test_rulesets": 420,  # ten tiny LoRA runs to the target for the package checker
+    "test_perf": 280,
+    "test_docs_commands": 230,  # the shared `converged` run, where no other group built it first
+    "test_resume": 200,
+    "test_bench": 190,
+    "test_hostile_inputs": 180,
+    "test_resume_safety": 155,
+    "test_lora_train": 150,
+    "test_teardown": 130,
+    "golden_bert_accumulation4": 130,
+    "test_llm": 100,
+    "test_train": 90,
+    "test_gpt_oss": 85,
+    "golden_bert_1rank": 85,
+    "test_launch_safety": 80,
+    "test_moe": 60,
+    "golden_bert_2ranks": 60,
+    "golden_llama31_8b": 50,
+}
+
 # The tests run as root in CI, where every run would drop the page cache of a machine other work shares: the runs of
 # the suite leave it as it is (their logs say cache_clear false, and why). tests/test_node.py drops it on purpose.
 os.environ.setdefault("TRAINBENCH_CACHE_CLEAR", "0")
@@ -41,6 +67,11 @@ def pytest_configure(config):
     """Under pytest-xdist, each worker's share of the cores: torch's default, a thread per core in every worker and
     in every rank it starts, oversubscribed the machine (a tiny LoRA run took 109 s instead of 19). The runs honour
     OMP_NUM_THREADS, and their ranks inherit it."""
+    # pytest-xdist's --loadscope-reorder (its default) hands out the groups by their number of tests, most first:
+    # the cluster's group, few long tests, then started last (22 minutes into a run of the whole suite on 2 cores) and
+    # set the wall time. The groups go out in the order pytest_collection_modifyitems leaves them: the longest first.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         import torch
@@ -55,8 +86,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    # The longest group first, so that it never starts last and alone.
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != CLUSTER_GROUP)
+    # The longest groups first, so that none starts last and alone: a worker takes the next group as its own nears
+    # its end, and the short ones fill the ends of both workers' shares (the other groups keep the modules' order).
+    items.sort(key=lambda item: -GROUP_SECONDS.get(item.get_closest_marker("xdist_group").args[0], 0))
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest -p no:xdist runs without it

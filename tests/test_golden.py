@@ -21,6 +21,12 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 FAST = {"gpt3"}
 
 
+def _marks(name: str) -> list:
+    """Each run in an xdist group of its own (they share nothing: each runs in its own process into its own folder),
+    so that parallel workers can split the module's 7 minutes."""
+    return [pytest.mark.xdist_group(f"golden_{name}")] + ([] if name in FAST else [pytest.mark.full])
+
+
 @pytest.fixture
 def rerun(name, tmp_path) -> Path:
     """The run named by the test, executed again by record.py (in a process of its own, on the pinned path)."""
@@ -33,7 +39,7 @@ def rerun(name, tmp_path) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, id=n, marks=() if n in FAST else pytest.mark.full) for n in RUNS])
+@pytest.mark.parametrize("name", [pytest.param(n, id=n, marks=_marks(n)) for n in RUNS])
 def test_run_reproduces_its_recorded_numbers_bit_for_bit(name, rerun):
     expected = json.loads((GOLDEN / f"{name}.json").read_text())
     got = json.loads((rerun / f"{name}.json").read_text())
