@@ -9,6 +9,7 @@ Adam: 1e-5, the replicated 2-rank test's bound."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -211,3 +212,38 @@ def test_a_checkpoint_of_two_sharded_ranks_resumes_on_one_with_every_row_and_acc
         assert torch.equal(table.weight.full_tensor(), whole[name][0]), name
         assert torch.equal(optimizer.state[table.weight]["accumulator"].full_tensor(), whole[name][1]), name
     assert json.loads((checkpoint.checkpoint_dir(tmp_path, 0) / "meta.json").read_text())["world_size"] == 2
+
+
+def test_a_tables_rows_are_drawn_the_same_whatever_block_of_it_a_rank_holds(monkeypatch):
+    """init_table_rows: a table drawn whole equals its blocks drawn apart (cuts inside and across the draw's chunks,
+    an empty block), within TorchRec's bound; another seed or another table draws other rows."""
+    from trainbench.families.hstu import model
+
+    monkeypatch.setattr(model, "INIT_CHUNK_ROWS", 7)
+    rows, dim = 40, 3
+    whole = torch.empty(rows, dim)
+    model.init_table_rows(whole, 0, rows, 5, 2)
+    assert whole.abs().max() <= (1 / rows) ** 0.5 and whole.std() > 0
+    for cuts in ([0, 13, 27, 40], [0, 7, 14, 40], [0, 1, 39, 40], [0, 20, 20, 40]):
+        parts = []
+        for start, stop in zip(cuts, cuts[1:], strict=False):
+            block = torch.empty(stop - start, dim)
+            model.init_table_rows(block, start, rows, 5, 2)
+            parts.append(block)
+        assert torch.equal(torch.cat(parts), whole), cuts
+    other_seed, other_table = torch.empty(rows, dim), torch.empty(rows, dim)
+    model.init_table_rows(other_seed, 0, rows, 6, 2)
+    model.init_table_rows(other_table, 0, rows, 5, 3)
+    assert not torch.equal(other_seed, whole) and not torch.equal(other_table, whole)
+
+
+def test_a_sharded_rank_builds_no_whole_table():
+    """With perf.sharded_tables the family builds the tables on the meta device and each rank draws its own blocks:
+    no rank ever holds a whole table (the reference's 559 GiB would not fit a host); its rows equal the whole ones."""
+    cfg = BENCH.config("tiny")
+    built = BENCH.family.build_model(dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, sharded_tables=True)))
+    assert all(t.weight.is_meta for t in built.tables.values())
+    whole = BENCH.family.build_model(cfg)
+    _, placed = _sharded_tiny(cfg.seed)
+    for name, table in placed.module.tables.items():
+        assert torch.equal(table.weight.full_tensor(), whole.tables[name].weight.detach()), name

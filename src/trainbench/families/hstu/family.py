@@ -37,7 +37,7 @@ class HstuFamily(ModelFamily):
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
         from trainbench.families.hstu.model import HstuRanker
 
-        return HstuRanker(cfg.model)
+        return HstuRanker(cfg.model, cfg.seed, whole_tables=not cfg.perf.sharded_tables)
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         from trainbench.families.data_parallel import place_data_parallel
@@ -48,7 +48,7 @@ class HstuFamily(ModelFamily):
 
         from trainbench.families.hstu.sharded_tables import shard_tables, start_row_gradients
 
-        tables = shard_tables(model, info)
+        tables = shard_tables(model, info, cfg.seed)
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, tables)
         placed = place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip_norm=None)
         start_row_gradients(model)

@@ -21,6 +21,7 @@ samples share its batch, so one rank and several train the same model.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -58,6 +59,25 @@ class HstuLayer(nn.Module):
         return x + self.output(y)
 
 
+INIT_CHUNK_ROWS = 1 << 16  # a table's rows are drawn in chunks of this many, each from a generator of its own
+
+
+def init_table_rows(block: torch.Tensor, start: int, rows: int, seed: int, table: int) -> None:
+    """Rows [start, start + len(block)) of the ``table``-th table (``rows`` rows in all) drawn into ``block`` as every
+    block of that table draws them, however the table is cut over ranks: uniform in +-sqrt(1 / rows) (TorchRec's
+    default), each chunk of :data:`INIT_CHUNK_ROWS` rows from a CPU generator seeded by (seed, table, chunk), copied
+    to the block's device. A rank holding a block of a table draws only the chunks of that block."""
+    bound = math.sqrt(1.0 / rows)
+    stop = start + block.shape[0]
+    for chunk in range(start // INIT_CHUNK_ROWS, -(-stop // INIT_CHUNK_ROWS)):
+        lo, hi = chunk * INIT_CHUNK_ROWS, min(rows, (chunk + 1) * INIT_CHUNK_ROWS)
+        key = hashlib.blake2b(f"{seed}/{table}/{chunk}".encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+        drawn = torch.empty(hi - lo, block.shape[1]).uniform_(-bound, bound, generator=generator)
+        a, b = max(lo, start), min(hi, stop)
+        block[a - start : b - start].copy_(drawn[a - lo : b - lo])
+
+
 class TableLookup:
     """The rows of the model's tables for a list of ``(table name, ids)`` requests, in order: the seam through which
     a placement keeps the tables elsewhere (families/hstu/sharded_tables.py shards them over the ranks and looks all
@@ -68,13 +88,16 @@ class TableLookup:
 
 
 class HstuRanker(nn.Module):
-    """Listen-plus logits [batch] for a batch of samples (data/yambda.py's arrays)."""
+    """Listen-plus logits [batch] for a batch of samples (data/yambda.py's arrays). The tables are drawn from ``seed``
+    (:func:`init_table_rows`, no global random state); with ``whole_tables=False`` they are left on the meta device,
+    for a placement that builds each rank's blocks of rows alone (families/hstu/sharded_tables.py)."""
 
-    def __init__(self, cfg: HstuConfig):
+    def __init__(self, cfg: HstuConfig, seed: int = 0, whole_tables: bool = True):
         super().__init__()
         self.cfg = cfg
         e, dim = cfg.embedding_dim, cfg.model_dim
-        self.tables = nn.ModuleDict({name: nn.Embedding(rows, e) for name, rows in cfg.table_rows().items()})
+        with torch.device("meta"):
+            self.tables = nn.ModuleDict({name: nn.Embedding(rows, e) for name, rows in cfg.table_rows().items()})
         self.lookup = TableLookup()
         self.cross_names = [c.name for c in cfg.crosses]
         self.context_in = nn.Linear(e, dim)
@@ -88,14 +111,15 @@ class HstuRanker(nn.Module):
         self.output_norm = nn.LayerNorm(dim, eps=1e-6)
         self.candidate_in = nn.Linear(3 * e, dim)
         self.head = nn.Sequential(nn.Linear(3 * dim, dim), nn.SiLU(), nn.Linear(dim, 1))
-        self.reset_tables()
+        if whole_tables:
+            self.tables.to_empty(device="cpu")
+            self.init_tables(seed)
 
     @torch.no_grad()
-    def reset_tables(self) -> None:
-        """TorchRec's default for a table: uniform in +-sqrt(1 / rows)."""
-        for table in self.tables.values():
-            bound = math.sqrt(1.0 / table.num_embeddings)
-            table.weight.uniform_(-bound, bound)
+    def init_tables(self, seed: int) -> None:
+        """Every table whole, drawn from ``seed`` (:func:`init_table_rows`)."""
+        for index, table in enumerate(self.tables.values()):
+            init_table_rows(table.weight, 0, table.num_embeddings, seed, index)
 
     def table_parameters(self) -> list[nn.Parameter]:
         """The embedding tables' weights: the sparse optimizer's (RowWiseAdagrad); every other parameter is dense."""

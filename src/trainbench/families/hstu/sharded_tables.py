@@ -32,22 +32,24 @@ from torch.distributed.tensor import DTensor, Shard
 
 from trainbench.distributed import DistInfo, single_rank_group
 from trainbench.errors import DataError
+from trainbench.families.hstu.model import init_table_rows
 from trainbench.optim.rowwise_adagrad import ROW_GRADS
 
 
-def shard_tables(model: nn.Module, info: DistInfo) -> list[str]:
-    """Replace ``model.tables``' weights (built whole on the host, the same on every rank) by this rank's blocks of
-    rows on its device, and ``model.lookup`` by a :class:`ShardedLookup` of them. Returns the tables' parameter names,
-    for DDP to leave alone."""
+def shard_tables(model: nn.Module, info: DistInfo, seed: int) -> list[str]:
+    """Replace ``model.tables``' weights (on the meta device: no rank holds a whole table) by this rank's blocks of
+    rows on its device, drawn from ``seed`` as the whole tables draw them (``init_table_rows``), and ``model.lookup``
+    by a :class:`ShardedLookup` of them. Returns the tables' parameter names, for DDP to leave alone."""
     if info.world_size == 1:
         single_rank_group(info.device)  # a DTensor needs a process group, of this rank alone here
     mesh = DeviceMesh(info.device.type, list(range(info.world_size)))
     names = []
-    for name, table in model.tables.items():
+    for index, (name, table) in enumerate(model.tables.items()):
         rows = table.num_embeddings
         block = math.ceil(rows / info.world_size)
         start, stop = min(rows, info.rank * block), min(rows, (info.rank + 1) * block)
-        local = table.weight.detach()[start:stop].to(info.device).clone()
+        local = torch.empty(stop - start, table.embedding_dim, device=info.device)
+        init_table_rows(local, start, rows, seed, index)
         shard = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=table.weight.shape,
                                    stride=table.weight.stride())  # fmt: skip
         table.weight = nn.Parameter(shard)
