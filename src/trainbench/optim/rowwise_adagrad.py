@@ -42,15 +42,15 @@ def rowwise_adagrad_(weight: torch.Tensor, grad: torch.Tensor, accumulator: torc
 def rowwise_adagrad_rows_(weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor, accumulator: torch.Tensor,
                           lr: float, eps: float) -> None:  # fmt: skip
     """The row-wise Adagrad step of :func:`rowwise_adagrad_` for the rows a step touched only: ``rows`` [n] (repeats
-    allowed) with their gradients ``grads`` [n, D], summed per unique row first, then the same arithmetic on those
-    rows gathered (``index_select``) and written back (``index_copy_``)."""
+    allowed) with their gradients ``grads`` [n, D], summed per unique row first, then :func:`rowwise_adagrad_` on
+    those rows gathered (``index_select``) and written back (``index_copy_``)."""
     unique, inverse = torch.unique(rows, return_inverse=True)
     summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype, device=grads.device)
     summed.index_add_(0, inverse, grads)
-    grown = accumulator.index_select(0, unique).add_(summed.square().mean(dim=1))
+    touched, grown = weight.index_select(0, unique), accumulator.index_select(0, unique)
+    rowwise_adagrad_(touched, summed, grown, lr, eps)
     accumulator.index_copy_(0, unique, grown)
-    moved = weight.index_select(0, unique).sub_(summed * (lr / (sqrt(grown) + eps)).unsqueeze(1))
-    weight.index_copy_(0, unique, moved)
+    weight.index_copy_(0, unique, touched)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
