@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 
 import numpy as np
 import pyarrow as pa
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from trainbench.benchmarks.dlrmv4 import Dlrmv4Benchmark, eval_interval, exact_auc, first_eval, lr_band
 from trainbench.data import yambda
 from trainbench.errors import ConfigError, DataError
-from trainbench.families.hstu.model import HstuLayer
+from trainbench.families.hstu.model import HstuLayer, KeyPadding
 from trainbench.optim.rowwise_adagrad import AdamRowWiseAdagrad
 
 BENCH = Dlrmv4Benchmark()
@@ -38,7 +39,9 @@ def test_the_hstu_layer_is_its_equations():
         for i in range(t):
             for j in range(t):
                 mask[s, i, j] = j <= i and j >= t - n
-    got = layer(x, mask)
+    padding = KeyPadding(0, torch.tensor([t - n for n in lengths]))
+    assert torch.equal(padding.mask(t), mask)
+    got = layer(x, padding)
 
     def norm(z, w, bias):
         mean = z.mean(-1, keepdim=True)
@@ -246,6 +249,51 @@ def test_the_hstu_ranker_gives_one_logit_a_sample_whatever_its_batch():
     changed["hist_item"][2, 0] = (changed["hist_item"][2, 0] + 1) % cfg.item_rows
     assert torch.allclose(model(changed)[2], whole[2], atol=1e-6)
     assert F.binary_cross_entropy_with_logits(whole, torch.ones(n)).isfinite()
+
+
+def test_the_jagged_attention_op_is_registered_for_autograd_and_the_compiler_and_falls_back_to_dense():
+    """``trainbench::hstu_attention`` (families/hstu/attention_kernel.py; its Triton kernels are checked against the
+    dense form on the GPU in tests/test_gpu_dlrmv4.py): torch's own checks of a custom op (schema, fake tensors,
+    autograd registration, the compiler's dispatch) pass, and off CUDA it computes model.py's dense attention, its
+    gradients included, on views with the layer's strides."""
+    from trainbench.families.hstu.attention_kernel import hstu_attention
+    from trainbench.families.hstu.model import dense_attention
+
+    torch.manual_seed(0)
+    b, t, h, a, d = 3, 11, 2, 4, 5
+    proj = torch.randn(b, t, h * (a + a + d), dtype=torch.float64, requires_grad=True)
+    q, k, v = (z.view(b, t, h, -1).transpose(1, 2) for z in proj.split([h * a, h * a, h * d], dim=-1))
+    stop = torch.tensor([2, 7, 11])  # keys [2, stop) padding: none, five, all but the contextual two
+    torch.library.opcheck(hstu_attention, (q, k, v, stop, 2, 0.5))
+    got = hstu_attention(q, k, v, stop, 2, 0.5)
+    want = dense_attention(q, k, v, KeyPadding(2, stop), 0.5)
+    assert got.shape == (b, h, t, d) and torch.equal(got, want)
+    weights = torch.randn_like(want)
+    (grad_got,) = torch.autograd.grad((got * weights).sum(), proj)
+    (grad_want,) = torch.autograd.grad((want * weights).sum(), proj)
+    assert torch.allclose(grad_got, grad_want, rtol=1e-12, atol=1e-12)
+    assert grad_got[1, 2:7].abs().sum() > 0  # padding queries attend the contextual keys: their q has a gradient
+    assert grad_got[1, 2:7, h * a : 2 * h * a].abs().sum() == 0  # ... and padding keys none
+
+
+def test_the_hstu_attention_key_picks_the_kernel_on_cuda_alone():
+    from trainbench.families.hstu.attention_kernel import jagged_attention
+    from trainbench.families.hstu.family import HstuFamily
+    from trainbench.families.hstu.model import HstuRanker, dense_attention
+
+    cfg = BENCH.config("tiny")
+    model = HstuRanker(cfg.model)
+    cpu = types.SimpleNamespace(device=torch.device("cpu"))
+    assert "dense" in HstuFamily.attention_note(model, cfg, cpu)
+    assert all(layer.attend is dense_attention for layer in model.layers)
+    cfg.perf.hstu_attention = "jagged"
+    with pytest.raises(ConfigError, match="CUDA kernel"):
+        HstuFamily.attention_note(model, cfg, cpu)
+    with pytest.raises(ConfigError, match="CUDA kernel"):
+        BENCH.validate(dataclasses.replace(cfg, device="cpu"))
+    cuda = types.SimpleNamespace(device=torch.device("cuda"))  # the placement only sets the layers' function
+    assert "jagged" in HstuFamily.attention_note(model, cfg, cuda)
+    assert all(layer.attend is jagged_attention for layer in model.layers) and len(model.layers) > 0
 
 
 # -- whole runs -----------------------------------------------------------------------------------------------------

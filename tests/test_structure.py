@@ -147,7 +147,8 @@ FAMILIES = SRC / "families"
 # What a family's placement and speed paths are made of: the recipe (benchmarks/) never imports them, nor does an
 # architecture file. Modules by their last name, in any family's package or beside them.
 PLACEMENT_AND_SPEED = {"placement", "lora_placement", "data_parallel", "fp8", "fp8_output", "moe_fp8", "offload",
-                       "memory", "triton_kernels", "glu_kernel", "embedding_rows", "planner"}  # fmt: skip
+                       "memory", "triton_kernels", "glu_kernel", "attention_kernel", "embedding_rows",
+                       "planner"}  # fmt: skip
 ARCHITECTURE = sorted(p for p in FAMILIES.rglob("*.py") if p.name in ("model.py", "moe.py", "gpt_oss.py", "lora.py"))
 # Kernels an architecture file still calls itself, each with where it is chosen, until its family's placement hands
 # it in from outside: a new entry needs a reason here.

@@ -237,6 +237,13 @@ class PerfConfig:
         "their gradients, RowWiseAdagrad on the touched rows alone, the dense parameters under DDP) instead of every "
         "rank holding every table (docs/dlrmv4.md).",
     )
+    hstu_attention: str = option(
+        "auto",
+        "dlrmv4: the HSTU layers' attention: jagged (trainbench's Triton kernel over the valid pairs alone, no score "
+        "kept; CUDA), dense (every pair's score computed, kept and masked, torch's operations) or auto (jagged on "
+        "CUDA where Triton imports, dense elsewhere; docs/dlrmv4.md).",
+        choices=("auto", "jagged", "dense"),
+    )
     gc_every_steps: int = option(
         50,
         "N > 0: objects made during set-up are frozen, automatic garbage collection is off, and every rank "

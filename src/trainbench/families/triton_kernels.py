@@ -23,3 +23,13 @@ def lazy_kernel(define: Callable[[Any, Any], Any]) -> Callable[[], tuple[Any, Ca
         return define(triton, tl), triton.cdiv
 
     return get
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports here (the kernels built on first use need it; without it they fall back to torch)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -30,6 +30,8 @@ class HstuFamily(ModelFamily):
             raise ConfigError("model.cross_features names one cross twice")
         if m.num_heads * m.linear_dim < 1 or m.attention_dim < 1:
             raise ConfigError("model: the heads need a width")
+        if cfg.perf.hstu_attention == "jagged" and cfg.device == "cpu":
+            raise ConfigError("perf.hstu_attention=jagged is a CUDA kernel: on the CPU use dense or auto")
         if cfg.perf.sharded_tables and cfg.perf.cuda_graphs:
             raise ConfigError("perf.sharded_tables exchanges rows in sizes known only at run time, which CUDA graphs "
                               "cannot replay: leave perf.cuda_graphs=false")  # fmt: skip
@@ -42,8 +44,11 @@ class HstuFamily(ModelFamily):
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
         from trainbench.families.data_parallel import place_data_parallel
 
+        attention = self.attention_note(model, cfg, info)
         if not cfg.perf.sharded_tables:
-            return place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip_norm=None)
+            placed = place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip_norm=None)
+            placed.notes.append(attention)
+            return placed
         from torch.nn.parallel import DistributedDataParallel
 
         from trainbench.families.hstu.sharded_tables import shard_tables, start_row_gradients
@@ -52,9 +57,27 @@ class HstuFamily(ModelFamily):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, tables)
         placed = place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip_norm=None)
         start_row_gradients(model)
+        placed.notes.append(attention)
         placed.notes.append(f"{len(tables)} embedding tables sharded row-wise over {info.world_size} rank(s), looked "
                             "up through one all-to-all; DDP over the dense parameters only")  # fmt: skip
         return placed
+
+    @staticmethod
+    def attention_note(model: torch.nn.Module, cfg: RunConfig, info: DistInfo) -> str:
+        """Sets the HSTU layers' attention ``perf.hstu_attention`` asks for on this device; says which in a note."""
+        choice = cfg.perf.hstu_attention
+        if choice == "auto":
+            from trainbench.families.triton_kernels import triton_available
+
+            choice = "jagged" if info.device.type == "cuda" and triton_available() else "dense"
+        if choice == "dense":
+            return "HSTU attention dense: every pair's score computed and masked (perf.hstu_attention)"
+        if info.device.type != "cuda":
+            raise ConfigError("perf.hstu_attention=jagged is a CUDA kernel: on the CPU use dense or auto")
+        from trainbench.families.hstu.attention_kernel import use_jagged_attention
+
+        use_jagged_attention(model)
+        return "HSTU attention jagged: the valid pairs alone, trainbench's Triton kernel (perf.hstu_attention)"
 
     def tables_truncated(self, cfg: RunConfig, rows: int) -> RunConfig:
         import dataclasses

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +32,37 @@ from torch import nn
 from trainbench.families.configs import ACTIONS, CANDIDATE_ACTION, HstuConfig
 
 
+@dataclass(frozen=True)
+class KeyPadding:
+    """Which keys of a batch are padding: positions ``[start, stop[b])`` of sample b (the history is right-aligned,
+    so its padding is one run after the contextual tokens). Every pair (query, key) of a sample attends where the key
+    is at or before the query and not padding."""
+
+    start: int
+    stop: torch.Tensor  # [batch], integer
+
+    def mask(self, t: int) -> torch.Tensor:
+        """[batch, T, T] booleans: the pairs (query, key) that attend."""
+        pos = torch.arange(t, device=self.stop.device)
+        padding = (pos >= self.start) & (pos < self.stop.unsqueeze(-1))  # [batch, T]
+        causal = pos.unsqueeze(-1) >= pos  # [T, T]
+        return causal & ~padding.unsqueeze(-2)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: KeyPadding,
+                    alpha: float) -> torch.Tensor:  # fmt: skip
+    """``SiLU(alpha Q K^T) / T``, masked to the pairs that attend, times V: q, k [batch, heads, T, A], v [batch, heads,
+    T, D], out [batch, heads, T, D]. Every pair's score is computed and kept, then masked: the form a placement
+    replaces (families/hstu/attention_kernel.py walks the valid pairs alone)."""
+    t = q.shape[-2]
+    scores = F.silu(alpha * (q @ k.transpose(-1, -2))) / t
+    scores = scores * padding.mask(t).unsqueeze(-3).to(scores.dtype)
+    return scores @ v
+
+
 class HstuLayer(nn.Module):
-    """One HSTU layer (the module docstring's equations) over [batch, T, model_dim] with a [T, T] or [batch, T, T]
-    boolean mask of the pairs (query, key) that attend."""
+    """One HSTU layer (the module docstring's equations) over [batch, T, model_dim], the keys' padding given.
+    ``attend`` computes the attention (:func:`dense_attention`'s signature); a placement may set another."""
 
     def __init__(self, dim: int, heads: int, attention_dim: int, linear_dim: int, dropout: float = 0.0,
                  eps: float = 1e-6):  # fmt: skip
@@ -44,17 +73,16 @@ class HstuLayer(nn.Module):
         self.output_norm = nn.LayerNorm(heads * linear_dim, eps=eps)
         self.output = nn.Linear(heads * linear_dim, dim, bias=False)
         self.alpha = 1.0 / math.sqrt(attention_dim)
+        self.attend = dense_attention
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, padding: KeyPadding) -> torch.Tensor:
         b, t, _ = x.shape
         h, a, d = self.heads, self.attention_dim, self.linear_dim
         u, v, q, k = self.uvqk(self.input_norm(x)).split([h * d, h * d, h * a, h * a], dim=-1)
         u = F.silu(u)
         q, k = (z.view(b, t, h, a).transpose(1, 2) for z in (q, k))
         v = v.view(b, t, h, d).transpose(1, 2)
-        scores = F.silu(self.alpha * (q @ k.transpose(-1, -2))) / t
-        scores = scores * mask.unsqueeze(-3).to(scores.dtype)
-        attended = (scores @ v).transpose(1, 2).reshape(b, t, h * d)
+        attended = self.attend(q, k, v, padding, self.alpha).transpose(1, 2).reshape(b, t, h * d)
         y = F.dropout(u * self.output_norm(attended), self.dropout, self.training)
         return x + self.output(y)
 
@@ -125,16 +153,11 @@ class HstuRanker(nn.Module):
         """The embedding tables' weights: the sparse optimizer's (RowWiseAdagrad); every other parameter is dense."""
         return [t.weight for t in self.tables.values()]
 
-    def attention_mask(self, history_length: torch.Tensor) -> torch.Tensor:
-        """[batch, T, T]: a query attends the keys at or before it that are not padding (the history is
-        right-aligned, so a sample of length n has its padding at history positions below H - n)."""
-        c, hist = self.cfg.contextual, self.cfg.history
-        t = c + hist + 1
-        pos = torch.arange(t, device=history_length.device)
-        padding = (pos >= c) & (pos < c + hist)
-        padding = padding & (pos - c < (hist - history_length).unsqueeze(-1))  # [batch, T]
-        causal = pos.unsqueeze(-1) >= pos  # [T, T]
-        return causal & ~padding.unsqueeze(-2)
+    def key_padding(self, history_length: torch.Tensor) -> KeyPadding:
+        """The batch's padding keys: a sample of n history events (right-aligned) has its padding at history positions
+        below H - n."""
+        c = self.cfg.contextual
+        return KeyPadding(c, c + self.cfg.history - history_length)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # Every table's rows in one request list: the user's, each cross's, then a track's own, artist's and album's
@@ -150,9 +173,9 @@ class HstuRanker(nn.Module):
         candidate = self.content_in(candidate_content) + self.actions.weight[CANDIDATE_ACTION]
         x = torch.cat([context, history, candidate.unsqueeze(1)], dim=1) + self.positions.weight
         x = F.dropout(x, self.cfg.input_dropout, self.training)
-        mask = self.attention_mask(batch["hist_len"])
+        padding = self.key_padding(batch["hist_len"])
         for layer in self.layers:
-            x = layer(x, mask)
+            x = layer(x, padding)
         user = self.output_norm(x[:, -1])
         item = self.candidate_in(candidate_content)
         return self.head(torch.cat([user, item, user * item], dim=-1)).squeeze(-1)
