@@ -76,6 +76,33 @@ def test_the_jagged_attention_kernel_is_the_dense_form_forward_and_backward(shap
     assert grad[i, start : stops[i], h * a :].abs().max() == 0 and grad[i, start : stops[i], : h * a].abs().max() > 0
 
 
+def test_a_sharded_tables_backward_on_the_gpu_gives_the_tables_no_gradient():
+    """The lookups' gradients reach the tables' ROW_GRADS lists alone: no table's parameter gets a gradient (a
+    [rows, D] one would cost a fill and an add of the whole table a micro-batch, and a dense update of every row)."""
+    import torch.distributed as dist
+
+    from trainbench.benchmarks.dlrmv4 import Dlrmv4Benchmark
+    from trainbench.distributed import DistInfo
+    from trainbench.optim.rowwise_adagrad import ROW_GRADS
+
+    bench = Dlrmv4Benchmark()
+    cfg = bench.config("tiny")
+    cfg.perf.sharded_tables = True
+    info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        placed = bench.family.place(bench.family.build_model(cfg), cfg, info, True)
+        batch = {k: torch.as_tensor(v[:8]).cuda() for k, v in bench.bench_data(cfg, 0, 1).eval[0].items()}
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = bench.loss(placed.model, batch, bench.loss_weights(batch))
+        loss.backward()
+        tables = placed.module.tables.values()
+        assert all(t.weight.grad is None for t in tables)
+        assert all(len(getattr(t.weight, ROW_GRADS)) == 1 for t in tables)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_sharded_tables_train_the_tiny_presets_losses_of_whole_tables_on_one_gpu_in_bf16(tmp_path):
     """10 steps of the tiny preset on CUDA in bf16 autocast (precision=auto), the tables sharded over the one rank
     (the exchange without peers, RowWiseAdagrad on the touched rows) against every table held whole (dense gradients),

@@ -79,6 +79,11 @@ class ShardedLookup:
             offsets.append(offsets[-1] + rows)
         self.offsets = torch.tensor(offsets, dtype=torch.int64, device=info.device)
         self.blocks_of = torch.tensor(self.blocks, dtype=torch.int64, device=info.device)
+        # What makes the exchange's rows require a gradient, so that autograd reaches its backward: an empty leaf of
+        # its own. Handed the tables' weights (their to_local()) instead, torch 2.11's DTensor gave each table a
+        # gradient of zeros of all its rows every micro-batch (its to_local backward makes zeros of the None the
+        # exchange returns), which the optimizer then applied to every row (docs/dlrmv4.md, the figures).
+        self.anchor = torch.empty(0, device=info.device, requires_grad=True)
 
     @torch.compiler.disable  # collectives of sizes known only at run time: left out of a compiled graph
     def __call__(self, tables: nn.ModuleDict, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -89,8 +94,7 @@ class ShardedLookup:
         # until then they stand in as their table's row 0.
         bad = (ids < 0) | (ids >= self.offsets[table_of + 1] - self.offsets[table_of])
         keys = self.offsets[table_of] + torch.where(bad, 0, ids)
-        anchors = [tables[n].weight.to_local() for n in self.names]  # (for autograd to reach the backward only)
-        rows = _Exchange.apply(self, keys, ids, table_of, bad, *anchors)
+        rows = _Exchange.apply(self, keys, ids, table_of, bad, self.anchor)
         # One split, whose backward concatenates the parts' gradients once: slices of ``rows`` would each give back a
         # zero-filled gradient of all the rows, added up request by request (on one H200 at the reference's layers,
         # 400 ms of a 1.42 s step).
@@ -116,7 +120,7 @@ class ShardedLookup:
 
 class _Exchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, lookup: ShardedLookup, keys, ids, table_of, bad, *anchors):
+    def forward(ctx, lookup: ShardedLookup, keys, ids, table_of, bad, anchor):
         unique, inverse = torch.unique(keys, return_inverse=True)
         _, owner, _ = lookup.owner_of(unique)
         by_owner = torch.argsort(owner, stable=True)
@@ -135,8 +139,9 @@ class _Exchange(torch.autograd.Function):
         asked = lookup.exchange(unique[by_owner], recv_sizes, send_sizes)
         # The owner's side: each table's asked rows gathered from its block, in the order asked.
         table, _, local = lookup.owner_of(asked)
-        found = torch.empty(asked.numel(), anchors[0].shape[-1], dtype=anchors[0].dtype, device=asked.device)
-        for t, block in enumerate(anchors):
+        blocks = [lookup.tables[n].weight.to_local() for n in lookup.names]
+        found = torch.empty(asked.numel(), blocks[0].shape[-1], dtype=blocks[0].dtype, device=asked.device)
+        for t, block in enumerate(blocks):
             where = (table == t).nonzero().squeeze(-1)
             found.index_copy_(0, where, block.index_select(0, local.index_select(0, where)))
         sent_back = lookup.exchange(found, send_sizes, recv_sizes)
@@ -158,4 +163,4 @@ class _Exchange(torch.autograd.Function):
             where = (table == t).nonzero().squeeze(-1)
             weight = lookup.tables[name].weight
             getattr(weight, ROW_GRADS).append((local.index_select(0, where), arrived.index_select(0, where)))
-        return (None,) * (5 + len(lookup.names))
+        return (None,) * 6
