@@ -372,6 +372,53 @@ def test_a_profiled_step_is_split_and_its_kernels_grouped_by_kind():
     assert profile_at_depth({2: {"profile": None}}, 32, None) is None
 
 
+def test_a_profiled_steps_gpu_time_is_split_by_the_host_ranges_that_launched_each_kernel():
+    """kernels_by_part: a kernel counts to the first part whose expression matches a CPU range open on its launching
+    thread (by the launch's correlation id), the optimizer's range after the family's parts, collectives to
+    communication, everything else (and a kernel whose launch is not in the trace) to the model."""
+    from trainbench.report.bench_report import profile_at_depth, split_line
+    from trainbench.train.profiling import kernels_by_kind, kernels_by_part, timeline
+
+    def cpu(name, ts, dur, tid=1, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
+
+    def launch(corr, ts, tid=1):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "pid": 7, "tid": tid,
+                "args": {"correlation": corr}}  # fmt: skip
+
+    def kernel(corr, name, dur, ts=0):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 0,
+                "args": {"correlation": corr}}  # fmt: skip
+
+    events = [
+        cpu("tb.embedding_lookup", 0, 100, cat="user_annotation"), launch(1, 10), launch(2, 90),
+        cpu("aten::mm", 100, 50), launch(3, 120),  # the model
+        cpu("_ExchangeBackward", 200, 40, tid=2), launch(4, 210, tid=2),  # the backward's thread
+        launch(5, 215, tid=1),  # same time, another thread: the model
+        cpu("Optimizer.step#AdamRowWiseAdagrad.step", 300, 100), launch(6, 310),
+        cpu("tb.rowwise_adagrad", 350, 40, cat="user_annotation"), launch(7, 360),  # inside the optimizer's range
+        kernel(1, "gather", 1000), kernel(2, "index_copy", 1000), kernel(3, "nvjet_gemm", 3000),
+        kernel(4, "index_add", 2000), kernel(5, "triton_poi", 500), kernel(6, "multi_tensor_apply_adam", 400),
+        kernel(7, "pow", 600), kernel(8, "lost_launch", 100), kernel(9, "ncclDevKernel_AllToAll", 800),
+    ]  # fmt: skip
+    parts = (("embedding lookup", r"^(tb\.embedding_lookup|_ExchangeBackward)$"),
+             ("tables' optimizer", r"^tb\.rowwise_adagrad$"))  # fmt: skip
+    by_part = kernels_by_part({"traceEvents": events}, 2, parts)
+    assert by_part == pytest.approx({"embedding lookup": 2.0, "model": 1.8, "communication": 0.4,
+                                     "tables' optimizer": 0.3, "optimizer": 0.2})  # fmt: skip
+    assert list(by_part)[0] == "embedding lookup"  # largest first
+    assert kernels_by_part({"traceEvents": events}, 2) == pytest.approx(
+        {"model": 3.8, "communication": 0.4, "optimizer": 0.5}
+    )
+    trace = {"traceEvents": events}
+    raw = {"trace": "t.json", "split": timeline(trace, 2), "by_part_ms": by_part} | kernels_by_kind(trace, 2)
+    at = profile_at_depth({5: {"profile": raw}}, 5, None)
+    assert at["by_part_ms"] == pytest.approx(by_part)
+    assert "by part: embedding lookup 2.0, model 1.8" in split_line(at)
+    del raw["by_part_ms"]  # a profile of an older trainbench: no split by part, and no error
+    assert "by_part_ms" not in profile_at_depth({5: {"profile": raw}}, 5, None)
+
+
 def test_bert_is_measured_on_packed_rows_with_mlperfs_length_mix(tmp_path, capsys):
     import numpy as np
 

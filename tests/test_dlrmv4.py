@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trainbench.benchmarks import BENCHMARKS
 from trainbench.benchmarks.dlrmv4 import Dlrmv4Benchmark, eval_interval, exact_auc, first_eval, lr_band
 from trainbench.data import yambda
 from trainbench.errors import ConfigError, DataError
@@ -294,6 +295,10 @@ def test_the_hstu_attention_key_picks_the_kernel_on_cuda_alone():
     cuda = types.SimpleNamespace(device=torch.device("cuda"))  # the placement only sets the layers' function
     assert "jagged" in HstuFamily.attention_note(model, cfg, cuda)
     assert all(layer.attend is jagged_attention for layer in model.layers) and len(model.layers) > 0
+    bert = BENCHMARKS["bert"].config("tiny")
+    bert.perf.hstu_attention = "dense"
+    with pytest.raises(ConfigError, match="perf.hstu_attention=dense has no effect on bert: .* no HSTU layers"):
+        BENCHMARKS["bert"].validate(bert)
 
 
 # -- whole runs -----------------------------------------------------------------------------------------------------

@@ -129,13 +129,16 @@ def test_sharded_tables_train_the_tiny_presets_losses_of_whole_tables_on_one_gpu
 def test_bench_at_the_reference_layer_shape_runs_on_one_gpu_with_its_tables_truncated(tmp_path):
     """`trainbench bench dlrmv4` at the reference's layers (dim 512, 5 HSTU layers of 4 heads, a history of 2,048
     events) with every table cut to 1 M rows (the reference's 559 GiB of tables do not fit one GPU), sharded: it
-    measures, and bench.json and the summary say the tables were truncated. A smaller batch than the reference's
+    measures, and bench.json and the summary say the tables were truncated; its profiled step's GPU time is split by
+    part (the lookup, the tables' and the dense optimizer, the model). A smaller batch than the reference's
     (the attention's [batch, heads, T, T] scores at T = 2,055 take 34 MB a sample in bf16)."""
-    code = run_cli("bench", "dlrmv4", "--steps", "2", "--warmup", "1", "--profile-steps", "0", "--table-rows",
+    code = run_cli("bench", "dlrmv4", "--steps", "2", "--warmup", "1", "--profile-steps", "1", "--table-rows",
                    "1000000", "perf.sharded_tables=true", "device=cuda", "data.global_batch_size=64",
                    "data.micro_batch_size=32", "optimizer.lr=7.8125e-9", f"output.results_dir={tmp_path}")  # fmt: skip
     assert code == 0
     run_dir = only_run_dir(tmp_path)
     result = json.loads((run_dir / "bench.json").read_text())
     assert result["tables_truncated_to_rows"] == 1_000_000 and result["step_seconds"] > 0
+    parts = result["profile"]["by_part_ms"]  # the profiled step's GPU time by part, each of them found
+    assert all(parts.get(p, 0) > 0 for p in ("embedding lookup", "tables' optimizer", "optimizer", "model")), parts
     assert "truncated to at most 1,000,000 rows" in (run_dir / "console.log").read_text()

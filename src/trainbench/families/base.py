@@ -48,10 +48,17 @@ class ModelFamily(ABC):
 
     shards_tables = False
     """Whether its placement can shard embedding tables over the ranks (``perf.sharded_tables``)."""
+    step_parts: tuple[tuple[str, str], ...] = ()
+    """Parts of a step that ``bench``'s profile counts apart, each a name and a regular expression over the host ranges
+    (operators, autograd functions and their backward, ``torch.profiler.record_function``) that launch its kernels;
+    the optimizer, the collectives and the rest (the model) are counted without it (train/profiling.kernels_by_part)."""
 
     def unused_for(self, cfg: RunConfig) -> dict[str, str]:
         """Config keys this family's model does not read for ``cfg`` (e.g. those of another architecture), with why."""
-        return {} if self.shards_tables else {"perf.sharded_tables": f"the {self.name} family has no tables to shard"}
+        unused = {"perf.hstu_attention": f"the {self.name} family has no HSTU layers"}  # (the hstu family reads it)
+        if not self.shards_tables:
+            unused["perf.sharded_tables"] = f"the {self.name} family has no tables to shard"
+        return unused
 
     # -- model and placement --------------------------------------------------------------------------------------
     @abstractmethod

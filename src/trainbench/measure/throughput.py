@@ -179,25 +179,28 @@ def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, profi
         if profile_steps:
             out.say(f"  profiling {profile_steps} more steps")
             profile = _profiled(lambda k: one(warmup + steps + k, next(it)), profile_steps, run_dir, info,
-                                bench.family.depth(cfg))  # fmt: skip
+                                bench.family.depth(cfg), bench.family.step_parts)  # fmt: skip
     finally:
         batches.close()
     loss = float(all_reduce_sum(totals.loss_sum.clone(), info)) / (warmup + steps + profile_steps)
     return Timed(seconds, start_ms, stop_ms, samples, loss, profile)
 
 
-def _profiled(step, steps: int, run_dir: Path, info: DistInfo, blocks: int | None) -> dict | None:
+def _profiled(step, steps: int, run_dir: Path, info: DistInfo, blocks: int | None,
+              parts: tuple[tuple[str, str], ...] = ()) -> dict | None:  # fmt: skip
     """``steps`` steps under torch.profiler (after the timed ones, so the timing never pays for it). Rank 0 keeps the
     trace (``profile_<blocks>_trace.json``) and returns a step's split (compute, exposed communication, idle: see
-    :func:`~trainbench.train.profiling.timeline`) and its GPU time by kind of kernel."""
+    :func:`~trainbench.train.profiling.timeline`), its GPU time by kind of kernel and by part of the step (the
+    family's ``step_parts``, the optimizer, communication, the model: :func:`~trainbench.train.profiling.
+    kernels_by_part`, from the host ranges the kernels were launched in)."""
     import json
 
     from torch.profiler import ProfilerActivity, profile
 
-    from trainbench.train.profiling import kernels_by_kind, timeline
+    from trainbench.train.profiling import kernels_by_kind, kernels_by_part, timeline
 
     _sync(info)
-    with profile(activities=[ProfilerActivity.CUDA], record_shapes=False) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False) as prof:
         for k in range(steps):
             step(k)
         _sync(info)
@@ -206,7 +209,8 @@ def _profiled(step, steps: int, run_dir: Path, info: DistInfo, blocks: int | Non
     trace = run_dir / f"profile_{blocks if blocks is not None else 'model'}_trace.json"
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())
-    return {"steps": steps, "trace": trace.name, "split": timeline(events, steps)} | kernels_by_kind(events, steps)
+    return {"steps": steps, "trace": trace.name, "split": timeline(events, steps),
+            "by_part_ms": kernels_by_part(events, steps, parts)} | kernels_by_kind(events, steps)  # fmt: skip
 
 
 def _eval_seconds_per_row(bench, run, info, autocast) -> tuple[float, dict | None]:

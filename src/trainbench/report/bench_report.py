@@ -72,6 +72,7 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     if prof:
         out += [[f"step: {name} (ms, profiled)", _num(prof["split_ms"].get(f"{key}_ms"))] for name, key in SPLIT]
         out += [[f"GPU time: {kind} (ms a step)", _num(ms)] for kind, ms in prof["by_kind_ms"].items()]
+        out += [[f"GPU time by part: {part} (ms a step)", _num(ms)] for part, ms in prof.get("by_part_ms", {}).items()]
     return out
 
 
@@ -94,7 +95,9 @@ def split_line(prof: dict[str, Any]) -> str:
     """One line of the profiled step: its split and its largest kinds of GPU time."""
     split = ", ".join(f"{name} {prof['split_ms'][f'{key}_ms']:.1f}" for name, key in SPLIT)
     kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in list(prof["by_kind_ms"].items())[:5])
-    return f"step ({prof['figures']}, ms): {split}; GPU time by kind: {kinds}"
+    parts = ", ".join(f"{part} {ms:.1f}" for part, ms in prof.get("by_part_ms", {}).items())
+    line = f"step ({prof['figures']}, ms): {split}; GPU time by kind: {kinds}"
+    return line + (f"; by part: {parts}" if parts else "")
 
 
 def heading(result: dict[str, Any]) -> str:
@@ -196,6 +199,15 @@ def compared(peers: dict[str, dict[int | None, dict]], layers: int | None, sampl
     return out
 
 
+def _by_part(profiles: dict[int, dict], layers: int | None) -> dict[str, Any]:
+    """``by_part_ms`` at the model's depth, where every depth's profile has it (an older trainbench's do not)."""
+    if any("by_part_ms" not in p for p in profiles.values()):
+        return {}
+    parts = {k for p in profiles.values() for k in p["by_part_ms"]}
+    at = {k: at_depth({d: p["by_part_ms"].get(k, 0.0) for d, p in profiles.items()}, layers) for k in parts}
+    return {"by_part_ms": dict(sorted(at.items(), key=lambda kv: -kv[1]))}
+
+
 def profile_at_depth(raws: dict[int, dict], layers: int | None, depths: list[int] | None) -> dict[str, Any] | None:
     """The profiled steps' split (compute, exposed communication, idle) and GPU time by kind of kernel, ms a step, at
     the model's depth (``depths``: extrapolated, and a block's share of each kind beside it); None where a depth
@@ -215,6 +227,7 @@ def profile_at_depth(raws: dict[int, dict], layers: int | None, depths: list[int
                 key=lambda kv: -kv[1],
             )
         ),  # fmt: skip
+        **_by_part(profiles, layers),
         "kernels": deepest["kernels"],
         "kernels_at_blocks": max(profiles) if depths else layers,
         "traces": [p["trace"] for _, p in sorted(profiles.items())],

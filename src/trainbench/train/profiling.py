@@ -10,6 +10,7 @@ Rank 0 writes ``profile_<i>_kernels.csv`` (operators and kernels by self device 
 
 from __future__ import annotations
 
+import bisect
 import csv
 import json
 import re
@@ -196,6 +197,57 @@ def kernels_by_kind(trace: dict, steps: int, top: int = 40) -> dict:
             {"name": n[:160], "kind": kernel_kind(n), "ms": ms, "calls": c / steps} for n, (ms, c) in longest
         ],  # fmt: skip
     }
+
+
+# Where a kernel's launch sat on the host: CPU ranges that name a part of the step (operators, autograd functions'
+# forwards and backwards, torch.profiler.record_function ranges), and the launches themselves.
+_CPU_RANGES = ("cpu_op", "user_annotation", "python_function")
+_LAUNCHES = ("cuda_runtime", "cuda_driver")
+OPTIMIZER_PART = ("optimizer", r"^Optimizer\.step#")  # torch's range around every optimizer's step
+
+
+def kernels_by_part(trace: dict, steps: int, parts: tuple[tuple[str, str], ...] = ()) -> dict[str, float]:
+    """GPU time a step (ms) by part of the step, from a Chrome trace recorded with CPU and CUDA activity: a kernel (or
+    copy) counts to the first of ``parts`` (a name and a regular expression), then ``optimizer``, whose expression
+    matches a CPU range open on the launching thread when it was launched; a collective to ``communication``;
+    the rest to ``model``. Parts with no time are left out."""
+    patterns = [(name, re.compile(pattern)) for name, pattern in (*parts, OPTIMIZER_PART)]
+    launches: dict[object, tuple[object, object, float]] = {}
+    spans: dict[tuple[object, object], dict[int, list[tuple[float, float]]]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") in _LAUNCHES:
+            correlation = (e.get("args") or {}).get("correlation")
+            if correlation is not None:
+                launches[correlation] = (e.get("pid"), e.get("tid"), float(e["ts"]))
+        elif e.get("cat") in _CPU_RANGES:
+            index = next((i for i, (_, p) in enumerate(patterns) if p.search(e.get("name", ""))), None)
+            if index is not None:
+                start = float(e["ts"])
+                spans.setdefault((e.get("pid"), e.get("tid")), {}).setdefault(index, []).append(
+                    (start, start + float(e.get("dur", 0)))
+                )
+    merged = {thread: {i: _union(v) for i, v in sorted(by_part.items())} for thread, by_part in spans.items()}
+
+    def part_at(pid, tid, ts: float) -> str:
+        for index, intervals in merged.get((pid, tid), {}).items():
+            k = bisect.bisect_right(intervals, (ts, float("inf"))) - 1
+            if k >= 0 and intervals[k][0] <= ts <= intervals[k][1]:
+                return patterns[index][0]
+        return "model"
+
+    out: dict[str, float] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in _GPU_CATEGORIES:
+            continue
+        if "nccl" in e.get("name", "").lower():
+            part = "communication"
+        else:
+            launch = launches.get((e.get("args") or {}).get("correlation"))
+            part = part_at(*launch) if launch else "model"
+        out[part] = out.get(part, 0.0) + float(e.get("dur", 0)) / 1e3 / steps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def bf16_matmul_peak_tflops(n: int = 8192, reps: int = 30) -> float:

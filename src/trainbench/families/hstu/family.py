@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 class HstuFamily(ModelFamily):
     name = "hstu"
     shards_tables = True
+    step_parts = (  # (with perf.sharded_tables: whole tables are looked up inside the model's compiled graph)
+        ("embedding lookup", r"^(tb\.embedding_lookup|_ExchangeBackward)$"),
+        ("tables' optimizer", r"^tb\.rowwise_adagrad$"),
+    )
 
     def validate(self, cfg: RunConfig) -> None:
         m = cfg.model
@@ -35,6 +39,9 @@ class HstuFamily(ModelFamily):
         if cfg.perf.sharded_tables and cfg.perf.cuda_graphs:
             raise ConfigError("perf.sharded_tables exchanges rows in sizes known only at run time, which CUDA graphs "
                               "cannot replay: leave perf.cuda_graphs=false")  # fmt: skip
+
+    def unused_for(self, cfg: RunConfig) -> dict[str, str]:
+        return {k: why for k, why in super().unused_for(cfg).items() if k != "perf.hstu_attention"}
 
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
         from trainbench.families.hstu.model import HstuRanker
