@@ -10,7 +10,7 @@ checkpoint re-shards it).
 One step of the lookups, for every table together (one exchange, not one per table):
 
 1. each rank numbers its lookups' distinct (table, row) keys, in the order of the rank that owns them, and sends
-   each owner how many it asks for, then the keys (``all_to_all_single``, sizes first);
+   each owner how many it asks for, table by table, then the keys (``all_to_all_single``, sizes first);
 2. each owner gathers those rows of its blocks and sends them back in the order asked (``all_to_all_single``);
 3. in backward, each rank sums its lookups' gradients per key and sends them to the keys' owners (the same exchange
    reversed), averaged over the ranks as DDP averages the dense gradients; the owner appends (rows, gradients) of its
@@ -123,48 +123,57 @@ class ShardedLookup:
 
 
 class _Exchange(torch.autograd.Function):
+    """The module docstring's steps 1-3. Two host syncs a micro-batch, both in the forward: the counts this rank asks
+    of each owner, table by table (with the ids' check), and those the owners are asked; the owner's rows are then
+    gathered table by table in one sort, and the backward reuses both counts (no sync)."""
+
     @staticmethod
     def forward(ctx, lookup: ShardedLookup, keys, ids, table_of, bad, anchor):
         unique, inverse = torch.unique(keys, return_inverse=True)
-        _, owner, _ = lookup.owner_of(unique)
+        tables, world = len(lookup.names), lookup.world
+        table_u, owner, _ = lookup.owner_of(unique)
         by_owner = torch.argsort(owner, stable=True)
-        send = torch.bincount(owner.clamp(0, lookup.world - 1), minlength=lookup.world)
-        # One host sync for the sizes and the ids' check together: the exchange needs the sizes on the host anyway.
-        counts = torch.cat([send, bad.sum().view(1)]).tolist()
-        send_sizes, wrong = counts[:-1], counts[-1]
+        # [owner, table]: the keys this rank asks each owner for, table by table (an owner's keys go in key order, so
+        # table by table); one host sync for them and the ids' check together.
+        asking = torch.bincount(owner.clamp(0, world - 1) * tables + table_u, minlength=world * tables)
+        counts = torch.cat([asking, bad.sum().view(1)]).tolist()
+        send_sizes = [sum(counts[r * tables : (r + 1) * tables]) for r in range(world)]
+        wrong = counts[-1]
         if wrong:
             first = int(bad.nonzero()[0, 0])
             name, rows = lookup.names[int(table_of[first])], lookup.rows[int(table_of[first])]
             key = f"model.{name}_rows" if name in ("uid", "item", "artist", "album") else "model.cross_features"
             raise DataError(f"{wrong:,} looked-up ids lie outside their table, e.g. id {int(ids[first]):,} of the "
                             f"{name} table, which has {rows:,} rows ({key})")  # fmt: skip
-        recv_sizes = lookup.exchange(torch.tensor(send_sizes, device=keys.device), [1] * lookup.world,
-                                     [1] * lookup.world).tolist()  # fmt: skip
+        asked_counts = lookup.exchange(asking.view(world, tables), [1] * world, [1] * world).tolist()
+        recv_sizes = [sum(row) for row in asked_counts]
+        per_table = [sum(row[t] for row in asked_counts) for t in range(tables)]
         asked = lookup.exchange(unique[by_owner], recv_sizes, send_sizes)
-        # The owner's side: each table's asked rows gathered from its block, in the order asked.
+        # The owner's side: the asked rows gathered table by table (sorted by table, stably: each table's keys in the
+        # order asked), then put back in the order asked.
         table, _, local = lookup.owner_of(asked)
+        order = torch.argsort(table, stable=True)
+        local_by_table = local.index_select(0, order).split(per_table)
         blocks = [lookup.tables[n].weight.to_local() for n in lookup.names]
-        found = torch.empty(asked.numel(), blocks[0].shape[-1], dtype=blocks[0].dtype, device=asked.device)
-        for t, block in enumerate(blocks):
-            where = (table == t).nonzero().squeeze(-1)
-            found.index_copy_(0, where, block.index_select(0, local.index_select(0, where)))
+        gathered = torch.cat([block.index_select(0, rows) for block, rows in zip(blocks, local_by_table, strict=True)])
+        found = torch.empty_like(gathered).index_copy_(0, order, gathered)
         sent_back = lookup.exchange(found, send_sizes, recv_sizes)
         rows = torch.empty_like(sent_back).index_copy_(0, by_owner, sent_back)
-        ctx.lookup, ctx.sizes = lookup, (send_sizes, recv_sizes)
-        ctx.save_for_backward(inverse, by_owner, table, local)
+        ctx.lookup, ctx.sizes = lookup, (send_sizes, recv_sizes, per_table)
+        ctx.save_for_backward(inverse, by_owner, order, local)
         return rows.index_select(0, inverse)
 
     @staticmethod
     def backward(ctx, grad):
-        lookup, (send_sizes, recv_sizes) = ctx.lookup, ctx.sizes
-        inverse, by_owner, table, local = ctx.saved_tensors
+        lookup, (send_sizes, recv_sizes, per_table) = ctx.lookup, ctx.sizes
+        inverse, by_owner, order, local = ctx.saved_tensors
         summed = torch.zeros(by_owner.numel(), grad.shape[-1], dtype=grad.dtype, device=grad.device)
         summed.index_add_(0, inverse, grad)
         arrived = lookup.exchange(summed.index_select(0, by_owner), recv_sizes, send_sizes)
         if lookup.world > 1:  # the step scales each rank's loss by the ranks; DDP's average of the rest undoes it
             arrived = arrived / lookup.world
-        for t, name in enumerate(lookup.names):
-            where = (table == t).nonzero().squeeze(-1)
-            weight = lookup.tables[name].weight
-            getattr(weight, ROW_GRADS).append((local.index_select(0, where), arrived.index_select(0, where)))
+        rows_by_table = local.index_select(0, order).split(per_table)
+        grads_by_table = arrived.index_select(0, order).split(per_table)
+        for name, rows, grads in zip(lookup.names, rows_by_table, grads_by_table, strict=True):
+            getattr(lookup.tables[name].weight, ROW_GRADS).append((rows, grads))
         return (None,) * 6
