@@ -163,7 +163,7 @@ def test_a_model_that_does_not_fit_is_one_sentence_naming_what_would(tmp_path, c
     ("args", "says"),
     [
         (["gpt3"], "transformers has no model of gpt3's architecture"),
-        (["dlrmv4"], "transformers has no model of dlrmv4's architecture"),
+        (["dlrmv4"], "dlrmv4's architecture to compare with (what users run instead is the reference's TorchRec"),
         (["llama31_8b", "--nproc", "2"], "--compare hf runs in one process"),
         (["flux1", "model.mlp_ratio=2"], "FluxTransformer2DModel fixes the MLP ratio at 4 and the RoPE base at 10000"),
     ],

@@ -36,6 +36,9 @@ class ModelFamily(ABC):
     """Whether its placement can shard the model with FSDP2 on one rank too (``distributed.shard_one_rank``)."""
     plans_layout = False
     """Whether ``perf.plan=auto`` chooses its layout keys (:meth:`plan_layout`)."""
+    peer_elsewhere: str | None = None
+    """Where ``hf_twin`` is None: what users would run instead and why `bench --compare` cannot time it, for the
+    refusal's sentence."""
     hf_twin: str | None = None
     """The module of this family that builds HF's model of its architecture for `bench --compare hf`
     (``trainbench.families.<family>.hf``: peer, check, packages, build, loss, kernels; measure/compare_hf.py); None:

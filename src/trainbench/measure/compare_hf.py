@@ -31,7 +31,9 @@ def require(bench: Benchmark, cfg: RunConfig) -> str:
     hf = twin(bench)
     name = hf.peer(cfg) if hf is not None else None
     if name is None:
-        raise UserError(f"--compare hf: transformers has no model of {bench.name}'s architecture to compare with")
+        instead = f" ({bench.family.peer_elsewhere})" if bench.family.peer_elsewhere else ""
+        raise UserError(f"--compare hf: transformers has no model of {bench.name}'s architecture to compare "
+                        f"with{instead}")  # fmt: skip
     hf.check(cfg)
     missing = [package for package in hf.packages(cfg) if importlib.util.find_spec(package) is None]
     if missing:

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 class HstuFamily(ModelFamily):
     name = "hstu"
     shards_tables = True
+    peer_elsewhere = ("what users run instead is the reference's TorchRec and fbgemm_gpu, which trainbench cannot "
+                      "time: fbgemm_gpu's CUDA build is made for each torch, and its CPU wheel does not load with this "
+                      "one; docs/dlrmv4.md")  # fmt: skip
     step_parts = (  # (with perf.sharded_tables: whole tables are looked up inside the model's compiled graph)
         ("embedding lookup", r"^(tb\.embedding_lookup|_ExchangeBackward)$"),
         ("tables' optimizer", r"^tb\.rowwise_adagrad$"),
