@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from trainbench.distributed import DistInfo, Placed
 
 
+JAGGED_ON_CPU = "perf.hstu_attention=jagged is a CUDA kernel: on the CPU use dense or auto"
+
+
 class HstuFamily(ModelFamily):
     name = "hstu"
     shards_tables = True
@@ -38,7 +41,7 @@ class HstuFamily(ModelFamily):
         if m.num_heads * m.linear_dim < 1 or m.attention_dim < 1:
             raise ConfigError("model: the heads need a width")
         if cfg.perf.hstu_attention == "jagged" and cfg.device == "cpu":
-            raise ConfigError("perf.hstu_attention=jagged is a CUDA kernel: on the CPU use dense or auto")
+            raise ConfigError(JAGGED_ON_CPU)
         if cfg.perf.sharded_tables and cfg.perf.cuda_graphs:
             raise ConfigError("perf.sharded_tables exchanges rows in sizes known only at run time, which CUDA graphs "
                               "cannot replay: leave perf.cuda_graphs=false")  # fmt: skip
@@ -83,7 +86,7 @@ class HstuFamily(ModelFamily):
         if choice == "dense":
             return "HSTU attention dense: every pair's score computed and masked (perf.hstu_attention)"
         if info.device.type != "cuda":
-            raise ConfigError("perf.hstu_attention=jagged is a CUDA kernel: on the CPU use dense or auto")
+            raise ConfigError(JAGGED_ON_CPU)
         from trainbench.families.hstu.attention_kernel import use_jagged_attention
 
         use_jagged_attention(model)
