@@ -15,7 +15,6 @@ stored, another kernel.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import torch
@@ -369,64 +368,17 @@ def grad_leaf(t: torch.Tensor, w: torch.Tensor, as_fp32: Callable, add_into: Cal
     return leaf
 
 
-@functools.cache
-def _matmul_keeping_casts() -> type[torch.autograd.Function]:
-    """torchao's tensorwise float8 matmul (``matmul_with_hp_or_float8_args``) for a weight already cast, with each cast
-    made once: the forward keeps the input's FP8 cast for the weight's gradient, where torchao keeps the bf16 input
-    and casts it again in the backward (its absolute maximum reduced again, read in the transposed layout the product
-    needs); the backward casts the output's gradient once for both of its products, where torchao casts it twice. A
-    tensorwise scale does not depend on the layout, so the casts are the same bytes: the same outputs and gradients
-    bit for bit (tests/test_fp8.py), and the products' operands moved into the layouts ``torch._scaled_mm`` takes
-    as FP8 copies (a byte an element) rather than cast again from bf16 (four bytes read and one written, with the
-    reduction's)."""
-    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
-    from torchao.float8.float8_training_tensor import GemmInputRole
-
-    def cast(t: torch.Tensor, cast_config, mm_config, role, config) -> torch.Tensor:
-        return hp_tensor_to_float8_dynamic(t, cast_config.target_dtype, mm_config, gemm_input_role=role,
-                                           round_scales_to_power_of_2=config.round_scales_to_power_of_2)  # fmt: skip
-
-    @torch._dynamo.allow_in_graph  # (as torchao's own: traced whole by AOTAutograd, not by dynamo)
-    class MatmulKeepingCasts(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, input_hp: torch.Tensor, weight_t: torch.Tensor, mm_config, config) -> torch.Tensor:
-            x = cast(input_hp, config.cast_config_input, mm_config, GemmInputRole.INPUT, config)
-            ctx.save_for_backward(x, weight_t)
-            ctx.mm_config, ctx.config = mm_config, config
-            out = torch.mm(x.reshape(-1, x.shape[-1]), weight_t)
-            return out.reshape(*x.shape[:-1], out.shape[-1])
-
-        @staticmethod
-        def backward(ctx, grad_output: torch.Tensor):
-            x, weight_t = ctx.saved_tensors
-            c = ctx.config
-            g = grad_output.reshape(-1, grad_output.shape[-1])
-            g = cast(g, c.cast_config_grad_output, ctx.mm_config, GemmInputRole.GRAD_OUTPUT, c)
-            grad_input = torch.mm(g, weight_t.t()).reshape(*grad_output.shape[:-1], weight_t.shape[0])
-            grad_weight = torch.mm(g.t(), x.reshape(-1, x.shape[-1]))
-            return grad_input, grad_weight.t(), None, None
-
-    return MatmulKeepingCasts
-
-
-def _casts_kept(config) -> bool:
-    """Whether torchao's float8 ``config`` casts the input and the output's gradient for the weight's gradient as
-    for the other products (as its tensorwise recipe does), so that :func:`_matmul_keeping_casts` may reuse them."""
-    return (config.cast_config_input_for_grad_weight == config.cast_config_input
-            and config.cast_config_grad_output_for_grad_weight == config.cast_config_grad_output)  # fmt: skip
-
-
 def _float8_forward(self, input: torch.Tensor) -> torch.Tensor:
     """torchao's ``Float8Linear.forward`` with the weight's cast made once a step (``_trainbench_weight_t``, set by
-    :func:`cast_weights_once_a_step` before each forward of the model) where there is one, through
-    :func:`_matmul_keeping_casts` (``_trainbench_matmul``: looked up here, a call of the cached builder inside a
-    compiled graph would break it)."""
+    :func:`cast_weights_once_a_step` before each forward of the model) where there is one."""
     cast_t = getattr(self, "_trainbench_weight_t", None)
     if cast_t is None:
         return type(self).forward(self, input)
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
     if torch.is_autocast_enabled():  # as torchao's forward: the output in the autocast precision
         input = input.to(torch.get_autocast_gpu_dtype())
-    output = self._trainbench_matmul.apply(input, cast_t, self.linear_mm_config, self.config)
+    output = matmul_with_hp_or_float8_args.apply(input, cast_t, self.linear_mm_config, self.config)
     return output if self.bias is None else output + self.bias.to(output.dtype)
 
 
@@ -483,8 +435,7 @@ def cast_weights_once_a_step(model: nn.Module, compiled: bool = True) -> Callabl
 
     layers = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
     layers = [m for m in layers if m.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
-              and m.config.cast_config_weight_for_grad_input == m.config.cast_config_weight
-              and _casts_kept(m.config)]  # fmt: skip
+              and m.config.cast_config_weight_for_grad_input == m.config.cast_config_weight]  # fmt: skip
     if not layers:
         return None
     gradients = grad_adders(compiled)
@@ -503,9 +454,7 @@ def cast_weights_once_a_step(model: nn.Module, compiled: bool = True) -> Callabl
         for m in layers:
             m._trainbench_weight_t = casts[m]
 
-    matmul = _matmul_keeping_casts()
     for m in layers:
-        m._trainbench_matmul = matmul
         m.forward = _float8_forward.__get__(m)
     model.register_forward_pre_hook(refresh)
     return after_step
