@@ -63,15 +63,33 @@ if [ -n "${INDUCTOR:-}" ]; then
 fi
 
 failed=()
+current=""  # the measurement under way, for the trap below
+keep_partial() {  # NAME: a measurement that did not finish: each depth it measured (bench_raw_<depth>.json) into $OUT
+    local folder raw
+    folder=$(ls -d "$RESULTS/$1"/*/ 2>/dev/null | tail -n 1)
+    [ -n "$folder" ] || return 0
+    for raw in "$folder"bench_raw_*.json; do
+        [ -e "$raw" ] || continue
+        cp "$raw" "$OUT/$1.${raw##*/bench_}"
+        echo "kept $OUT/$1.${raw##*/bench_}: a depth measured before $1 stopped" >&2
+    done
+}
+# Stopped from outside (a time limit's TERM): what the measurement under way had measured comes back too.
+trap '[ -n "$current" ] && keep_partial "$current"; exit 143' TERM INT
+
 bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT. A failed one is named at the end
-    local name=$1${TAG:-}     # and does not stop the measurements after it (the call's exit code says it failed)
-    shift
+    local name=$1${TAG:-}     # and does not stop the measurements after it (the call's exit code says it failed);
+    shift                     # the depths it measured before it failed come back as NAME.raw_<depth>.json
+    current=$name
     # shellcheck disable=SC2086  # EXTRA: keys split on spaces
     if ! python3 -m trainbench bench "$@" ${EXTRA:-} output.results_dir="$RESULTS/$name" progress=false 2>&1 \
         | tee "$OUT/$name.log"; then
         failed+=("$name")
+        keep_partial "$name"
+        current=""
         return 0
     fi
+    current=""
     local folder
     folder=$(ls -d "$RESULTS/$name"/*/ | tail -n 1)
     cp "$folder/bench.json" "$OUT/$name.json"

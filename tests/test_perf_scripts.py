@@ -97,8 +97,9 @@ def test_the_inductor_options_hook_sets_known_options_and_refuses_unknown_ones_i
 
 
 def test_a_failed_measurement_of_bench_figures_is_named_and_the_next_still_runs(tmp_path):
-    """perf/bench_figures.sh with a stand-in `python3` on PATH whose `trainbench bench llama31_8b` fails: the bert
-    measurement after it still runs and its bench.json comes back, and the call ends non-zero naming the failed one."""
+    """perf/bench_figures.sh with a stand-in `python3` on PATH whose `trainbench bench llama31_8b` fails after its
+    first depth: the depth it measured comes back, the bert measurement after it still runs and its bench.json comes
+    back, and the call ends non-zero naming the failed one."""
     import os
     import subprocess
 
@@ -107,8 +108,9 @@ def test_a_failed_measurement_of_bench_figures_is_named_and_the_next_still_runs(
     stand_in = bin_dir / "python3"
     stand_in.write_text(
         "#!/bin/sh\n"
-        'case " $* " in *" llama31_8b "*) echo "error: does not fit"; exit 1 ;; esac\n'
         'for a in "$@"; do case $a in output.results_dir=*) d=${a#output.results_dir=} ;; esac; done\n'
+        'case " $* " in *" llama31_8b "*) mkdir -p "$d/20261127T000000Z-llm" && echo \'{"depth": 2}\' '
+        '> "$d/20261127T000000Z-llm/bench_raw_2.json"; echo "error: does not fit"; exit 1 ;; esac\n'
         'mkdir -p "$d/20261127T000000Z-bert" && echo \'{"tokens_per_s": 1}\' > "$d/20261127T000000Z-bert/bench.json"\n'
     )
     stand_in.chmod(0o755)
@@ -119,6 +121,33 @@ def test_a_failed_measurement_of_bench_figures_is_named_and_the_next_still_runs(
     assert done.returncode == 1 and "failed: llm" in done.stderr, (done.stdout, done.stderr)
     assert json.loads((tmp_path / "out" / "bert.json").read_text()) == {"tokens_per_s": 1}
     assert "does not fit" in (tmp_path / "out" / "llm.log").read_text()
+    assert json.loads((tmp_path / "out" / "llm.raw_2.json").read_text()) == {"depth": 2}
+    assert not (tmp_path / "out" / "llm.json").exists()
+
+
+def test_a_measurement_stopped_by_a_time_limit_keeps_the_depths_it_measured(tmp_path):
+    """perf/bench_figures.sh under `timeout` (its TERM, as a device call's time limit sends it) while a stand-in
+    `trainbench bench` waits after its first depth: the depth measured comes back into $OUT and the call ends 143."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "python3"
+    stand_in.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do case $a in output.results_dir=*) d=${a#output.results_dir=} ;; esac; done\n'
+        'mkdir -p "$d/20261127T000000Z-llm" && echo \'{"depth": 2}\' > "$d/20261127T000000Z-llm/bench_raw_2.json"\n'
+        "sleep 30\n"
+    )
+    stand_in.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               RESULTS=str(tmp_path / "results"), NPROC="1")  # fmt: skip
+    done = subprocess.run(["timeout", "2", "bash", str(SCRIPTS / "bench_figures.sh"), "llm"], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 124, (done.returncode, done.stdout, done.stderr)  # timeout's own code for its limit
+    assert json.loads((tmp_path / "out" / "llm.raw_2.json").read_text()) == {"depth": 2}, done.stderr
+    assert "a depth measured before llm stopped" in done.stderr
 
 
 def test_the_saved_tensors_listing_names_what_each_way_keeps_from_the_forward_for_the_backward():
