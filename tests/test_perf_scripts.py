@@ -96,28 +96,41 @@ def test_the_inductor_options_hook_sets_known_options_and_refuses_unknown_ones_i
     ]
 
 
-def test_a_failed_measurement_of_bench_figures_is_named_and_the_next_still_runs(tmp_path):
-    """perf/bench_figures.sh with a stand-in `python3` on PATH whose `trainbench bench llama31_8b` fails after its
-    first depth: the depth it measured comes back, the bert measurement after it still runs and its bench.json comes
-    back, and the call ends non-zero naming the failed one."""
+# The stand-in `python3`'s first line: `d`, the results folder the script hands `trainbench bench`.
+RESULTS_DIR_OF_ARGS = 'for a in "$@"; do case $a in output.results_dir=*) d=${a#output.results_dir=} ;; esac; done\n'
+
+
+def _bench_figures(tmp_path, stand_in: str, *measurements: str, limit_s: int | None = None):
+    """perf/bench_figures.sh ``measurements`` with ``stand_in`` (a shell script's body, after
+    :data:`RESULTS_DIR_OF_ARGS`) as the `python3` on PATH, $OUT and $RESULTS under ``tmp_path``; under `timeout
+    limit_s` where given. The finished process."""
     import os
     import subprocess
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    stand_in = bin_dir / "python3"
-    stand_in.write_text(
-        "#!/bin/sh\n"
-        'for a in "$@"; do case $a in output.results_dir=*) d=${a#output.results_dir=} ;; esac; done\n'
-        'case " $* " in *" llama31_8b "*) mkdir -p "$d/20261127T000000Z-llm" && echo \'{"depth": 2}\' '
-        '> "$d/20261127T000000Z-llm/bench_raw_2.json"; echo "error: does not fit"; exit 1 ;; esac\n'
-        'mkdir -p "$d/20261127T000000Z-bert" && echo \'{"tokens_per_s": 1}\' > "$d/20261127T000000Z-bert/bench.json"\n'
-    )
-    stand_in.chmod(0o755)
+    python3 = bin_dir / "python3"
+    python3.write_text("#!/bin/sh\n" + RESULTS_DIR_OF_ARGS + stand_in)
+    python3.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
                RESULTS=str(tmp_path / "results"), NPROC="1")  # fmt: skip
-    done = subprocess.run(["bash", str(SCRIPTS / "bench_figures.sh"), "llm", "bert"], env=env, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    limit = ["timeout", str(limit_s)] if limit_s is not None else []
+    return subprocess.run([*limit, "bash", str(SCRIPTS / "bench_figures.sh"), *measurements], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_a_failed_measurement_of_bench_figures_is_named_and_the_next_still_runs(tmp_path):
+    """perf/bench_figures.sh with a stand-in `python3` on PATH whose `trainbench bench llama31_8b` fails after its
+    first depth: the depth it measured comes back, the bert measurement after it still runs and its bench.json comes
+    back, and the call ends non-zero naming the failed one."""
+    done = _bench_figures(
+        tmp_path,
+        'case " $* " in *" llama31_8b "*) mkdir -p "$d/20261127T000000Z-llm" && echo \'{"depth": 2}\' '
+        '> "$d/20261127T000000Z-llm/bench_raw_2.json"; echo "error: does not fit"; exit 1 ;; esac\n'
+        'mkdir -p "$d/20261127T000000Z-bert" && echo \'{"tokens_per_s": 1}\' > "$d/20261127T000000Z-bert/bench.json"\n',
+        "llm",
+        "bert",
+    )
     assert done.returncode == 1 and "failed: llm" in done.stderr, (done.stdout, done.stderr)
     assert json.loads((tmp_path / "out" / "bert.json").read_text()) == {"tokens_per_s": 1}
     assert "does not fit" in (tmp_path / "out" / "llm.log").read_text()
@@ -127,25 +140,16 @@ def test_a_failed_measurement_of_bench_figures_is_named_and_the_next_still_runs(
 
 def test_a_measurement_stopped_by_a_time_limit_keeps_the_depths_it_measured(tmp_path):
     """perf/bench_figures.sh under `timeout` (its TERM, as a device call's time limit sends it) while a stand-in
-    `trainbench bench` waits after its first depth: the depth measured comes back into $OUT and the call ends 143."""
-    import os
-    import subprocess
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    stand_in = bin_dir / "python3"
-    stand_in.write_text(
-        "#!/bin/sh\n"
-        'for a in "$@"; do case $a in output.results_dir=*) d=${a#output.results_dir=} ;; esac; done\n'
+    `trainbench bench` waits after its first depth: the depth measured comes back into $OUT, and `timeout` ends the
+    call with its own code for a limit reached."""
+    done = _bench_figures(
+        tmp_path,
         'mkdir -p "$d/20261127T000000Z-llm" && echo \'{"depth": 2}\' > "$d/20261127T000000Z-llm/bench_raw_2.json"\n'
-        "sleep 30\n"
+        "sleep 30\n",
+        "llm",
+        limit_s=2,
     )
-    stand_in.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               RESULTS=str(tmp_path / "results"), NPROC="1")  # fmt: skip
-    done = subprocess.run(["timeout", "2", "bash", str(SCRIPTS / "bench_figures.sh"), "llm"], env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert done.returncode == 124, (done.returncode, done.stdout, done.stderr)  # timeout's own code for its limit
+    assert done.returncode == 124, (done.returncode, done.stdout, done.stderr)
     assert json.loads((tmp_path / "out" / "llm.raw_2.json").read_text()) == {"depth": 2}, done.stderr
     assert "a depth measured before llm stopped" in done.stderr
 
