@@ -189,6 +189,241 @@ def silu_mul_fp8_saved(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SiluMulFp8Saved.apply(gate, up)
 
 
+def _define_swiglu_forward(triton, tl):
+    """SwiGLU's forward over FP8 rows: each program takes rows in turn, reads a row of gate and up once for the three
+    rows' largest magnitudes and again (from L2: few rows are in flight) to write the three casts."""
+
+    @triton.jit
+    def tb_swiglu_fp8_forward(gate, up, gq, uq, hq, gs, us, hs, rows, n, stride_g, stride_u, limit,
+                              BLOCK: tl.constexpr):  # fmt: skip
+        for r in range(tl.program_id(0), rows, tl.num_programs(0)):
+            row = r.to(tl.int64)
+            ag = tl.zeros([BLOCK], tl.float32)
+            au = tl.zeros([BLOCK], tl.float32)
+            ah = tl.zeros([BLOCK], tl.float32)
+            for c0 in range(0, n, BLOCK):
+                c = c0 + tl.arange(0, BLOCK)
+                m = c < n
+                g = tl.load(gate + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
+                u = tl.load(up + row * stride_u + c, mask=m, other=0.0).to(tl.float32)
+                h = (g * tl.sigmoid(g) * u).to(gate.dtype.element_ty).to(tl.float32)
+                ag = tl.maximum(ag, tl.abs(g))
+                au = tl.maximum(au, tl.abs(u))
+                ah = tl.maximum(ah, tl.abs(h))
+            sg = tl.maximum(tl.max(ag, 0), 1e-12) / limit
+            su = tl.maximum(tl.max(au, 0), 1e-12) / limit
+            sh = tl.maximum(tl.max(ah, 0), 1e-12) / limit
+            for c0 in range(0, n, BLOCK):
+                c = c0 + tl.arange(0, BLOCK)
+                m = c < n
+                g = tl.load(gate + row * stride_g + c, mask=m, other=0.0).to(tl.float32)
+                u = tl.load(up + row * stride_u + c, mask=m, other=0.0).to(tl.float32)
+                h = (g * tl.sigmoid(g) * u).to(gate.dtype.element_ty).to(tl.float32)
+                tl.store(gq + row * n + c, tl.clamp(g / sg, -limit, limit).to(gq.dtype.element_ty), mask=m)
+                tl.store(uq + row * n + c, tl.clamp(u / su, -limit, limit).to(uq.dtype.element_ty), mask=m)
+                tl.store(hq + row * n + c, tl.clamp(h / sh, -limit, limit).to(hq.dtype.element_ty), mask=m)
+            tl.store(gs + r, sg)
+            tl.store(us + r, su)
+            tl.store(hs + r, sh)
+
+    return tb_swiglu_fp8_forward
+
+
+def _define_swiglu_backward(triton, tl):
+    """SwiGLU's backward from its FP8-kept inputs, each gradient scaled by its projection's weight scales and cast
+    to e4m3 a row at a time (the rows read twice, the second time from L2, as the forward's)."""
+
+    @triton.jit
+    def tb_swiglu_fp8_backward(grad, gq, uq, gs, us, wg, wu, dgq, duq, dgs, dus, rows, n, limit,
+                               BLOCK: tl.constexpr):  # fmt: skip
+        for r in range(tl.program_id(0), rows, tl.num_programs(0)):
+            row = r.to(tl.int64)
+            sg = tl.load(gs + r)
+            su = tl.load(us + r)
+            ag = tl.zeros([BLOCK], tl.float32)
+            au = tl.zeros([BLOCK], tl.float32)
+            for c0 in range(0, n, BLOCK):
+                c = c0 + tl.arange(0, BLOCK)
+                m = c < n
+                gr = tl.load(grad + row * n + c, mask=m, other=0.0).to(tl.float32)
+                gate = tl.load(gq + row * n + c, mask=m, other=0.0).to(tl.float32) * sg
+                upv = tl.load(uq + row * n + c, mask=m, other=0.0).to(tl.float32) * su
+                sig = tl.sigmoid(gate)
+                dg = (gr * upv * sig * (1 + gate * (1 - sig))).to(grad.dtype.element_ty).to(tl.float32)
+                du = (gr * gate * sig).to(grad.dtype.element_ty).to(tl.float32)
+                dg = dg * tl.load(wg + c, mask=m, other=0.0)
+                du = du * tl.load(wu + c, mask=m, other=0.0)
+                ag = tl.maximum(ag, tl.abs(dg))
+                au = tl.maximum(au, tl.abs(du))
+            sdg = tl.maximum(tl.max(ag, 0), 1e-12) / limit
+            sdu = tl.maximum(tl.max(au, 0), 1e-12) / limit
+            for c0 in range(0, n, BLOCK):
+                c = c0 + tl.arange(0, BLOCK)
+                m = c < n
+                gr = tl.load(grad + row * n + c, mask=m, other=0.0).to(tl.float32)
+                gate = tl.load(gq + row * n + c, mask=m, other=0.0).to(tl.float32) * sg
+                upv = tl.load(uq + row * n + c, mask=m, other=0.0).to(tl.float32) * su
+                sig = tl.sigmoid(gate)
+                dg = (gr * upv * sig * (1 + gate * (1 - sig))).to(grad.dtype.element_ty).to(tl.float32)
+                du = (gr * gate * sig).to(grad.dtype.element_ty).to(tl.float32)
+                dg = dg * tl.load(wg + c, mask=m, other=0.0)
+                du = du * tl.load(wu + c, mask=m, other=0.0)
+                tl.store(dgq + row * n + c, tl.clamp(dg / sdg, -limit, limit).to(dgq.dtype.element_ty), mask=m)
+                tl.store(duq + row * n + c, tl.clamp(du / sdu, -limit, limit).to(duq.dtype.element_ty), mask=m)
+            tl.store(dgs + r, sdg)
+            tl.store(dus + r, sdu)
+
+    return tb_swiglu_fp8_backward
+
+
+_swiglu_forward_kernel = lazy_kernel(_define_swiglu_forward)
+_swiglu_backward_kernel = lazy_kernel(_define_swiglu_backward)
+ROW_BLOCK = 2048  # a chunk of a row a program loads at a time
+ROWS_IN_FLIGHT_PER_SM = 2  # programs a multiprocessor: few enough that a row is still in L2 when read again
+
+
+def _row_programs(device: torch.device, rows: int) -> int:
+    return min(rows, torch.cuda.get_device_properties(device).multi_processor_count * ROWS_IN_FLIGHT_PER_SM)
+
+
+def _on_triton(t: torch.Tensor, kernel: Callable) -> tuple | None:
+    return kernel() if t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) else None
+
+
+FwdCasts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def swiglu_fp8_forward_torch(gate: torch.Tensor, up: torch.Tensor) -> FwdCasts:
+    """:func:`swiglu_fp8_forward` through torch's operations: what the three layers and :class:`_SiluMulFp8Saved`
+    cast in turn."""
+    gq, gs = quantize_rows(gate)
+    uq, us = quantize_rows(up)
+    hq, hs = quantize_rows(F.silu(gate) * up)
+    return gq, gs, uq, us, hq, hs
+
+
+@torch.library.custom_op("trainbench::swiglu_fp8_forward", mutates_args=())
+def swiglu_fp8_forward(gate: torch.Tensor, up: torch.Tensor) -> FwdCasts:
+    """``gate`` and ``up`` [rows, n] (16 bits, rows contiguous): the e4m3 casts with a scale a row
+    (:func:`quantize_rows`) of ``gate``, of ``up`` and of ``silu(gate) * up``: (gq, gs, uq, us, hq, hs). On CUDA one
+    Triton pass (the compiler's three reductions and casts read each row twice from memory); elsewhere torch's
+    operations."""
+    built = _on_triton(gate, _swiglu_forward_kernel)
+    if built is None or gate.stride(1) != 1 or up.stride(1) != 1:
+        return swiglu_fp8_forward_torch(gate, up)
+    kernel, _ = built
+    rows, n = gate.shape
+    gq, uq, hq = (torch.empty(rows, n, dtype=E4M3, device=gate.device) for _ in range(3))
+    gs, us, hs = (torch.empty(rows, 1, dtype=torch.float32, device=gate.device) for _ in range(3))
+    kernel[(_row_programs(gate.device, rows),)](gate, up, gq, uq, hq, gs, us, hs, rows, n, gate.stride(0),
+                                                up.stride(0), E4M3_MAX, BLOCK=ROW_BLOCK, num_warps=8)  # fmt: skip
+    return gq, gs, uq, us, hq, hs
+
+
+@swiglu_fp8_forward.register_fake
+def _(gate, up):
+    rows, n = gate.shape
+    casts = [gate.new_empty(rows, n, dtype=E4M3) for _ in range(3)]
+    scales = [gate.new_empty(rows, 1, dtype=torch.float32) for _ in range(3)]
+    return casts[0], scales[0], casts[1], scales[1], casts[2], scales[2]
+
+
+BwdCasts = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def swiglu_fp8_backward_torch(grad, gq, gs, uq, us, gate_scale, up_scale) -> BwdCasts:
+    """:func:`swiglu_fp8_backward` through torch's operations: what :class:`_SiluMulFp8Saved` and the gate and up
+    layers' backward compute and cast in turn."""
+    gate, up = gq.float() * gs, uq.float() * us
+    sig = torch.sigmoid(gate)
+    g = grad.float()
+    d_gate, d_up = (g * up * sig * (1 + gate * (1 - sig))).to(grad.dtype), (g * gate * sig).to(grad.dtype)
+    dgq, dgs = quantize_rows(d_gate.float() * gate_scale.t())
+    duq, dus = quantize_rows(d_up.float() * up_scale.t())
+    return dgq, dgs, duq, dus
+
+
+@torch.library.custom_op("trainbench::swiglu_fp8_backward", mutates_args=())
+def swiglu_fp8_backward(grad: torch.Tensor, gq: torch.Tensor, gs: torch.Tensor, uq: torch.Tensor, us: torch.Tensor,
+                        gate_scale: torch.Tensor, up_scale: torch.Tensor) -> BwdCasts:  # fmt: skip
+    """SwiGLU's input gradients for ``grad`` [rows, n] (16 bits) from the casts of :func:`swiglu_fp8_forward`, each
+    times its projection's weight scales (``gate_scale``, ``up_scale`` [n, 1]) and cast to e4m3 with a scale a row,
+    as the FP8 frozen layers' backward casts the gradient of their outputs: (dgq, dgs, duq, dus). On CUDA one Triton
+    pass; elsewhere torch's operations."""
+    built = _on_triton(grad, _swiglu_backward_kernel)
+    if built is None:
+        return swiglu_fp8_backward_torch(grad, gq, gs, uq, us, gate_scale, up_scale)
+    kernel, _ = built
+    rows, n = grad.shape
+    dgq, duq = (torch.empty(rows, n, dtype=E4M3, device=grad.device) for _ in range(2))
+    dgs, dus = (torch.empty(rows, 1, dtype=torch.float32, device=grad.device) for _ in range(2))
+    kernel[(_row_programs(grad.device, rows),)](grad.contiguous(), gq, uq, gs, us, gate_scale.float().contiguous(),
+                                                up_scale.float().contiguous(), dgq, duq, dgs, dus, rows, n, E4M3_MAX,
+                                                BLOCK=ROW_BLOCK, num_warps=8)  # fmt: skip
+    return dgq, dgs, duq, dus
+
+
+@swiglu_fp8_backward.register_fake
+def _(grad, gq, gs, uq, us, gate_scale, up_scale):
+    rows, n = grad.shape
+    return (grad.new_empty(rows, n, dtype=E4M3), grad.new_empty(rows, 1, dtype=torch.float32),
+            grad.new_empty(rows, n, dtype=E4M3), grad.new_empty(rows, 1, dtype=torch.float32))  # fmt: skip
+
+
+class _Fp8GatedMLP(torch.autograd.Function):
+    """A SwiGLU MLP of three FP8 frozen layers (:class:`Fp8Linear`, no biases) as one function: the same products,
+    casts and saved tensors as the three layers and :class:`_SiluMulFp8Saved` in turn, with SwiGLU's casts in its
+    forward and its gradients' casts in its backward each made by one pass (:func:`swiglu_fp8_forward`,
+    :func:`swiglu_fp8_backward`)."""
+
+    @staticmethod
+    def forward(ctx, x, wg, sg, wu, su, wd, sd):
+        shape = x.shape
+        out_dtype = x.dtype if x.dtype != torch.float32 or not x.is_cuda else torch.bfloat16
+        xq, xs = quantize_rows(x.reshape(-1, shape[-1]))
+        gate = scaled_mm(xq, xs, wg, sg, out_dtype)
+        up = scaled_mm(xq, xs, wu, su, out_dtype)
+        gq, gs, uq, us, hq, hs = swiglu_fp8_forward(gate, up)
+        y = scaled_mm(hq, hs, wd, sd, out_dtype)
+        ctx.save_for_backward(gq, gs, uq, us, wg, sg, wu, su, wd, sd)
+        ctx.in_dtype, ctx.out_dtype = x.dtype, out_dtype
+        return y.reshape(*shape[:-1], wd.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        gq, gs, uq, us, wg, sg, wu, su, wd, sd = ctx.saved_tensors
+        shape = grad.shape
+        yq, ys = quantize_rows(grad.reshape(-1, shape[-1]).float() * sd.t())
+        grad_h = fp8_grad_input(yq, ys, wd, ctx.out_dtype)
+        dgq, dgs, duq, dus = swiglu_fp8_backward(grad_h, gq, gs, uq, us, sg, su)
+        dx = fp8_grad_input(dgq, dgs, wg, ctx.in_dtype) + fp8_grad_input(duq, dus, wu, ctx.in_dtype)
+        return dx.reshape(*shape[:-1], wg.shape[1]), None, None, None, None, None, None
+
+
+def gated_mlp_fp8(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``mlp``'s forward (a SwiGLU MLP whose three layers are :class:`Fp8Linear`) through :class:`_Fp8GatedMLP`
+    where grad is on, else through its layers."""
+    if not torch.is_grad_enabled():
+        return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    return _Fp8GatedMLP.apply(x.to(dtype), gate.weight_fp8, gate.weight_scale, up.weight_fp8, up.weight_scale,
+                              down.weight_fp8, down.weight_scale)  # fmt: skip
+
+
+def fuse_gated_mlp(mlp: nn.Module) -> bool:
+    """Run ``mlp`` through :func:`gated_mlp_fp8` where its three layers are bias-free :class:`Fp8Linear` with no
+    hooks (a LoRA adapter on one of them keeps the layers apart); else keep SwiGLU's inputs in FP8 alone
+    (:func:`silu_mul_fp8_saved`). Returns whether it fused."""
+    layers = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    plain = all(isinstance(m, Fp8Linear) and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+                for m in layers)  # fmt: skip
+    mlp.gated = silu_mul_fp8_saved
+    if plain:
+        mlp.fused = gated_mlp_fp8
+    return plain
+
+
 class Fp8Linear(nn.Linear):
     """An ``nn.Linear`` whose frozen weight is held as ``weight_fp8`` (e4m3) and ``weight_scale`` buffers."""
 
