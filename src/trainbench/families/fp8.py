@@ -280,6 +280,7 @@ _swiglu_forward_kernel = lazy_kernel(_define_swiglu_forward)
 _swiglu_backward_kernel = lazy_kernel(_define_swiglu_backward)
 ROW_BLOCK = 2048  # a chunk of a row a program loads at a time
 ROWS_IN_FLIGHT_PER_SM = 2  # programs a multiprocessor: few enough that a row is still in L2 when read again
+ROW_WARPS = 8
 
 
 def _row_programs(device: torch.device, rows: int) -> int:
@@ -316,7 +317,7 @@ def swiglu_fp8_forward(gate: torch.Tensor, up: torch.Tensor) -> FwdCasts:
     gq, uq, hq = (torch.empty(rows, n, dtype=E4M3, device=gate.device) for _ in range(3))
     gs, us, hs = (torch.empty(rows, 1, dtype=torch.float32, device=gate.device) for _ in range(3))
     kernel[(_row_programs(gate.device, rows),)](gate, up, gq, uq, hq, gs, us, hs, rows, n, gate.stride(0),
-                                                up.stride(0), E4M3_MAX, BLOCK=ROW_BLOCK, num_warps=8)  # fmt: skip
+                                                up.stride(0), E4M3_MAX, BLOCK=ROW_BLOCK, num_warps=ROW_WARPS)  # fmt: skip
     return gq, gs, uq, us, hq, hs
 
 
@@ -359,7 +360,7 @@ def swiglu_fp8_backward(grad: torch.Tensor, gq: torch.Tensor, gs: torch.Tensor, 
     dgs, dus = (torch.empty(rows, 1, dtype=torch.float32, device=grad.device) for _ in range(2))
     kernel[(_row_programs(grad.device, rows),)](grad.contiguous(), gq, uq, gs, us, gate_scale.float().contiguous(),
                                                 up_scale.float().contiguous(), dgq, duq, dgs, dus, rows, n, E4M3_MAX,
-                                                BLOCK=ROW_BLOCK, num_warps=8)  # fmt: skip
+                                                BLOCK=ROW_BLOCK, num_warps=ROW_WARPS)  # fmt: skip
     return dgq, dgs, duq, dus
 
 
