@@ -3,7 +3,6 @@ and the transpose's fallback."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from conftest import float8_layers, train_float8_layers
 
@@ -26,70 +25,6 @@ def test_swiglu_with_fp8_kept_inputs_gives_the_same_output_and_gradients_within_
         assert 1e-4 < rel < 0.06, rel  # FP8's rounding of the kept inputs, and no more
     with torch.no_grad():  # no autograd: the plain function
         assert torch.equal(fp8.silu_mul_fp8_saved(gate, up), ref)
-
-
-def _frozen_fp8_mlp(width: int = 96, ffn: int = 320) -> torch.nn.Module:
-    """A SwiGLU MLP of three bias-free layers, frozen and quantised to :class:`fp8.Fp8Linear` as the LoRA base's."""
-    torch.manual_seed(0)
-    mlp = torch.nn.Module()
-    mlp.gate_proj, mlp.up_proj = torch.nn.Linear(width, ffn, bias=False), torch.nn.Linear(width, ffn, bias=False)
-    mlp.down_proj = torch.nn.Linear(ffn, width, bias=False)
-    mlp.requires_grad_(False)
-    assert fp8.quantize_frozen(mlp) == 3
-    return mlp
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fp8_mlp_as_one_function_gives_its_layers_outputs_and_input_gradient_bit_for_bit(dtype):
-    """fp8.gated_mlp_fp8 (the three FP8 frozen layers and SwiGLU as one function, whose casts a GPU makes in one pass
-    each way) against the layers and fp8.silu_mul_fp8_saved in turn: the same output and input gradient, bit for
-    bit, through torch's operations; with grad off, the same output too."""
-    mlp = _frozen_fp8_mlp()
-    x = torch.randn(2, 24, 96, dtype=dtype, requires_grad=True)
-    grad = torch.randn(2, 24, 96, dtype=dtype)
-    want = mlp.down_proj(fp8.silu_mul_fp8_saved(mlp.gate_proj(x), mlp.up_proj(x)))
-    (want_dx,) = torch.autograd.grad(want, x, grad)
-    got = fp8.gated_mlp_fp8(mlp, x)
-    (got_dx,) = torch.autograd.grad(got, x, grad)
-    assert got.dtype == want.dtype == dtype and got_dx.dtype == dtype
-    assert torch.equal(got, want) and torch.equal(got_dx, want_dx)
-    assert float(got_dx.abs().max()) > 0
-    with torch.no_grad():
-        assert torch.equal(fp8.gated_mlp_fp8(mlp, x), want)
-
-
-def test_the_fp8_mlp_is_made_one_function_only_where_its_layers_are_plain():
-    """fp8.fuse_gated_mlp: three bias-free FP8 layers without hooks run as one function (the module's ``fused``);
-    a hook on one (a LoRA adapter) keeps the layers apart, with SwiGLU's inputs kept in FP8 alone."""
-    from trainbench.families.decoder.model import MLP
-
-    plain = _frozen_fp8_mlp()
-    assert fp8.fuse_gated_mlp(plain) and plain.fused is fp8.gated_mlp_fp8
-    hooked = _frozen_fp8_mlp()
-    hooked.up_proj.register_forward_hook(lambda m, a, out: out)
-    assert not fp8.fuse_gated_mlp(hooked)
-    assert getattr(hooked, "fused", None) is None and hooked.gated is fp8.silu_mul_fp8_saved
-    assert MLP.fused is None  # the class's own forward, until a placement fuses an instance
-
-
-def test_the_swiglu_casts_through_torch_are_the_layers_casts():
-    """The kernels' stand-ins (what a GPU test holds the Triton passes to): the forward's three casts are those of
-    quantize_rows over gate, up and silu(gate) * up; the backward's are the gate and up gradients times their weight
-    scales, cast a row at a time."""
-    torch.manual_seed(1)
-    gate, up = torch.randn(16, 200, dtype=torch.bfloat16), torch.randn(16, 200, dtype=torch.bfloat16)
-    gq, gs, uq, us, hq, hs = fp8.swiglu_fp8_forward(gate, up)
-    for (q, s), t in zip(((gq, gs), (uq, us), (hq, hs)), (gate, up, torch.nn.functional.silu(gate) * up), strict=True):
-        wq, ws = fp8.quantize_rows(t)
-        assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
-    grad = torch.randn(16, 200, dtype=torch.bfloat16)
-    wg, wu = torch.rand(200, 1) + 0.5, torch.rand(200, 1) + 0.5
-    dgq, dgs, duq, dus = fp8.swiglu_fp8_backward(grad, gq, gs, uq, us, wg, wu)
-    gate8, up8 = gate.detach().clone().requires_grad_(True), up.detach().clone().requires_grad_(True)
-    d_gate, d_up = torch.autograd.grad(fp8.silu_mul_fp8_saved(gate8, up8), (gate8, up8), grad)
-    for (q, s), d, w in zip(((dgq, dgs), (duq, dus)), (d_gate, d_up), (wg, wu), strict=True):
-        wq, ws = fp8.quantize_rows(d.float() * w.t())
-        assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
 
 
 def test_the_transpose_off_cuda_is_torchs():

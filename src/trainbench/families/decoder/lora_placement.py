@@ -106,7 +106,7 @@ def _place_fp8(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistInfo, chec
     recompute_all(model, checkpointing)
     for block in model.model.layers:
         if block.mlp.swiglu:  # the gate and up activations kept for the backward in FP8: half their memory
-            fp8.fuse_gated_mlp(block.mlp)
+            block.mlp.gated = fp8.silu_mul_fp8_saved
     if info.world_size == 1:
         return Placed(module=model, model=model)
     from torch.nn.parallel import DistributedDataParallel
@@ -137,7 +137,7 @@ def _place_fp8_sharded(model: DecoderLM, cfg: lora.LoraModelConfig, info: DistIn
     for block in model.model.layers:
         fp8.quantize_frozen(block, as_parameters=True)
         if block.mlp.swiglu:
-            fp8.fuse_gated_mlp(block.mlp)
+            block.mlp.gated = fp8.silu_mul_fp8_saved
     mesh = make_mesh(info.device.type, info.world_size, 1)["dp"]
     mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)  # FP8 stays FP8; adapters reduce in fp32
     for i, block in enumerate(model.model.layers):

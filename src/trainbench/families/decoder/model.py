@@ -138,9 +138,6 @@ class MLP(nn.Module):
     # How the gate meets the up projection; a placement may swap in an equal function that keeps less for the
     # backward (families/fp8.py keeps both inputs in FP8).
     gated = staticmethod(silu_mul)
-    # Or the whole MLP as one function of the module and its input (families/fp8.py: the FP8 frozen layers' three
-    # products with SwiGLU's casts made in one pass each way).
-    fused = None
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -152,8 +149,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=not self.swiglu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None:
-            return self.fused(self, x)
         if self.swiglu:
             return self.down_proj(self.gated(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
