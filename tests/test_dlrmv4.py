@@ -230,6 +230,50 @@ def test_a_sequence_longer_than_the_rules_allow_is_refused():
         BENCH.validate(cfg)
 
 
+def test_tables_that_cannot_fit_are_refused_in_one_sentence_with_the_gpus_they_need():
+    """The reference's 293 M rows of 512 (559 GiB of fp32): whole on one H200 they need their rows, gradient and
+    accumulators (1,119 GiB), sharded over one rank 560 GiB, so at least 5 such GPUs; over 8 they fit (70 GiB a
+    rank). Whole tables on each of a node's ranks are first drawn in host memory, which must hold them; on the CPU the
+    node's ranks share the host's memory. The tiny preset fits anywhere."""
+    from trainbench.families.hstu.family import check_tables_fit, tables_need
+
+    h200, host = int(139.3 * 2**30), 2000 * 2**30
+    cfg = BENCH.config("dlrmv4")
+    cfg.device = "cuda"
+    assert sum(cfg.model.table_rows().values()) == 293_050_000
+    with pytest.raises(ConfigError, match=r"whole on every rank need at least 1,119.0 GiB .* against the 139.3 GiB of "
+                       r"this GPU's memory: shard them over at least 5 GPUs of this size"):  # fmt: skip
+        check_tables_fit(cfg, h200, host)
+    cfg.perf.sharded_tables = True
+    with pytest.raises(ConfigError, match=r"sharded over 1 rank\(s\) need at least 560.0 GiB .* at least 5 GPUs"):
+        check_tables_fit(cfg, h200, host)
+    cfg.distributed.nproc = 8
+    assert tables_need(cfg) == (math.ceil(293_050_000 / 8) * 513 * 4, 0)
+    check_tables_fit(cfg, h200, host)  # 70.0 GiB a rank: fits
+    cfg.perf.sharded_tables = False  # whole tables on 8 ranks of a 2,000 GiB host: 8 x 559 GiB drawn there first
+    with pytest.raises(ConfigError, match=r"each of this node's 8 rank\(s\) are first drawn in host memory"):
+        check_tables_fit(cfg, 2000 * 2**40, host)
+    cfg.device = "cpu"
+    with pytest.raises(ConfigError, match=r"host memory this node's 8 rank\(s\) share: run them sharded on "
+                       r"GPUs \(device=cuda perf.sharded_tables=true\), or cut them"):  # fmt: skip
+        check_tables_fit(cfg, None, host)
+    check_tables_fit(BENCH.config("tiny"), None, 2**30)
+
+
+def test_the_reference_tables_on_the_cpu_are_refused_before_they_are_allocated(tiny_data, tmp_path, capsys):
+    """`trainbench run dlrmv4 --preset dlrmv4` on the CPU: one sentence and exit code 2 (it used to try to allocate
+    the first table's 204,800,000,000 bytes and fail with the allocator's traceback)."""
+    from tests.conftest import run_cli
+
+    code = run_cli("run", "dlrmv4", "--preset", "dlrmv4", f"data.dir={tiny_data}", f"output.results_dir={tmp_path}",
+                   "device=cpu", "progress=false", "telemetry_hz=0")  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 2, out
+    errors = [ln for ln in (out.out + out.err).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "293,050,000 rows of 512" in errors[0] and "--table-rows N" in errors[0], out
+    assert "Traceback" not in out.out + out.err
+
+
 def test_the_hstu_ranker_gives_one_logit_a_sample_whatever_its_batch():
     from trainbench.families.hstu.model import HstuRanker
 

@@ -260,18 +260,31 @@ def refusal(name: str, smallest: Plan, layers: int, r: Resources, p: BlockProbe)
 
 def host_available_bytes() -> int:
     """MemAvailable of /proc/meminfo (or, where absent, the physical memory), capped by a cgroup's limit."""
+    return _within_cgroup(_meminfo("MemAvailable:"))
+
+
+def host_total_bytes() -> int:
+    """MemTotal of /proc/meminfo (or, where absent, the physical memory), capped by a cgroup's limit: what a node's
+    ranks can hold together, whatever they hold already."""
+    return _within_cgroup(_meminfo("MemTotal:"))
+
+
+def _meminfo(field: str) -> int:
     import os
     from pathlib import Path
 
-    available = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
     except OSError:
         pass
-    if available is None:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _within_cgroup(available: int) -> int:
+    from pathlib import Path
+
     for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
             text = Path(limit).read_text().strip()

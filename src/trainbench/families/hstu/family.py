@@ -5,6 +5,7 @@ table's lookups and their gradients) and DDP averages the dense parameters' grad
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from trainbench.config import RunConfig
@@ -18,6 +19,64 @@ if TYPE_CHECKING:
 
 
 JAGGED_ON_CPU = "perf.hstu_attention=jagged is a CUDA kernel: on the CPU use dense or auto"
+GIB = 2**30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.1f} GiB"
+
+
+def tables_need(cfg: RunConfig) -> tuple[int, int]:
+    """A lower bound of what one rank's embedding tables take: (bytes on its device, bytes of host memory while they
+    are built). Whole tables: their fp32 rows, drawn on the host first, and on the device the rows, their dense
+    gradient and RowWiseAdagrad's accumulator a row. Sharded: the rank's block of rows and their accumulators (its
+    rows are drawn a chunk at a time: no host copy of a whole block)."""
+    rows = sum(cfg.model.table_rows().values())
+    weights, accumulators = rows * cfg.model.embedding_dim * 4, rows * 4
+    if cfg.perf.sharded_tables:
+        ranks = cfg.distributed.world_size
+        return math.ceil(rows / ranks) * (cfg.model.embedding_dim + 1) * 4, 0
+    return 2 * weights + accumulators, weights
+
+
+def check_tables_fit(cfg: RunConfig, gpu_bytes: int | None, host_bytes: int) -> None:
+    """Refuse in one sentence, before a byte of them is allocated, embedding tables that cannot fit a rank's GPU
+    (``gpu_bytes``: its memory; None for a run on the CPU, whose ranks share the host's) or the host memory this
+    node's ranks share (``host_bytes``: all of it, not what is free now, which the node's other ranks may already be
+    filling with theirs). A lower bound (:func:`tables_need`): the dense layers, the activations and
+    the allocator's slack come on top."""
+    device_need, host_need = tables_need(cfg)
+    per_node, ranks = cfg.distributed.nproc, cfg.distributed.world_size
+    tables = cfg.model.table_rows()
+    rows = sum(tables.values())
+    what = f"dlrmv4's {len(tables)} embedding tables ({rows:,} rows of {cfg.model.embedding_dim})"
+    cut = "or cut them for a throughput measurement (trainbench bench dlrmv4 --table-rows N)"
+    if gpu_bytes is None:  # on the CPU the ranks' tables share the host's memory
+        need, room, where = (
+            device_need * per_node,
+            host_bytes,
+            f"host memory this node's {per_node} rank(s) share",
+        )
+        host_need = 0
+    else:
+        need, room, where = device_need, gpu_bytes, "this GPU's memory"
+    if need > room:
+        held = "their rows and accumulators" if cfg.perf.sharded_tables else "their rows, gradient and accumulators"
+        layout = f"sharded over {ranks} rank(s)" if cfg.perf.sharded_tables else "whole on every rank"
+        if gpu_bytes is None:
+            fix = "run them sharded on GPUs (device=cuda perf.sharded_tables=true)"
+        else:  # the least number of such GPUs whose memory holds every row and accumulator once
+            gpus = math.ceil(rows * (cfg.model.embedding_dim + 1) * 4 / gpu_bytes)
+            fix = (
+                f"shard them over at least {gpus} GPUs of this size (perf.sharded_tables=true, --nproc, "
+                "distributed.nodes)"
+            )
+        raise ConfigError(f"{what} {layout} need at least {_gib(need)} for {held} against the {_gib(room)} of "
+                          f"{where}: {fix}, {cut}")  # fmt: skip
+    if host_need * per_node > host_bytes:
+        raise ConfigError(f"{what} whole on each of this node's {per_node} rank(s) are first drawn in host memory, "
+                          f"{_gib(host_need * per_node)} in all, more than the {_gib(host_bytes)} this node has: "
+                          f"shard them over the ranks (perf.sharded_tables=true), {cut}")  # fmt: skip
 
 
 class HstuFamily(ModelFamily):
@@ -50,7 +109,17 @@ class HstuFamily(ModelFamily):
         return {k: why for k, why in super().unused_for(cfg).items() if k != "perf.hstu_attention"}
 
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
+        import torch
+
         from trainbench.families.hstu.model import HstuRanker
+        from trainbench.families.planner import host_total_bytes
+
+        gpu_bytes = None
+        if cfg.device == "cuda" and torch.cuda.is_available():
+            gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            if cfg.perf.gpu_memory_gib is not None:
+                gpu_bytes = min(gpu_bytes, int(cfg.perf.gpu_memory_gib * GIB))
+        check_tables_fit(cfg, gpu_bytes, host_total_bytes())
 
         return HstuRanker(cfg.model, cfg.seed, whole_tables=not cfg.perf.sharded_tables)
 
