@@ -221,7 +221,7 @@ def fixed_keys(cfg, preset) -> dict[str, Any]:
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
+    return f"{n / GIB:,.1f} GiB"
 
 
 def describe(plan: Plan, layers: int, r: Resources, fixed: dict[str, Any], tokens: int) -> list[str]:

@@ -19,11 +19,11 @@ if TYPE_CHECKING:
 
 
 JAGGED_ON_CPU = "perf.hstu_attention=jagged is a CUDA kernel: on the CPU use dense or auto"
-GIB = 2**30
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:,.1f} GiB"
+def _row_bytes(cfg: RunConfig) -> int:
+    """A table row's fp32 weights and its RowWiseAdagrad accumulator."""
+    return (cfg.model.embedding_dim + 1) * 4
 
 
 def tables_need(cfg: RunConfig) -> tuple[int, int]:
@@ -32,11 +32,10 @@ def tables_need(cfg: RunConfig) -> tuple[int, int]:
     gradient and RowWiseAdagrad's accumulator a row. Sharded: the rank's block of rows and their accumulators (its
     rows are drawn a chunk at a time: no host copy of a whole block)."""
     rows = sum(cfg.model.table_rows().values())
-    weights, accumulators = rows * cfg.model.embedding_dim * 4, rows * 4
     if cfg.perf.sharded_tables:
-        ranks = cfg.distributed.world_size
-        return math.ceil(rows / ranks) * (cfg.model.embedding_dim + 1) * 4, 0
-    return 2 * weights + accumulators, weights
+        return math.ceil(rows / cfg.distributed.world_size) * _row_bytes(cfg), 0
+    weights = rows * cfg.model.embedding_dim * 4
+    return weights + rows * _row_bytes(cfg), weights
 
 
 def check_tables_fit(cfg: RunConfig, gpu_bytes: int | None, host_bytes: int) -> None:
@@ -45,19 +44,17 @@ def check_tables_fit(cfg: RunConfig, gpu_bytes: int | None, host_bytes: int) -> 
     node's ranks share (``host_bytes``: all of it, not what is free now, which the node's other ranks may already be
     filling with theirs). A lower bound (:func:`tables_need`): the dense layers, the activations and
     the allocator's slack come on top."""
+    from trainbench.families.planner import gib
+
     device_need, host_need = tables_need(cfg)
     per_node, ranks = cfg.distributed.nproc, cfg.distributed.world_size
     tables = cfg.model.table_rows()
     rows = sum(tables.values())
     what = f"dlrmv4's {len(tables)} embedding tables ({rows:,} rows of {cfg.model.embedding_dim})"
     cut = "or cut them for a throughput measurement (trainbench bench dlrmv4 --table-rows N)"
-    if gpu_bytes is None:  # on the CPU the ranks' tables share the host's memory
-        need, room, where = (
-            device_need * per_node,
-            host_bytes,
-            f"host memory this node's {per_node} rank(s) share",
-        )
-        host_need = 0
+    if gpu_bytes is None:  # on the CPU the ranks' tables share the host's memory, and are drawn there
+        need, room, host_need = device_need * per_node, host_bytes, 0
+        where = f"host memory this node's {per_node} rank(s) share"
     else:
         need, room, where = device_need, gpu_bytes, "this GPU's memory"
     if need > room:
@@ -66,16 +63,16 @@ def check_tables_fit(cfg: RunConfig, gpu_bytes: int | None, host_bytes: int) -> 
         if gpu_bytes is None:
             fix = "run them sharded on GPUs (device=cuda perf.sharded_tables=true)"
         else:  # the least number of such GPUs whose memory holds every row and accumulator once
-            gpus = math.ceil(rows * (cfg.model.embedding_dim + 1) * 4 / gpu_bytes)
+            gpus = math.ceil(rows * _row_bytes(cfg) / gpu_bytes)
             fix = (
                 f"shard them over at least {gpus} GPUs of this size (perf.sharded_tables=true, --nproc, "
                 "distributed.nodes)"
             )
-        raise ConfigError(f"{what} {layout} need at least {_gib(need)} for {held} against the {_gib(room)} of "
+        raise ConfigError(f"{what} {layout} need at least {gib(need)} for {held} against the {gib(room)} of "
                           f"{where}: {fix}, {cut}")  # fmt: skip
     if host_need * per_node > host_bytes:
         raise ConfigError(f"{what} whole on each of this node's {per_node} rank(s) are first drawn in host memory, "
-                          f"{_gib(host_need * per_node)} in all, more than the {_gib(host_bytes)} this node has: "
+                          f"{gib(host_need * per_node)} in all, more than the {gib(host_bytes)} this node has: "
                           f"shard them over the ranks (perf.sharded_tables=true), {cut}")  # fmt: skip
 
 
@@ -112,7 +109,7 @@ class HstuFamily(ModelFamily):
         import torch
 
         from trainbench.families.hstu.model import HstuRanker
-        from trainbench.families.planner import host_total_bytes
+        from trainbench.families.planner import GIB, host_total_bytes
 
         gpu_bytes = None
         if cfg.device == "cuda" and torch.cuda.is_available():
