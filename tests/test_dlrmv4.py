@@ -234,7 +234,7 @@ def test_tables_that_cannot_fit_are_refused_in_one_sentence_with_the_gpus_they_n
     """The reference's 293 M rows of 512 (559 GiB of fp32): whole on one H200 they need their rows, gradient and
     accumulators (1,119 GiB), sharded over one rank 560 GiB, so at least 5 such GPUs; over 8 they fit (70 GiB a
     rank). Whole tables on each of a node's ranks are first drawn in host memory, which must hold them; on the CPU the
-    node's ranks share the host's memory. The tiny preset fits anywhere."""
+    node's ranks share the host's memory. A GPU of unknown size is not compared. The tiny preset fits anywhere."""
     from trainbench.families.hstu.family import check_tables_fit, tables_need
 
     h200, host = int(139.3 * 2**30), 2000 * 2**30
@@ -247,6 +247,7 @@ def test_tables_that_cannot_fit_are_refused_in_one_sentence_with_the_gpus_they_n
     cfg.perf.sharded_tables = True
     with pytest.raises(ConfigError, match=r"sharded over 1 rank\(s\) need at least 560.0 GiB .* at least 5 GPUs"):
         check_tables_fit(cfg, h200, host)
+    check_tables_fit(cfg, None, host)  # a GPU of unknown size (no perf.gpu_memory_gib): not compared
     cfg.distributed.nproc = 8
     assert tables_need(cfg) == (math.ceil(293_050_000 / 8) * 513 * 4, 0)
     check_tables_fit(cfg, h200, host)  # 70.0 GiB a rank: fits

@@ -40,10 +40,10 @@ def tables_need(cfg: RunConfig) -> tuple[int, int]:
 
 def check_tables_fit(cfg: RunConfig, gpu_bytes: int | None, host_bytes: int) -> None:
     """Refuse in one sentence, before a byte of them is allocated, embedding tables that cannot fit a rank's GPU
-    (``gpu_bytes``: its memory; None for a run on the CPU, whose ranks share the host's) or the host memory this
-    node's ranks share (``host_bytes``: all of it, not what is free now, which the node's other ranks may already be
-    filling with theirs). A lower bound (:func:`tables_need`): the dense layers, the activations and
-    the allocator's slack come on top."""
+    (``gpu_bytes``: its memory, on a GPU run; None where unknown: not compared) or the host memory this node's ranks
+    share (``host_bytes``: all of it, not what is free now, which the node's other ranks may already be filling with
+    theirs; on the CPU the ranks' tables live there). A lower bound (:func:`tables_need`): the dense layers, the
+    activations and the allocator's slack come on top."""
     from trainbench.families.planner import gib
 
     device_need, host_need = tables_need(cfg)
@@ -52,15 +52,16 @@ def check_tables_fit(cfg: RunConfig, gpu_bytes: int | None, host_bytes: int) -> 
     rows = sum(tables.values())
     what = f"dlrmv4's {len(tables)} embedding tables ({rows:,} rows of {cfg.model.embedding_dim})"
     cut = "or cut them for a throughput measurement (trainbench bench dlrmv4 --table-rows N)"
-    if gpu_bytes is None:  # on the CPU the ranks' tables share the host's memory, and are drawn there
+    on_cpu = cfg.device == "cpu"
+    if on_cpu:  # the ranks' tables share the host's memory, and are drawn there
         need, room, host_need = device_need * per_node, host_bytes, 0
         where = f"host memory this node's {per_node} rank(s) share"
     else:
         need, room, where = device_need, gpu_bytes, "this GPU's memory"
-    if need > room:
+    if room is not None and need > room:
         held = "their rows and accumulators" if cfg.perf.sharded_tables else "their rows, gradient and accumulators"
         layout = f"sharded over {ranks} rank(s)" if cfg.perf.sharded_tables else "whole on every rank"
-        if gpu_bytes is None:
+        if on_cpu:
             fix = "run them sharded on GPUs (device=cuda perf.sharded_tables=true)"
         else:  # the least number of such GPUs whose memory holds every row and accumulator once
             gpus = math.ceil(rows * _row_bytes(cfg) / gpu_bytes)
@@ -106,16 +107,14 @@ class HstuFamily(ModelFamily):
         return {k: why for k, why in super().unused_for(cfg).items() if k != "perf.hstu_attention"}
 
     def build_model(self, cfg: RunConfig) -> torch.nn.Module:
-        import torch
-
         from trainbench.families.hstu.model import HstuRanker
         from trainbench.families.planner import GIB, host_total_bytes
 
+        # A GPU's size from perf.gpu_memory_gib where given; reading the GPU's own has not run on one yet, so without
+        # the key a GPU run checks its host memory alone (docs/dlrmv4.md).
         gpu_bytes = None
-        if cfg.device == "cuda" and torch.cuda.is_available():
-            gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-            if cfg.perf.gpu_memory_gib is not None:
-                gpu_bytes = min(gpu_bytes, int(cfg.perf.gpu_memory_gib * GIB))
+        if cfg.device == "cuda" and cfg.perf.gpu_memory_gib is not None:
+            gpu_bytes = int(cfg.perf.gpu_memory_gib * GIB)
         check_tables_fit(cfg, gpu_bytes, host_total_bytes())
 
         return HstuRanker(cfg.model, cfg.seed, whole_tables=not cfg.perf.sharded_tables)
