@@ -259,6 +259,17 @@ def float8_layers(device: str = "cpu", width: int = 64):
     return root
 
 
+def torchao_weight_cast(layer):
+    """torchao's own cast of ``layer.weight.t()``, as its float8 layer makes it in every call."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    c = layer.config.cast_config_weight
+    return hp_tensor_to_float8_dynamic(layer.weight.detach().t(), c.target_dtype, layer.linear_mm_config,
+                                       gemm_input_role=GemmInputRole.WEIGHT,
+                                       round_scales_to_power_of_2=layer.config.round_scales_to_power_of_2)  # fmt: skip
+
+
 def train_float8_layers(once: bool, stale_step: int | None = None, device: str = "cpu", width: int = 64,
                         compiled: bool = False) -> list:  # fmt: skip
     """:func:`float8_layers` trained 3 steps of 2 micro-batches with the fused AdamW (which leaves the weights'

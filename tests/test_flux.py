@@ -3,6 +3,8 @@ predicted velocity and the gradients, on the CPU; its parameter count and rotary
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -221,3 +223,68 @@ def test_fp8_is_refused_on_the_cpu_and_swaps_the_blocks_layers_but_not_their_mod
     assert kinds["double_blocks.0.txt_mlp.2"] == "Float8Linear"
     assert kinds["double_blocks.0.img_mod.lin"] == kinds["single_blocks.0.modulation.lin"] == "Linear"
     assert kinds["img_in"] == kinds["final_layer.linear"] == kinds["time_in.in_layer"] == "Linear"
+
+
+def _train_placed_fp8_flux(once: bool, stale_step: int | None = None) -> tuple[list, list]:
+    """:data:`SMALL` in FP8 placed on the CPU by ``place_flux`` (its GPU checks set aside: torchao's float8 products
+    run on the CPU too, another kernel), trained 3 steps of 2 micro-batches under bf16 autocast with the fused AdamW:
+    each micro-batch's output and each step's gradients, and the placement's notes. ``once``: as placed (the
+    weights cast once a step); else with that left out; ``stale_step``: that step's ``after_step`` not run."""
+    from trainbench.config import DistributedConfig, PerfConfig
+    from trainbench.distributed import DistInfo
+    from trainbench.families import fp8
+    from trainbench.families.mmdit.placement import place_flux
+
+    torch.manual_seed(0)
+    model = Flux(dataclasses.replace(SMALL, precision="fp8"))
+    cpu = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.MonkeyPatch.context() as placing:
+        placing.setattr(fp8, "min_capability", lambda *a, **k: None)
+        if not once:
+            placing.setattr(fp8, "cast_weights_once_a_step", lambda *a, **k: None)
+        placed = place_flux(model, cpu, DistributedConfig(), PerfConfig(), bf16=False)
+    opt = torch.optim.AdamW(placed.module.parameters(), lr=1e-2, fused=True)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 16, 16, generator=gen), torch.randn(2, 8, 24, generator=gen),
+                torch.randn(2, 12, generator=gen), torch.rand(2, generator=gen)) for _ in range(2)]  # fmt: skip
+    ids = torch.zeros(16, 3), torch.zeros(8, 3)
+    seen = []
+    for step in range(3):
+        for img, txt, vector, t in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = placed.model(img, txt, vector, t, *ids)
+            out.float().square().mean().backward()
+            seen.append(out.detach().float())
+        assert all(p.grad.dtype == torch.float32 for p in placed.module.parameters())
+        seen += [p.grad.clone() for p in placed.module.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if placed.after_step is not None and step != stale_step:
+            placed.after_step()
+    return seen, placed.notes
+
+
+def test_fp8_weights_cast_once_a_step_train_what_casts_in_every_call_train(monkeypatch):
+    """model.precision=fp8 on one rank (mmdit/placement.cast_once_a_step): the blocks' FP8 layers take their weights
+    cast once a step and add their bf16 gradients into fp32 in one pass, once a micro-batch after the first, and give
+    the outputs and gradients of the same layers casting in every call, bit for bit, over 3 steps of 2 micro-batches;
+    the notes say so. A step whose casts are left stale does not match: what the comparison would catch."""
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    from trainbench.families import fp8
+
+    added = []
+
+    def add(total: torch.Tensor, grad: torch.Tensor) -> None:
+        added.append((total.dtype, grad.dtype))
+        total.add_(grad)
+
+    monkeypatch.setattr(fp8, "add_grad_into", add)
+    once, notes = _train_placed_fp8_flux(once=True)
+    assert added == [(torch.float32, torch.bfloat16)] * (3 * 20)  # 3 steps x 20 layers x (2 - 1) micro-batches
+    assert "their weights cast to FP8 once a step, their gradients added into fp32 in one pass" in notes
+    per_call, notes = _train_placed_fp8_flux(once=False)
+    assert not any("once a step" in n for n in notes)
+    assert len(once) == len(per_call)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(once, per_call, strict=True))
+    stale, _ = _train_placed_fp8_flux(once=True, stale_step=0)
+    assert not all(torch.equal(a, b) for a, b in zip(stale, per_call, strict=True))

@@ -3,8 +3,9 @@ and the transpose's fallback."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from conftest import float8_layers, train_float8_layers
+from conftest import float8_layers, torchao_weight_cast, train_float8_layers
 
 from trainbench.families import fp8
 from trainbench.families.decoder.model import silu_mul
@@ -149,3 +150,18 @@ def test_the_optimizers_own_kernel_is_handed_an_fp8_gathered_weights_memory_neve
     pair = Pair(inner, LinearMMConfig(), torch.float8_e4m3fn)
     pair._other = inner.clone()
     assert _memory(pair) is None
+
+
+def test_the_weights_cast_once_a_step_are_torchaos_cast_bit_for_bit_in_its_layout():
+    """fp8._weight_cast reads the weight in its own order and transposes the result as a view: the same scale and
+    bytes as torchao's cast of the transposed weight, in the same strides, reporting bf16; a weight changed after
+    the cast would not match (what the comparison would catch)."""
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    for layer in float8_layers("cpu", 48).model.layers:
+        mine, theirs = fp8._weight_cast(layer), torchao_weight_cast(layer)
+        assert mine.dtype == torch.bfloat16 and mine.shape == theirs.shape == layer.weight.t().shape
+        assert mine._data.stride() == theirs._data.stride() and torch.equal(mine._scale, theirs._scale)
+        assert torch.equal(mine._data.view(torch.uint8), theirs._data.view(torch.uint8))
+        with torch.no_grad():
+            layer.weight.add_(0.01)
+        assert not torch.equal(fp8._weight_cast(layer)._data.view(torch.uint8), theirs._data.view(torch.uint8))

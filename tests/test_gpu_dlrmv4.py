@@ -142,3 +142,23 @@ def test_bench_at_the_reference_layer_shape_runs_on_one_gpu_with_its_tables_trun
     parts = result["profile"]["by_part_ms"]  # the profiled step's GPU time by part, each of them found
     assert all(parts.get(p, 0) > 0 for p in ("embedding lookup", "tables' optimizer", "optimizer", "model")), parts
     assert "truncated to at most 1,000,000 rows" in (run_dir / "console.log").read_text()
+
+
+def test_the_reference_tables_on_one_gpu_are_refused_against_that_gpus_own_memory(tmp_path, capsys):
+    """`trainbench run dlrmv4 --preset dlrmv4 device=cuda` with no perf.gpu_memory_gib: the tables (1,119 GiB whole
+    on the rank) are compared with this GPU's own memory, read from the device, and refused in one sentence that
+    names its size and the GPUs of that size they would need sharded, before any table is allocated on it."""
+    data = tmp_path / "data"
+    assert run_cli("prepare", "dlrmv4", "--synthetic", "--preset", "tiny", "--out", data, "--no-progress") == 0
+    code = run_cli("run", "dlrmv4", "--preset", "dlrmv4", f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}",
+                   "device=cuda", "progress=false", "telemetry_hz=0")  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 2, out
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    gpus = math.ceil(293_050_000 * 513 * 4 / total)
+    errors = [ln for ln in (out.out + out.err).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, out
+    assert f"against the {total / 2**30:,.1f} GiB of this GPU's memory" in errors[0], errors[0]
+    assert f"shard them over at least {gpus} GPUs of this size" in errors[0], errors[0]
+    assert "Traceback" not in out.out + out.err
+    assert torch.cuda.memory_allocated() < 2**30  # no table was allocated

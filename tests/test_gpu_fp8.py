@@ -6,7 +6,7 @@ CUDA device is visible."""
 
 import pytest
 import torch
-from conftest import single_gpu_tier, train_float8_layers
+from conftest import float8_layers, single_gpu_tier, torchao_weight_cast, train_float8_layers
 
 pytestmark = single_gpu_tier()
 
@@ -98,6 +98,22 @@ def test_fp8_weights_cast_once_a_step_follow_every_optimizer_step_compiled_on_cu
     per_call, once = train(False), train(True)
     assert worst(once, per_call) < 1e-2
     assert worst(train(True, stale_step=0), per_call) > 0.1
+
+
+def test_the_weights_compiled_cast_once_a_step_is_torchaos_cast_bit_for_bit_on_cuda():
+    """fp8._weight_cast compiled (one graph for every size): torchao's eager cast of the transposed weight, the same
+    scale and bytes in the same strides, for weights of several sizes (one of them not a multiple of the compiled
+    kernels' blocks), each with an outlier that sets its scale."""
+    pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    from trainbench.families import fp8
+
+    for width in (64, 256, 1040):
+        for layer in float8_layers("cuda", width).model.layers:
+            with torch.no_grad():
+                layer.weight[0, 0] = 1e4
+            mine, theirs = fp8._weight_cast(layer, compiled=True), torchao_weight_cast(layer)
+            assert mine._data.stride() == theirs._data.stride() and torch.equal(mine._scale, theirs._scale)
+            assert torch.equal(mine._data.view(torch.uint8), theirs._data.view(torch.uint8)), width
 
 
 @pytest.mark.parametrize("g", [1.0 / 3, -2.0])

@@ -15,6 +15,7 @@ stored, another kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -382,18 +383,36 @@ def _float8_forward(self, input: torch.Tensor) -> torch.Tensor:
     return output if self.bias is None else output + self.bias.to(output.dtype)
 
 
-def _weight_cast(m: nn.Module) -> torch.Tensor:
+def _weight_bytes(w: torch.Tensor, float8_dtype: torch.dtype, round_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 weight ``w`` (flattened) cast as torchao casts it, by torchao's own functions: its scale from its
+    absolute maximum (computed in float64, the same compiled or not) and its bytes, saturated."""
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    scale = tensor_to_scale(w, float8_dtype, round_scales_to_power_of_2=round_scales)
+    return to_fp8_saturated(w.to(torch.float32) * scale, float8_dtype), scale
+
+
+@functools.cache
+def _compiled_weight_bytes() -> Callable:
+    """:func:`_weight_bytes` compiled once for every weight's size (dynamic)."""
+    return torch.compile(_weight_bytes, dynamic=True)
+
+
+def _weight_cast(m: nn.Module, compiled: bool = False) -> torch.Tensor:
     """``m.weight.t()`` cast as torchao's float8 layer casts it in each call (the same amax, scale and bytes), as a
-    tensor that reports bf16: the precision of the products' gradients, so that none is cast on its way back."""
-    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    tensor that reports bf16: the precision of the products' gradients, so that none is cast on its way back. The cast
+    reads the weight in its own (row-major) order and the result is transposed as a view, the layout torchao's cast of
+    the transposed weight has. ``compiled`` (a CUDA weight): two compiled passes, the maximum then the cast, in place
+    of torch's eager kernels, a pass each for the absolute value, the maximum, the product, the clamp and the cast
+    (docs/flux1.md, "The weights cast once a step")."""
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
 
     c = m.config.cast_config_weight
-    cast = hp_tensor_to_float8_dynamic(m.weight.detach().t(), c.target_dtype, m.linear_mm_config,
-                                       gemm_input_role=GemmInputRole.WEIGHT,
-                                       round_scales_to_power_of_2=m.config.round_scales_to_power_of_2)  # fmt: skip
-    return Float8TrainingTensor(cast._data, cast._scale, torch.bfloat16, cast._linear_mm_config,
-                                cast._gemm_input_role, cast._axiswise_dim)  # fmt: skip
+    w = m.weight.detach()
+    cast = _compiled_weight_bytes() if compiled and w.is_cuda else _weight_bytes
+    data, scale = cast(w.reshape(-1), c.target_dtype, m.config.round_scales_to_power_of_2)
+    return Float8TrainingTensor(data.view(w.shape).t(), scale, torch.bfloat16, m.linear_mm_config,
+                                GemmInputRole.WEIGHT, None)  # fmt: skip
 
 
 def once_a_step(weights: Callable[[], list[torch.Tensor]],
@@ -442,7 +461,7 @@ def cast_weights_once_a_step(model: nn.Module, compiled: bool = True) -> Callabl
     casts: dict = {}
 
     def recast() -> None:
-        casts.update({m: grad_leaf(_weight_cast(m), m.weight, *gradients, transposed=True) for m in layers})
+        casts.update({m: grad_leaf(_weight_cast(m, compiled), m.weight, *gradients, transposed=True) for m in layers})
 
     refresh_casts, after_step = once_a_step(lambda: [m.weight for m in layers], recast)
     state: dict = {}  # whether the blocks keep their saved tensors in host memory, seen at the first forward

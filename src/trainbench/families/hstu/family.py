@@ -110,11 +110,14 @@ class HstuFamily(ModelFamily):
         from trainbench.families.hstu.model import HstuRanker
         from trainbench.families.planner import GIB, host_total_bytes
 
-        # A GPU's size from perf.gpu_memory_gib where given; reading the GPU's own has not run on one yet, so without
-        # the key a GPU run checks its host memory alone (docs/dlrmv4.md).
+        # A GPU's size: perf.gpu_memory_gib where given (a smaller GPU stood in for), else this rank's GPU's own.
         gpu_bytes = None
         if cfg.device == "cuda" and cfg.perf.gpu_memory_gib is not None:
             gpu_bytes = int(cfg.perf.gpu_memory_gib * GIB)
+        elif cfg.device == "cuda":
+            import torch
+
+            gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         check_tables_fit(cfg, gpu_bytes, host_total_bytes())
 
         return HstuRanker(cfg.model, cfg.seed, whole_tables=not cfg.perf.sharded_tables)
