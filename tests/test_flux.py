@@ -265,7 +265,7 @@ def _train_placed_fp8_flux(once: bool, stale_step: int | None = None) -> tuple[l
 
 
 def test_fp8_weights_cast_once_a_step_train_what_casts_in_every_call_train(monkeypatch):
-    """model.precision=fp8 on one rank (mmdit/placement.cast_once_a_step): the blocks' FP8 layers take their weights
+    """model.precision=fp8 on one rank (fp8.cast_placed_weights_once_a_step): the blocks' FP8 layers take their weights
     cast once a step and add their bf16 gradients into fp32 in one pass, once a micro-batch after the first, and give
     the outputs and gradients of the same layers casting in every call, bit for bit, over 3 steps of 2 micro-batches;
     the notes say so. A step whose casts are left stale does not match: what the comparison would catch."""

@@ -165,3 +165,20 @@ def test_the_weights_cast_once_a_step_are_torchaos_cast_bit_for_bit_in_its_layou
         with torch.no_grad():
             layer.weight.add_(0.01)
         assert not torch.equal(fp8._weight_cast(layer)._data.view(torch.uint8), theirs._data.view(torch.uint8))
+
+
+def test_what_runs_after_each_step_runs_in_the_order_it_was_added():
+    """Placed.also_after_step, which the placements use to add the FP8 casts' bookkeeping after each optimizer step:
+    every function added runs once a step, in the order added; None adds nothing."""
+    from trainbench.distributed import Placed
+
+    ran = []
+    placed = Placed(module=torch.nn.Linear(1, 1), model=None)
+    placed.also_after_step(None)
+    assert placed.after_step is None
+    for name in ("scales", "casts", "output"):
+        placed.also_after_step(lambda name=name: ran.append(name))
+        placed.also_after_step(None)
+    placed.after_step()
+    placed.after_step()
+    assert ran == ["scales", "casts", "output"] * 2

@@ -28,14 +28,14 @@ def test_tiny_flux_reaches_its_target_training_in_fp8_on_cuda(tmp_path, capsys):
     # 2 double blocks x 2 streams x (qkv, proj, 2 MLP layers) + 2 single blocks x (linear1, linear2)
     out = capsys.readouterr().out
     assert "20 linear layers of the blocks train in FP8" in out
-    assert "their weights cast to FP8 once a step" in out  # one rank: mmdit/placement.cast_once_a_step
+    assert "their weights cast to FP8 once a step" in out  # one rank: fp8.cast_placed_weights_once_a_step
     events = [json.loads(line.split(":::MLLOG ")[1]) for line in (run_dir / "result_0.txt").read_text().splitlines()]
     assert {e["key"]: e["value"] for e in events}["lowest_numerical_precision_in_linear"] == "fp8"
 
 
 def test_fp8_weights_cast_once_a_step_train_the_per_call_casts_losses_compiled_on_cuda(tmp_path, monkeypatch):
     """flux1's tiny preset in FP8 compiled as one graph on one GPU, 2 micro-batches a step: the weights cast once a
-    step by a hook outside the graph (mmdit/placement.cast_once_a_step) train the losses and evals of the layers
+    step by a hook outside the graph (fp8.cast_placed_weights_once_a_step) train the losses and evals of the layers
     casting in every call within FP8's rounding (the compiled per-call casts may round a scale's product otherwise),
     and the console says which."""
     pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")

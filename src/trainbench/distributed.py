@@ -252,3 +252,18 @@ class Placed:
     notes: list[str] = field(default_factory=list)
     comm_precision: str = "fp32"
     after_step: Callable[[], None] | None = None
+
+    def also_after_step(self, f: Callable[[], None] | None) -> None:
+        """Run ``f`` (where given) after every optimizer step, after what already runs there."""
+        if f is None:
+            return
+        before = self.after_step
+        if before is None:
+            self.after_step = f
+            return
+
+        def after_step() -> None:
+            before()
+            f()
+
+        self.after_step = after_step

@@ -479,6 +479,16 @@ def cast_weights_once_a_step(model: nn.Module, compiled: bool = True) -> Callabl
     return after_step
 
 
+def cast_placed_weights_once_a_step(placed: Placed, model: nn.Module, compiled: bool) -> None:
+    """:func:`cast_weights_once_a_step` on ``model`` (the hook's module: one rank's whole model, or its compiled
+    wrapper, whose hooks run eagerly outside the graph), its casts marked stale after every step of ``placed``, and
+    the console told, where any layer qualifies."""
+    after_step = cast_weights_once_a_step(model, compiled)
+    if after_step is not None:
+        placed.also_after_step(after_step)
+        placed.notes.append("their weights cast to FP8 once a step, their gradients added into fp32 in one pass")
+
+
 def precompute_scales(model: nn.Module) -> Callable[[], None]:
     """What runs after each optimizer step of a model whose FP8 weights FSDP2 gathers in FP8: every weight's scale from
     its amax over all ranks' shards, in one all-reduce, so that the next step's gathers need none of their own. The

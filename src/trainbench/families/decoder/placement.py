@@ -204,17 +204,6 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
     return model
 
 
-def _one_after_another(*functions: Callable[[], None] | None) -> Callable[[], None]:
-    """What runs after each optimizer step: each of ``functions`` given, in order."""
-    chosen = [f for f in functions if f is not None]
-
-    def after_step() -> None:
-        for f in chosen:
-            f()
-
-    return after_step
-
-
 def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int, bf16: bool, perf: PerfConfig,
                   seed: int, ep: int = 1, shard_one_rank: bool = False) -> Placed:  # fmt: skip
     """``model`` (built on the meta device) sharded over the ranks (on one rank too where ``shard_one_rank``),
@@ -249,16 +238,13 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         unchanged = "the embedding" + (", the routers" if experts else "")
         finish_placement(out, sharded, unchanged)
         if not sharded:  # (sharded, FSDP2's gathers cast once a step: fp8.precompute_scales)
-            from trainbench.families.fp8 import cast_weights_once_a_step
+            from trainbench.families.fp8 import cast_placed_weights_once_a_step
 
-            linear_after_step = cast_weights_once_a_step(placed, compile_blocks)
-            if linear_after_step is not None:
-                out.after_step = _one_after_another(out.after_step, linear_after_step)
-                out.notes.append("their weights cast to FP8 once a step, their gradients added into fp32 in one pass")
+            cast_placed_weights_once_a_step(out, placed, compile_blocks)
             from trainbench.families.decoder.fp8_output import cache_output_casts, lm_loss_fp8
 
             if placed.loss_fn is lm_loss_fp8:  # (set by parallelize where model.output_precision=fp8)
-                out.after_step = _one_after_another(out.after_step, cache_output_casts(placed, compile_blocks))
+                out.also_after_step(cache_output_casts(placed, compile_blocks))
         if experts:
             wgrad = getattr(cfg, "expert_weight_grad", "fp8")
             out.notes.append(f"the experts' grouped products of {experts} blocks in FP8 (forward and input "
@@ -269,6 +255,6 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
             if not sharded or ep > 1:
                 from trainbench.families.decoder.moe_fp8 import cache_fp8_weight_casts
 
-                out.after_step = _one_after_another(out.after_step, cache_fp8_weight_casts(placed, compile_blocks))
+                out.also_after_step(cache_fp8_weight_casts(placed, compile_blocks))
                 out.notes.append("the experts' weights cast to FP8 once a step, not in every micro-batch")
     return recompute_and_offload(out, perf, info.device)

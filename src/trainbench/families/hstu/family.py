@@ -112,12 +112,11 @@ class HstuFamily(ModelFamily):
 
         # A GPU's size: perf.gpu_memory_gib where given (a smaller GPU stood in for), else this rank's GPU's own.
         gpu_bytes = None
-        if cfg.device == "cuda" and cfg.perf.gpu_memory_gib is not None:
-            gpu_bytes = int(cfg.perf.gpu_memory_gib * GIB)
-        elif cfg.device == "cuda":
+        if cfg.device == "cuda":
             import torch
 
-            gpu_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            own = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            gpu_bytes = own if cfg.perf.gpu_memory_gib is None else int(cfg.perf.gpu_memory_gib * GIB)
         check_tables_fit(cfg, gpu_bytes, host_total_bytes())
 
         return HstuRanker(cfg.model, cfg.seed, whole_tables=not cfg.perf.sharded_tables)

@@ -79,19 +79,6 @@ def place_flux(model: Flux, info: DistInfo, dist_cfg: DistributedConfig, perf: P
     if in_fp8_blocks:
         fp8.finish_placement(placed, sharded, "the modulation, the embedders and the last layer")
         if not sharded and not perf.cuda_graphs:  # (sharded: FSDP2's gathers cast once a step, fp8.precompute_scales)
-            cast_once_a_step(placed, perf.compile and info.device.type == "cuda")
+            # (the hook on placed.model: the compiled wrapper where the whole model is one graph)
+            fp8.cast_placed_weights_once_a_step(placed, placed.model, perf.compile and info.device.type == "cuda")
     return placed
-
-
-def cast_once_a_step(placed: Placed, compiled: bool) -> None:
-    """One rank: the FP8 layers' weights cast once a step, not in each micro-batch's forward and again in its
-    backward, and their bf16 gradients added into the fp32 ``.grad`` in one pass (:func:`fp8.cast_weights_once_a_step`;
-    the same numbers bit for bit). The casts are made by a hook on ``placed.model``, which runs outside the compiled
-    graph where the whole model is compiled as one (``torch.compile`` wraps the module; hooks of the wrapper run
-    eagerly)."""
-    after_step = fp8.cast_weights_once_a_step(placed.model, compiled)
-    if after_step is None:
-        return
-    before = placed.after_step
-    placed.after_step = after_step if before is None else lambda: (before(), after_step())
-    placed.notes.append("their weights cast to FP8 once a step, their gradients added into fp32 in one pass")
