@@ -43,6 +43,12 @@
 #                                     EXTRA=model.precision=fp8 TAG=-fp8 perf/bench_figures.sh node-moe
 #   perf/bench_figures.sh node-bert   BERT-large at NVIDIA's node shapes (48 rows x 1 and x 2 accumulation a GPU) on
 #                                     NPROC GPUs and on one, for the scaling
+#   perf/bench_figures.sh node-flux   flux1's MMDiT in FP8, 1 and 2 blocks to 19, under FSDP2 on NPROC GPUs, each GPU the
+#                                     one-GPU figure's step of 64 samples in micro-batches of 16 (flux-fp8)
+#   perf/bench_figures.sh dlrmv4      dlrmv4's reference layers on one GPU with every table cut to 1 M rows, sharded
+#                                     (perf.sharded_tables), micro-batches of 128, a step of 512, profiled
+#   perf/bench_figures.sh node-dlrmv4 the same on one GPU and on NPROC, each GPU a step of 512 (the tables' rows
+#                                     sharded over the GPUs, the lookups exchanged by all-to-all)
 #   perf/bench_figures.sh node-tiny   every benchmark's tiny preset to its target over NCCL on NPROC GPUs; each run's
 #                                     summary.json (its compliance verdict) into $OUT; TINY="gpt_oss_20b flux1"
 #                                     runs only those
@@ -93,6 +99,13 @@ bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT
     local folder
     folder=$(ls -d "$RESULTS/$name"/*/ | tail -n 1)
     cp "$folder/bench.json" "$OUT/$name.json"
+}
+
+dlrm_bench() {  # NAME N: dlrmv4's reference layers on N GPUs, tables cut to 1 M rows, a step of 512 a GPU, the
+    # learning rate the rules' 1e-6 x GBS / 8192
+    bench "$1" dlrmv4 --preset dlrmv4 --table-rows 1000000 perf.sharded_tables=true device=cuda perf.compile=true \
+        --nproc "$2" data.global_batch_size=$(($2 * 512)) data.micro_batch_size=128 \
+        optimizer.lr="$(awk "BEGIN { print 1e-6 * $2 * 512 / 8192 }")" --steps 3 --warmup 2 --profile-steps 1
 }
 
 for what in "$@"; do
@@ -157,6 +170,10 @@ for what in "$@"; do
                     --steps 5 --warmup 3
             done
         done ;;
+    node-flux) bench node_flux flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 --blocks 1,2 \
+        --nproc "$NPROC" data.global_batch_size=$((NPROC * 64)) data.micro_batch_size=16 --steps 3 --warmup 2 ;;
+    dlrmv4) dlrm_bench dlrmv4 1 ;;
+    node-dlrmv4) for n in 1 "$NPROC"; do dlrm_bench "node_dlrmv4_$n" "$n"; done ;;
     node-tiny)
         for name in ${TINY:-bert llama31_8b gpt3 llama2_70b_lora gpt_oss_20b flux1}; do
             python3 -m trainbench prepare "$name" --synthetic --preset tiny --out "$RESULTS/data_$name" --force
@@ -166,7 +183,7 @@ for what in "$@"; do
             cp "$(ls -d "$RESULTS/tiny_$name"/*/ | tail -n 1)summary.json" "$OUT/tiny_$name.json" || true
         done ;;
     *) echo "unknown measurement $what (lora, lora-auto, lora-auto-80, llm, llm-auto, llm-shard1, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
-        "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, node-lora, node-llm, node-moe, node-bert, node-tiny)" >&2; exit 2 ;;
+        "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, dlrmv4, node-lora, node-llm, node-moe, node-bert, node-flux, node-dlrmv4, node-tiny)" >&2; exit 2 ;;
     esac
 done
 if [ ${#failed[@]} -gt 0 ]; then

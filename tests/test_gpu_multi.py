@@ -234,21 +234,20 @@ def test_each_parallel_path_trains_the_losses_of_one_gpu_on_two(tmp_path, case, 
         assert says in (run_dir / "console.log").read_text()
 
 
-def test_dlrmv4_tables_sharded_over_two_gpus_train_the_losses_of_one_gpu_holding_them_whole(tmp_path):
+def test_dlrmv4_tables_sharded_over_two_gpus_reach_the_target_with_the_losses_of_one_gpu_holding_them_whole(tmp_path):
     """perf.sharded_tables over NCCL: each GPU owns half of every table's rows, the lookups and their gradients go
-    through all-to-all, the dense parameters under DDP; 8 steps in bf16 against one GPU holding every table whole and
-    accumulating the same micro-batches, within 1e-2 (bf16: the sums' order differs)."""
-    data = tmp_path / "data"
-    assert run_cli("prepare", "dlrmv4", "--synthetic", "--preset", "tiny", "--out", data, "--no-progress") == 0
-    common = ["run", "dlrmv4", "--preset", "tiny", f"data.dir={data}", "device=cuda", "progress=false",
-              "data.micro_batch_size=64", f"schedule.max_samples={STEPS * 128}", "eval.every_samples=512",
-              "eval_samples=512", *QUIET]  # fmt: skip
-    run_cli(*common, f"output.results_dir={tmp_path / 'one'}")
-    run_cli(*common, "--nproc", "2", "perf.sharded_tables=true", f"output.results_dir={tmp_path / 'two'}")
-    (one, _), (two, run_dir) = _losses(tmp_path / "one"), _losses(tmp_path / "two")
-    _agree(one, two, STEPS, 1e-2)
-    assert one[STEPS - 1] < one[0], "the loss should fall"
-    assert "embedding tables sharded row-wise over 2 rank(s)" in (run_dir / "console.log").read_text()
+    through all-to-all, the dense parameters under DDP. The tiny preset trains to its target with a compliant log, and
+    its first steps' losses are those of one GPU holding every table whole and accumulating the same micro-batches,
+    within 1e-2 in bf16 (the sums' order differs). (Its first 8 losses do not show the learning: the warm-up's 20
+    steps, and a batch's noise larger than what 8 steps learn; the target, at step 40 or so, does.)"""
+    two = tiny_run_to_target_on_cuda(tmp_path / "two", "dlrmv4", "--preset", "tiny", "--nproc", "2",
+                                     "perf.sharded_tables=true", "data.micro_batch_size=64", *QUIET)  # fmt: skip
+    run_cli("run", "dlrmv4", "--preset", "tiny", f"data.dir={tmp_path / 'two' / 'data'}", "device=cuda",
+            "progress=false", f"output.results_dir={tmp_path / 'one'}", "data.micro_batch_size=64",
+            f"schedule.max_samples={STEPS * 128}", *QUIET)  # fmt: skip
+    one, _ = _losses(tmp_path / "one")
+    _agree(one, [r["loss"] for r in read_metrics(two) if "loss" in r], STEPS, 1e-2)
+    assert "embedding tables sharded row-wise over 2 rank(s)" in (two / "console.log").read_text()
 
 
 @pytest.mark.parametrize("precision", ["auto", "fp8"])
