@@ -241,6 +241,8 @@ def test_tables_that_cannot_fit_are_refused_in_one_sentence_with_the_gpus_they_n
     cfg = BENCH.config("dlrmv4")
     cfg.device = "cuda"
     assert sum(cfg.model.table_rows().values()) == 293_050_000
+    assert cfg.perf.sharded_tables  # the preset's layout: they fit no GPU whole
+    cfg.perf.sharded_tables = False
     with pytest.raises(ConfigError, match=r"whole on every rank need at least 1,119.0 GiB .* against the 139.3 GiB of "
                        r"this GPU's memory: shard them over at least 5 GPUs of this size"):  # fmt: skip
         check_tables_fit(cfg, h200, host)
@@ -272,6 +274,7 @@ def test_the_reference_tables_on_the_cpu_are_refused_before_they_are_allocated(t
     assert code == 2, out
     errors = [ln for ln in (out.out + out.err).splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "293,050,000 rows of 512" in errors[0] and "--table-rows N" in errors[0], out
+    assert "sharded over 1 rank(s)" in errors[0] and "run them sharded on GPUs (device=cuda)" in errors[0], errors[0]
     assert "Traceback" not in out.out + out.err
 
 

@@ -145,9 +145,10 @@ def test_bench_at_the_reference_layer_shape_runs_on_one_gpu_with_its_tables_trun
 
 
 def test_the_reference_tables_on_one_gpu_are_refused_against_that_gpus_own_memory(tmp_path, capsys):
-    """`trainbench run dlrmv4 --preset dlrmv4 device=cuda` with no perf.gpu_memory_gib: the tables (1,119 GiB whole
-    on the rank) are compared with this GPU's own memory, read from the device, and refused in one sentence that
-    names its size and the GPUs of that size they would need sharded, before any table is allocated on it."""
+    """`trainbench run dlrmv4 --preset dlrmv4 device=cuda` with no perf.gpu_memory_gib: the tables (560 GiB sharded
+    over the one rank, the preset's layout) are compared with this GPU's own memory, read from the device, and
+    refused in one sentence that names its size and the GPUs of that size they would need, before any table is
+    allocated on it."""
     data = tmp_path / "data"
     assert run_cli("prepare", "dlrmv4", "--synthetic", "--preset", "tiny", "--out", data, "--no-progress") == 0
     code = run_cli("run", "dlrmv4", "--preset", "dlrmv4", f"data.dir={data}", f"output.results_dir={tmp_path / 'r'}",

@@ -23,7 +23,7 @@ import numpy as np
 
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.benchmarks.prepare_common import claim, progress_bar, synthetic_sizes, write_manifest
-from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, RunConfig, ScheduleConfig
+from trainbench.config import DataConfig, EvalConfig, OptimizerConfig, PerfConfig, RunConfig, ScheduleConfig
 from trainbench.data import yambda
 from trainbench.data.steps import CycledSteps
 from trainbench.errors import ConfigError, DataError, UserError
@@ -84,16 +84,19 @@ def tiny() -> RunConfig:
     )  # fmt: skip
 
 
-# The HSTU layers' attention is dense here ([batch, heads, T, T] scores, T = 2,056 at the reference's history: 34 MB
-# a sample in bf16, several such tensors a layer kept for the backward): 32 samples a micro-batch, 64 an eval batch fit
-# one H200 beside the tables; 1,024 a batch, one such tensor alone is 32 GiB (a jagged kernel is not built).
+# The dense form of the HSTU layers' attention ([batch, heads, T, T] scores, T = 2,056 at the reference's history:
+# 34 MB a sample in bf16, several such tensors a layer kept for the backward, the CPU's and perf.hstu_attention=dense's)
+# fits 32 samples a micro-batch and 64 an eval batch on one H200 beside the tables. The jagged kernel (CUDA's default)
+# keeps no scores and ran 128 a micro-batch faster (docs/dlrmv4.md); the preset keeps 32 until the whole tables'
+# memory on a node is measured.
 MICRO_BATCH = 32
 
 
 def full() -> RunConfig:
-    """The reference's shape and the first reference convergence point: GBS 8,192 at lr 1e-6."""
+    """The reference's shape and the first reference convergence point: GBS 8,192 at lr 1e-6. Its tables (559 GiB of
+    fp32) fit no GPU whole: they are sharded row-wise over the ranks."""
     return RunConfig(
-        benchmark="dlrmv4", preset="dlrmv4", model=HstuConfig(),
+        benchmark="dlrmv4", preset="dlrmv4", model=HstuConfig(), perf=PerfConfig(sharded_tables=True),
         data=DataConfig(seq_length=MAX_SEQUENCE_LENGTH, global_batch_size=8192, micro_batch_size=MICRO_BATCH,
                         eval_batch_size=2 * MICRO_BATCH, eval_samples=EVAL_SAMPLES),
         optimizer=OptimizerConfig(name="adam", lr=LR_PER_8192, beta1=0.95, beta2=0.999, epsilon=1e-8,

@@ -62,7 +62,8 @@ def check_tables_fit(cfg: RunConfig, gpu_bytes: int | None, host_bytes: int) -> 
         held = "their rows and accumulators" if cfg.perf.sharded_tables else "their rows, gradient and accumulators"
         layout = f"sharded over {ranks} rank(s)" if cfg.perf.sharded_tables else "whole on every rank"
         if on_cpu:
-            fix = "run them sharded on GPUs (device=cuda perf.sharded_tables=true)"
+            key = "" if cfg.perf.sharded_tables else " perf.sharded_tables=true"
+            fix = f"run them sharded on GPUs (device=cuda{key})"
         else:  # the least number of such GPUs whose memory holds every row and accumulator once
             gpus = math.ceil(rows * _row_bytes(cfg) / gpu_bytes)
             fix = (
