@@ -524,3 +524,23 @@ def test_truncated_depths_under_a_planned_layout_share_the_deepest_depth_s_rows(
         assert load_run_config(folder / f"config_{depth}_blocks.yaml")[1].data.micro_batch_size == 16
     assert "all at 16 rows a micro-batch (the deepest's)" in printed
     assert "at 1 blocks: layout for 32 rows (measured at 16 a micro-batch, as the deepest)" in printed
+
+
+def test_the_energy_a_token_is_rank_0s_nodes_energy_over_the_tokens_its_ranks_trained():
+    """bench.json's energy a token: the energy of rank 0's node's GPUs (the GPUs it samples) over the tokens its
+    ranks trained in the timed steps, not over every node's tokens (which would make 2 nodes look twice as frugal)."""
+    from trainbench.benchmarks.bert import BertBenchmark
+    from trainbench.report.bench_report import summarise
+
+    bench = BertBenchmark()
+    cfg = bench.config("tiny")
+    raw = {"seconds": 2.0, "steps": 4, "warmup": 1, "samples_per_step": cfg.data.global_batch_size,
+           "eval_seconds_per_sample": 0.001, "eval_samples": 10, "peak_memory_gib": None, "device": "cpu",
+           "energy_joules": 1000.0, "profile": None}  # fmt: skip
+    tokens = cfg.data.global_batch_size * 4 * bench.family.tokens_per_sample(cfg)
+    layers = bench.family.depth(cfg)
+    one = summarise(bench, cfg, {layers: raw}, layers, None)
+    assert one["energy_joules_per_token"] == pytest.approx(1000.0 / tokens)
+    cfg.distributed.nproc, cfg.distributed.nodes = 2, 2  # rank 0's node trained half the tokens
+    two = summarise(bench, cfg, {layers: raw}, layers, None)
+    assert two["energy_joules_per_token"] == pytest.approx(1000.0 / (tokens / 2))

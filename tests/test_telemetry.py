@@ -342,3 +342,25 @@ def test_profile_timeline_splits_gpu_time_into_compute_exposed_communication_and
     assert t["comm_kernels"] == 2
     with pytest.raises(ValueError, match="no GPU activity"):
         timeline({"traceEvents": [kernel("aten::mm", 0, 10, "cpu_op")]}, steps=1)
+
+
+def test_a_gpu_with_no_busy_sample_in_a_short_window_keeps_its_energy_and_a_node_counts_every_gpu(tmp_path):
+    """A window shorter than the sampling's period can hold a busy sample of one GPU and none of its peer: the peer
+    keeps its entry and its energy (no medians), so the window's energy is both GPUs'. Before, the peer was left out
+    and a 2-GPU bench's energy a token was half of what the GPUs spent. Where a GPU's energy is unknown or a rank's
+    GPU was not sampled, the node's energy is None, never a partial sum."""
+    from trainbench.measure.throughput import node_energy
+
+    header = ",".join(telemetry.GPU_FIELDS)
+    busy = ["0,0,100,1000,,,1980,,100,,,4", "1000,0,600,1500,,,1980,,100,,,4", "2000,0,600,2100,,,1980,,100,,,4"]
+    idle_then = ["400,1,100,1000,,,1980,,100,,,4", "1400,1,600,1600,,,1980,,30,,,4", "2400,1,600,2200,,,1980,,100,,,4"]
+    (tmp_path / "telemetry_n_gpu0.csv").write_text(header + "\n" + "\n".join(busy) + "\n")
+    (tmp_path / "telemetry_n_gpu1.csv").write_text(header + "\n" + "\n".join(idle_then) + "\n")
+    summary = telemetry.window_summary(tmp_path, 900, 1900)
+    assert summary["n_gpu0"]["busy_samples"] == 1 and summary["n_gpu0"]["power_w"] == 600.0
+    assert summary["n_gpu1"] == {"busy_samples": 0, "power_w": None, "sm_clock_mhz": None,
+                                 "throttle_reasons": ["SwPowerCap"], "energy_j": 600.0}  # fmt: skip
+    assert node_energy(summary, 2) == summary["n_gpu0"]["energy_j"] + 600.0
+    assert node_energy(summary, 4) is None  # two of the node's four ranks' GPUs not sampled
+    assert node_energy({**summary, "n_gpu1": {**summary["n_gpu1"], "energy_j": None}}, 2) is None
+    assert node_energy({}, 1) is None

@@ -550,21 +550,21 @@ def throttle_names(mask: int) -> list[str]:
 
 
 def window_summary(run_dir: Path, start_ms: float, stop_ms: float, busy_pct: float = 50) -> dict[str, dict]:
-    """Each GPU's telemetry over [start_ms, stop_ms]: the median power and SM clock of its busy samples (utilisation
-    >= ``busy_pct``), the throttle reasons seen in any sample, and its energy over the window."""
+    """Each sampled GPU's telemetry over [start_ms, stop_ms]: the median power and SM clock of its busy samples
+    (utilisation >= ``busy_pct``; None where none was, as in a window shorter than the sampling's period), the
+    throttle reasons seen in any sample, and its energy over the window. Every GPU sampled has its entry, busy or not:
+    the window's energy is that of all of them (a GPU left out would leave its energy out of the run's)."""
     out = {}
     for path in sorted(Path(run_dir).glob("telemetry_*_gpu*.csv")):
         every_row = read_csv(path)  # the energy interpolates from the samples on either side of the window
         rows = [r for r in every_row if r.get("time_ms") and start_ms <= float(r["time_ms"]) <= stop_ms]
         busy = [r for r in rows if r["gpu_util_pct"] and float(r["gpu_util_pct"]) >= busy_pct]
-        if not busy:
-            continue
         masks = {int(r["throttle_reasons"]) for r in rows if r["throttle_reasons"] not in ("", None)}
         energy = rows_energy(every_row, start_ms, stop_ms)
         out[path.stem.removeprefix("telemetry_")] = {
             "busy_samples": len(busy),
-            "power_w": statistics.median(float(r["power_w"]) for r in busy),
-            "sm_clock_mhz": statistics.median(float(r["sm_clock_mhz"]) for r in busy),
+            "power_w": statistics.median(float(r["power_w"]) for r in busy) if busy else None,
+            "sm_clock_mhz": statistics.median(float(r["sm_clock_mhz"]) for r in busy) if busy else None,
             "throttle_reasons": sorted({name for m in masks for name in throttle_names(m)}),
             "energy_j": None if energy is None else round(energy.joules, 3),
         }

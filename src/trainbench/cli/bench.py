@@ -115,8 +115,9 @@ def bench_summary(r: dict) -> str:
     if r["energy_joules_per_token"] is not None:
         extra.append(f"{r['energy_joules_per_token'] * 1e3:.2f} mJ per token")
     for name, g in (r.get("gpus") or {}).items():
-        extra.append(f"{name}: {g['power_w']:.0f} W, SM {g['sm_clock_mhz']:.0f} MHz (medians), throttled by "
-                     f"{', '.join(g['throttle_reasons']) or 'nothing'}")  # fmt: skip
+        at = f"{g['power_w']:.0f} W, SM {g['sm_clock_mhz']:.0f} MHz (medians)" if g["busy_samples"] else \
+            "no busy sample in the timed steps"  # fmt: skip
+        extra.append(f"{name}: {at}, throttled by {', '.join(g['throttle_reasons']) or 'nothing'}")
     if extra:
         lines.append("  " + ", ".join(extra))
     for name, peer in (r.get("compare") or {}).items():

@@ -296,9 +296,10 @@ def measure(cfg, bench) -> dict[str, Any]:
 
 def busiest_gpu(summary: dict[str, dict]) -> dict[str, Any]:
     """The median SM clock (MHz) and power (W) of the GPU the probe's timed steps kept busiest, from
-    telemetry.measured_window's summary (the probe's GPU, left out where no sample found it busy); None for each
-    where nothing was sampled (no NVML, or steps too short for a sample)."""
-    if not summary:
+    telemetry.measured_window's summary; None for each where no sample found it busy (no NVML, or steps too short
+    for a sample)."""
+    busy = [g for g in summary.values() if g["busy_samples"]]
+    if not busy:
         return {"sm_clock_mhz": None, "power_w": None}
-    busiest = max(summary.values(), key=lambda g: g["busy_samples"])
+    busiest = max(busy, key=lambda g: g["busy_samples"])
     return {"sm_clock_mhz": busiest["sm_clock_mhz"], "power_w": busiest["power_w"]}

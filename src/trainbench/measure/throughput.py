@@ -97,10 +97,19 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     if info.is_main:  # this node's GPUs over the timed steps: median power and SM clock, throttle reasons, energy
         result["system"] = machine()  # what rank 0 ran on, for the report's hardware line
         result["gpus"] = window_summary(run_dir, start_ms, stop_ms)
-        energies = [g["energy_j"] for g in result["gpus"].values() if g["energy_j"] is not None]
-        if energies:
-            result["energy_joules"] = sum(energies)
+        energy = node_energy(result["gpus"], info.local_world_size)
+        if energy is not None:
+            result["energy_joules"] = energy
     return result
+
+
+def node_energy(gpus: dict[str, dict], ranks_here: int) -> float | None:
+    """The energy (J) of this node's ranks' GPUs over the timed steps (``gpus``: telemetry.window_summary's), each of
+    them, or None: a sum that left one out would be too small for the tokens every rank trained."""
+    energies = [g["energy_j"] for g in gpus.values()]
+    if len(energies) != ranks_here or None in energies:
+        return None
+    return sum(energies)
 
 
 def _steps_or_why_not(cfg, bench, run, info, autocast, steps, warmup, profile_steps, run_dir, out, snapshot) -> Timed:

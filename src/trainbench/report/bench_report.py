@@ -289,8 +289,10 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "system": last.get("system"),  # the machine rank 0 ran on (CPU, GPUs, trainbench's version)
         "raw": {str(d): r for d, r in sorted(raws.items())},
     }
-    if not depths and "energy_joules" in last:
-        result["energy_joules_per_token"] = last["energy_joules"] / (samples_per_step * last["steps"] * per_sample)
+    if not depths and "energy_joules" in last:  # the energy of rank 0's node over the tokens its ranks trained
+        node_share = min(1.0, cfg.distributed.nproc / ranks)
+        tokens = samples_per_step * last["steps"] * per_sample * node_share
+        result["energy_joules_per_token"] = last["energy_joules"] / tokens
     ruleset = bench.ruleset_of(cfg)
     # Only the full model's rate says anything of the reference convergence points' samples to target.
     full_size = bench.mlperf and not bench.scaled_down(cfg)
