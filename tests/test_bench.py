@@ -372,6 +372,26 @@ def test_a_profiled_step_is_split_and_its_kernels_grouped_by_kind():
     assert profile_at_depth({2: {"profile": None}}, 32, None) is None
 
 
+def test_an_extrapolated_split_never_has_the_gpu_idle_less_than_never():
+    """The host's waits shrink as the GPU's work grows with the blocks: a straight line through two shallow depths
+    (flux1 at 1 and 2 blocks: 36.2 and 18.4 ms idle) ends below zero at the model's depth (-284 ms at 19), a window
+    shorter than the busy time. The extrapolated split holds idle at 0 and the window at the busy time; the rest is
+    the straight line's."""
+    from trainbench.report.bench_report import profile_at_depth
+
+    def profile(window, busy):
+        split = {"window_ms": window, "busy_ms": busy, "compute_ms": busy, "comm_exposed_ms": 0.0,
+                 "idle_ms": window - busy}  # fmt: skip
+        return {"profile": {"split": split, "by_kind_ms": {"gemm": busy}, "kernels": [], "trace": "t.json"}}
+
+    at = profile_at_depth({1: profile(155.6, 119.4), 2: profile(247.2, 228.8)}, 19, [1, 2])
+    split = at["split_ms"]
+    assert split["busy_ms"] == pytest.approx(119.4 + 18 * 109.4) and split["compute_ms"] == split["busy_ms"]
+    assert split["idle_ms"] == 0.0 and split["window_ms"] == split["busy_ms"]
+    shallow = profile_at_depth({1: profile(155.6, 119.4), 2: profile(247.2, 228.8)}, 3, [1, 2])["split_ms"]
+    assert shallow["idle_ms"] == pytest.approx(0.6) and shallow["window_ms"] == pytest.approx(338.8)  # kept
+
+
 def test_a_profiled_steps_gpu_time_is_split_by_the_host_ranges_that_launched_each_kernel():
     """kernels_by_part: a kernel counts to the first part whose expression matches a CPU range open on its launching
     thread (by the launch's correlation id), the optimizer's range after the family's parts, collectives to

@@ -232,6 +232,10 @@ def profile_at_depth(raws: dict[int, dict], layers: int | None, depths: list[int
         "kernels_at_blocks": max(profiles) if depths else layers,
         "traces": [p["trace"] for _, p in sorted(profiles.items())],
     }
+    split = out["split_ms"]
+    if split.get("idle_ms", 0.0) < 0:  # extrapolated: the host's waits shrink as the GPU's work grows with the blocks,
+        # and a straight line through two depths takes them below zero (a window shorter than the GPU's busy time)
+        split["idle_ms"], split["window_ms"] = 0.0, split["busy_ms"]
     if depths:
         lo, hi = min(profiles), max(profiles)
         out["block_by_kind_ms"] = {k: (profiles[hi]["by_kind_ms"].get(k, 0.0) - profiles[lo]["by_kind_ms"].get(k, 0.0))
