@@ -564,3 +564,24 @@ def test_the_energy_a_token_is_rank_0s_nodes_energy_over_the_tokens_its_ranks_tr
     cfg.distributed.nproc, cfg.distributed.nodes = 2, 2  # rank 0's node trained half the tokens
     two = summarise(bench, cfg, {layers: raw}, layers, None)
     assert two["energy_joules_per_token"] == pytest.approx(1000.0 / (tokens / 2))
+
+
+def test_bench_samples_the_telemetry_at_10_hz_unless_a_file_or_the_command_line_says_otherwise(tmp_path):
+    """A bench's timed steps last seconds, so it samples at 10 Hz where a run samples at 1 (the medians of power and
+    clock would rest on one sample); a value in a YAML file or on the command line is kept, 0 (off) too."""
+    import yaml
+
+    from trainbench.cli.bench import BENCH_DEFAULTS
+    from trainbench.resolve import build_config
+
+    assert build_config("bert", "tiny", defaults=BENCH_DEFAULTS)[1].output.telemetry_hz == 10.0
+    assert build_config("bert", "tiny")[1].output.telemetry_hz == 1.0  # a run's own default
+    assert build_config("bert", "tiny", overrides={"telemetry_hz": "0"}, defaults=BENCH_DEFAULTS)[1] \
+        .output.telemetry_hz == 0.0  # fmt: skip
+    config = tmp_path / "c.yaml"
+    config.write_text("output:\n  telemetry_hz: 2\n")
+    assert build_config("bert", "tiny", [str(config)], defaults=BENCH_DEFAULTS)[1].output.telemetry_hz == 2.0
+    args = ["--steps", "1", "--warmup", "0", "progress=false", f"output.results_dir={tmp_path / 'r'}"]
+    assert run_cli("bench", "bert", "--preset", "tiny", *args) == 0
+    saved = yaml.safe_load((only_run_dir(tmp_path / "r") / "config.yaml").read_text())
+    assert saved["output"]["telemetry_hz"] == 10.0

@@ -30,12 +30,14 @@ def build_config(
     yaml_files: list[str] | None = None,
     overrides: dict | None = None,
     system: Nodes | None = None,
+    defaults: dict | None = None,
 ) -> tuple[Benchmark, RunConfig]:
     """Preset, then YAML files in order, then key=value overrides; validated. Where neither sets the micro-batch,
     the preset's is cut to fit each process's share of the global batch. ``system`` (`submit`, `bench --system`):
     the job's ranks (its nodes x ranks per node) and the largest micro-batch that splits the global batch over them
     are set before the config is validated, so that it is judged at the job's ranks (a key that takes effect on
-    several ranks only is refused on one and accepted on the system's)."""
+    several ranks only is refused on one and accepted on the system's). ``defaults``: a command's own values of keys
+    that neither the YAML files nor the overrides set (`bench` samples the telemetry faster than a run)."""
     bench = get_benchmark(benchmark)
     cfg = bench.config(preset)
     for key in ("benchmark", "preset"):
@@ -49,6 +51,7 @@ def build_config(
         values.pop("preset", None)
         explicit |= set(apply_overrides(cfg, values))
     explicit |= set(apply_overrides(cfg, overrides or {}))
+    apply_overrides(cfg, {k: v for k, v in (defaults or {}).items() if k not in explicit})
     if yaml_files and "output.config_filename" not in explicit:  # MLPerf's config_filename: what the run read
         cfg.output.config_filename = ",".join(Path(f).name for f in yaml_files)
     if "data.micro_batch_size" not in explicit:

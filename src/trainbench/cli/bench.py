@@ -64,6 +64,12 @@ def add_bench_parser(sub) -> None:
                        "and may not fit)")  # fmt: skip
 
 
+# A bench's timed steps last seconds: at a run's 1 Hz the medians of power and clock would rest on a sample or two.
+# 10 Hz cost nothing measurable (docs/performance.md, "telemetry sampler's cost"); a value given in a file or on the
+# command line is kept.
+BENCH_DEFAULTS = {"output.telemetry_hz": 10.0}
+
+
 def cmd_bench(args) -> int:
     from trainbench.benchmarks import get_benchmark
     from trainbench.console import console
@@ -78,10 +84,11 @@ def cmd_bench(args) -> int:
     if args.system is not None:
         if args.nproc is not None:
             raise UserError("--nproc and --system both say how many ranks: the system's file says it for --system")
-        system, cfg, bench = on_system(args.benchmark, args.preset, args.config, overrides, args.system)
+        system, cfg, bench = on_system(args.benchmark, args.preset, args.config, overrides, args.system,
+                                       defaults=BENCH_DEFAULTS)  # fmt: skip
     else:
         preset = args.preset or get_benchmark(args.benchmark).full_preset
-        bench, cfg = build_config(args.benchmark, preset, args.config, overrides)
+        bench, cfg = build_config(args.benchmark, preset, args.config, overrides, defaults=BENCH_DEFAULTS)
     command = ["trainbench", *sys.argv[1:]]
     run_dir, raws, layers, depths, peers = run_bench(
         bench, cfg, args.steps, args.warmup, args.blocks, args.compare, args.profile_steps, system, command,

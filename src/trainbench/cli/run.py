@@ -141,7 +141,8 @@ def cmd_run(args) -> int:
 
 
 def on_system(benchmark: str, preset: str | None, configs: list[str], overrides: dict, name: str,
-               nodes: int | None = None, time: str | None = None, array_parallel: int | None = None):  # fmt: skip
+               nodes: int | None = None, time: str | None = None, array_parallel: int | None = None,
+               defaults: dict | None = None):  # fmt: skip
     """(system, config, benchmark) of a job on system ``name``: the system's device, nodes and ranks, and the
     micro-batch its layout fits."""
     import dataclasses
@@ -156,7 +157,8 @@ def on_system(benchmark: str, preset: str | None, configs: list[str], overrides:
         system = dataclasses.replace(system, **changes)
         system.validate()
     overrides.setdefault("device", system.device)
-    bench, cfg = build_config(benchmark, preset or get_benchmark(benchmark).full_preset, configs, overrides, system)
+    bench, cfg = build_config(benchmark, preset or get_benchmark(benchmark).full_preset, configs, overrides, system,
+                              defaults)  # fmt: skip
     return system, cfg, bench
 
 
