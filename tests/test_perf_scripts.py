@@ -100,7 +100,7 @@ def test_the_inductor_options_hook_sets_known_options_and_refuses_unknown_ones_i
 RESULTS_DIR_OF_ARGS = 'for a in "$@"; do case $a in output.results_dir=*) d=${a#output.results_dir=} ;; esac; done\n'
 
 
-def _bench_figures(tmp_path, stand_in: str, *measurements: str, limit_s: int | None = None):
+def _bench_figures(tmp_path, stand_in: str, *measurements: str, limit_s: int | None = None, nproc: int = 1):
     """perf/bench_figures.sh ``measurements`` with ``stand_in`` (a shell script's body, after
     :data:`RESULTS_DIR_OF_ARGS`) as the `python3` on PATH, $OUT and $RESULTS under ``tmp_path``; under `timeout
     limit_s` where given. The finished process."""
@@ -113,7 +113,7 @@ def _bench_figures(tmp_path, stand_in: str, *measurements: str, limit_s: int | N
     python3.write_text("#!/bin/sh\n" + RESULTS_DIR_OF_ARGS + stand_in)
     python3.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               RESULTS=str(tmp_path / "results"), NPROC="1")  # fmt: skip
+               RESULTS=str(tmp_path / "results"), NPROC=str(nproc))  # fmt: skip
     limit = ["timeout", str(limit_s)] if limit_s is not None else []
     return subprocess.run([*limit, "bash", str(SCRIPTS / "bench_figures.sh"), *measurements], env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -136,6 +136,29 @@ def test_a_failed_measurement_of_bench_figures_is_named_and_the_next_still_runs(
     assert "does not fit" in (tmp_path / "out" / "llm.log").read_text()
     assert json.loads((tmp_path / "out" / "llm.raw_2.json").read_text()) == {"depth": 2}
     assert not (tmp_path / "out" / "llm.json").exists()
+
+
+def test_dlrmv4_on_one_gpu_and_on_the_node_takes_a_step_of_512_a_gpu_at_the_rules_learning_rate(tmp_path):
+    """`NPROC=2 perf/bench_figures.sh node-dlrmv4`: two measurements, on 1 GPU and on 2, each GPU a step of 512
+    samples in micro-batches of 128, the learning rate 1e-6 x GBS / 8192 (inside the rules' band), the tables cut to
+    1 M rows and sharded; each bench.json back under its own name."""
+    done = _bench_figures(
+        tmp_path,
+        'echo "$*" >> "$OUT/args.txt"\n'
+        'mkdir -p "$d/20261129T000000Z-dlrmv4"\n'
+        'echo \'{"samples_per_s": 1}\' > "$d/20261129T000000Z-dlrmv4/bench.json"\n',
+        "node-dlrmv4",
+        nproc=2,
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    calls = (tmp_path / "out" / "args.txt").read_text().splitlines()
+    assert len(calls) == 2
+    for call, n, gbs, lr in zip(calls, (1, 2), (512, 1024), ("6.25e-08", "1.25e-07"), strict=True):
+        args = call.split()
+        assert args[args.index("--nproc") + 1] == str(n) and f"data.global_batch_size={gbs}" in args, call
+        assert f"optimizer.lr={lr}" in args and "data.micro_batch_size=128" in args, call
+        assert args[args.index("--table-rows") + 1] == "1000000" and "perf.sharded_tables=true" in args, call
+    assert all((tmp_path / "out" / f"node_dlrmv4_{n}.json").exists() for n in (1, 2))
 
 
 def test_a_measurement_stopped_by_a_time_limit_keeps_the_depths_it_measured(tmp_path):
