@@ -154,16 +154,22 @@ def test_recomputed_blocks_train_the_losses_of_kept_ones(flux_data, tmp_path):
 @pytest.mark.full
 def test_two_ranks_train_the_losses_of_one(flux_data, tmp_path):
     """Each sample's timestep, noise, latent draw and empty-prompt draw depend on the seed and its place alone; two
-    ranks shard the model with FSDP2 (every block's parameters gathered as it runs, its gradients reduce-scattered)."""
-    from tests.conftest import losses_and_evals
+    ranks shard the model with FSDP2 (every block's parameters gathered as it runs, its gradients reduce-scattered),
+    and with 4 micro-batches a rank reduce-scattered once a step (distributed.reduce_once_a_step)."""
+    from tests.conftest import losses_and_evals, only_run_dir
 
     common = ["run", "flux1", f"data.dir={flux_data}", "progress=false", "log_every_steps=1", "telemetry_hz=0",
               "schedule.max_samples=256", "eval.every_samples=128", "eval_samples=64"]  # fmt: skip
-    runs = {"one": ["--nproc", "1"], "two": ["--nproc", "2", "micro_batch_size=8"]}
+    runs = {"one": ["--nproc", "1"], "two": ["--nproc", "2", "micro_batch_size=8"],
+            # 4 micro-batches a rank, their gradients reduce-scattered once a step
+            "two_once": ["--nproc", "2", "micro_batch_size=4", "distributed.reduce_once_a_step=true"]}  # fmt: skip
     losses, evals = losses_and_evals(common, runs, tmp_path, "eval_loss")
     assert len(losses["one"]) == 8 and len(evals["one"]) == 2
-    assert max(abs(a - b) for a, b in zip(losses["one"], losses["two"], strict=True)) <= 1e-5, losses
-    assert max(abs(a - b) for a, b in zip(evals["one"], evals["two"], strict=True)) <= 1e-5, evals
+    for name in ("two", "two_once"):
+        assert max(abs(a - b) for a, b in zip(losses["one"], losses[name], strict=True)) <= 1e-5, (name, losses)
+        assert max(abs(a - b) for a, b in zip(evals["one"], evals[name], strict=True)) <= 1e-5, (name, evals)
+    console = (only_run_dir(tmp_path / "two_once") / "console.log").read_text()
+    assert "reduce-scatters the gradients once a step" in console
 
 
 def test_the_reference_format_round_trips_and_bad_data_is_one_sentence(tmp_path):

@@ -205,6 +205,9 @@ PATHS = [
     ("ep_fp8", "gpt_oss_20b", ["model.precision=fp8", "perf.compile=true"], ["distributed.ep=2"], 16, 2e-2,
      "on each of 2 ranks (all-to-all)"),
     ("lora_fp8_replicas", "llama2_70b_lora", ["model.base_precision=fp8"], [], 4, 2e-2, "FP8 base on every rank"),
+    # FSDP2 in FP8 (gathered in FP8), 4 micro-batches a rank reduce-scattered once a step (not yet run on GPUs)
+    ("flux_fp8_once", "flux1", ["model.precision=fp8", "perf.compile=true"], ["distributed.reduce_once_a_step=true"],
+     4, 2e-2, "reduce-scatters the gradients once a step"),
     ("lora_fp8_sharded", "llama2_70b_lora", ["model.base_precision=fp8", "model.base_sharding=fsdp"], [], 4, 2e-2,
      "FP8 base sharded by FSDP2, gathered in FP8"),
 ]  # fmt: skip

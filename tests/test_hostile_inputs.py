@@ -177,6 +177,10 @@ def test_integers_are_parsed_as_integers_not_through_a_float():
                                                  "bert: one rank all-reduces no gradients"),
         (["distributed.bucket_cap_mb=50"], "distributed.bucket_cap_mb=50.0 has no effect on this run of bert"),
         (["perf.optimizer_kernel=torch"], "perf.optimizer_kernel=torch has no effect on bert: its LAMB"),
+        (["--benchmark", "llama31_8b", "distributed.reduce_once_a_step=true"],
+         "distributed.reduce_once_a_step=true has no effect on this run of llama31_8b: one rank all-reduces no"),
+        (["distributed.reduce_once_a_step=true"], "distributed.reduce_once_a_step=true has no effect on bert: DDP "
+                                                  "reduces its gradients once a step already"),
         (["--benchmark", "llama31_8b", "device=cpu", "perf.optimizer_kernel=torch"],
          "perf.optimizer_kernel=torch has no effect on this run of llama31_8b: the CPU takes torch's AdamW update"),
         # values that built a model that crashed mid-run, or tried to allocate without end

@@ -166,8 +166,8 @@ def test_tiny_llama_reaches_its_target_with_a_compliant_log(llm_data, tmp_path):
 
 @pytest.mark.full
 def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_path):
-    """One rank, one rank sharded by FSDP2 as several ranks shard it, FSDP2 over 2, TP 2, and FSDP2 over 2 with a
-    block recomputed: the same losses and evals."""
+    """One rank, one rank sharded by FSDP2 as several ranks shard it, FSDP2 over 2, TP 2, FSDP2 over 2 with a
+    block recomputed, and FSDP2 over 2 reducing 2 micro-batches' gradients once a step: the same losses and evals."""
     common = ["run", "llama31_8b", f"data.dir={llm_data}", "progress=false", "log_every_steps=1", "telemetry_hz=0",
               "schedule.max_samples=256", "eval.every_samples=128", "eval_samples=64"]  # fmt: skip
     runs = {
@@ -177,6 +177,8 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_p
         "tp": ["--nproc", "2", "distributed.tp=2"],
         # activation checkpointing on the last of the 2 blocks only: the same arithmetic, recomputed
         "fsdp_recompute": ["--nproc", "2", "micro_batch_size=16", "activation_checkpointing=1", "recompute_blocks=1"],
+        # FSDP2 over 2 with 2 micro-batches a rank, reduce-scattered once a step
+        "fsdp_once": ["--nproc", "2", "micro_batch_size=8", "distributed.reduce_once_a_step=true"],
     }
     losses, evals = losses_and_evals(common, runs, tmp_path, "log_perplexity")
     console = (only_run_dir(tmp_path / "fsdp_recompute") / "console.log").read_text()
@@ -189,7 +191,9 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_p
         (1, 32), (1, 16), (2, 32)]  # fmt: skip
     assert {layout[n]["lowest_numerical_precision_in_comm"] for n in runs} == {"fp32"}  # fp32 FSDP on the CPU
     assert len(losses["one"]) == 8 and losses["one"][-1] < losses["one"][0]
-    for name in ("one_sharded", "fsdp", "tp", "fsdp_recompute"):
+    once = (only_run_dir(tmp_path / "fsdp_once") / "console.log").read_text()
+    assert "reduce-scatters the gradients once a step" in once
+    for name in ("one_sharded", "fsdp", "tp", "fsdp_recompute", "fsdp_once"):
         assert max(abs(a - b) for a, b in zip(losses["one"], losses[name], strict=True)) <= 1e-5, (name, losses)
         assert max(abs(a - b) for a, b in zip(evals["one"], evals[name], strict=True)) <= 1e-5, (name, evals)
 

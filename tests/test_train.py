@@ -1,5 +1,6 @@
 """Whole runs through the CLI: reaching the target, the MLPerf log, multi-rank equivalence, bad input."""
 
+import contextlib
 import json
 import os
 import re
@@ -344,3 +345,60 @@ def test_prepare_is_idempotent_and_refuses_to_mix(tmp_path, capsys):
     assert run_cli(*args) == 0 and "nothing to do" in capsys.readouterr().out
     assert run_cli(*args[:-1], "3") == 2 and "different data set" in capsys.readouterr().out
     assert run_cli("prepare", "bert", "--out", out) == 2 and "--synthetic" in capsys.readouterr().out
+
+
+def test_fsdp2_reduces_once_a_step_the_gradients_it_kept_whole_over_the_micro_batches():
+    """distributed.reduce_once_a_step's context (Placed.no_sync for FSDP2): around the micro-batches before the
+    last, FSDP2 keeps the weights gathered and their whole gradients unreduced (no shard of a gradient made); the
+    last micro-batch's backward reduces the sum of all of them at once: the gradients of reducing each micro-batch,
+    within fp32's rounding of the sums' order. Over a process group of one (the reduce-scatter a copy); over two
+    ranks the runs' losses (tests/test_llm.py, tests/test_flux.py)."""
+    import torch
+    import torch.distributed as dist
+
+    from trainbench.distributed import single_rank_group
+
+    assert not dist.is_initialized()
+    single_rank_group(torch.device("cpu"))
+    try:
+        _fsdp2_reduced_once_a_step()
+    finally:
+        dist.destroy_process_group()  # the worker's other tests run with no process group
+
+
+def _fsdp2_reduced_once_a_step() -> None:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from trainbench.distributed import Placed, fsdp_reduce_once_a_step, reduce_once_a_step
+
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 8) for _ in range(4)]
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(1)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        for layer in (m[0], m[2]):
+            fully_shard(layer)
+        fully_shard(m)
+        return m
+
+    each, once = model(), model()
+    for m, no_sync in ((each, None), (once, fsdp_reduce_once_a_step(once))):
+        for i, x in enumerate(xs):
+            last = i == len(xs) - 1
+            with contextlib.nullcontext() if last or no_sync is None else no_sync():
+                m(x).square().sum().backward()
+            # Reduced: the sharded parameters (DTensors) hold their gradient's shard. Deferred: the parameters stay
+            # gathered (plain tensors), their whole gradients accumulating.
+            gathered = not last and no_sync is not None
+            assert all(isinstance(p, DTensor) != gathered for p in m.parameters()), (i, no_sync)
+    for a, b in zip(each.parameters(), once.parameters(), strict=True):
+        assert b.grad is not None and torch.allclose(a.grad.full_tensor(), b.grad.full_tensor(), rtol=1e-6, atol=1e-6)
+    placed = Placed(module=once, model=once)
+    reduce_once_a_step(placed)
+    assert placed.no_sync is not contextlib.nullcontext and "once a step" in placed.notes[0]
+    plain = Placed(module=torch.nn.Linear(2, 2), model=None)
+    reduce_once_a_step(plain)
+    assert plain.no_sync is contextlib.nullcontext and "no FSDP2" in plain.notes[0]

@@ -157,6 +157,13 @@ class DistributedConfig:
     bucket_cap_mb: float = option(
         25.0, "DDP gradient bucket size (MB): each bucket's all-reduce starts while backward goes on.", above=0
     )
+    reduce_once_a_step: bool = option(
+        False, "FSDP2 with accumulation (llama31_8b, gpt3, gpt_oss_20b, flux1): reduce-scatter the gradients once a "
+        "step, with the last micro-batch's backward, instead of once a micro-batch; the micro-batches before it keep "
+        "their gradients whole and unreduced on every rank (the whole model's, in fp32) and their weights gathered "
+        "after their backward (one gather a micro-batch fewer). Not yet verified on GPUs: off by default "
+        "(docs/performance.md)."
+    )  # fmt: skip
     grad_reduce_dtype: str = option(
         "fp32",
         "Type of the gradients on the wire: fp32, or bf16 (half the all-reduce traffic; each bucket is rounded "
@@ -605,6 +612,8 @@ def keys_without_effect(cfg: RunConfig) -> dict[str, str]:
         one = "one rank all-reduces no gradients (it applies with --nproc or distributed.nodes above 1)"
         for key in ("distributed.bucket_cap_mb", "distributed.grad_reduce_dtype", "distributed.overlap_compiled"):
             out[key] = one
+        if not cfg.distributed.shard_one_rank:
+            out["distributed.reduce_once_a_step"] = one
     if not cfg.perf.compile:
         out.setdefault("distributed.overlap_compiled", "it splits the compiled graph, and perf.compile=false")
     if cfg.device == "cpu":

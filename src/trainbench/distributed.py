@@ -10,7 +10,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -232,14 +232,51 @@ def leave(code: int) -> NoReturn:
     os._exit(code)
 
 
+def fsdp_reduce_once_a_step(root: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    """``Placed.no_sync`` for a model sharded by FSDP2 (``root`` and its sharded blocks): around a micro-batch's
+    forward and backward, FSDP2 keeps the gradients whole and unreduced (added into those of the micro-batches
+    before; the step's last backward adds its own and reduce-scatters them all at once) and leaves the weights
+    gathered after the backward, so that the next micro-batch's forward gathers none."""
+
+    @contextlib.contextmanager
+    def unreduced() -> Iterator[None]:
+        root.set_requires_gradient_sync(False)
+        root.set_reshard_after_backward(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+            root.set_reshard_after_backward(True)
+
+    return unreduced
+
+
+def reduce_once_a_step(placed: Placed) -> None:
+    """``distributed.reduce_once_a_step``: ``placed``'s FSDP2 reduce-scatters once a step
+    (:func:`fsdp_reduce_once_a_step`), said on the console; a layout without FSDP2 (tensor parallelism alone) has
+    nothing to defer, and says so."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(placed.module, FSDPModule):
+        placed.notes.append("distributed.reduce_once_a_step: this layout has no FSDP2, so no reduce-scatter to defer")
+        return
+    placed.no_sync = fsdp_reduce_once_a_step(placed.module)
+    placed.notes.append(
+        "FSDP2 reduce-scatters the gradients once a step (distributed.reduce_once_a_step): the "
+        "micro-batches before the last keep theirs whole and unreduced, their weights gathered"
+    )
+
+
 @dataclass
 class Placed:
     """A model on its rank's devices, as a benchmark's placement returns it to the training loop.
 
     ``module`` owns the parameters (the optimizer and checkpoints see it); ``model`` is what the step calls (the
-    module itself, or a DDP or compiled wrapper of it). ``no_sync()`` is entered around every micro-batch but a
-    step's last, so gradients are reduced once per step. ``mark_cuda_graph_steps``: the compiled step replays CUDA
-    graphs, and each micro-batch must tell it that the previous replay's outputs are used up. ``notes``: lines for
+    module itself, or a DDP or compiled wrapper of it). ``no_sync()`` is entered around the forward and backward of
+    every micro-batch but a step's last, so gradients are reduced once per step (DDP's ``no_sync``; FSDP2's with
+    ``distributed.reduce_once_a_step``, :func:`fsdp_reduce_once_a_step`; else none, and FSDP2 reduces each).
+    ``mark_cuda_graph_steps``: the compiled step replays CUDA graphs, and each micro-batch must tell it that the
+    previous replay's outputs are used up. ``notes``: lines for
     the run's console on what placement chose. ``comm_precision``: the lowest precision its collectives carry, in
     MLPerf's names (``bfloat16`` where FSDP gathers bf16 parameters or DDP reduces bf16 gradients), ``fp32``
     otherwise and on one rank. ``after_step``: run after every optimizer step (FP8 weights gathered in FP8: their

@@ -199,18 +199,18 @@ class Benchmark(ABC):
             return
         ours, preset = leaves(cfg), leaves(self.config(cfg.preset))
 
-        def changed(key: str):
+        def changed(key: str):  # (whether it moved from the preset's value, the value as the command line writes it)
             value = getattr(ours[key].owner, ours[key].field.name)
-            return value != getattr(preset[key].owner, preset[key].field.name), value
+            shown = str(value).lower() if isinstance(value, bool) else value
+            return value != getattr(preset[key].owner, preset[key].field.name), shown
 
         for key, why in unused.items():
-            moved, value = changed(key)
+            moved, shown = changed(key)
             if moved:
-                raise ConfigError(f"{key}={value} has no effect on {self.name}: {why}")
+                raise ConfigError(f"{key}={shown} has no effect on {self.name}: {why}")
         for key, why in idle.items():
-            moved, value = changed(key)
+            moved, shown = changed(key)
             if moved:
-                shown = str(value).lower() if isinstance(value, bool) else value
                 raise ConfigError(f"{key}={shown} has no effect on this run of {self.name}: {why}")
 
     def target_range(self, cfg: RunConfig) -> tuple[float, float]:

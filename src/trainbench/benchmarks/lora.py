@@ -110,6 +110,8 @@ class LoraBenchmark(LLMBenchmark):
         "model.precision": "its frozen base's precision is model.base_precision; the adapters train in fp32",
         "model.output_precision": "its output layer is part of the frozen base (model.base_precision)",
         "perf.optimizer_kernel": "its adapters are below tb_adamw's size (optim/adamw.py): torch's update takes all",
+        "distributed.reduce_once_a_step": "its adapters' gradients are small; whole weights kept between micro-batches "
+        "would undo the base's sharding",
     }
 
     def validate(self, cfg: RunConfig) -> None:

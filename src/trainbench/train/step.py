@@ -33,10 +33,12 @@ def train_step(bench: Benchmark, placed: Placed, optimizer: torch.optim.Optimize
         if placed.mark_cuda_graph_steps:
             # A new step: the previous replay's outputs are used up.
             torch.compiler.cudagraph_mark_step_begin()
-        # Gradients are reduced once per step, with the last micro-batch's backward.
-        with contextlib.nullcontext() if last else placed.no_sync(), autocast:
-            loss = bench.loss(placed.model, batch, weights) * info.world_size
-        loss.backward()
+        # Gradients are reduced once per step, with the last micro-batch's backward (where the placement can defer
+        # them: Placed.no_sync, around the forward and the backward).
+        with contextlib.nullcontext() if last else placed.no_sync():
+            with autocast:
+                loss = bench.loss(placed.model, batch, weights) * info.world_size
+            loss.backward()
         totals.loss_sum += loss.detach() / info.world_size
         totals.nonfinite |= ~torch.isfinite(loss.detach())
     optimizer.step()

@@ -128,10 +128,14 @@ class DecoderFamily(ModelFamily):
             return DecoderLM(cfg.model)
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
+        from trainbench.distributed import reduce_once_a_step
         from trainbench.families.decoder.placement import place_decoder
 
-        return place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf, cfg.seed, cfg.distributed.ep,
-                             cfg.distributed.shard_one_rank)  # fmt: skip
+        placed = place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf, cfg.seed,
+                               cfg.distributed.ep, cfg.distributed.shard_one_rank)  # fmt: skip
+        if cfg.distributed.reduce_once_a_step:
+            reduce_once_a_step(placed)
+        return placed
 
     def data_rank(self, cfg: RunConfig, info: DistInfo) -> tuple[int, int]:
         tp = cfg.distributed.tp
