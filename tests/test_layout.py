@@ -438,3 +438,22 @@ def test_the_probe_marks_a_compiled_block_from_outside_its_graph(monkeypatch):
     marks.remove()
     assert [name for name, _ in calls] == ["forward_start", "forward_end", "backward_start", "backward_end"] * 2
     assert not any(compiling for _, compiling in calls), calls
+
+
+def test_the_plan_counts_the_whole_gradients_and_gathered_weights_of_reducing_once_a_step():
+    """distributed.reduce_once_a_step keeps every block's fp32 gradient and gathered weights whole between
+    micro-batches: the plan counts them (twice a block's weights, an upper bound), names them in its memory line, and
+    on 2 H200, where the 8B fits sharded with nothing recomputed, recomputes blocks (or takes fewer rows) to make
+    room."""
+    from trainbench.families.planner import sharded
+
+    each = evaluate(32, sharded(P8, 2), 0, 0, False)
+    once = evaluate(32, sharded(P8, 2, reduce_once_a_step=True), 0, 0, False)
+    assert once.gpu_bytes - each.gpu_bytes == 32 * 2 * P8.block_weight_bytes
+    bench, cfg = _llama_cfg(**{"distributed.nproc": "2", "distributed.reduce_once_a_step": "true"})
+    _, plain = _llama_cfg(**{"distributed.nproc": "2"})
+    h200s, lines = bench.plan_layout(cfg, dataclasses.replace(H200, gpus=2), P8)
+    before, _ = bench.plan_layout(plain, dataclasses.replace(H200, gpus=2), P8)
+    assert before.perf.recompute_blocks == 0 and before.data.micro_batch_size == 2
+    assert h200s.perf.recompute_blocks > 0 or h200s.data.micro_batch_size < 2, lines
+    assert "gradients kept whole and weights gathered (distributed.reduce_once_a_step)" in lines[2], lines

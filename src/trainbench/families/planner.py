@@ -76,6 +76,9 @@ class BlockProbe:
     # The gradients and optimizer state of what the blocks do not hold (a trained embedding and output layer; 0 for
     # LoRA, whose adapters are all in the blocks)
     other_optimizer_bytes: int = 0
+    # What a sharded block keeps whole between micro-batches besides its shards: its fp32 gradient and its gathered
+    # weights, where FSDP2 reduces once a step (distributed.reduce_once_a_step; :func:`sharded`)
+    whole_bytes_per_block: int = 0
 
     def rates(self) -> tuple[float, float]:
         """The copy rates a plan can count on, to the host and back: those measured while the GPU computes, times
@@ -123,6 +126,7 @@ def evaluate(layers: int, p: BlockProbe, recompute: int, offload: int, inputs: b
         f"{kept_here} blocks' saved activations": kept_here * p.kept_bytes,
         f"{recompute} recomputed blocks' inputs": 0 if inputs else recompute * p.input_bytes,
         "offload copies in flight": in_flight,
+        "gradients kept whole and weights gathered (distributed.reduce_once_a_step)": layers * p.whole_bytes_per_block,
         "output layer, loss and a block's backward (working set)": p.working_bytes,
     }
     to_host = offload * p.kept_bytes + (recompute * p.input_bytes if inputs else 0)
@@ -134,17 +138,20 @@ def evaluate(layers: int, p: BlockProbe, recompute: int, offload: int, inputs: b
     return Plan(recompute, offload, inputs, sum(account.values()), to_host, seconds, account, stall)
 
 
-def sharded(p: BlockProbe, ranks: int) -> BlockProbe:
+def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False) -> BlockProbe:
     """One GPU's share of ``p``'s memory where FSDP2 shards every parameter, its gradient and its optimizer state
     over ``ranks``: the shards, plus :data:`GATHERED_BLOCKS` blocks held whole at a time (the one computing and the
     next, gathered ahead; in backward a block's gradient before its reduce-scatter), counted at the probe's own size
     of a block's weights as an upper bound (the gathered copies are bf16 or FP8, not fp32). The times are one GPU's
     alone: the collectives' own time is not modelled (they overlap the compute; notes/node.md measured 2.6 % of the
-    step exposed on 4 H100)."""
+    step exposed on 4 H100). ``reduce_once_a_step``: every block's gradient (fp32, as its weights) and its gathered
+    weights held whole between micro-batches too, counted at twice the probe's size of a block's weights (an upper
+    bound: the gathered copies are bf16 or FP8)."""
     if ranks <= 1:
         return p
     return dataclasses.replace(
         p,
+        whole_bytes_per_block=2 * p.block_weight_bytes if reduce_once_a_step else 0,
         block_weight_bytes=p.block_weight_bytes // ranks,
         other_weight_bytes=p.other_weight_bytes // ranks + GATHERED_BLOCKS * p.block_weight_bytes,
         optimizer_bytes_per_block=p.optimizer_bytes_per_block // ranks,

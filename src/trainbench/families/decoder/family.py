@@ -160,7 +160,8 @@ class DecoderFamily(ModelFamily):
         given = fixed_keys(cfg, preset)
         layers, name = cfg.model.num_layers, f"{cfg.benchmark}/{cfg.preset}"
         fixed = {"perf.offload_blocks": 0, "perf.offload_recomputed_inputs": False} | given
-        fastest, smallest = best(layers, sharded(probe, resources.gpus), resources, fixed)
+        once = cfg.distributed.reduce_once_a_step
+        fastest, smallest = best(layers, sharded(probe, resources.gpus, once), resources, fixed)
         if fastest is None:
             need, held = smallest.gpu_bytes / (1 - MARGIN), smallest.account
             raise ConfigError(
@@ -175,7 +176,8 @@ class DecoderFamily(ModelFamily):
             for more in range(PLANNED_ROWS, rows, -1):
                 if more % probed or per_rank % more:
                     continue
-                plan, _ = best(layers, sharded(with_rows(probe, more // probed), resources.gpus), resources, fixed)
+                plan, _ = best(layers, sharded(with_rows(probe, more // probed), resources.gpus, once), resources,
+                               fixed)  # fmt: skip
                 if plan is not None and plan.recompute <= fastest.recompute and plan.offload <= fastest.offload:
                     rows, fastest = more, plan
                     break
