@@ -51,6 +51,10 @@
 #                                     sharded over the GPUs, the lookups exchanged by all-to-all)
 #   perf/bench_figures.sh node-dlrmv4-full  dlrmv4's reference tables whole (293 M rows, 560 GiB with their
 #                                     accumulators) sharded over NPROC GPUs (at least 5 H200), GBS 8,192
+#   perf/bench_figures.sh node-lora-run  `trainbench run llama2_70b_lora --preset llama2-70b` on NPROC GPUs over
+#                                     synthetic rows of MLPerf's GovReport shape, its base drawn from the seed, for
+#                                     LORA_SAMPLES samples (default 1,536: the first eval MLPerf's cadence makes at
+#                                     GBS 8): a throughput-and-cadence check, not a convergence result
 #   perf/bench_figures.sh node-tiny   every benchmark's tiny preset to its target over NCCL on NPROC GPUs; each run's
 #                                     summary.json (its compliance verdict) into $OUT; TINY="gpt_oss_20b flux1"
 #                                     runs only those
@@ -178,6 +182,13 @@ for what in "$@"; do
     node-dlrmv4) for n in 1 "$NPROC"; do dlrm_bench "node_dlrmv4_$n" "$n"; done ;;
     node-dlrmv4-full) bench node_dlrmv4_full dlrmv4 --preset dlrmv4 device=cuda perf.compile=true --nproc "$NPROC" \
         data.micro_batch_size=128 --steps 3 --warmup 2 --profile-steps 1 ;;
+    node-lora-run)
+        python3 -m trainbench prepare llama2_70b_lora --synthetic --preset llama2-70b --out "$RESULTS/data_lora_rows" \
+            --force --no-progress
+        python3 -m trainbench run llama2_70b_lora --preset llama2-70b data.dir="$RESULTS/data_lora_rows" device=cuda \
+            --nproc "$NPROC" schedule.max_samples="${LORA_SAMPLES:-1536}" output.results_dir="$RESULTS/run_lora" \
+            progress=false 2>&1 | tee "$OUT/run_lora.log" || true  # its summary says how it ended
+        cp "$(ls -d "$RESULTS/run_lora"/*/ | tail -n 1)summary.json" "$OUT/run_lora.json" || failed+=(node-lora-run) ;;
     node-tiny)
         for name in ${TINY:-bert llama31_8b gpt3 llama2_70b_lora gpt_oss_20b flux1 dlrmv4}; do
             python3 -m trainbench prepare "$name" --synthetic --preset tiny --out "$RESULTS/data_$name" --force
@@ -187,7 +198,7 @@ for what in "$@"; do
             cp "$(ls -d "$RESULTS/tiny_$name"/*/ | tail -n 1)summary.json" "$OUT/tiny_$name.json" || true
         done ;;
     *) echo "unknown measurement $what (lora, lora-auto, lora-auto-80, llm, llm-auto, llm-shard1, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
-        "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, dlrmv4, node-lora, node-llm, node-moe, node-bert, node-flux, node-dlrmv4, node-dlrmv4-full, node-tiny)" >&2; exit 2 ;;
+        "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, dlrmv4, node-lora, node-llm, node-moe, node-bert, node-flux, node-dlrmv4, node-dlrmv4-full, node-lora-run, node-tiny)" >&2; exit 2 ;;
     esac
 done
 if [ ${#failed[@]} -gt 0 ]; then

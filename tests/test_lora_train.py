@@ -449,3 +449,42 @@ def test_a_bad_base_checkpoint_stops_the_run_before_any_folder_is_made(lora_data
                    "model.intermediate_size=256") == 2  # fmt: skip
     assert "needs [256, 128]; set the model config of this checkpoint" in capsys.readouterr().out
     assert not results.exists()
+
+
+def test_synthetic_rows_at_the_70b_shape_are_govreports_and_a_run_on_them_draws_its_base_from_the_seed(
+        lora_data, tmp_path, capsys):  # fmt: skip
+    """`prepare --synthetic --preset llama2-70b` writes MLPerf's GovReport rows' shape (rows of exactly 8,192 tokens,
+    a few documents each, about a tenth of the tokens summary) and no base: its manifest says the base is random and
+    the benchmark reads none (None: drawn from the seed). A run on such rows (the tiny preset's, the manifest set so)
+    says on its console that its base came from the seed and its losses are no convergence result."""
+    import shutil
+
+    RANDOM_BASE = sft.RANDOM_BASE
+
+    out = tmp_path / "rows"
+    assert run_cli("prepare", "llama2_70b_lora", "--synthetic", "--preset", "llama2-70b", "--out", out,
+                   "--train-samples", "8", "--eval-samples", "2", "--no-progress") == 0  # fmt: skip
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["base"] == RANDOM_BASE and "base_weights" not in manifest and not (out / "base").exists()
+    assert "initialises its 80-layer base from its seed" in capsys.readouterr().out
+    train = manifest["splits"]["train"]
+    assert train["rows"] == train["sequences"] == 8 and train["tokens"] == 8 * 8192
+    assert 0.05 < train["answer_tokens"] / train["tokens"] < 0.15
+    cfg = BENCH.config("llama2-70b")
+    cfg.data.dir = str(out)
+    assert BENCH.base_weights(cfg) is None
+    BENCH.check_data(cfg)  # no checkpoint to check; the rows are
+    assert BENCH.inputs_identity(cfg)["base weights"] == RANDOM_BASE
+
+    tiny = tmp_path / "tiny"
+    shutil.copytree(lora_data, tiny)
+    shutil.rmtree(tiny / "base")
+    changed = json.loads((tiny / "manifest.json").read_text())
+    del changed["base_weights"]
+    (tiny / "manifest.json").write_text(json.dumps(changed | {"base": RANDOM_BASE}))
+    results = tmp_path / "r"
+    run_cli("run", "llama2_70b_lora", f"data.dir={tiny}", f"output.results_dir={results}", *SHORT,
+            "schedule.max_samples=16")  # fmt: skip
+    console = (only_run_dir(results) / "console.log").read_text()
+    assert "the base initialised from the seed, no checkpoint read" in console
+    assert len([r for r in read_metrics(only_run_dir(results)) if "loss" in r]) == 2  # it trained

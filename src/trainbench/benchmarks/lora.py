@@ -98,7 +98,10 @@ class LoraBenchmark(LLMBenchmark):
         "tiny": tiny,
         "llama2-70b": lambda: _full(),
     }
-    synthetic_sizes = {"tiny": {"train": 6000, "eval": 173}}
+    # tiny: short examples packed into its rows, with a random base written beside; llama2-70b: MLPerf's GovReport
+    # rows' shape and count (3,901 and 173 rows of 8,192 tokens), the base initialised from the run's seed (no
+    # checkpoint of 138 GB is written): a throughput-and-cadence run, not a convergence result
+    synthetic_sizes = {"tiny": {"train": 6000, "eval": 173}, "llama2-70b": {"train": 3901, "eval": 173}}
     # Expandable segments: at 70B on one GPU the caching allocator otherwise strands several recomputed blocks' worth
     # of memory between its blocks (docs/notes/lora-fp8-one-gpu.md, "3. Fragmentation: expandable segments").
     cuda_alloc_conf = "expandable_segments:True"
@@ -144,7 +147,10 @@ class LoraBenchmark(LLMBenchmark):
         if not cfg.data.dir:
             return None
         root = self._root(cfg)
-        base = sft.read_manifest(root, self.name).get("base_weights")
+        manifest = sft.read_manifest(root, self.name)
+        if manifest.get("base") == sft.RANDOM_BASE:
+            return None
+        base = manifest.get("base_weights")
         if not base:
             raise DataError(f"no base model: set model.base_weights=FOLDER (Llama-2-70B's safetensors, e.g. MLPerf's "
                             f"fused-qkv checkpoint); {root} names none")  # fmt: skip
@@ -165,8 +171,9 @@ class LoraBenchmark(LLMBenchmark):
             raise DataError(f"{root}: tokenised for a vocabulary of {manifest['vocab_size']}, but model.vocab_size="
                             f"{cfg.model.vocab_size}; prepare it with this model's tokenizer")  # fmt: skip
         # Every shard there, every tensor of the model's shape: read from the files' headers, before any folder is made.
-        with torch.device("meta"), HFCheckpoint(self.base_weights(cfg)) as ckpt:
-            check_shapes(DecoderLM(cfg.model), ckpt, cfg.model)
+        if self.base_weights(cfg) is not None:
+            with torch.device("meta"), HFCheckpoint(self.base_weights(cfg)) as ckpt:
+                check_shapes(DecoderLM(cfg.model), ckpt, cfg.model)
         splits = manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}
         for split in ("train", "eval"):
             sft.Split(root / split, cfg.data.seq_length).check(splits.get(split, {}), cfg.model.vocab_size)
@@ -179,7 +186,8 @@ class LoraBenchmark(LLMBenchmark):
         """The data set's and the base weights' identities (the base's from its index and tensor headers)."""
         from trainbench.families.decoder.hf_checkpoint import identity
 
-        return super().inputs_identity(cfg) | {"base weights": identity(self.base_weights(cfg))}
+        base = self.base_weights(cfg)
+        return super().inputs_identity(cfg) | {"base weights": identity(base) if base else sft.RANDOM_BASE}
 
     def describe_input_change(self, name: str, old: Any, new: Any) -> str:
         if name == "base weights":

@@ -352,16 +352,60 @@ def synthetic_topics(vocab: int, topics: int, seed: int) -> tuple[list[np.ndarra
     return words, phrases
 
 
-def synthetic_split(vocab: int, topics: int, count: int, seed: int, stream: int) -> Sequences:
-    """``count`` examples of the synthetic task (module docstring), drawn from random stream ``stream``."""
+def synthetic_split(vocab: int, topics: int, count: int, seed: int, stream: int,
+                    words_a_text: tuple[int, int] = (24, 73), summary_share: float = 0.0) -> Sequences:  # fmt: skip
+    """``count`` examples of the synthetic task (module docstring), drawn from random stream ``stream``; each text
+    of ``words_a_text`` words (low inclusive, high exclusive), each summary the topic's phrase, repeated to
+    ``summary_share`` of the text's words where that is longer."""
     words, phrases = synthetic_topics(vocab, topics, seed)
     rng = np.random.default_rng([seed, stream])
     out = []
     for _ in range(count):
         k = rng.integers(topics)
-        text = rng.choice(words[k], rng.integers(24, 73))
+        text = rng.choice(words[k], rng.integers(*words_a_text))
         prompt = np.concatenate([[BOS, *PROMPT_START], text, PROMPT_END])
-        answer = np.concatenate([phrases[k], [EOS]])
+        repeats = max(1, round(summary_share * len(text) / PHRASE))
+        answer = np.concatenate([np.tile(phrases[k], repeats), [EOS]])
         tokens = np.concatenate([prompt, answer]).astype(np.int64)
         out.append((tokens, np.concatenate([np.zeros(len(prompt)), np.ones(len(answer))]).astype(np.uint8)))
+    return out
+
+
+# MLPerf's GovReport rows (pre-packed): 8,192 tokens, a few documents each, attention causal across the row; a
+# summary about a tenth of a row's tokens (lora.ANSWER_SHARE).
+GOVREPORT_WORDS, GOVREPORT_SUMMARY = (1000, 4000), 0.1
+
+
+def synthetic_rows(vocab: int, topics: int, count: int, seed: int, stream: int, row: int) -> Sequences:
+    """``count`` rows of exactly ``row`` tokens shaped as MLPerf's GovReport rows: examples of the synthetic task with
+    long texts (:data:`GOVREPORT_WORDS`), whole while they fit, the last one's text cut so that its summary ends the
+    row; each row one sequence (attention causal across it, as MLPerf's rows are trained)."""
+    if row < 64:
+        raise DataError(f"the synthetic GovReport rows need at least 64 tokens a row, not {row}")
+    examples = iter(synthetic_split(vocab, topics, count * (row // GOVREPORT_WORDS[0] + 1), seed, stream,
+                                    GOVREPORT_WORDS, GOVREPORT_SUMMARY))  # fmt: skip
+    out = []
+    for _ in range(count):
+        tokens, mask, room = [], [], row
+        while room:
+            t, m = next(examples)
+            # BOS and the prompt's start; the prompt's end and the summary
+            head, tail = 1 + len(PROMPT_START), len(PROMPT_END) + int(m.sum())
+            if len(t) > room and room - tail >= head + 1:  # its text cut to fit (a word at least)
+                t, m = np.concatenate([t[: room - tail], t[-tail:]]), np.concatenate([m[: room - tail], m[-tail:]])
+            elif len(t) > room and not tokens:  # a row shorter than a word and a summary: the summary cut too
+                answer = room - head - 1 - len(PROMPT_END)
+                t = np.concatenate([t[: head + 1], PROMPT_END, t[-tail + len(PROMPT_END) :][: answer - 1], [EOS]])
+                m = np.concatenate([np.zeros(head + 1 + len(PROMPT_END), np.uint8), np.ones(answer, np.uint8)])
+            elif len(t) > room:  # too little room for another: the previous example's text takes it
+                t, m = tokens.pop(), mask.pop()
+                room += len(t)
+                cut = len(t) - len(PROMPT_END) - int(m.sum())
+                more = room - len(t)
+                t = np.concatenate([t[:cut], np.repeat(t[cut - 1], more), t[cut:]])
+                m = np.concatenate([m[:cut], np.zeros(more, np.uint8), m[cut:]])
+            tokens.append(t)
+            mask.append(m)
+            room -= len(t)
+        out.append((np.concatenate(tokens), np.concatenate(mask)))
     return out

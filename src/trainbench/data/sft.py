@@ -81,6 +81,11 @@ def write_split(folder: Path, sequences: list[tuple[np.ndarray, np.ndarray]], ro
             "answer_tokens": int(arrays["labels.npy"].sum())}  # fmt: skip
 
 
+# A data set's manifest's "base" where it names no base checkpoint (synthetic rows at the 70B's shape): the run
+# initialises the base from its seed
+RANDOM_BASE = "random, initialised from the run's seed (a throughput-and-cadence run, not a convergence result)"
+
+
 def write_manifest(out: Path, manifest: dict) -> None:
     """Written last, through a rename: a folder with a manifest holds a whole data set."""
     tmp = out / "manifest.json.tmp"

@@ -339,7 +339,11 @@ class LoraFamily(DecoderFamily):
         from trainbench.families.decoder.lora_placement import place_lora
 
         m = dataclasses.replace(cfg.model, base_weights=self.base_weights(cfg))
-        return place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf, cfg.seed)
+        placed = place_lora(model, m, info, cfg.distributed.tp, bf16, cfg.perf, cfg.seed)
+        if m.base_weights is None:
+            placed.notes.append("the base initialised from the seed, no checkpoint read: its losses are not a "
+                                "convergence result")  # fmt: skip
+        return placed
 
     def flops_per_sample(self, cfg: RunConfig) -> float | None:
         """NVIDIA's count for a row of the full model (forward and backward of the frozen base and the adapters,
