@@ -41,6 +41,7 @@
 #   perf/bench_figures.sh node-moe    gpt_oss_20b, experts spread over NPROC GPUs (distributed.ep); the whole model
 #                                     on 8 GPUs, 2 and 4 blocks extrapolated on fewer; in FP8:
 #                                     EXTRA=model.precision=fp8 TAG=-fp8 perf/bench_figures.sh node-moe
+#   perf/bench_figures.sh node-moe-hf the same with GPT-OSS's block and vocabulary (--preset gpt-oss-20b-hf)
 #   perf/bench_figures.sh node-bert   BERT-large at NVIDIA's node shapes (48 rows x 1 and x 2 accumulation a GPU) on
 #                                     NPROC GPUs and on one, for the scaling
 #   perf/bench_figures.sh node-flux   flux1's MMDiT in FP8, 1 and 2 blocks to 19, under FSDP2 on NPROC GPUs, each GPU the
@@ -164,10 +165,11 @@ for what in "$@"; do
     node-lora) bench node_lora llama2_70b_lora --preset llama2-70b --nproc "$NPROC" --steps 2 --warmup 1 ;;
     node-llm) bench node_llm llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --nproc "$NPROC" \
         perf.plan=auto --steps 3 --warmup 2 ;;
-    node-moe)
+    node-moe | node-moe-hf)
         if [ "$NPROC" -ge 8 ]; then depth=(); else depth=(--blocks 2,4); fi
-        bench node_moe gpt_oss_20b --preset gpt-oss-20b perf.compile=true distributed.ep="$NPROC" --nproc "$NPROC" \
-            "${depth[@]}" --steps 3 --warmup 2 ;;
+        if [ "$what" = node-moe ]; then preset=gpt-oss-20b; else preset=gpt-oss-20b-hf; fi
+        bench "${what//-/_}" gpt_oss_20b --preset "$preset" perf.compile=true distributed.ep="$NPROC" \
+            --nproc "$NPROC" "${depth[@]}" --steps 3 --warmup 2 ;;
     node-bert)
         for accumulation in 1 2; do
             for n in 1 "$NPROC"; do
@@ -198,7 +200,7 @@ for what in "$@"; do
             cp "$(ls -d "$RESULTS/tiny_$name"/*/ | tail -n 1)summary.json" "$OUT/tiny_$name.json" || true
         done ;;
     *) echo "unknown measurement $what (lora, lora-auto, lora-auto-80, llm, llm-auto, llm-shard1, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
-        "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, dlrmv4, node-lora, node-llm, node-moe, node-bert, node-flux, node-dlrmv4, node-dlrmv4-full, node-lora-run, node-tiny)" >&2; exit 2 ;;
+        "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, dlrmv4, node-lora, node-llm, node-moe, node-moe-hf, node-bert, node-flux, node-dlrmv4, node-dlrmv4-full, node-lora-run, node-tiny)" >&2; exit 2 ;;
     esac
 done
 if [ ${#failed[@]} -gt 0 ]; then

@@ -161,6 +161,27 @@ def test_dlrmv4_on_one_gpu_and_on_the_node_takes_a_step_of_512_a_gpu_at_the_rule
     assert all((tmp_path / "out" / f"node_dlrmv4_{n}.json").exists() for n in (1, 2))
 
 
+@pytest.mark.parametrize("nproc, depth", [(2, ["--blocks", "2,4"]), (8, [])])
+def test_both_blocks_of_gpt_oss_20b_spread_their_experts_over_the_node(tmp_path, nproc, depth):
+    """`perf/bench_figures.sh node-moe node-moe-hf`: the reference's block and GPT-OSS's (its own preset), each with
+    its experts over NPROC GPUs; the whole 24 blocks on 8, 2 and 4 blocks extrapolated on fewer."""
+    done = _bench_figures(
+        tmp_path,
+        'echo "$*" >> "$OUT/args.txt"\nmkdir -p "$d/20261129T000000Z-moe"\n'
+        'echo \'{"tokens_per_s": 1}\' > "$d/20261129T000000Z-moe/bench.json"\n',
+        "node-moe",
+        "node-moe-hf",
+        nproc=nproc,
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    calls = [c.split() for c in (tmp_path / "out" / "args.txt").read_text().splitlines()]
+    assert [c[c.index("--preset") + 1] for c in calls] == ["gpt-oss-20b", "gpt-oss-20b-hf"]
+    for c in calls:
+        assert f"distributed.ep={nproc}" in c and c[c.index("--nproc") + 1] == str(nproc)
+        assert ("--blocks" in c) == bool(depth) and (not depth or c[c.index("--blocks") + 1] == "2,4")
+    assert all((tmp_path / "out" / f"{name}.json").exists() for name in ("node_moe", "node_moe_hf"))
+
+
 def test_a_measurement_stopped_by_a_time_limit_keeps_the_depths_it_measured(tmp_path):
     """perf/bench_figures.sh under `timeout` (its TERM, as a device call's time limit sends it) while a stand-in
     `trainbench bench` waits after its first depth: the depth measured comes back into $OUT, and `timeout` ends the
