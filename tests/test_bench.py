@@ -15,7 +15,7 @@ FIELDS = {"kind", "benchmark", "preset", "figures", "blocks", "blocks_measured",
           "step_seconds", "samples_per_s", "tokens_per_s", "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu",
           "peak_memory_gib", "eval_seconds_per_sample", "energy_joules_per_token", "steps", "warmup", "raw", "ruleset",
           "projection", "gpus", "compare", "samples_per_step", "profile", "nodes", "tokens_per_s_per_node",
-          "router", "system"}  # fmt: skip
+          "router", "system", "lookups_per_s"}  # fmt: skip
 
 
 def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:
@@ -43,6 +43,11 @@ def test_each_tiny_preset_is_measured_on_one_rank(benchmark, tmp_path, capsys):
     assert result["samples_per_step"] == result["global_batch_size"]  # a row is a sample (no packed rows here)
     assert raw["mean_loss"] > 0 and not (folder / "result_0.txt").exists()  # trained; no MLPerf log written
     assert "not a time-to-train result" in printed and "tokens/s" in printed
+    if benchmark == "dlrmv4":  # the user's row, 3 crosses, and 3 rows for each of 24 history events and the candidate
+        assert result["lookups_per_s"] == pytest.approx(result["samples_per_s"] * (1 + 3 + 3 * 25))
+        assert "table lookups/s" in printed
+    else:
+        assert result["lookups_per_s"] is None
     router = result["router"]  # a mixture of experts: how evenly its routers spread the eval pass's tokens
     if benchmark == "gpt_oss_20b":
         assert router["experts"] == 4 and len(router["busiest_over_mean"]) == 2 and "router: the busiest" in printed
@@ -585,3 +590,13 @@ def test_bench_samples_the_telemetry_at_10_hz_unless_a_file_or_the_command_line_
     assert run_cli("bench", "bert", "--preset", "tiny", *args) == 0
     saved = yaml.safe_load((only_run_dir(tmp_path / "r") / "config.yaml").read_text())
     assert saved["output"]["telemetry_hz"] == 10.0
+
+
+def test_a_recommenders_lookups_a_second_are_in_its_report_and_no_other_models(tmp_path):
+    """dlrmv4's bench.json has its table lookups a second, and the report of its folder shows them; a model without
+    tables has none, and its report no such row."""
+    dlrm, _ = measured("dlrmv4", tmp_path / "d")
+    bert, _ = measured("bert", tmp_path / "b")
+    assert run_cli("report", dlrm) == 0 and run_cli("report", bert) == 0
+    assert "table lookups/s" in (dlrm / "report.md").read_text()
+    assert "table lookups/s" not in (bert / "report.md").read_text()

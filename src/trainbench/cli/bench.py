@@ -115,6 +115,8 @@ def bench_summary(r: dict) -> str:
              + (f" in {r['global_batch_size']} packed rows" if r["samples_per_step"] != r["global_batch_size"]
                 else "")]  # fmt: skip
     extra = []
+    if r.get("lookups_per_s"):
+        extra.append(f"{r['lookups_per_s']:,.0f} table lookups/s")
     if r["mfu"] is not None:
         extra.append(f"MFU {r['mfu']:.1%}")
     if r["peak_memory_gib"] is not None:

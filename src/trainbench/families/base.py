@@ -120,6 +120,10 @@ class ModelFamily(ABC):
         """Tokens one sample of the global batch counts (a row of the sequence length by default)."""
         return cfg.data.seq_length
 
+    def lookups_per_sample(self, cfg: RunConfig) -> int | None:
+        """Embedding-table rows one sample reads (a recommender's cost); None for a model without tables."""
+        return None
+
     def flops_per_sample(self, cfg: RunConfig) -> float | None:
         """Floating-point operations of one sample's forward and backward as NVIDIA counts them for its MLPerf
         submissions (recompute excluded), for the MFU; None where no count is defined."""

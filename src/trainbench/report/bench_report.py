@@ -62,10 +62,13 @@ FIGURES = (
     ("energy per token (J)", "energy_joules_per_token"),
     ("eval (s per sample)", "eval_seconds_per_sample"),
 )
+# Figures of some models alone, shown where the measurement has them
+SOME_FIGURES = (("table lookups/s", "lookups_per_s"),)
 
 
 def rows(result: dict[str, Any]) -> list[list[str]]:
     out = [[label, _num(result.get(key))] for label, key in FIGURES]
+    out += [[label, _num(result[key])] for label, key in SOME_FIGURES if result.get(key) is not None]
     p = result.get("projection")
     out.append(["projected time to train (min)", _num(p["minutes"]) if p else "-"])
     prof = result.get("profile")
@@ -82,7 +85,7 @@ def _bench_fields() -> dict[str, Any]:
     return {"kind": str, "benchmark": str, "preset": str, "figures": str, "ranks": int, "device": str,
             "blocks": int, "blocks_measured": ListOf(int), "ruleset": str, "global_batch_size": int,
             "projection": {"minutes": NUMBER}, "profile": {"split_ms": dict, "by_kind_ms": dict},
-            **{key: NUMBER for _, key in FIGURES}}  # fmt: skip
+            **{key: NUMBER for _, key in FIGURES + SOME_FIGURES}}  # fmt: skip
 
 
 BENCH_FIELDS = _bench_fields()
@@ -278,6 +281,8 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "tokens_per_s": samples_per_s * per_sample,
         "samples_per_s_per_rank": samples_per_s / ranks,
         "tokens_per_s_per_rank": samples_per_s * per_sample / ranks,
+        # a recommender's: the embedding-table rows read a second (None for a model without tables)
+        "lookups_per_s": samples_per_s * lookups if (lookups := bench.family.lookups_per_sample(cfg)) else None,
         "nodes": cfg.distributed.nodes,
         "tokens_per_s_per_node": samples_per_s * per_sample / cfg.distributed.nodes,
         "mfu": flops * samples_per_s / ranks / (peak * 1e12) if flops and peak else None,

@@ -172,3 +172,8 @@ class HstuFamily(ModelFamily):
 
     def tokens_per_sample(self, cfg: RunConfig) -> int:
         return cfg.model.sequence_length
+
+    def lookups_per_sample(self, cfg: RunConfig) -> int:
+        """model.HstuRanker's requests: the user's row, one a cross, and the track, artist and album of every history
+        position (the padding's too) and of the candidate."""
+        return 1 + len(cfg.model.crosses) + 3 * (cfg.model.history + 1)
