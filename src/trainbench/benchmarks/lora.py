@@ -171,8 +171,9 @@ class LoraBenchmark(LLMBenchmark):
             raise DataError(f"{root}: tokenised for a vocabulary of {manifest['vocab_size']}, but model.vocab_size="
                             f"{cfg.model.vocab_size}; prepare it with this model's tokenizer")  # fmt: skip
         # Every shard there, every tensor of the model's shape: read from the files' headers, before any folder is made.
-        if self.base_weights(cfg) is not None:
-            with torch.device("meta"), HFCheckpoint(self.base_weights(cfg)) as ckpt:
+        base = self.base_weights(cfg)
+        if base is not None:
+            with torch.device("meta"), HFCheckpoint(base) as ckpt:
                 check_shapes(DecoderLM(cfg.model), ckpt, cfg.model)
         splits = manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}
         for split in ("train", "eval"):

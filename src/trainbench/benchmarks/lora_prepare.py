@@ -65,6 +65,8 @@ def _prepare(args, bench) -> int:
     cfg = bench.config(args.preset)
     row, vocab = cfg.data.seq_length, cfg.model.vocab_size
     out = Path(args.out)
+    # The tiny preset's synthetic set writes its random base beside; the 70B's names none (138 GB): drawn from the seed
+    writes_base = args.synthetic and args.preset == "tiny"
     if args.synthetic:
         sizes = synthetic_sizes(bench, args, {"train": "train_samples", "eval": "eval_samples"})
         spec = {"synthetic": True, "preset": args.preset, "seed": args.seed, "train": sizes["train"],
@@ -72,7 +74,7 @@ def _prepare(args, bench) -> int:
         if claim(out, spec, args.force, REPLACED):
             return 0
 
-        if args.preset == "tiny":  # short examples packed, a random base written beside
+        if writes_base:  # short examples packed
             splits = {"train": p.synthetic_split(vocab, TINY_TOPICS, spec["train"], args.seed, 1),
                       "eval": p.synthetic_split(vocab, TINY_TOPICS, spec["eval"], args.seed, 2)}  # fmt: skip
             _write_base(cfg, out / "base", args.seed)
@@ -97,7 +99,7 @@ def _prepare(args, bench) -> int:
                 "vocab_size": vocab, "splits": sizes, "dropped_longer_than_row": dropped,
                 "rows": "as given, attention causal across each row" if as_given
                 else "packed, attention inside each sequence"}  # fmt: skip
-    if args.synthetic and args.preset == "tiny":
+    if writes_base:
         manifest["base_weights"] = "base"
     elif args.synthetic:
         manifest["base"] = sft.RANDOM_BASE
@@ -110,7 +112,7 @@ def _prepare(args, bench) -> int:
         console.print(f"{t['sequences']:,} training sequences in {t['rows']:,} rows of {row} tokens, "
                       f"{e['sequences']:,} eval sequences in {e['rows']:,} rows, into {out} ({kind}; dropped as "
                       f"longer than a row: {dropped['train']:,} training, {dropped['eval']:,} eval)")  # fmt: skip
-    if args.synthetic and args.preset == "tiny":
+    if writes_base:
         console.print(f"base model (random, {cfg.model.num_layers} layers) as sharded safetensors in {out / 'base'}")
     elif args.synthetic:
         console.print(f"no base model written: a run on these rows initialises its {cfg.model.num_layers}-layer base "

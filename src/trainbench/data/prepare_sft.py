@@ -30,8 +30,9 @@ safetensors (``base/``), so tiny runs load their weights exactly as 70B runs do.
 
 from __future__ import annotations
 
+import itertools
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -357,18 +358,22 @@ def synthetic_split(vocab: int, topics: int, count: int, seed: int, stream: int,
     """``count`` examples of the synthetic task (module docstring), drawn from random stream ``stream``; each text
     of ``words_a_text`` words (low inclusive, high exclusive), each summary the topic's phrase, repeated to
     ``summary_share`` of the text's words where that is longer."""
+    return list(itertools.islice(_synthetic_examples(vocab, topics, seed, stream, words_a_text, summary_share), count))
+
+
+def _synthetic_examples(vocab: int, topics: int, seed: int, stream: int, words_a_text: tuple[int, int],
+                        summary_share: float) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+    """:func:`synthetic_split`'s examples, one after another, for as long as they are asked for."""
     words, phrases = synthetic_topics(vocab, topics, seed)
     rng = np.random.default_rng([seed, stream])
-    out = []
-    for _ in range(count):
+    while True:
         k = rng.integers(topics)
         text = rng.choice(words[k], rng.integers(*words_a_text))
         prompt = np.concatenate([[BOS, *PROMPT_START], text, PROMPT_END])
         repeats = max(1, round(summary_share * len(text) / PHRASE))
         answer = np.concatenate([np.tile(phrases[k], repeats), [EOS]])
         tokens = np.concatenate([prompt, answer]).astype(np.int64)
-        out.append((tokens, np.concatenate([np.zeros(len(prompt)), np.ones(len(answer))]).astype(np.uint8)))
-    return out
+        yield tokens, np.concatenate([np.zeros(len(prompt)), np.ones(len(answer))]).astype(np.uint8)
 
 
 # MLPerf's GovReport rows (pre-packed): 8,192 tokens, a few documents each, attention causal across the row; a
@@ -382,8 +387,7 @@ def synthetic_rows(vocab: int, topics: int, count: int, seed: int, stream: int, 
     row; each row one sequence (attention causal across it, as MLPerf's rows are trained)."""
     if row < 64:
         raise DataError(f"the synthetic GovReport rows need at least 64 tokens a row, not {row}")
-    examples = iter(synthetic_split(vocab, topics, count * (row // GOVREPORT_WORDS[0] + 1), seed, stream,
-                                    GOVREPORT_WORDS, GOVREPORT_SUMMARY))  # fmt: skip
+    examples = _synthetic_examples(vocab, topics, seed, stream, GOVREPORT_WORDS, GOVREPORT_SUMMARY)
     out = []
     for _ in range(count):
         tokens, mask, room = [], [], row
