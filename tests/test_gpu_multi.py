@@ -201,11 +201,14 @@ PATHS = [
     ("gpt3_fsdp2", "gpt3", [], [], 16, 1e-2, None),  # (from scratch, gpt3's log is not compliant: no target run)
     ("fsdp2_fp8", "llama31_8b", ["model.precision=fp8", "perf.compile=true"], [], 16, 2e-2,
      "FSDP2 gathers their weights in FP8"),
+    # the same with the gradients reduce-scattered in bf16 (distributed.grad_reduce_dtype=bf16)
+    ("fsdp2_fp8_bf16_reduce", "llama31_8b", ["model.precision=fp8", "perf.compile=true"],
+     ["distributed.grad_reduce_dtype=bf16"], 16, 2e-2, "reduce-scatters the gradients in bf16"),
     ("tp", "llama31_8b", [], ["distributed.tp=2"], 32, 1e-2, None),  # (the whole batch on both ranks of the group)
     ("ep_fp8", "gpt_oss_20b", ["model.precision=fp8", "perf.compile=true"], ["distributed.ep=2"], 16, 2e-2,
      "on each of 2 ranks (all-to-all)"),
     ("lora_fp8_replicas", "llama2_70b_lora", ["model.base_precision=fp8"], [], 4, 2e-2, "FP8 base on every rank"),
-    # FSDP2 in FP8 (gathered in FP8), 4 micro-batches a rank reduce-scattered once a step (not yet run on GPUs)
+    # FSDP2 in FP8 (gathered in FP8), 4 micro-batches a rank reduce-scattered once a step
     ("flux_fp8_once", "flux1", ["model.precision=fp8", "perf.compile=true"], ["distributed.reduce_once_a_step=true"],
      4, 2e-2, "reduce-scatters the gradients once a step"),
     ("lora_fp8_sharded", "llama2_70b_lora", ["model.base_precision=fp8", "model.base_sharding=fsdp"], [], 4, 2e-2,

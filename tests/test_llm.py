@@ -167,7 +167,8 @@ def test_tiny_llama_reaches_its_target_with_a_compliant_log(llm_data, tmp_path):
 @pytest.mark.full
 def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_path):
     """One rank, one rank sharded by FSDP2 as several ranks shard it, FSDP2 over 2, TP 2, FSDP2 over 2 with a
-    block recomputed, and FSDP2 over 2 reducing 2 micro-batches' gradients once a step: the same losses and evals."""
+    block recomputed, and FSDP2 over 2 reducing 2 micro-batches' gradients once a step: the same losses and evals.
+    FSDP2 over 2 reduce-scattering in bf16: the losses of fp32's within bf16's rounding."""
     common = ["run", "llama31_8b", f"data.dir={llm_data}", "progress=false", "log_every_steps=1", "telemetry_hz=0",
               "schedule.max_samples=256", "eval.every_samples=128", "eval_samples=64"]  # fmt: skip
     runs = {
@@ -179,6 +180,8 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_p
         "fsdp_recompute": ["--nproc", "2", "micro_batch_size=16", "activation_checkpointing=1", "recompute_blocks=1"],
         # FSDP2 over 2 with 2 micro-batches a rank, reduce-scattered once a step
         "fsdp_once": ["--nproc", "2", "micro_batch_size=8", "distributed.reduce_once_a_step=true"],
+        # FSDP2 over 2, the gradients reduce-scattered in bf16: the losses within bf16's rounding, not bit for bit
+        "fsdp_bf16_reduce": ["--nproc", "2", "micro_batch_size=16", "distributed.grad_reduce_dtype=bf16"],
     }
     losses, evals = losses_and_evals(common, runs, tmp_path, "log_perplexity")
     console = (only_run_dir(tmp_path / "fsdp_recompute") / "console.log").read_text()
@@ -189,13 +192,18 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_p
               for name in runs}  # fmt: skip
     assert [(layout[n]["tensor_parallelism"], layout[n]["micro_batch_size"]) for n in ("one", "fsdp", "tp")] == [
         (1, 32), (1, 16), (2, 32)]  # fmt: skip
-    assert {layout[n]["lowest_numerical_precision_in_comm"] for n in runs} == {"fp32"}  # fp32 FSDP on the CPU
+    comm = {n: layout[n]["lowest_numerical_precision_in_comm"] for n in runs}
+    assert comm == {n: "bfloat16" if n == "fsdp_bf16_reduce" else "fp32" for n in runs}  # fp32 FSDP on the CPU
     assert len(losses["one"]) == 8 and losses["one"][-1] < losses["one"][0]
     once = (only_run_dir(tmp_path / "fsdp_once") / "console.log").read_text()
     assert "reduce-scatters the gradients once a step" in once
     for name in ("one_sharded", "fsdp", "tp", "fsdp_recompute", "fsdp_once"):
         assert max(abs(a - b) for a, b in zip(losses["one"], losses[name], strict=True)) <= 1e-5, (name, losses)
         assert max(abs(a - b) for a, b in zip(evals["one"], evals[name], strict=True)) <= 1e-5, (name, evals)
+    bf16 = (only_run_dir(tmp_path / "fsdp_bf16_reduce") / "console.log").read_text()
+    assert "reduce-scatters the gradients in bf16" in bf16
+    gap = max(abs(a - b) for a, b in zip(losses["fsdp"], losses["fsdp_bf16_reduce"], strict=True))
+    assert 0 < gap <= 1e-2, losses  # rounded on the wire (not the fp32 path), and within bf16's rounding
 
 
 def test_a_waiver_never_hides_another_failure():

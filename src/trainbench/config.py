@@ -166,8 +166,11 @@ class DistributedConfig:
     )  # fmt: skip
     grad_reduce_dtype: str = option(
         "fp32",
-        "Type of the gradients on the wire: fp32, or bf16 (half the all-reduce traffic; each bucket is rounded "
-        "to bf16, summed, and cast back).",
+        "Type of the gradients on the wire: fp32, or bf16 (half the traffic). DDP (bert, dlrmv4's dense part): each "
+        "bucket rounded to bf16, summed, and cast back. FSDP2 (llama31_8b, gpt3, gpt_oss_20b, flux1): each "
+        "micro-batch's gradients reduce-scattered in bf16 and added to the fp32 shard; with "
+        "distributed.reduce_once_a_step the micro-batches' whole gradients are summed in bf16 too. FSDP2's bf16 "
+        "reduction is not yet verified on GPUs (docs/performance.md).",
         choices=("fp32", "bf16"),
     )
 
@@ -610,10 +613,10 @@ def keys_without_effect(cfg: RunConfig) -> dict[str, str]:
     out: dict[str, str] = {}
     if cfg.distributed.world_size == 1:
         one = "one rank all-reduces no gradients (it applies with --nproc or distributed.nodes above 1)"
-        for key in ("distributed.bucket_cap_mb", "distributed.grad_reduce_dtype", "distributed.overlap_compiled"):
+        for key in ("distributed.bucket_cap_mb", "distributed.overlap_compiled"):
             out[key] = one
-        if not cfg.distributed.shard_one_rank:
-            out["distributed.reduce_once_a_step"] = one
+        if not cfg.distributed.shard_one_rank:  # (FSDP2 over a group of one reduce-scatters: what it measures)
+            out["distributed.reduce_once_a_step"] = out["distributed.grad_reduce_dtype"] = one
     if not cfg.perf.compile:
         out.setdefault("distributed.overlap_compiled", "it splits the compiled graph, and perf.compile=false")
     if cfg.device == "cpu":

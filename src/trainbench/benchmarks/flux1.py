@@ -92,7 +92,6 @@ class Flux1Benchmark(Benchmark):
         "perf.recompute_blocks": "perf.activation_checkpointing recomputes every block",
         "perf.offload_blocks": "it offloads no blocks",
         "distributed.bucket_cap_mb": "several ranks shard it with FSDP2, which reduce-scatters per block",
-        "distributed.grad_reduce_dtype": "FSDP2 reduces its gradients in fp32",
         "distributed.overlap_compiled": "several ranks compile it block by block, and FSDP2 overlaps its collectives",
     }  # fmt: skip
 

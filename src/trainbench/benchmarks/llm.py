@@ -147,7 +147,6 @@ class LLMBenchmark(Benchmark):
         "schedule.start_warmup_step": "its warmup starts at step 0",
         "schedule.poly_power": "its schedule is a cosine decay to schedule.end_lr",
         "distributed.bucket_cap_mb": "FSDP2 reduce-scatters per block, not in DDP buckets",
-        "distributed.grad_reduce_dtype": "FSDP2 reduces gradients in fp32",
         "distributed.overlap_compiled": "it compiles each block, and FSDP2 overlaps its collectives itself",
         "perf.cuda_graphs": "its blocks are compiled without CUDA graphs",
     }

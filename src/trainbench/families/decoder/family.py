@@ -132,7 +132,8 @@ class DecoderFamily(ModelFamily):
         from trainbench.families.decoder.placement import place_decoder
 
         placed = place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf, cfg.seed,
-                               cfg.distributed.ep, cfg.distributed.shard_one_rank)  # fmt: skip
+                               cfg.distributed.ep, cfg.distributed.shard_one_rank,
+                               cfg.distributed.grad_reduce_dtype == "bf16")  # fmt: skip
         if cfg.distributed.reduce_once_a_step:
             reduce_once_a_step(placed)
         return placed

@@ -72,12 +72,19 @@ def apply_tp(model: DecoderLM, mesh: DeviceMesh) -> None:
         parallelize_module(block, mesh, plan)
 
 
-def sharded_comm_precision(world: int, bf16: bool, fp8: bool = False) -> str:
-    """What :func:`apply_fsdp`'s collectives carry: the blocks' FP8 weights gathered in FP8 under ``fp8``, bf16
-    parameters gathered (gradients reduced in fp32) under ``bf16``; fp32 otherwise and on one rank."""
+BF16_REDUCE_NOTE = (
+    "FSDP2 reduce-scatters the gradients in bf16 (distributed.grad_reduce_dtype=bf16), each rank's "
+    "shard added to its fp32 gradient"
+)
+
+
+def sharded_comm_precision(world: int, bf16: bool, fp8: bool = False, reduce_bf16: bool = False) -> str:
+    """What :func:`apply_fsdp`'s collectives carry at the lowest: the blocks' FP8 weights gathered in FP8 under
+    ``fp8``, bf16 parameters gathered under ``bf16`` or gradients reduced in bf16 under ``reduce_bf16``; fp32
+    otherwise and on one rank."""
     if world == 1:
         return "fp32"
-    return "fp8" if fp8 else "bfloat16" if bf16 else "fp32"
+    return "fp8" if fp8 else "bfloat16" if bf16 or reduce_bf16 else "fp32"
 
 
 def apply_expert_parallel(model: DecoderLM, device_type: str, ep: int, world: int) -> set[nn.Parameter]:
@@ -106,17 +113,23 @@ def apply_expert_parallel(model: DecoderLM, device_type: str, ep: int, world: in
     return spread
 
 
-def apply_fsdp(model: DecoderLM, mesh: DeviceMesh, bf16: bool, ignored: set[nn.Parameter] | None = None) -> None:
-    shard_blocks(model, list(model.model.layers), mesh, bf16, ignored)
+def apply_fsdp(model: DecoderLM, mesh: DeviceMesh, bf16: bool, ignored: set[nn.Parameter] | None = None,
+               reduce_bf16: bool = False) -> None:  # fmt: skip
+    shard_blocks(model, list(model.model.layers), mesh, bf16, ignored, reduce_bf16)
 
 
 def shard_blocks(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, bf16: bool,
-                 ignored: set[nn.Parameter] | None = None) -> None:  # fmt: skip
-    """FSDP2 on each of ``blocks`` in order, then on ``model`` for the rest: bf16 parameters gathered and fp32
-    gradients reduced under ``bf16``; ``ignored`` parameters left unsharded (experts spread by expert parallelism)."""
+                 ignored: set[nn.Parameter] | None = None, reduce_bf16: bool = False) -> None:  # fmt: skip
+    """FSDP2 on each of ``blocks`` in order, then on ``model`` for the rest: bf16 parameters gathered under
+    ``bf16``; the gradients reduce-scattered in fp32, or in bf16 under ``reduce_bf16``
+    (``distributed.grad_reduce_dtype=bf16``: half the bytes; each micro-batch's reduced shard is added to the fp32
+    gradient in fp32); ``ignored`` parameters left unsharded (experts spread by expert parallelism)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    mp = None
+    if bf16 or reduce_bf16:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                  reduce_dtype=torch.bfloat16 if reduce_bf16 else torch.float32)  # fmt: skip
     kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {}) | ({"ignored_params": ignored} if ignored else {})
     for i, block in enumerate(blocks):
         # The last block's parameters are needed at once by the backward: no point resharding them.
@@ -147,7 +160,7 @@ def use_flex_for_packed_rows(model: DecoderLM, device: torch.device, compiled: b
 def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf16: bool, checkpointing: bool,
                 compile_blocks: bool, full_state: dict[str, torch.Tensor] | None, seed: int,
                 fill: Callable[[DecoderLM], None] | None = None, ep: int = 1,
-                shard_one_rank: bool = False) -> nn.Module:  # fmt: skip
+                shard_one_rank: bool = False, reduce_bf16: bool = False) -> nn.Module:  # fmt: skip
     """Shard ``model`` (built on the meta device) over ``world`` ranks and materialise it on ``device``; on one rank
     too where ``shard_one_rank`` (FSDP2 over a process group of one, as several ranks place it).
 
@@ -186,7 +199,7 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
     use_flex_for_packed_rows(model, device, compile_blocks)
     if sharded:
         experts = apply_expert_parallel(model, device.type, ep, world) if ep > 1 else None
-        apply_fsdp(model, mesh["dp"], bf16, experts)
+        apply_fsdp(model, mesh["dp"], bf16, experts, reduce_bf16)
     model.to_empty(device=device)
     if model.cfg.tie_embeddings:  # to_empty gives every module its own tensor: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -205,8 +218,10 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
 
 
 def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int, bf16: bool, perf: PerfConfig,
-                  seed: int, ep: int = 1, shard_one_rank: bool = False) -> Placed:  # fmt: skip
-    """``model`` (built on the meta device) sharded over the ranks (on one rank too where ``shard_one_rank``),
+                  seed: int, ep: int = 1, shard_one_rank: bool = False,
+                  reduce_bf16: bool = False) -> Placed:  # fmt: skip
+    """``model`` (built on the meta device) sharded over the ranks (on one rank too where ``shard_one_rank``; the
+    gradients reduce-scattered in bf16 under ``reduce_bf16``),
     materialised and initialised from ``seed``; compiled per block and checkpointed by ``perf.compile`` and
     ``perf.activation_checkpointing``, and what its blocks keep for the backward chosen by ``perf``'s other keys last
     (:func:`~trainbench.families.decoder.memory.recompute_and_offload`: checkpointing on fewer blocks, host
@@ -219,12 +234,15 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         full = whole.state_dict()
     mixed = bf16 and info.device.type == "cuda"
     placed = parallelize(model, info.device, info.world_size, tp, mixed, checkpointing, compile_blocks, full, seed,
-                         ep=ep, shard_one_rank=shard_one_rank)  # fmt: skip
+                         ep=ep, shard_one_rank=shard_one_rank, reduce_bf16=reduce_bf16)  # fmt: skip
     fp8 = cfg.precision == "fp8"
     sharded = info.world_size > 1 or shard_one_rank
-    out = Placed(module=placed, model=placed, comm_precision=sharded_comm_precision(info.world_size, mixed, fp8))
+    comm = sharded_comm_precision(info.world_size, mixed, fp8, sharded and reduce_bf16)
+    out = Placed(module=placed, model=placed, comm_precision=comm)
     if info.world_size == 1 and shard_one_rank:
         out.notes.append("FSDP2 over this one rank (distributed.shard_one_rank), placed as several ranks place it")
+    if sharded and reduce_bf16:
+        out.notes.append(BF16_REDUCE_NOTE)
     if not sharded and info.device.type == "cuda" and not cfg.tie_embeddings:
         from trainbench.families.decoder.embedding_rows import rows_into_grad
 

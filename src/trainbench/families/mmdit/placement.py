@@ -20,7 +20,12 @@ from trainbench.config import DistributedConfig, PerfConfig
 from trainbench.distributed import DistInfo, Placed, reduce_once_a_step
 from trainbench.families import fp8
 from trainbench.families.data_parallel import place_data_parallel
-from trainbench.families.decoder.placement import make_mesh, shard_blocks, sharded_comm_precision
+from trainbench.families.decoder.placement import (
+    BF16_REDUCE_NOTE,
+    make_mesh,
+    shard_blocks,
+    sharded_comm_precision,
+)
 from trainbench.families.mmdit.model import Flux
 
 
@@ -69,12 +74,17 @@ def place_flux(model: Flux, info: DistInfo, dist_cfg: DistributedConfig, perf: P
             for block in blocks_of(model):
                 block.compile(dynamic=False)
         mixed = bf16 and info.device.type == "cuda"
+        reduce_bf16 = sharded and dist_cfg.grad_reduce_dtype == "bf16"
         if sharded:
-            shard_blocks(model, blocks_of(model), make_mesh(info.device.type, info.world_size, 1)["dp"], mixed)
+            mesh = make_mesh(info.device.type, info.world_size, 1)["dp"]
+            shard_blocks(model, blocks_of(model), mesh, mixed, reduce_bf16=reduce_bf16)
             notes.append(f"FSDP2 over {info.world_size} ranks, each block's parameters gathered as it runs "
-                         f"({'bf16' if mixed else 'fp32'} gathers, fp32 gradient reduction)")  # fmt: skip
+                         f"({'bf16' if mixed else 'fp32'} gathers, {'bf16' if reduce_bf16 else 'fp32'} gradient "
+                         "reduction)")  # fmt: skip
+            if reduce_bf16:
+                notes.append(BF16_REDUCE_NOTE)
         module = model.to(info.device)
-        comm = sharded_comm_precision(info.world_size, mixed, sharded and in_fp8_blocks)
+        comm = sharded_comm_precision(info.world_size, mixed, sharded and in_fp8_blocks, reduce_bf16)
         placed = Placed(module=module, model=module, notes=notes, comm_precision=comm)
         if sharded and dist_cfg.reduce_once_a_step:
             reduce_once_a_step(placed)
