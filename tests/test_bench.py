@@ -397,6 +397,32 @@ def test_an_extrapolated_split_never_has_the_gpu_idle_less_than_never():
     assert shallow["idle_ms"] == pytest.approx(0.6) and shallow["window_ms"] == pytest.approx(338.8)  # kept
 
 
+def test_a_split_whose_line_through_the_depths_goes_negative_is_shown_as_measured_at_the_deepest():
+    """flux1 over 2 GPUs at 1 and 2 blocks: at 1 block the all-gathers waited on the other rank (151 ms of NCCL
+    kernels, 47 at 2 blocks), and the line through them gave -2,143 ms of communication at 19 blocks. Such a split is
+    not extrapolated: the deepest depth's profile is shown, measured, and the console line says why."""
+    from trainbench.report.bench_report import profile_at_depth, rows, split_line
+
+    def profile(comm, compute, parts=True):
+        split = {"window_ms": comm + compute, "busy_ms": comm + compute, "compute_ms": compute,
+                 "comm_exposed_ms": comm, "idle_ms": 0.0}  # fmt: skip
+        kinds = {"nccl": comm, "fp8 gemm": compute}
+        extra = {"by_part_ms": {"communication": comm, "model": compute}} if parts else {}
+        return {"profile": {"split": split, "by_kind_ms": kinds, "kernels": [], "trace": "t.json", **extra}}
+
+    at = profile_at_depth({1: profile(187.0, 141.2), 2: profile(57.6, 255.9)}, 19, [1, 2])
+    assert at["figures"] == "measured at 2 blocks" and "block_by_kind_ms" not in at
+    assert at["split_ms"]["comm_exposed_ms"] == 57.6 and at["by_kind_ms"] == {"fp8 gemm": 255.9, "nccl": 57.6}
+    assert at["by_part_ms"] == {"model": 255.9, "communication": 57.6}
+    line = split_line(at)
+    assert line.startswith("step (measured at 2 blocks, ms): window 313.5") and "gave a negative comm_exposed" in line
+    assert ["step's split: measured at 2 blocks", at["note"]] in rows({"profile": at})  # the report says it too
+    # a line that stays above zero is extrapolated as before
+    fine = profile_at_depth({1: profile(40.0, 141.2), 2: profile(57.6, 255.9)}, 19, [1, 2])
+    assert fine["figures"] == "extrapolated" and fine["split_ms"]["comm_exposed_ms"] == pytest.approx(40 + 18 * 17.6)
+    assert "note" not in fine and "nccl" in fine["block_by_kind_ms"]
+
+
 def test_a_profiled_steps_gpu_time_is_split_by_the_host_ranges_that_launched_each_kernel():
     """kernels_by_part: a kernel counts to the first part whose expression matches a CPU range open on its launching
     thread (by the launch's correlation id), the optimizer's range after the family's parts, collectives to

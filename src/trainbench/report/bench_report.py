@@ -73,6 +73,8 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     out.append(["projected time to train (min)", _num(p["minutes"]) if p else "-"])
     prof = result.get("profile")
     if prof:
+        if prof.get("note"):
+            out.append([f"step's split: {prof['figures']}", prof["note"]])
         out += [[f"step: {name} (ms, profiled)", _num(prof["split_ms"].get(f"{key}_ms"))] for name, key in SPLIT]
         out += [[f"GPU time: {kind} (ms a step)", _num(ms)] for kind, ms in prof["by_kind_ms"].items()]
         out += [[f"GPU time by part: {part} (ms a step)", _num(ms)] for part, ms in prof.get("by_part_ms", {}).items()]
@@ -100,7 +102,7 @@ def split_line(prof: dict[str, Any]) -> str:
     kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in list(prof["by_kind_ms"].items())[:5])
     parts = ", ".join(f"{part} {ms:.1f}" for part, ms in prof.get("by_part_ms", {}).items())
     line = f"step ({prof['figures']}, ms): {split}; GPU time by kind: {kinds}"
-    return line + (f"; by part: {parts}" if parts else "")
+    return line + (f"; by part: {parts}" if parts else "") + (f" ({prof['note']})" if prof.get("note") else "")
 
 
 def heading(result: dict[str, Any]) -> str:
@@ -241,6 +243,18 @@ def profile_at_depth(raws: dict[int, dict], layers: int | None, depths: list[int
         split["idle_ms"], split["window_ms"] = 0.0, split["busy_ms"]
     if depths:
         lo, hi = min(profiles), max(profiles)
+        negative = sorted(k.removesuffix("_ms") for table in (split, out["by_kind_ms"], out.get("by_part_ms", {}))
+                          for k, ms in table.items() if ms < 0)  # fmt: skip
+        if negative:  # a shallow depth's profile out of line with the others (a collective that waited on a slower
+            # rank): the line through them says nothing at the model's depth, so the deepest profile is shown as it is
+            return out | {
+                "figures": f"measured at {hi} blocks",
+                "split_ms": {k: deepest["split"][k] for k in split_keys},
+                "by_kind_ms": dict(sorted(deepest["by_kind_ms"].items(), key=lambda kv: -kv[1])),
+                **_by_part({hi: deepest}, hi),
+                "note": f"not extrapolated to {layers} blocks: the line through {lo} and {hi} blocks' profiles gave a "
+                f"negative {', '.join(dict.fromkeys(negative))}",
+            }  # fmt: skip
         out["block_by_kind_ms"] = {k: (profiles[hi]["by_kind_ms"].get(k, 0.0) - profiles[lo]["by_kind_ms"].get(k, 0.0))
                                    / (hi - lo) for k in kinds}  # fmt: skip
     return out
