@@ -384,11 +384,15 @@ def _float8_forward(self, input: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_bytes(w: torch.Tensor, float8_dtype: torch.dtype, round_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 weight ``w`` (flattened) cast as torchao casts it, by torchao's own functions: its scale from its
-    absolute maximum (computed in float64, the same compiled or not) and its bytes, saturated."""
-    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+    """The fp32 weight ``w`` (2-D) cast as torchao casts it, by torchao's own functions: its scale from its absolute
+    maximum (computed in float64, the same compiled or not) and its bytes, saturated. The maximum is taken a row at a
+    time, then over the rows' (the same value: a maximum is exact in any order): compiled for every size, one
+    reduction over the whole tensor ran as one program on one SM (about 5 ms for flux1's 3,072 x 12,288 weights), the
+    rows spread it over the GPU."""
+    from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
-    scale = tensor_to_scale(w, float8_dtype, round_scales_to_power_of_2=round_scales)
+    amax = w.abs().amax(dim=-1).amax()
+    scale = amax_to_scale(amax, float8_dtype, round_scales_to_power_of_2=round_scales)
     return to_fp8_saturated(w.to(torch.float32) * scale, float8_dtype), scale
 
 
@@ -410,8 +414,8 @@ def _weight_cast(m: nn.Module, compiled: bool = False) -> torch.Tensor:
     c = m.config.cast_config_weight
     w = m.weight.detach()
     cast = _compiled_weight_bytes() if compiled and w.is_cuda else _weight_bytes
-    data, scale = cast(w.reshape(-1), c.target_dtype, m.config.round_scales_to_power_of_2)
-    return Float8TrainingTensor(data.view(w.shape).t(), scale, torch.bfloat16, m.linear_mm_config,
+    data, scale = cast(w, c.target_dtype, m.config.round_scales_to_power_of_2)
+    return Float8TrainingTensor(data.t(), scale, torch.bfloat16, m.linear_mm_config,
                                 GemmInputRole.WEIGHT, None)  # fmt: skip
 
 
