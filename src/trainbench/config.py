@@ -161,16 +161,16 @@ class DistributedConfig:
         False, "FSDP2 with accumulation (llama31_8b, gpt3, gpt_oss_20b, flux1): reduce-scatter the gradients once a "
         "step, with the last micro-batch's backward, instead of once a micro-batch; the micro-batches before it keep "
         "their gradients whole and unreduced on every rank (the whole model's, in fp32) and their weights gathered "
-        "after their backward (one gather a micro-batch fewer). Not yet verified on GPUs: off by default "
-        "(docs/performance.md)."
+        "after their backward (one gather a micro-batch fewer). Off by default: it needs the whole model's fp32 "
+        "gradients and gathered weights on every GPU (flux1 on 2 H200: 9 % faster at truncated depth; "
+        "docs/performance.md)."
     )  # fmt: skip
     grad_reduce_dtype: str = option(
         "fp32",
         "Type of the gradients on the wire: fp32, or bf16 (half the traffic). DDP (bert, dlrmv4's dense part): each "
         "bucket rounded to bf16, summed, and cast back. FSDP2 (llama31_8b, gpt3, gpt_oss_20b, flux1): each "
         "micro-batch's gradients reduce-scattered in bf16 and added to the fp32 shard; with "
-        "distributed.reduce_once_a_step the micro-batches' whole gradients are summed in bf16 too. FSDP2's bf16 "
-        "reduction is not yet verified on GPUs (docs/performance.md).",
+        "distributed.reduce_once_a_step the micro-batches' whole gradients are summed in bf16 too (docs/llm.md).",
         choices=("fp32", "bf16"),
     )
 
