@@ -31,6 +31,11 @@ GIB = 2**30
 IN_FLIGHT_BLOCKS = 2
 # FSDP2 holds about two blocks whole at a time besides the shards (the one computing and the one gathered ahead).
 GATHERED_BLOCKS = 2
+# What NCCL's collectives move a second between the GPUs of one node while the blocks compute, each GPU's bytes sent
+# (ring: (ranks - 1) / ranks of each tensor): 2 H200 over NVLink moved about 192 GB of the 8B's FP8 gathers and fp32
+# reduce-scatters in 966 ms of NCCL's kernels a step (docs/performance.md, 2026-11-29). A node's figure: across nodes
+# the network is slower, and the prediction then too high.
+NODE_COLLECTIVE_BYTES_S = 200e9
 # GPU memory left unplanned: the allocator's rounding and stray buffers (expandable segments keep it small).
 MARGIN = 0.03
 # Host memory a plan may pin, of what the host has available: the rest stays for the data, the page cache, the ranks.
@@ -79,6 +84,8 @@ class BlockProbe:
     # What a sharded block keeps whole between micro-batches besides its shards: its fp32 gradient and its gathered
     # weights, where FSDP2 reduces once a step (distributed.reduce_once_a_step; :func:`sharded`)
     whole_bytes_per_block: int = 0
+    # Of a micro-batch, the collectives no block's compute hides, where FSDP2 shards the model (:func:`sharded`)
+    exposed_comm_s: float = 0.0
 
     def rates(self) -> tuple[float, float]:
         """The copy rates a plan can count on, to the host and back: those measured while the GPU computes, times
@@ -104,6 +111,7 @@ class Plan:
     seconds: float  # predicted time of one micro-batch
     account: dict[str, int]  # the GPU's bytes by what holds them
     stall_s: float  # of ``seconds``, waiting for copies
+    comm_s: float = 0.0  # of ``seconds``, the collectives' exposed time (BlockProbe.exposed_comm_s)
 
     def keys(self) -> dict[str, Any]:
         """The config keys that build this plan."""
@@ -134,21 +142,30 @@ def evaluate(layers: int, p: BlockProbe, recompute: int, offload: int, inputs: b
     backward = layers * p.backward_s + recompute * p.forward_s
     out_rate, back_rate = p.rates()
     stall = max(0.0, to_host / out_rate - forward) + max(0.0, to_host / back_rate - backward)
-    seconds = p.head_s + forward + backward + stall
-    return Plan(recompute, offload, inputs, sum(account.values()), to_host, seconds, account, stall)
+    seconds = p.head_s + forward + backward + stall + p.exposed_comm_s
+    return Plan(recompute, offload, inputs, sum(account.values()), to_host, seconds, account, stall,
+                p.exposed_comm_s)  # fmt: skip
 
 
-def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False) -> BlockProbe:
+def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False, reduce_bytes: int = 4,
+            micro_batches: int = 1) -> BlockProbe:  # fmt: skip
     """One GPU's share of ``p``'s memory where FSDP2 shards every parameter, its gradient and its optimizer state
     over ``ranks``: the shards, plus :data:`GATHERED_BLOCKS` blocks held whole at a time (the one computing and the
     next, gathered ahead; in backward a block's gradient before its reduce-scatter), counted at the probe's own size
-    of a block's weights as an upper bound (the gathered copies are bf16 or FP8, not fp32). The times are one GPU's
-    alone: the collectives' own time is not modelled (they overlap the compute; notes/node.md measured 2.6 % of the
-    step exposed on 4 H100). ``reduce_once_a_step``: every block's gradient (fp32, as its weights) and its gathered
-    weights held whole between micro-batches too, counted at twice the probe's size of a block's weights (an upper
-    bound: the gathered copies are bf16 or FP8)."""
+    of a block's weights as an upper bound (the gathered copies are bf16 or FP8, not fp32). ``reduce_once_a_step``:
+    every block's gradient (fp32, as its weights) and its gathered weights held whole between micro-batches too,
+    counted at twice the probe's size of a block's weights (an upper bound: the gathered copies are bf16 or FP8).
+
+    Time: a block's gathers and reduce-scatters overlap the compute of the blocks beside it (notes/node.md: 1-3 %
+    of the step exposed on 2 and 4 GPUs), and are not counted. What nothing hides is the rest of the model's
+    (``other_weight_bytes``, fp32: the embedding, the output layer, the norms): gathered in bf16 before a
+    micro-batch's first block and its gradients reduce-scattered (``reduce_bytes`` a parameter: 4 in fp32, 2 in bf16)
+    after its last, at :data:`NODE_COLLECTIVE_BYTES_S`; with ``reduce_once_a_step``, once in a step's
+    ``micro_batches``."""
     if ranks <= 1:
         return p
+    params = p.other_weight_bytes / 4
+    exposed = params * (2 + reduce_bytes) * (ranks - 1) / ranks / NODE_COLLECTIVE_BYTES_S
     return dataclasses.replace(
         p,
         whole_bytes_per_block=2 * p.block_weight_bytes if reduce_once_a_step else 0,
@@ -156,6 +173,7 @@ def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False) -> Bloc
         other_weight_bytes=p.other_weight_bytes // ranks + GATHERED_BLOCKS * p.block_weight_bytes,
         optimizer_bytes_per_block=p.optimizer_bytes_per_block // ranks,
         other_optimizer_bytes=p.other_optimizer_bytes // ranks,
+        exposed_comm_s=exposed / max(1, micro_batches) if reduce_once_a_step else exposed,
     )
 
 
@@ -239,8 +257,9 @@ def describe(plan: Plan, layers: int, r: Resources, fixed: dict[str, Any], token
         f"layout (perf.plan=auto) for {r.gpus} x {r.gpu_name} of {gib(r.gpu_bytes)}, {gib(r.host_bytes)} of host "
         f"memory a rank: {kept} blocks keep their activations on the GPU, {plan.offload} keep them in host memory, "
         f"{plan.recompute} are recomputed" + (" (their inputs in host memory)" if plan.offload_inputs else "") + given,
-        f"  predicted: {plan.seconds:.2f} s a micro-batch ({tokens / plan.seconds:,.0f} tokens/s a GPU"
-        + (f", {plan.stall_s:.2f} s of it waiting for host copies" if plan.stall_s > 0.005 else "")
+        f"  predicted: {plan.seconds:.2f} s a micro-batch ({tokens / plan.seconds:,.0f} tokens/s a GPU: compute "
+        f"{plan.seconds - plan.stall_s - plan.comm_s:.3f} s, waiting for host copies {plan.stall_s:.3f} s"
+        + (f", exposed communication {plan.comm_s:.3f} s" if r.gpus > 1 else "")
         + f"), {gib(plan.gpu_bytes)} of the GPU's {gib(r.gpu_bytes)}, {gib(plan.host_bytes)} pinned host memory",
         "  GPU memory: " + ", ".join(f"{what} {gib(n)}" for what, n in plan.account.items() if n),
     ]
