@@ -183,8 +183,9 @@ def test_the_commit_is_read_from_the_git_folder_without_git(tmp_path, monkeypatc
     monkeypatch.setattr(version, "checkout_root", lambda: None)
     version.commit.cache_clear()
     try:
-        assert version.provenance() == {"version": version.__version__}
-        assert version.describe() == f"trainbench {version.__version__}"
+        source = version.source_digest()
+        assert version.provenance() == {"version": version.__version__, "source": source}
+        assert version.describe() == f"trainbench {version.__version__} (source {source})"
     finally:
         version.commit.cache_clear()
 
@@ -194,3 +195,37 @@ def test_the_commit_of_this_checkout_is_the_one_git_names():
         pytest.skip("trainbench does not run from a git checkout here, or git is not installed")
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert version.commit() == head
+
+
+def test_the_source_digest_follows_the_package_s_files_and_nothing_else(tmp_path):
+    """Two copies of the package have one digest; a byte changed in one file, or a file added, changes it; compiled
+    caches do not. The commit cannot tell a tree changed since it from the commit itself: the digest can."""
+    first, second = tmp_path / "a" / "trainbench", tmp_path / "b" / "trainbench"
+    shutil.copytree(version.PACKAGE_DIR, first, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(version.PACKAGE_DIR, second, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    digest = version.source_digest.__wrapped__
+    assert digest(first) == digest(second) == version.source_digest()
+    assert len(digest(first)) == 16 and int(digest(first), 16) >= 0
+    (second / "__pycache__").mkdir(exist_ok=True)
+    (second / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"cache")
+    assert digest(second) == digest(first)
+    path = second / "version.py"
+    path.write_text(path.read_text() + "\n")
+    changed = digest(second)
+    assert changed != digest(first)
+    (second / "extra.py").write_text("")
+    assert digest(second) not in (changed, digest(first))
+    assert f"source {version.source_digest()}" in version.describe()
+
+
+def test_a_package_names_runs_made_by_other_source_and_not_runs_recorded_before_the_digest(tmp_path):
+    """The package's README and console compare the trainbench that made the runs with the one packaging them, key by
+    key of what the runs recorded: a run recorded before the source digest (version and commit alone) matches where
+    those match; another digest is named."""
+    from trainbench.report.package import write_implementation
+
+    here = version.provenance()
+    older = {k: v for k, v in here.items() if k != "source"}
+    assert write_implementation(tmp_path / "a", tmp_path, "box", [older]) == []
+    other = write_implementation(tmp_path / "b", tmp_path, "box", [here | {"source": "0" * 16}])
+    assert len(other) == 1 and "source 0000000000000000" in other[0] and "package again" in other[0], other

@@ -4,12 +4,15 @@ Every file a run writes that a reader may compare (the MLPerf log's header, run_
 config.yaml) carries these, and ``trainbench package`` puts the source of that version beside the results.
 The commit is read from ``.git`` itself (HEAD, the branch's ref, packed-refs; a worktree's ``.git`` file points to
 its folder), so no git needs to be installed; only a layout that reading cannot follow asks ``git rev-parse``. An
-installed trainbench (not a checkout) has a version and no commit.
+installed trainbench (not a checkout) has a version and no commit. Every trainbench also records a digest of its own
+source files (:func:`source_digest`): the commit names the checkout's HEAD, not files changed since, which the digest
+tells apart.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 import subprocess
 from pathlib import Path
@@ -101,14 +104,29 @@ def commit() -> str | None:
     return (read_head(git) if git else None) or _rev_parse(root) or UNKNOWN
 
 
+@functools.cache
+def source_digest(package_dir: Path = PACKAGE_DIR) -> str:
+    """The first 16 hex digits of the sha256 of this package's files (each one's path in the package and its bytes,
+    in path order; compiled caches left out): which code ran, also where the files differ from the commit checked out
+    or there is no checkout."""
+    digest = hashlib.sha256()
+    for path in sorted(package_dir.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+            digest.update(path.relative_to(package_dir).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def provenance() -> dict[str, str]:
-    """``{"version": ..., "commit": ...}`` (no commit for an installed trainbench): what run files record."""
+    """``{"version": ..., "commit": ..., "source": ...}`` (no commit for an installed trainbench): what run files
+    record."""
     found = commit()
-    return {"version": __version__} | ({"commit": found} if found else {})
+    return {"version": __version__} | ({"commit": found} if found else {}) | {"source": source_digest()}
 
 
 def describe(record: dict | None = None) -> str:
-    """``trainbench 0.1.0 (commit 1a2b3c4d5e6f)`` of this trainbench, or of a record :func:`provenance` wrote."""
+    """``trainbench 0.1.0 (commit 1a2b3c4d5e6f, source 0123456789abcdef)`` of this trainbench, or of a record
+    :func:`provenance` wrote (older records have no source)."""
     record = provenance() if record is None else record
-    sha = record.get("commit")
-    return f"trainbench {record.get('version', UNKNOWN)}" + (f" (commit {sha[:12]})" if sha else "")
+    sha, source = record.get("commit"), record.get("source")
+    said = ([f"commit {sha[:12]}"] if sha else []) + ([f"source {source}"] if source else [])
+    return f"trainbench {record.get('version', UNKNOWN)}" + (f" ({', '.join(said)})" if said else "")

@@ -231,7 +231,7 @@ def write_implementation(folder: Path, run_dir: Path, system_name: str, made_by:
     ]) + "\n")  # fmt: skip
     if not made_by:
         notes.append(f"the runs did not record which trainbench made them: {folder.name} holds {describe(here)}")
-    elif any(m != here for m in made_by):
+    elif any(any(m[k] != here.get(k) for k in m) for m in made_by):  # (a run recorded before the source has none)
         notes.append(f"the runs were made by {ran}, but {folder.name} holds the source of {describe(here)}, the "
                      "trainbench that packaged them: check out the runs' commit and package again")  # fmt: skip
     return notes
