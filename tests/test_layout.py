@@ -165,6 +165,7 @@ def test_the_plan_sets_the_layout_keys_and_says_why():
     # eight H200: a replica on each, planned per GPU
     planned8, lines8 = bench.plan_layout(cfg, dataclasses.replace(H200, gpus=8), P70)
     assert "8 x H200" in lines8[0] and planned8.model.base_precision == "fp8"
+    assert "the collectives not modelled" in lines8[1] and "exposed communication" not in lines8[1], lines8
     # eight 40 GB GPUs without FP8: the bf16 base sharded over them, every block recomputed
     a100 = Resources(gpu_bytes=79 * GIB, host_bytes=200 * GIB, gpus=8, gpu_name="A100-80GB", fp8=False)
     sharded, lines = bench.plan_layout(cfg, a100, P70)

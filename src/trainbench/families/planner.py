@@ -259,7 +259,13 @@ def describe(plan: Plan, layers: int, r: Resources, fixed: dict[str, Any], token
         f"{plan.recompute} are recomputed" + (" (their inputs in host memory)" if plan.offload_inputs else "") + given,
         f"  predicted: {plan.seconds:.2f} s a micro-batch ({tokens / plan.seconds:,.0f} tokens/s a GPU: compute "
         f"{plan.seconds - plan.stall_s - plan.comm_s:.3f} s, waiting for host copies {plan.stall_s:.3f} s"
-        + (f", exposed communication {plan.comm_s:.3f} s" if r.gpus > 1 else "")
+        + (
+            ""
+            if r.gpus == 1
+            else f", exposed communication {plan.comm_s:.3f} s"
+            if plan.comm_s
+            else ", the collectives not modelled"
+        )
         + f"), {gib(plan.gpu_bytes)} of the GPU's {gib(r.gpu_bytes)}, {gib(plan.host_bytes)} pinned host memory",
         "  GPU memory: " + ", ".join(f"{what} {gib(n)}" for what, n in plan.account.items() if n),
     ]
