@@ -67,8 +67,17 @@ def test_a_measurement_is_reported_and_compared_but_never_checked_or_packaged(tm
     report = (a / "report.md").read_text()
     assert "throughput measurement (trainbench bench): not a time-to-train result" in report
     assert "tokens/s" in report and "No projection" in report and (a / "report.html").exists()
-    assert run_cli("report", a, b) == 0 and "B/A" in capsys.readouterr().out
+    assert run_cli("report", a, b) == 0
+    printed = capsys.readouterr().out
+    assert "B/A" in printed and "different GPUs" not in printed  # (no GPU recorded on the CPU)
     assert "Hardware: 1 x cpu; 1 node x 1 rank;" in report and len(list(tmp_path.glob("compare_*_vs_*.html"))) == 1
+    # Measured on two machines (their GPUs' UUIDs differ): the ratio holds the machines' difference, and says so.
+    for folder, ids in ((a, "GPU-3afc4ea2, GPU-2dee2e30"), (b, "GPU-9c413394, GPU-0b1c2d3e")):
+        result = json.loads((folder / "bench.json").read_text())
+        (folder / "bench.json").write_text(json.dumps(result | {"system": result["system"] | {"gpu_ids": ids}}))
+    assert run_cli("report", a, b, "--out", tmp_path / "two.html") == 0
+    said = "A and B ran on different GPUs (GPU-3afc4ea2, GPU-2dee2e30 against GPU-9c413394, GPU-0b1c2d3e)"
+    assert said in capsys.readouterr().out and said in (tmp_path / "two.html").read_text()
     for command in (("check", a), ("package", a, "--org", "o", "--system", "s", "--out", tmp_path / "pkg")):
         assert run_cli(*command) == 2
         assert "is a throughput measurement (trainbench bench), not a run" in capsys.readouterr().out

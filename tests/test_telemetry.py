@@ -364,3 +364,16 @@ def test_a_gpu_with_no_busy_sample_in_a_short_window_keeps_its_energy_and_a_node
     assert node_energy(summary, 4) is None  # two of the node's four ranks' GPUs not sampled
     assert node_energy({**summary, "n_gpu1": {**summary["n_gpu1"], "energy_j": None}}, 2) is None
     assert node_energy({}, 1) is None
+
+
+def test_the_machine_names_its_gpus_by_their_uuids_and_nothing_without_nvml(monkeypatch):
+    """system.gpu_ids: what tells two machines of one host name and kind apart, for a comparison's warning."""
+    from trainbench import telemetry
+
+    nv = fake_nvml(watts=(300.0, 300.0, 300.0))
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    assert telemetry.gpu_ids() == "GPU-0a1b2c3d, GPU-1a1b2c3d, GPU-2a1b2c3d"
+    assert nv.calls == ["init", "shutdown"]
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: import fails
+    assert telemetry.gpu_ids() == ""
+    assert "gpu_ids" not in telemetry.machine()

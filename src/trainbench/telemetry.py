@@ -497,6 +497,21 @@ def gpus() -> tuple[int, str, str]:
         return 0, "", ""
 
 
+def gpu_ids() -> str:
+    """This host's GPUs as NVML lists them, each by the first group of its UUID (``GPU-1234abcd, GPU-...``): what
+    tells two machines of one name and kind apart (a fleet's hosts are often all called the same); "" without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return ", ".join(_short(d.uuid) for d in nvml_devices(pynvml))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return ""
+
+
 def driver_version() -> str:
     try:
         import pynvml
@@ -522,6 +537,7 @@ def machine() -> dict[str, str]:
         "cpu": f"{cpu_model()} ({os.cpu_count()} logical cores)",
         "memory": memory_gb(),
         "gpus": f"{count} x {gpu} ({gpu_memory})" if count else "none",
+        **({"gpu_ids": ids} if (ids := gpu_ids()) else {}),  # which GPUs: machines of one name differ
         "driver": driver_version() or "-",
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -93,6 +93,9 @@ def cmd_report(args) -> int:
                                          args.allow_different)  # fmt: skip
         measured = bench_report.is_bench(folders[0])
         print_table("comparison" + (" of throughput measurements" if measured else ""), head, rows)
+        other = compare.other_gpus(folders[0], folders[1])
+        if other:
+            console.print(f"note: {other}", markup=False)
         console.print(f"comparison: {page}")
         return 0
     folder = folders[0]

@@ -89,6 +89,19 @@ def machine_of(folder: Path) -> dict[str, str]:
     return out
 
 
+def other_gpus(a: Path, b: Path) -> str | None:
+    """One sentence where ``a`` and ``b`` recorded different GPUs (their UUIDs: ``system.gpu_ids``), whose ratio then
+    holds the machines' own difference as well (two machines of 2 H200 ran one flux1 measurement 15 % apart,
+    docs/notes/node.md); None where they ran on the same GPUs or either did not record them."""
+    ids = [machine_of(a).get("gpu_ids"), machine_of(b).get("gpu_ids")]
+    if None in ids or ids[0] == ids[1]:
+        return None
+    return (
+        f"A and B ran on different GPUs ({ids[0]} against {ids[1]}): B/A includes the difference between the "
+        "machines, which can be as large as what is compared; measure both on one machine for a ratio of the code"
+    )
+
+
 def default_out(a: Path, b: Path) -> Path:
     """compare_<A>_vs_<B>.html in the working folder, the names cut to plain characters."""
 
@@ -125,10 +138,12 @@ def write(a: Path, b: Path, out: Path | None = None,
     same = len(set(flatten(config_a)) | set(flatten(config_b))) - len(config_diff)
     config_part = (table(["key", name_a, name_b], config_diff) + f'<p class="muted">{same} other keys are the same.</p>'
                    if config_diff else f"<p>The two configs are the same ({same} keys).</p>")  # fmt: skip
+    other = other_gpus(a, b)
+    warning = f"<p><b>{esc(other)}</b></p>\n" if other else ""
     body = (f"<h1>{esc(title)}</h1>\n<p>A: {esc(a)}<br>B: {esc(b)}</p>\n"
             f'<div class="cards">{card_html(cards[0], name_a)}{card_html(cards[1], name_b)}</div>\n'
             f"<h2>Side by side</h2>{table(head, rows)}\n{''.join(image(t, png) for t, png in plots)}\n"
-            f"<h2>Config: what differs</h2>{config_part}\n"
+            f"{warning}<h2>Config: what differs</h2>{config_part}\n"
             f"<h2>System: what each recorded</h2>{table(['', name_a, name_b], machine_rows, differs)}"
             f'<p class="muted">Rows that differ are marked.</p>')  # fmt: skip
     out = Path(out) if out is not None else default_out(a, b)
