@@ -371,9 +371,12 @@ def test_the_machine_names_its_gpus_by_their_uuids_and_nothing_without_nvml(monk
     from trainbench import telemetry
 
     nv = fake_nvml(watts=(300.0, 300.0, 300.0))
+    nv.nvmlDeviceGetName = lambda h: "NVIDIA H200"
+    nv.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=70 * 2**30, total=140 * 2**30)
     monkeypatch.setitem(sys.modules, "pynvml", nv)
-    assert telemetry.gpu_ids() == "GPU-0a1b2c3d, GPU-1a1b2c3d, GPU-2a1b2c3d"
+    assert telemetry.gpus() == (3, "NVIDIA H200", "140 GB", "GPU-0a1b2c3d, GPU-1a1b2c3d, GPU-2a1b2c3d")
     assert nv.calls == ["init", "shutdown"]
+    assert telemetry.machine()["gpu_ids"] == "GPU-0a1b2c3d, GPU-1a1b2c3d, GPU-2a1b2c3d"
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: import fails
-    assert telemetry.gpu_ids() == ""
+    assert telemetry.gpus() == (0, "", "", "")
     assert "gpu_ids" not in telemetry.machine()

@@ -479,37 +479,25 @@ def memory_gb() -> str:
         return "unknown"
 
 
-def gpus() -> tuple[int, str, str]:
-    """(count, model, memory) of this machine's NVIDIA GPUs; (0, "", "") without NVML."""
+def gpus() -> tuple[int, str, str, str]:
+    """(count, model, memory, ids) of this machine's NVIDIA GPUs, the ids each GPU by the first group of its UUID in
+    NVML's order (``GPU-1234abcd, GPU-...``: what tells two machines of one name and kind apart, a fleet's hosts
+    often all called the same); (0, "", "", "") without NVML."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         n = pynvml.nvmlDeviceGetCount()
         if n == 0:
-            return 0, "", ""
+            return 0, "", "", ""
         h = pynvml.nvmlDeviceGetHandleByIndex(0)
         name = pynvml.nvmlDeviceGetName(h)
         memory = pynvml.nvmlDeviceGetMemoryInfo(h).total / 2**30
+        ids = ", ".join(_short(d.uuid) for d in nvml_devices(pynvml))
         pynvml.nvmlShutdown()
-        return n, name if isinstance(name, str) else name.decode(), f"{memory:.0f} GB"
+        return n, name if isinstance(name, str) else name.decode(), f"{memory:.0f} GB", ids
     except Exception:
-        return 0, "", ""
-
-
-def gpu_ids() -> str:
-    """This host's GPUs as NVML lists them, each by the first group of its UUID (``GPU-1234abcd, GPU-...``): what
-    tells two machines of one name and kind apart (a fleet's hosts are often all called the same); "" without NVML."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return ", ".join(_short(d.uuid) for d in nvml_devices(pynvml))
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return ""
+        return 0, "", "", ""
 
 
 def driver_version() -> str:
@@ -531,13 +519,13 @@ def machine() -> dict[str, str]:
 
     from trainbench.version import provenance
 
-    count, gpu, gpu_memory = gpus()
+    count, gpu, gpu_memory, ids = gpus()
     return {
         "host": socket.gethostname(),
         "cpu": f"{cpu_model()} ({os.cpu_count()} logical cores)",
         "memory": memory_gb(),
         "gpus": f"{count} x {gpu} ({gpu_memory})" if count else "none",
-        **({"gpu_ids": ids} if (ids := gpu_ids()) else {}),  # which GPUs: machines of one name differ
+        **({"gpu_ids": ids} if ids else {}),  # which GPUs: machines of one name differ
         "driver": driver_version() or "-",
         "torch": torch.__version__,
         "python": platform.python_version(),

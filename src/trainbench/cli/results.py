@@ -89,11 +89,10 @@ def cmd_report(args) -> int:
     if len(folders) == 2:
         from trainbench.report import compare
 
-        page, head, rows = compare.write(folders[0], folders[1], Path(args.out) if args.out else None,
+        page, head, rows, other = compare.write(folders[0], folders[1], Path(args.out) if args.out else None,
                                          args.allow_different)  # fmt: skip
         measured = bench_report.is_bench(folders[0])
         print_table("comparison" + (" of throughput measurements" if measured else ""), head, rows)
-        other = compare.other_gpus(folders[0], folders[1])
         if other:
             console.print(f"note: {other}", markup=False)
         console.print(f"comparison: {page}")

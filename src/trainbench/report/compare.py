@@ -89,11 +89,12 @@ def machine_of(folder: Path) -> dict[str, str]:
     return out
 
 
-def other_gpus(a: Path, b: Path) -> str | None:
-    """One sentence where ``a`` and ``b`` recorded different GPUs (their UUIDs: ``system.gpu_ids``), whose ratio then
-    holds the machines' own difference as well (two machines of 2 H200 ran one flux1 measurement 15 % apart,
-    docs/notes/node.md); None where they ran on the same GPUs or either did not record them."""
-    ids = [machine_of(a).get("gpu_ids"), machine_of(b).get("gpu_ids")]
+def other_gpus(machine_a: dict[str, str], machine_b: dict[str, str]) -> str | None:
+    """One sentence where two folders' machines (:func:`machine_of`) recorded different GPUs (their UUIDs:
+    ``system.gpu_ids``), whose ratio then holds the machines' own difference as well (two machines of 2 H200 ran one
+    flux1 measurement 15 % apart, docs/notes/node.md); None where they ran on the same GPUs or either did not record
+    them."""
+    ids = [machine_a.get("gpu_ids"), machine_b.get("gpu_ids")]
     if None in ids or ids[0] == ids[1]:
         return None
     return (
@@ -112,8 +113,9 @@ def default_out(a: Path, b: Path) -> Path:
 
 
 def write(a: Path, b: Path, out: Path | None = None,
-          allow_different: bool = False) -> tuple[Path, list[str], list[list[str]]]:  # fmt: skip
-    """The comparison page of ``a`` and ``b`` at ``out``; returns its path and the table of figures with B/A."""
+          allow_different: bool = False) -> tuple[Path, list[str], list[list[str]], str | None]:  # fmt: skip
+    """The comparison page of ``a`` and ``b`` at ``out``; returns its path, the table of figures with B/A, and the
+    sentence that they ran on different GPUs (:func:`other_gpus`) or None."""
     a, b = Path(a), Path(b)
     measured = [bench_report.is_bench(a), bench_report.is_bench(b)]
     if measured[0] != measured[1]:
@@ -138,7 +140,7 @@ def write(a: Path, b: Path, out: Path | None = None,
     same = len(set(flatten(config_a)) | set(flatten(config_b))) - len(config_diff)
     config_part = (table(["key", name_a, name_b], config_diff) + f'<p class="muted">{same} other keys are the same.</p>'
                    if config_diff else f"<p>The two configs are the same ({same} keys).</p>")  # fmt: skip
-    other = other_gpus(a, b)
+    other = other_gpus(machine_a, machine_b)
     warning = f"<p><b>{esc(other)}</b></p>\n" if other else ""
     body = (f"<h1>{esc(title)}</h1>\n<p>A: {esc(a)}<br>B: {esc(b)}</p>\n"
             f'<div class="cards">{card_html(cards[0], name_a)}{card_html(cards[1], name_b)}</div>\n'
@@ -153,7 +155,7 @@ def write(a: Path, b: Path, out: Path | None = None,
         out.write_text(document(title, body))
     except OSError as exc:
         raise UserError(f"cannot write the comparison to {out}: {exc.strerror or exc}") from None
-    return out, head, rows
+    return out, head, rows, other
 
 
 def _runs(a: Path, b: Path) -> tuple[list[str], list[list[str]], list[Headline], list[tuple[str, bytes]]]:

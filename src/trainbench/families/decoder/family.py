@@ -128,15 +128,11 @@ class DecoderFamily(ModelFamily):
             return DecoderLM(cfg.model)
 
     def place(self, model: torch.nn.Module, cfg: RunConfig, info: DistInfo, bf16: bool) -> Placed:
-        from trainbench.distributed import reduce_once_a_step
         from trainbench.families.decoder.placement import place_decoder
 
-        placed = place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf, cfg.seed,
-                               cfg.distributed.ep, cfg.distributed.shard_one_rank,
-                               cfg.distributed.grad_reduce_dtype == "bf16")  # fmt: skip
-        if cfg.distributed.reduce_once_a_step:
-            reduce_once_a_step(placed)
-        return placed
+        return place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf, cfg.seed,
+                             cfg.distributed.ep, cfg.distributed.shard_one_rank,
+                             cfg.distributed.grad_reduce_dtype == "bf16")  # fmt: skip
 
     def data_rank(self, cfg: RunConfig, info: DistInfo) -> tuple[int, int]:
         tp = cfg.distributed.tp
@@ -151,7 +147,16 @@ class DecoderFamily(ModelFamily):
         two unsharded blocks on one GPU); nothing offloaded unless given. Then the rows a micro-batch: up to
         :data:`PLANNED_ROWS` where they fit with no more blocks recomputed (a micro-batch other than the preset's is
         kept as given). ConfigError, one sentence, where even every block recomputed does not fit."""
-        from trainbench.families.planner import MARGIN, best, describe, fixed_keys, gib, sharded, with_rows
+        from trainbench.families.planner import (
+            MARGIN,
+            NODE_COLLECTIVE_BYTES_S,
+            best,
+            describe,
+            fixed_keys,
+            gib,
+            sharded,
+            with_rows,
+        )
 
         if not self.plans_layout:
             return super().plan_layout(cfg, preset, resources, probe)
@@ -195,8 +200,9 @@ class DecoderFamily(ModelFamily):
         if resources.gpus > 1:
             lines[0] += f"; FSDP2 over the {resources.gpus} ranks"
             lines.append("  communication: the embedding's and output layer's gathers and reduce-scatters each "
-                         "micro-batch, which no block's compute hides, at 200 GB/s (one node's NVLink under compute); "
-                         "the blocks' own overlap their neighbours' compute and are not counted")  # fmt: skip
+                         f"micro-batch, which no block's compute hides, at {NODE_COLLECTIVE_BYTES_S / 1e9:.0f} GB/s "
+                         "(one node's NVLink under compute); the blocks' own overlap their neighbours' compute and "
+                         "are not counted")  # fmt: skip
         else:
             lines[0] += "; the whole model on the GPU"
         return keys, lines

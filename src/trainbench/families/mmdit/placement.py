@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainbench.config import DistributedConfig, PerfConfig
-from trainbench.distributed import DistInfo, Placed, reduce_once_a_step
+from trainbench.distributed import DistInfo, Placed
 from trainbench.families import fp8
 from trainbench.families.data_parallel import place_data_parallel
 from trainbench.families.decoder.placement import (
@@ -86,8 +86,6 @@ def place_flux(model: Flux, info: DistInfo, dist_cfg: DistributedConfig, perf: P
         module = model.to(info.device)
         comm = sharded_comm_precision(info.world_size, mixed, sharded and in_fp8_blocks, reduce_bf16)
         placed = Placed(module=module, model=module, notes=notes, comm_precision=comm)
-        if sharded and dist_cfg.reduce_once_a_step:
-            reduce_once_a_step(placed)
     if in_fp8_blocks:
         fp8.finish_placement(placed, sharded, "the modulation, the embedders and the last layer")
         if not sharded and not perf.cuda_graphs:  # (sharded: FSDP2's gathers cast once a step, fp8.precompute_scales)
