@@ -76,7 +76,8 @@ if [ -n "${INDUCTOR:-}" ]; then
 fi
 
 failed=()
-current=""  # the measurement under way, for the trap below
+current=""    # the measurement under way, for the trap below
+measuring=""  # its process
 keep_partial() {  # NAME: a measurement that did not finish: each depth it measured (bench_raw_<depth>.json) into $OUT
     local folder raw
     folder=$(ls -d "$RESULTS/$1"/*/ 2>/dev/null | tail -n 1)
@@ -87,16 +88,31 @@ keep_partial() {  # NAME: a measurement that did not finish: each depth it measu
         echo "kept $OUT/$1.${raw##*/bench_}: a depth measured before $1 stopped" >&2
     done
 }
-# Stopped from outside (a time limit's TERM): what the measurement under way had measured comes back too.
-trap '[ -n "$current" ] && keep_partial "$current"; exit 143' TERM INT
+# Stopped from outside (a time limit's TERM): the measurement under way is stopped too (`trainbench bench` ends its
+# ranks), and what it had measured comes back.
+stop() {
+    if [ -n "$measuring" ]; then
+        kill -TERM "$measuring" 2>/dev/null || true
+        wait "$measuring" 2>/dev/null || true
+    fi
+    [ -n "$current" ] && keep_partial "$current"
+    exit 143
+}
+trap stop TERM INT
 
 bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT. A failed one is named at the end
     local name=$1${TAG:-}     # and does not stop the measurements after it (the call's exit code says it failed);
     shift                     # the depths it measured before it failed come back as NAME.raw_<depth>.json
     current=$name
+    # In the background and waited for, so that a TERM reaches stop() at once, not after the measurement.
     # shellcheck disable=SC2086  # EXTRA: keys split on spaces
-    if ! python3 -m trainbench bench "$@" ${EXTRA:-} output.results_dir="$RESULTS/$name" progress=false 2>&1 \
-        | tee "$OUT/$name.log"; then
+    python3 -m trainbench bench "$@" ${EXTRA:-} output.results_dir="$RESULTS/$name" progress=false \
+        > >(tee "$OUT/$name.log") 2>&1 &
+    measuring=$!
+    local code=0
+    wait "$measuring" || code=$?
+    measuring=""
+    if [ "$code" -ne 0 ]; then
         failed+=("$name")
         keep_partial "$name"
         current=""

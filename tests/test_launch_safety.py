@@ -4,6 +4,7 @@ which checkpoints and stops before the launcher ends and gives the folder up."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -154,3 +155,62 @@ def test_while_the_ranks_of_a_run_live_a_resume_is_refused_even_with_their_launc
         for rank in ranks:
             if rank.is_running():
                 rank.kill()
+
+
+def test_a_stop_signal_to_a_process_running_a_child_to_its_end_ends_the_child_and_what_it_started(tmp_path):
+    """launch.local.run_to_end (a measurement's torchrun, a layout probe): SIGTERM sent to the parent alone reaches the
+    child; a grandchild that its parent left running (a rank whose torchrun was killed) is ended too."""
+    import psutil
+
+    grandchild = tmp_path / "grandchild.pid"
+    child = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+             f"time.sleep(600)'], start_new_session=True); open({str(grandchild)!r}, 'w').write(str(p.pid)); "
+             "time.sleep(600)")  # fmt: skip
+    parent = ("import sys; from trainbench.errors import UserError; from trainbench.launch.local import run_to_end\n"
+              f"try: run_to_end([sys.executable, '-c', {child!r}], what='the test child')\n"
+              "except UserError as e: print(e); sys.exit(7)\n")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    wait_for(lambda: grandchild.exists() and grandchild.read_text() != "", "the grandchild started", timeout=60)
+    time.sleep(0.5)  # the parent sees it among its child's processes (it looks every 0.2 s)
+    started = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+    assert len(started) == 2
+    proc.send_signal(signal.SIGTERM)  # to the parent alone, as `timeout` or `kill` sends it
+    printed = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 7 and "the test child was stopped by SIGTERM" in printed, printed
+    assert not [p.pid for p in started if p.is_running()], "a process outlived the one that started it"
+
+
+@pytest.mark.full
+def test_sigterm_to_a_two_rank_measurement_ends_its_torchrun_and_ranks_in_one_sentence(tmp_path):
+    """`trainbench bench --nproc 2` stopped by a signal to its own process (`timeout`, `kill`): its ranks do not go on
+    holding the GPUs."""
+    import psutil
+
+    command = [sys.executable, "-m", "trainbench", "bench", "llama31_8b", "--preset", "tiny", "--nproc", "2",
+               "--steps", "100000", "--warmup", "1", "progress=false", "telemetry_hz=0",
+               f"output.results_dir={tmp_path / 'r'}"]  # fmt: skip
+    bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def ranks() -> list:
+        with contextlib.suppress(psutil.Error):
+            return [
+                p
+                for p in psutil.Process(bench.pid).children(recursive=True)
+                if "trainbench.measure.bench" in p.cmdline() and "torch.distributed.run" not in p.cmdline()
+            ]
+        return []
+
+    wait_for(lambda: bench.poll() is not None or len(ranks()) == 2, "two ranks started", timeout=180)
+    assert bench.poll() is None, bench.communicate()[0]
+    started = psutil.Process(bench.pid).children(recursive=True)
+    time.sleep(5)  # into their imports or steps
+    bench.send_signal(signal.SIGTERM)
+    try:
+        printed = bench.communicate(timeout=120)[0]
+    finally:
+        for p in started:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    assert bench.returncode != 0 and "was stopped by SIGTERM" in printed, printed[-3000:]
+    assert "Traceback" not in printed.split("was stopped by")[-1]
+    assert not [p.pid for p in started if p.is_running()], "a rank or torchrun outlived the measurement"

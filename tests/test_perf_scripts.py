@@ -198,6 +198,42 @@ def test_a_measurement_stopped_by_a_time_limit_keeps_the_depths_it_measured(tmp_
     assert "a depth measured before llm stopped" in done.stderr
 
 
+def test_term_to_bench_figures_alone_reaches_the_measurement_under_way_at_once(tmp_path):
+    """TERM sent to perf/bench_figures.sh's own process (`kill`, not a signal to its whole group as `timeout` sends):
+    the stand-in `trainbench bench` under way is sent TERM at once (the real one then ends its ranks) rather than
+    left to run to its end, and the depth it had measured comes back."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(
+        "#!/bin/bash\n" + RESULTS_DIR_OF_ARGS +
+        'mkdir -p "$d/20261127T000000Z-llm" && echo \'{"depth": 2}\' > "$d/20261127T000000Z-llm/bench_raw_2.json"\n'
+        'trap \'echo stopped > "$OUT/measurement_stopped"; exit 143\' TERM\n'
+        'touch "$OUT/measuring"; for i in $(seq 600); do sleep 0.1; done\n'
+    )  # fmt: skip
+    (bin_dir / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(out),
+               RESULTS=str(tmp_path / "results"), NPROC="1")  # fmt: skip
+    script = subprocess.Popen(["bash", str(SCRIPTS / "bench_figures.sh"), "llm"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 30
+    while not (out / "measuring").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    script.send_signal(signal.SIGTERM)
+    try:
+        _, stderr = script.communicate(timeout=30)  # the stand-in alone would sleep 60 s
+    finally:
+        script.kill()
+    assert script.returncode == 143, (script.returncode, stderr)
+    assert (out / "measurement_stopped").read_text() == "stopped\n", stderr
+    assert json.loads((out / "llm.raw_2.json").read_text()) == {"depth": 2} and "before llm stopped" in stderr
+
+
 def test_the_saved_tensors_listing_names_what_each_way_keeps_from_the_forward_for_the_backward():
     """perf/saved_for_backward.py at a tiny width: with the per-call casts the backward takes the fp32 weights from
     the block's inputs, with the casts once a step their FP8 casts instead; in both the forward's own tensors (the

@@ -466,6 +466,50 @@ class RankSignals:
             self.delivered[rank] = count
 
 
+def run_to_end(cmd: list[str], env: dict[str, str] | None = None, what: str = "the measurement") -> int:
+    """``cmd`` (a process with no checkpoint to save: a throughput measurement under torchrun, a layout probe) in a
+    session of its own, to its end: its exit code. SIGTERM, SIGINT or SIGHUP sent to this process goes on to it as
+    SIGTERM (torchrun passes it to its ranks and kills them 30 s after), and once it and every process it started
+    have ended, :class:`UserError` says ``what`` was stopped. Without this, a signal that reaches this process alone
+    (``timeout``, ``kill``) ends it and leaves its child, and the child's ranks, holding the GPUs."""
+    import psutil
+
+    received: list[int] = []
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}  # fmt: skip
+    started: set[Any] = set()  # every process the child started, seen while it ran
+    try:
+        sent = 0
+        while True:
+            with contextlib.suppress(psutil.Error):
+                started.update(psutil.Process(proc.pid).children(recursive=True))
+            if sent < len(received):
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                sent = len(received)
+            try:
+                code = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        if received:  # what the child left running (killed before it reaped its own) goes too
+            alive = [p for p in started if p.is_running()]
+            for p in alive:
+                with contextlib.suppress(psutil.Error):
+                    p.terminate()
+            for p in psutil.wait_procs(alive, timeout=10)[1]:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        raise UserError(f"{what} was stopped by {signal.Signals(received[0]).name} (exit code {code}); every process "
+                        "it started has ended")  # fmt: skip
+    return code
+
+
 def _handles(pid: int, sig: signal.Signals) -> bool:
     """Whether process ``pid`` has its stop handlers in place (:class:`StopSignal` installs them together) and one
     for ``sig``, read from Linux's /proc (elsewhere assumed). SIGTERM tells: Python catches SIGINT from its start,

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 from pathlib import Path
 
 from trainbench.benchmarks.base import Benchmark
 from trainbench.config import RunConfig, save_config
 from trainbench.console import RunConsole
 from trainbench.errors import ConfigError, UserError
-from trainbench.launch.local import new_run_dir, preflight_device, torchrun_worker
+from trainbench.launch.local import new_run_dir, preflight_device, run_to_end, torchrun_worker
 from trainbench.launch.systems import System
 from trainbench.resolve import absolute_paths, allocator_settings, load_run_config
 from trainbench.runfiles import CONFIG, CONSOLE, other_ranks_error
@@ -246,7 +245,7 @@ def _torchrun(cfg: RunConfig, run_dir: Path, depth: int, out: RunConsole) -> Non
     collective, so every rank had done those steps: a rank that fails after that (on its way out, a thread of its own
     at interpreter exit) does not undo them."""
     cmd, env = torchrun_worker(cfg.distributed.nproc, str(run_dir), module=RANK)
-    code = subprocess.run(cmd, env=env).returncode
+    code = run_to_end(cmd, env, f"the measurement at {depth} blocks under torchrun")
     written = (run_dir / RAW.format(depth=depth)).exists()
     if code != 0 and written:
         out.say(f"torchrun exited with code {code} after rank 0 had written the figures at {depth} blocks (every "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -16,6 +15,7 @@ from trainbench.config import RunConfig, save_config
 from trainbench.distributed import resolve_device
 from trainbench.errors import ConfigError, UserError
 from trainbench.families.planner import GIB, BlockProbe, Resources, host_available_bytes
+from trainbench.launch.local import run_to_end
 
 
 def probe(bench: Benchmark, cfg: RunConfig, here: bool, say) -> dict:
@@ -50,7 +50,7 @@ def _measured(*args: str) -> tuple[int, Any]:
     exit code and the JSON it wrote (None where it wrote none)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        code = subprocess.run([sys.executable, "-m", "trainbench.measure.plan", *args, str(out)]).returncode
+        code = run_to_end([sys.executable, "-m", "trainbench.measure.plan", *args, str(out)], what="the layout probe")
         return code, json.loads(out.read_text()) if code == 0 and out.exists() else None
 
 
