@@ -188,7 +188,7 @@ def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, profi
         if profile_steps:
             out.say(f"  profiling {profile_steps} more steps")
             profile = _profiled(lambda k: one(warmup + steps + k, next(it)), profile_steps, run_dir, info,
-                                bench.family.depth(cfg), bench.family.step_parts)  # fmt: skip
+                                bench.family.depth(cfg), bench.family.step_parts, out.say)  # fmt: skip
     finally:
         batches.close()
     loss = float(all_reduce_sum(totals.loss_sum.clone(), info)) / (warmup + steps + profile_steps)
@@ -196,7 +196,7 @@ def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, profi
 
 
 def _profiled(step, steps: int, run_dir: Path, info: DistInfo, blocks: int | None,
-              parts: tuple[tuple[str, str], ...] = ()) -> dict | None:  # fmt: skip
+              parts: tuple[tuple[str, str], ...] = (), say=print) -> dict | None:  # fmt: skip
     """``steps`` steps under torch.profiler (after the timed ones, so the timing never pays for it). Rank 0 keeps the
     trace (``profile_<blocks>_trace.json``) and returns a step's split (compute, exposed communication, idle: see
     :func:`~trainbench.train.profiling.timeline`), its GPU time by kind of kernel and by part of the step (the
@@ -213,6 +213,9 @@ def _profiled(step, steps: int, run_dir: Path, info: DistInfo, blocks: int | Non
         for k in range(steps):
             step(k)
         _sync(info)
+        if info.is_main:  # torch.profiler then reads its events in Python: minutes for a whole large model's steps
+            say("  profiled; reading the profiler's events and writing the trace (minutes on a whole large model: "
+                "--profile-steps 0 skips it)")  # fmt: skip
     if not info.is_main:
         return None
     trace = run_dir / f"profile_{blocks if blocks is not None else 'model'}_trace.json"
