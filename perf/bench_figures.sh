@@ -107,7 +107,7 @@ bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT
     # In the background and waited for, so that a TERM reaches stop() at once, not after the measurement.
     # shellcheck disable=SC2086  # EXTRA: keys split on spaces
     python3 -m trainbench bench "$@" ${EXTRA:-} output.results_dir="$RESULTS/$name" progress=false \
-        > >(tee "$OUT/$name.log") 2>&1 &
+        > >(trap '' TERM INT; exec tee "$OUT/$name.log") 2>&1 &  # tee outlives a TERM to the group: the last words kept
     measuring=$!
     local code=0
     wait "$measuring" || code=$?

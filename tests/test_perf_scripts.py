@@ -189,11 +189,14 @@ def test_a_measurement_stopped_by_a_time_limit_keeps_the_depths_it_measured(tmp_
     done = _bench_figures(
         tmp_path,
         'mkdir -p "$d/20261127T000000Z-llm" && echo \'{"depth": 2}\' > "$d/20261127T000000Z-llm/bench_raw_2.json"\n'
-        "sleep 30\n",
+        "trap 'echo error: the measurement was stopped by SIGTERM; exit 1' TERM\n"
+        "for i in $(seq 300); do sleep 0.1; done\n",
         "llm",
         limit_s=2,
     )
     assert done.returncode == 124, (done.returncode, done.stdout, done.stderr)
+    # Its last words, said after the TERM that `timeout` sends to the whole group (tee among it), are in its log.
+    assert "stopped by SIGTERM" in (tmp_path / "out" / "llm.log").read_text()
     assert json.loads((tmp_path / "out" / "llm.raw_2.json").read_text()) == {"depth": 2}, done.stderr
     assert "a depth measured before llm stopped" in done.stderr
 
