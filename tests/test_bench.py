@@ -635,3 +635,28 @@ def test_a_recommenders_lookups_a_second_are_in_its_report_and_no_other_models(t
     assert run_cli("report", dlrm) == 0 and run_cli("report", bert) == 0
     assert "table lookups/s" in (dlrm / "report.md").read_text()
     assert "table lookups/s" not in (bert / "report.md").read_text()
+
+
+def test_the_eval_time_is_the_median_of_three_timed_passes_after_an_untimed_one(monkeypatch):
+    """One slow timed pass (a recompilation, another process's burst) no longer sets the eval's share of a projection:
+    the untimed pass is not counted, and of three timed ones the middle counts."""
+    import types
+
+    import torch
+
+    from trainbench.distributed import DistInfo
+    from trainbench.measure import throughput
+
+    clock = [0.0]  # the time each pass takes, on a clock of the test's own
+    passes = iter([30.0, 2.0, 20.0, 4.0])  # untimed (compiling), then three timed: 2, 20, 4 s
+
+    def evaluate(*args) -> None:
+        clock[0] += next(passes)
+
+    monkeypatch.setattr(throughput, "evaluate", evaluate)
+    monkeypatch.setattr(throughput, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    run = types.SimpleNamespace(data=types.SimpleNamespace(eval=[{"input_ids": torch.zeros(4, 8)}]),
+                                placed=types.SimpleNamespace(model=None, module=torch.nn.Linear(2, 2)))  # fmt: skip
+    seconds, router = throughput._eval_seconds_per_row(None, run, DistInfo(0, 0, 1, torch.device("cpu")), None)
+    assert seconds == 4.0 / 4 and router is None  # the median pass over 4 rows
+    assert next(passes, None) is None  # every pass ran: one untimed, three timed
