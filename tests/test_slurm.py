@@ -879,3 +879,38 @@ def test_a_measurement_runs_as_one_job_a_depth_on_two_nodes(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "submitted job" in printed and "not a time-to-train result" in printed
     assert "-m trainbench.measure.bench" in (folder / "bench.sbatch").read_text()
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_stop_signal_while_a_measurement_job_runs_cancels_the_job(tmp_path, sig):
+    """`trainbench bench --system` waits on `sbatch --wait`: SIGTERM or SIGHUP (`kill`, `timeout`, a closed terminal),
+    as Ctrl-C, cancels the job, which would otherwise hold its nodes' GPUs to its time limit. Slurm's tools stood in
+    for by scripts on PATH."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho '4321;cluster'\nexec sleep 60\n")
+    (bin_dir / "scancel").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scancel.txt"}\n')
+    for tool in ("sbatch", "scancel"):
+        (bin_dir / tool).chmod(0o755)
+    code = (
+        "import types, sys; from pathlib import Path; import trainbench.launch.slurm as slurm\n"
+        "slurm.render_bench_script = lambda *args: '#!/bin/sh\\n'\n"
+        "say = lambda line: print(line, flush=True)\n"
+        f"slurm.bench_job(types.SimpleNamespace(container=None), None, Path({str(tmp_path)!r}), [], say, 'x')\n"
+    )
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert "submitted job 4321" in proc.stdout.readline()
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "job 4321 cancelled" in out, (out, err)
+    assert (tmp_path / "scancel.txt").read_text().split() == ["4321"]

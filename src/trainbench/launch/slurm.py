@@ -23,8 +23,10 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from trainbench.benchmarks.base import Benchmark
@@ -503,7 +505,8 @@ def submit(
 def bench_job(system: System, cfg: RunConfig, run_dir: Path, command: list[str], say, rank: str) -> None:
     """One depth of a throughput measurement as a Slurm job (``trainbench bench --system``; ``rank``: the module and
     arguments each rank runs): the script written to bench.sbatch, submitted with ``sbatch --wait``; returns when the
-    job has ended. Ctrl-C cancels the job."""
+    job has ended. Ctrl-C, SIGTERM or SIGHUP (a closed terminal, `kill`, `timeout`) cancels the job: it would
+    otherwise hold its nodes' GPUs to its time limit."""
     python = system.container.python if system.container else sys.executable
     path = run_dir / "bench.sbatch"
     path.write_text(render_bench_script(system, cfg, run_dir, command, python, rank))
@@ -513,6 +516,8 @@ def bench_job(system: System, cfg: RunConfig, run_dir: Path, command: list[str],
     except FileNotFoundError:
         raise UserError("`sbatch` was not found: Slurm's client tools must be on PATH to measure on a system") from None
     job_id = None
+    stops = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)
+             if threading.current_thread() is threading.main_thread()}  # fmt: skip
     try:
         job_id = proc.stdout.readline().strip().split(";")[0] or None  # --parsable prints the id at submission
         if job_id:
@@ -521,7 +526,11 @@ def bench_job(system: System, cfg: RunConfig, run_dir: Path, command: list[str],
     except KeyboardInterrupt:
         if job_id:
             subprocess.run(["scancel", job_id], capture_output=True)
+            say(f"job {job_id} cancelled")
         raise
+    finally:
+        for sig, handler in stops.items():
+            signal.signal(sig, handler)
     if job_id is None:
         said = "; ".join(line.strip() for line in err.splitlines() if line.strip())
         raise UserError(f"sbatch refused the measurement's job: {said[:300]}")
