@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -475,11 +476,12 @@ def run_to_end(cmd: list[str], env: dict[str, str] | None = None, what: str = "t
     import psutil
 
     received: list[int] = []
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    main = threading.current_thread() is threading.main_thread()  # where Python lets a handler be set
     previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
-                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}  # fmt: skip
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if main}  # fmt: skip
     started: set[Any] = set()  # every process the child started, seen while it ran
     try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         sent = 0
         while True:
             with contextlib.suppress(psutil.Error):
