@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -244,7 +245,7 @@ def _eval_seconds_per_row(bench, run, info, autocast) -> tuple[float, dict | Non
         evaluate(bench, run.placed.model, run.data.eval, info, autocast, record, 0)
         _sync(info)
         seconds.append(time.perf_counter() - t)
-    return sorted(seconds)[len(seconds) // 2] / rows, loads.balance(info)
+    return statistics.median(seconds) / rows, loads.balance(info)
 
 
 class RouterLoads:
