@@ -43,7 +43,8 @@
 #                                     EXTRA=model.precision=fp8 TAG=-fp8 perf/bench_figures.sh node-moe
 #   perf/bench_figures.sh node-moe-hf the same with GPT-OSS's block and vocabulary (--preset gpt-oss-20b-hf)
 #   perf/bench_figures.sh node-bert   BERT-large at NVIDIA's node shapes (48 rows x 1 and x 2 accumulation a GPU) on
-#                                     NPROC GPUs and on one, for the scaling
+#                                     NPROC GPUs and on one, for the scaling (BERT_ACCUMULATION=1 takes the x 1 shape
+#                                     alone)
 #   perf/bench_figures.sh node-flux   flux1's MMDiT in FP8, 1 and 2 blocks to 19, under FSDP2 on NPROC GPUs, each GPU the
 #                                     one-GPU figure's step of 64 samples in micro-batches of 16 (flux-fp8)
 #   perf/bench_figures.sh dlrmv4      dlrmv4's reference layers on one GPU with every table cut to 1 M rows, sharded
@@ -187,7 +188,7 @@ for what in "$@"; do
         bench "${what//-/_}" gpt_oss_20b --preset "$preset" perf.compile=true distributed.ep="$NPROC" \
             --nproc "$NPROC" "${depth[@]}" --steps 3 --warmup 2 ;;
     node-bert)
-        for accumulation in 1 2; do
+        for accumulation in ${BERT_ACCUMULATION:-1 2}; do
             for n in 1 "$NPROC"; do
                 bench "node_bert_${n}x48x${accumulation}" bert --preset large perf.compile=true data.layout=packed \
                     --nproc "$n" data.micro_batch_size=48 data.global_batch_size=$((n * 48 * accumulation)) \
