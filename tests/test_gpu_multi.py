@@ -204,6 +204,9 @@ PATHS = [
     # the same with the gradients reduce-scattered in bf16 (distributed.grad_reduce_dtype=bf16)
     ("fsdp2_fp8_bf16_reduce", "llama31_8b", ["model.precision=fp8", "perf.compile=true"],
      ["distributed.grad_reduce_dtype=bf16"], 16, 2e-2, "reduce-scatters the gradients in bf16"),
+    # the same with the blocks' FP8 weights kept gathered through a rank's 2 micro-batches (distributed.keep_gathered)
+    ("fsdp2_fp8_kept", "llama31_8b", ["model.precision=fp8", "perf.compile=true"], ["distributed.keep_gathered=true"],
+     8, 2e-2, "keeps the blocks' weights gathered"),
     ("tp", "llama31_8b", [], ["distributed.tp=2"], 32, 1e-2, None),  # (the whole batch on both ranks of the group)
     ("ep_fp8", "gpt_oss_20b", ["model.precision=fp8", "perf.compile=true"], ["distributed.ep=2"], 16, 2e-2,
      "on each of 2 ranks (all-to-all)"),

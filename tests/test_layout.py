@@ -485,3 +485,26 @@ def test_the_plan_counts_the_whole_gradients_and_gathered_weights_of_reducing_on
     assert before.perf.recompute_blocks == 0 and before.data.micro_batch_size == 2
     assert h200s.perf.recompute_blocks > 0 or h200s.data.micro_batch_size < 2, lines
     assert "gradients kept whole and weights gathered (distributed.reduce_once_a_step)" in lines[2], lines
+
+
+def test_the_plan_counts_the_weights_kept_gathered_through_a_step_at_the_bytes_they_are_gathered_in():
+    """distributed.keep_gathered holds every block's gathered weights through a step: the plan counts them at the
+    gather's bytes (FP8: a quarter of the probe's fp32 weights; bf16: half), nothing more where
+    distributed.reduce_once_a_step counts them already, and names them in its memory line."""
+    from trainbench.families.planner import sharded
+
+    each = evaluate(32, sharded(P8, 2), 0, 0, False)
+    fp8 = evaluate(32, sharded(P8, 2, gather_bytes=1), 0, 0, False)
+    bf16 = evaluate(32, sharded(P8, 2, gather_bytes=2), 0, 0, False)
+    assert fp8.gpu_bytes - each.gpu_bytes == 32 * (P8.block_weight_bytes // 4)
+    assert bf16.gpu_bytes - each.gpu_bytes == 32 * (P8.block_weight_bytes // 2)
+    once = evaluate(32, sharded(P8, 2, reduce_once_a_step=True), 0, 0, False)
+    both = evaluate(32, sharded(P8, 2, reduce_once_a_step=True, gather_bytes=1), 0, 0, False)
+    assert both.gpu_bytes == once.gpu_bytes
+    two = dataclasses.replace(H200, gpus=2)
+    bench, cfg = _llama_cfg(**{"distributed.nproc": "2", "distributed.keep_gathered": "true",
+                               "model.precision": "fp8"})  # fmt: skip
+    keys, lines = bench.plan_layout(cfg, two, P8)
+    assert "weights kept gathered through a step (distributed.keep_gathered)" in lines[2], lines
+    gathered = 32 * (P8.block_weight_bytes // 4) / 2**30
+    assert f"weights kept gathered through a step (distributed.keep_gathered) {gathered:.1f} GiB" in lines[2], lines

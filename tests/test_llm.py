@@ -167,7 +167,8 @@ def test_tiny_llama_reaches_its_target_with_a_compliant_log(llm_data, tmp_path):
 @pytest.mark.full
 def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_path):
     """One rank, one rank sharded by FSDP2 as several ranks shard it, FSDP2 over 2, TP 2, FSDP2 over 2 with a
-    block recomputed, and FSDP2 over 2 reducing 2 micro-batches' gradients once a step: the same losses and evals.
+    block recomputed, FSDP2 over 2 reducing 2 micro-batches' gradients once a step, and keeping the blocks' weights
+    gathered through them: the same losses and evals.
     FSDP2 over 2 reduce-scattering in bf16: the losses of fp32's within bf16's rounding."""
     common = ["run", "llama31_8b", f"data.dir={llm_data}", "progress=false", "log_every_steps=1", "telemetry_hz=0",
               "schedule.max_samples=256", "eval.every_samples=128", "eval_samples=64"]  # fmt: skip
@@ -180,6 +181,8 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_p
         "fsdp_recompute": ["--nproc", "2", "micro_batch_size=16", "activation_checkpointing=1", "recompute_blocks=1"],
         # FSDP2 over 2 with 2 micro-batches a rank, reduce-scattered once a step
         "fsdp_once": ["--nproc", "2", "micro_batch_size=8", "distributed.reduce_once_a_step=true"],
+        # the same with the blocks' weights kept gathered through the step's micro-batches, reduced each
+        "fsdp_kept": ["--nproc", "2", "micro_batch_size=8", "distributed.keep_gathered=true"],
         # FSDP2 over 2, the gradients reduce-scattered in bf16: the losses within bf16's rounding, not bit for bit
         "fsdp_bf16_reduce": ["--nproc", "2", "micro_batch_size=16", "distributed.grad_reduce_dtype=bf16"],
     }
@@ -197,7 +200,8 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_p
     assert len(losses["one"]) == 8 and losses["one"][-1] < losses["one"][0]
     once = (only_run_dir(tmp_path / "fsdp_once") / "console.log").read_text()
     assert "reduce-scatters the gradients once a step" in once
-    for name in ("one_sharded", "fsdp", "tp", "fsdp_recompute", "fsdp_once"):
+    assert "keeps the blocks' weights gathered" in (only_run_dir(tmp_path / "fsdp_kept") / "console.log").read_text()
+    for name in ("one_sharded", "fsdp", "tp", "fsdp_recompute", "fsdp_once", "fsdp_kept"):
         assert max(abs(a - b) for a, b in zip(losses["one"], losses[name], strict=True)) <= 1e-5, (name, losses)
         assert max(abs(a - b) for a, b in zip(evals["one"], evals[name], strict=True)) <= 1e-5, (name, evals)
     bf16 = (only_run_dir(tmp_path / "fsdp_bf16_reduce") / "console.log").read_text()

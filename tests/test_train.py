@@ -402,3 +402,78 @@ def _fsdp2_reduced_once_a_step() -> None:
     plain = Placed(module=torch.nn.Linear(2, 2), model=None)
     reduce_once_a_step(plain)
     assert plain.no_sync is contextlib.nullcontext and "no FSDP2" in plain.notes[0]
+
+
+def test_fsdp2_keeps_the_blocks_gathered_through_the_micro_batches_and_reduces_each():
+    """distributed.keep_gathered's context (Placed.no_sync for FSDP2): around the micro-batches before the last, the
+    blocks that reshard after their forward keep their weights gathered through the forward, the backward and into
+    the next micro-batch; the last micro-batch reshards after its forward and after its backward, as without the key.
+    Each micro-batch's gradients are still reduced: the same gradients as without the key, bit for bit. Over both
+    keys, the gradients of reducing once a step. Over a process group of one; over two ranks the runs' losses
+    (tests/test_llm.py)."""
+    import torch
+    import torch.distributed as dist
+
+    from trainbench.distributed import single_rank_group
+
+    assert not dist.is_initialized()
+    single_rank_group(torch.device("cpu"))
+    try:
+        _fsdp2_kept_gathered()
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp2_kept_gathered() -> None:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from trainbench.distributed import (
+        RESHARDED_AFTER_FORWARD,
+        Placed,
+        fsdp_keep_gathered,
+        fsdp_reduce_once_a_step,
+        keep_gathered,
+    )
+
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 8) for _ in range(4)]
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(1)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        fully_shard(m[0], reshard_after_forward=True)  # as the placements shard every block but the last
+        RESHARDED_AFTER_FORWARD.add(m[0])
+        fully_shard(m[2], reshard_after_forward=False)
+        fully_shard(m)
+        return m
+
+    def sharded(layer: torch.nn.Module) -> bool:
+        return all(isinstance(p, DTensor) for p in layer.parameters())
+
+    each, kept, both = model(), model(), model()
+    ways = ((each, None), (kept, fsdp_keep_gathered(kept, contextlib.nullcontext)),
+            (both, fsdp_keep_gathered(both, fsdp_reduce_once_a_step(both))))  # fmt: skip
+    for m, no_sync in ways:
+        for i, x in enumerate(xs):
+            last = i == len(xs) - 1
+            within = not last and no_sync is not None
+            with contextlib.nullcontext() if not within else no_sync():
+                loss = m(x).square().sum()
+                assert sharded(m[0]) != within, (i, no_sync)  # the first block: resharded after forward, or kept
+                loss.backward()
+            # After a backward: every block kept gathered within the context, every one resharded after it.
+            assert all(isinstance(p, DTensor) != within for p in m.parameters()), (i, no_sync)
+    for name, m in (("kept", kept), ("both", both)):
+        for a, b in zip(each.parameters(), m.parameters(), strict=True):
+            if name == "kept":
+                assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), name
+            else:
+                assert torch.allclose(a.grad.full_tensor(), b.grad.full_tensor(), rtol=1e-6, atol=1e-6), name
+    placed = Placed(module=kept, model=kept)
+    keep_gathered(placed)
+    assert placed.no_sync is not contextlib.nullcontext and "keeps the blocks' weights gathered" in placed.notes[0]
+    plain = Placed(module=torch.nn.Linear(2, 2), model=None)
+    keep_gathered(plain)
+    assert plain.no_sync is contextlib.nullcontext and "no FSDP2" in plain.notes[0]

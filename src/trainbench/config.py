@@ -165,6 +165,13 @@ class DistributedConfig:
         "gradients and gathered weights on every GPU (flux1 on 2 H200: 9 % faster at truncated depth; "
         "docs/performance.md)."
     )  # fmt: skip
+    keep_gathered: bool = option(
+        False, "FSDP2 with accumulation (llama31_8b, gpt3, gpt_oss_20b, flux1): keep each block's weights gathered "
+        "through a step's micro-batches before the last, so that a step gathers them twice (the first forward, the "
+        "last backward) instead of twice a micro-batch; the gradients are still reduce-scattered each micro-batch "
+        "(with distributed.reduce_once_a_step, once). Costs every block's gathered weights on every GPU (a byte a "
+        "parameter gathered in FP8, two in bf16). Off by default: not yet run or measured on 2 GPUs (docs/llm.md)."
+    )  # fmt: skip
     grad_reduce_dtype: str = option(
         "fp32",
         "Type of the gradients on the wire: fp32, or bf16 (half the traffic). DDP (bert, dlrmv4's dense part): each "
@@ -616,7 +623,8 @@ def keys_without_effect(cfg: RunConfig) -> dict[str, str]:
         for key in ("distributed.bucket_cap_mb", "distributed.overlap_compiled"):
             out[key] = one
         if not cfg.distributed.shard_one_rank:  # (FSDP2 over a group of one reduce-scatters: what it measures)
-            out["distributed.reduce_once_a_step"] = out["distributed.grad_reduce_dtype"] = one
+            for key in ("distributed.reduce_once_a_step", "distributed.grad_reduce_dtype", "distributed.keep_gathered"):
+                out[key] = one
     if not cfg.perf.compile:
         out.setdefault("distributed.overlap_compiled", "it splits the compiled graph, and perf.compile=false")
     if cfg.device == "cpu":

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import NoReturn
@@ -264,6 +265,55 @@ def reduce_once_a_step(placed: Placed) -> None:
     placed.notes.append(
         "FSDP2 reduce-scatters the gradients once a step (distributed.reduce_once_a_step): the "
         "micro-batches before the last keep theirs whole and unreduced, their weights gathered"
+    )
+
+
+# The blocks FSDP2 was told to reshard after their forward (the placements' ``shard_blocks``): what
+# ``distributed.keep_gathered`` keeps gathered instead between a step's micro-batches (:func:`keep_gathered`).
+RESHARDED_AFTER_FORWARD: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def fsdp_keep_gathered(root: torch.nn.Module, before: Callable[[], contextlib.AbstractContextManager]
+                       ) -> Callable[[], contextlib.AbstractContextManager]:  # fmt: skip
+    """``Placed.no_sync`` for a model sharded by FSDP2 whose blocks stay gathered between the micro-batches of a
+    step: around each micro-batch but the last (inside ``before``, the no_sync there was), the blocks that reshard
+    after their forward (:data:`RESHARDED_AFTER_FORWARD`) keep their weights gathered for the backward, and no block
+    reshards after its backward, so that the next micro-batch gathers none. The step's last micro-batch runs as
+    without the key: its forward reshards those blocks, its backward gathers them again and reshards every block
+    after it, before the optimizer's update (and an eval, outside the context, gathers as usual)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = [m for m in root.modules() if m in RESHARDED_AFTER_FORWARD and isinstance(m, FSDPModule)]
+
+    @contextlib.contextmanager
+    def kept() -> Iterator[None]:
+        with before():
+            for block in blocks:
+                block.set_reshard_after_forward(False, recurse=False)
+            root.set_reshard_after_backward(False)
+            try:
+                yield
+            finally:
+                for block in blocks:
+                    block.set_reshard_after_forward(True, recurse=False)
+                root.set_reshard_after_backward(True)
+
+    return kept
+
+
+def keep_gathered(placed: Placed) -> None:
+    """``distributed.keep_gathered``: ``placed``'s FSDP2 gathers each block's weights twice a step instead of twice a
+    micro-batch (:func:`fsdp_keep_gathered`, over whatever ``placed.no_sync`` already did), said on the console; a
+    layout without FSDP2 has nothing to keep, and says so."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(placed.module, FSDPModule):
+        placed.notes.append("distributed.keep_gathered: this layout has no FSDP2, so no gathers to save")
+        return
+    placed.no_sync = fsdp_keep_gathered(placed.module, placed.no_sync)
+    placed.notes.append(
+        "FSDP2 keeps the blocks' weights gathered through a step's micro-batches (distributed.keep_gathered): "
+        "two gathers of each a step, the first forward's and the last backward's"
     )
 
 

@@ -115,6 +115,8 @@ class LoraBenchmark(LLMBenchmark):
         "perf.optimizer_kernel": "its adapters are below tb_adamw's size (optim/adamw.py): torch's update takes all",
         "distributed.reduce_once_a_step": "its adapters' gradients are small; whole weights kept between micro-batches "
         "would undo the base's sharding",
+        "distributed.keep_gathered": "its frozen base is what FSDP2 gathers (model.base_sharding=fsdp): kept "
+        "gathered, it would undo the base's sharding",
         "distributed.grad_reduce_dtype": "its adapters' gradients, a fraction of a percent of the weights, are reduced "
         "in fp32",
     }

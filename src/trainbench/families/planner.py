@@ -84,6 +84,8 @@ class BlockProbe:
     # What a sharded block keeps whole between micro-batches besides its shards: its fp32 gradient and its gathered
     # weights, where FSDP2 reduces once a step (distributed.reduce_once_a_step; :func:`sharded`)
     whole_bytes_per_block: int = 0
+    # A sharded block's gathered weights kept between micro-batches (distributed.keep_gathered; :func:`sharded`)
+    gathered_bytes_per_block: int = 0
     # Of a micro-batch, the collectives no block's compute hides, where FSDP2 shards the model (:func:`sharded`)
     exposed_comm_s: float = 0.0
 
@@ -135,6 +137,7 @@ def evaluate(layers: int, p: BlockProbe, recompute: int, offload: int, inputs: b
         f"{recompute} recomputed blocks' inputs": 0 if inputs else recompute * p.input_bytes,
         "offload copies in flight": in_flight,
         "gradients kept whole and weights gathered (distributed.reduce_once_a_step)": layers * p.whole_bytes_per_block,
+        "weights kept gathered through a step (distributed.keep_gathered)": layers * p.gathered_bytes_per_block,
         "output layer, loss and a block's backward (working set)": p.working_bytes,
     }
     to_host = offload * p.kept_bytes + (recompute * p.input_bytes if inputs else 0)
@@ -148,13 +151,16 @@ def evaluate(layers: int, p: BlockProbe, recompute: int, offload: int, inputs: b
 
 
 def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False, reduce_bytes: int = 4,
-            micro_batches: int = 1) -> BlockProbe:  # fmt: skip
+            micro_batches: int = 1, gather_bytes: int = 0) -> BlockProbe:  # fmt: skip
     """One GPU's share of ``p``'s memory where FSDP2 shards every parameter, its gradient and its optimizer state
     over ``ranks``: the shards, plus :data:`GATHERED_BLOCKS` blocks held whole at a time (the one computing and the
     next, gathered ahead; in backward a block's gradient before its reduce-scatter), counted at the probe's own size
     of a block's weights as an upper bound (the gathered copies are bf16 or FP8, not fp32). ``reduce_once_a_step``:
     every block's gradient (fp32, as its weights) and its gathered weights held whole between micro-batches too,
     counted at twice the probe's size of a block's weights (an upper bound: the gathered copies are bf16 or FP8).
+    ``gather_bytes`` (1 for FP8 gathers, 2 for bf16, 4 for fp32; 0: not kept): every block's gathered weights held
+    through a step (``distributed.keep_gathered``), at that many bytes for each of the probe's fp32 ones; nothing
+    more where ``reduce_once_a_step`` counts them already.
 
     Time: a block's gathers and reduce-scatters overlap the compute of the blocks beside it (notes/node.md: 1-3 %
     of the step exposed on 2 and 4 GPUs), and are not counted. What nothing hides is the rest of the model's
@@ -169,6 +175,7 @@ def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False, reduce_
     return dataclasses.replace(
         p,
         whole_bytes_per_block=2 * p.block_weight_bytes if reduce_once_a_step else 0,
+        gathered_bytes_per_block=0 if reduce_once_a_step else p.block_weight_bytes * gather_bytes // 4,
         block_weight_bytes=p.block_weight_bytes // ranks,
         other_weight_bytes=p.other_weight_bytes // ranks + GATHERED_BLOCKS * p.block_weight_bytes,
         optimizer_bytes_per_block=p.optimizer_bytes_per_block // ranks,

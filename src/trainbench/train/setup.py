@@ -12,7 +12,7 @@ import torch
 
 from trainbench.benchmarks.base import Benchmark, BenchmarkData
 from trainbench.config import RunConfig
-from trainbench.distributed import DistInfo, Placed, reduce_once_a_step
+from trainbench.distributed import DistInfo, Placed, keep_gathered, reduce_once_a_step
 from trainbench.errors import ConfigError
 from trainbench.mlperf import constants
 from trainbench.train import checkpoint
@@ -108,6 +108,8 @@ def build_run(cfg: RunConfig, bench: Benchmark, info: DistInfo, ckpt: Path | Non
     placed = bench.family.place(bench.family.build_model(cfg), cfg, info, bf16)
     if cfg.distributed.reduce_once_a_step:  # any family's FSDP2 (a layout without it says so)
         reduce_once_a_step(placed)
+    if cfg.distributed.keep_gathered:  # (over reduce_once_a_step's context, where both are on)
+        keep_gathered(placed)
     optimizer = bench.build_optimizer(cfg, placed.module)
     eval_every = cfg.eval.every_samples or bench.eval_every_samples(cfg)
     first_eval = bench.first_eval_samples(cfg, eval_every)

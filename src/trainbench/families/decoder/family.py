@@ -168,9 +168,11 @@ class DecoderFamily(ModelFamily):
         fixed = {"perf.offload_blocks": 0, "perf.offload_recomputed_inputs": False} | given
         once, per_rank = cfg.distributed.reduce_once_a_step, cfg.data.global_batch_size // resources.gpus
         reduce_bytes = 2 if cfg.distributed.grad_reduce_dtype == "bf16" else 4
+        # distributed.keep_gathered: the blocks' weights as gathered (FP8 a byte, bf16 two: a GPU's plan is bf16)
+        gather_bytes = (1 if cfg.model.precision == "fp8" else 2) if cfg.distributed.keep_gathered else 0
 
         def shards(p, rows: int):
-            return sharded(p, resources.gpus, once, reduce_bytes, per_rank // rows)
+            return sharded(p, resources.gpus, once, reduce_bytes, per_rank // rows, gather_bytes)
 
         fastest, smallest = best(layers, shards(probe, cfg.data.micro_batch_size), resources, fixed)
         if fastest is None:

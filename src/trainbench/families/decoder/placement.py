@@ -131,9 +131,14 @@ def shard_blocks(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, bf
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.bfloat16 if reduce_bf16 else torch.float32)  # fmt: skip
     kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {}) | ({"ignored_params": ignored} if ignored else {})
+    from trainbench.distributed import RESHARDED_AFTER_FORWARD
+
     for i, block in enumerate(blocks):
         # The last block's parameters are needed at once by the backward: no point resharding them.
-        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
+        reshard = i < len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+        if reshard:  # (distributed.keep_gathered keeps them gathered between micro-batches)
+            RESHARDED_AFTER_FORWARD.add(block)
     fully_shard(model, **kwargs)
 
 
