@@ -62,6 +62,10 @@
 #                                     runs only those
 # EXTRA="key=value ..." adds config keys to every bench of the call, TAG=-x appends -x to each result's name, e.g.
 #   EXTRA=model.attention=cudnn TAG=-cudnn perf/bench_figures.sh gpt-oss-fp8
+# NODE_EXTRA="key=value ..." adds config keys to the benches on more than one GPU alone (keys that one GPU refuses as
+# having no effect there), so that a ratio's two runs go in one call, e.g.
+#   NPROC=2 NODE_EXTRA=distributed.keep_gathered=true TAG=-kept perf/bench_figures.sh llm-auto node-llm
+#   NPROC=2 BERT_ACCUMULATION=1 NODE_EXTRA=distributed.bucket_cap_mb=400 TAG=-b400 perf/bench_figures.sh node-bert
 # INDUCTOR="key=value,..." sets torch._inductor options process-wide for every bench of the call (1 and 0 are true and
 # false; perf/inductor_options/sitecustomize.py), to compare Inductor's choices without a change to the code, e.g.
 #   INDUCTOR=triton.coordinate_descent_tuning=1 TAG=-cdt perf/bench_figures.sh llm
@@ -105,9 +109,14 @@ bench() {  # NAME ARGS...: one measurement; its bench.json and console into $OUT
     local name=$1${TAG:-}     # and does not stop the measurements after it (the call's exit code says it failed);
     shift                     # the depths it measured before it failed come back as NAME.raw_<depth>.json
     current=$name
+    local node=() previous=""
+    for a in "$@"; do  # on more than one GPU: NODE_EXTRA's keys too
+        if [ "$previous" = --nproc ] && [ "$a" -gt 1 ]; then read -r -a node <<< "${NODE_EXTRA:-}"; fi
+        previous=$a
+    done
     # In the background and waited for, so that a TERM reaches stop() at once, not after the measurement.
     # shellcheck disable=SC2086  # EXTRA: keys split on spaces
-    python3 -m trainbench bench "$@" ${EXTRA:-} output.results_dir="$RESULTS/$name" progress=false \
+    python3 -m trainbench bench "$@" ${EXTRA:-} "${node[@]}" output.results_dir="$RESULTS/$name" progress=false \
         > >(trap '' TERM INT; exec tee "$OUT/$name.log") 2>&1 &  # tee outlives a TERM to the group: the last words kept
     measuring=$!
     local code=0

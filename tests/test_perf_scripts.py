@@ -100,10 +100,11 @@ def test_the_inductor_options_hook_sets_known_options_and_refuses_unknown_ones_i
 RESULTS_DIR_OF_ARGS = 'for a in "$@"; do case $a in output.results_dir=*) d=${a#output.results_dir=} ;; esac; done\n'
 
 
-def _bench_figures(tmp_path, stand_in: str, *measurements: str, limit_s: int | None = None, nproc: int = 1):
+def _bench_figures(tmp_path, stand_in: str, *measurements: str, limit_s: int | None = None, nproc: int = 1,
+                   env: dict[str, str] | None = None):  # fmt: skip
     """perf/bench_figures.sh ``measurements`` with ``stand_in`` (a shell script's body, after
-    :data:`RESULTS_DIR_OF_ARGS`) as the `python3` on PATH, $OUT and $RESULTS under ``tmp_path``; under `timeout
-    limit_s` where given. The finished process."""
+    :data:`RESULTS_DIR_OF_ARGS`) as the `python3` on PATH, $OUT and $RESULTS under ``tmp_path``, ``env`` besides;
+    under `timeout limit_s` where given. The finished process."""
     import os
     import subprocess
 
@@ -113,7 +114,7 @@ def _bench_figures(tmp_path, stand_in: str, *measurements: str, limit_s: int | N
     python3.write_text("#!/bin/sh\n" + RESULTS_DIR_OF_ARGS + stand_in)
     python3.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               RESULTS=str(tmp_path / "results"), NPROC=str(nproc))  # fmt: skip
+               RESULTS=str(tmp_path / "results"), NPROC=str(nproc), **(env or {}))  # fmt: skip
     limit = ["timeout", str(limit_s)] if limit_s is not None else []
     return subprocess.run([*limit, "bash", str(SCRIPTS / "bench_figures.sh"), *measurements], env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -159,6 +160,31 @@ def test_dlrmv4_on_one_gpu_and_on_the_node_takes_a_step_of_512_a_gpu_at_the_rule
         assert f"optimizer.lr={lr}" in args and "data.micro_batch_size=128" in args, call
         assert args[args.index("--table-rows") + 1] == "1000000" and "perf.sharded_tables=true" in args, call
     assert all((tmp_path / "out" / f"node_dlrmv4_{n}.json").exists() for n in (1, 2))
+
+
+def test_node_bert_takes_the_shapes_asked_for_and_the_node_keys_on_the_node_alone(tmp_path):
+    """`NPROC=2 BERT_ACCUMULATION=1 NODE_EXTRA=... perf/bench_figures.sh node-bert`: BERT at 48 x 1 on one GPU and on
+    2, not at 48 x 2; the keys of NODE_EXTRA (which one GPU refuses as having no effect) on the 2-GPU run alone, EXTRA's
+    on both."""
+    done = _bench_figures(
+        tmp_path,
+        'echo "$*" >> "$OUT/args.txt"\n'
+        'mkdir -p "$d/20261130T000000Z-bert"\n'
+        'echo \'{"samples_per_s": 1}\' > "$d/20261130T000000Z-bert/bench.json"\n',
+        "node-bert",
+        nproc=2,
+        env={"BERT_ACCUMULATION": "1", "NODE_EXTRA": "distributed.bucket_cap_mb=400 distributed.overlap_compiled=true",
+             "EXTRA": "--profile-steps 0"},
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    calls = [c.split() for c in (tmp_path / "out" / "args.txt").read_text().splitlines()]
+    assert [(c[c.index("--nproc") + 1], [a for a in c if a.startswith("data.global_batch_size=")]) for c in calls] == [
+        ("1", ["data.global_batch_size=48"]), ("2", ["data.global_batch_size=96"])]  # fmt: skip
+    node = ["distributed.bucket_cap_mb=400", "distributed.overlap_compiled=true"]
+    assert not any(k in calls[0] for k in node) and all(k in calls[1] for k in node), calls
+    assert all(c[c.index("--profile-steps") + 1] == "0" for c in calls), calls
+    back = sorted(p.name for p in (tmp_path / "out").glob("*.json"))
+    assert back == ["node_bert_1x48x1.json", "node_bert_2x48x1.json"], back
 
 
 @pytest.mark.parametrize("nproc, depth", [(2, ["--blocks", "2,4"]), (8, [])])
