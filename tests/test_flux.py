@@ -155,8 +155,9 @@ def test_recomputed_blocks_train_the_losses_of_kept_ones(flux_data, tmp_path):
 def test_two_ranks_train_the_losses_of_one(flux_data, tmp_path):
     """Each sample's timestep, noise, latent draw and empty-prompt draw depend on the seed and its place alone; two
     ranks shard the model with FSDP2 (every block's parameters gathered as it runs, its gradients reduce-scattered),
-    and with 4 micro-batches a rank reduce-scattered once a step (distributed.reduce_once_a_step); the same in bf16
-    within its rounding (distributed.grad_reduce_dtype=bf16)."""
+    and with 4 micro-batches a rank reduce-scattered once a step (distributed.reduce_once_a_step), also with the blocks
+    kept gathered through them (distributed.keep_gathered); the same in bf16 within its rounding
+    (distributed.grad_reduce_dtype=bf16)."""
     from tests.conftest import losses_and_evals, only_run_dir
 
     common = ["run", "flux1", f"data.dir={flux_data}", "progress=false", "log_every_steps=1", "telemetry_hz=0",
@@ -166,14 +167,19 @@ def test_two_ranks_train_the_losses_of_one(flux_data, tmp_path):
             "two_once": ["--nproc", "2", "micro_batch_size=4", "distributed.reduce_once_a_step=true"],
             # the same reduce-scattered in bf16 (distributed.grad_reduce_dtype)
             "two_once_bf16": ["--nproc", "2", "micro_batch_size=4", "distributed.reduce_once_a_step=true",
-                              "distributed.grad_reduce_dtype=bf16"]}  # fmt: skip
+                              "distributed.grad_reduce_dtype=bf16"],
+            # reduced once a step with the blocks kept gathered through the micro-batches' forwards too
+            "two_once_kept": ["--nproc", "2", "micro_batch_size=4", "distributed.reduce_once_a_step=true",
+                              "distributed.keep_gathered=true"]}  # fmt: skip
     losses, evals = losses_and_evals(common, runs, tmp_path, "eval_loss")
     assert len(losses["one"]) == 8 and len(evals["one"]) == 2
-    for name in ("two", "two_once"):
+    for name in ("two", "two_once", "two_once_kept"):
         assert max(abs(a - b) for a, b in zip(losses["one"], losses[name], strict=True)) <= 1e-5, (name, losses)
         assert max(abs(a - b) for a, b in zip(evals["one"], evals[name], strict=True)) <= 1e-5, (name, evals)
     console = (only_run_dir(tmp_path / "two_once") / "console.log").read_text()
     assert "reduce-scatters the gradients once a step" in console
+    console = (only_run_dir(tmp_path / "two_once_kept") / "console.log").read_text()
+    assert "reduce-scatters the gradients once a step" in console and "keeps the blocks' weights gathered" in console
     console = (only_run_dir(tmp_path / "two_once_bf16") / "console.log").read_text()
     assert "reduce-scatters the gradients once a step" in console and "fp32 gathers, bf16 gradient reduction" in console
     gap = max(abs(a - b) for a, b in zip(losses["two_once"], losses["two_once_bf16"], strict=True))
