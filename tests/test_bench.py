@@ -15,7 +15,7 @@ FIELDS = {"kind", "benchmark", "preset", "figures", "blocks", "blocks_measured",
           "step_seconds", "samples_per_s", "tokens_per_s", "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu",
           "peak_memory_gib", "eval_seconds_per_sample", "energy_joules_per_token", "steps", "warmup", "raw", "ruleset",
           "projection", "gpus", "compare", "samples_per_step", "profile", "nodes", "tokens_per_s_per_node",
-          "router", "system", "lookups_per_s"}  # fmt: skip
+          "router", "system", "lookups_per_s", "projection_none"}  # fmt: skip
 
 
 def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:
@@ -39,6 +39,8 @@ def test_each_tiny_preset_is_measured_on_one_rank(benchmark, tmp_path, capsys):
     assert result["samples_per_s"] == pytest.approx(result["global_batch_size"] * 2 / raw["seconds"])
     assert result["tokens_per_s"] > result["samples_per_s"] > 0 and result["eval_seconds_per_sample"] > 0
     assert result["projection"] is None  # a scaled-down preset's rate says nothing of the reference's samples
+    assert result["projection_none"].startswith("a scaled-down preset"), result
+    assert f"no projected time to train: {result['projection_none']}" in printed
     assert result["gpus"] is None and result["profile"] is None  # no GPU telemetry or kernel profile on a CPU
     assert result["samples_per_step"] == result["global_batch_size"]  # a row is a sample (no packed rows here)
     assert raw["mean_loss"] > 0 and not (folder / "result_0.txt").exists()  # trained; no MLPerf log written
@@ -66,7 +68,7 @@ def test_a_measurement_is_reported_and_compared_but_never_checked_or_packaged(tm
     assert run_cli("report", a) == 0
     report = (a / "report.md").read_text()
     assert "throughput measurement (trainbench bench): not a time-to-train result" in report
-    assert "tokens/s" in report and "No projection" in report and (a / "report.html").exists()
+    assert "tokens/s" in report and "No projection: a scaled-down preset" in report and (a / "report.html").exists()
     assert run_cli("report", a, b) == 0
     printed = capsys.readouterr().out
     assert "B/A" in printed and "different GPUs" not in printed  # (no GPU recorded on the CPU)

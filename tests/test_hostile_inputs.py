@@ -348,7 +348,9 @@ BENCH = {"kind": "throughput measurement", "benchmark": "bert", "preset": "tiny"
 
 @pytest.mark.parametrize("fields, message", [({"ranks": "one"}, "ranks should be a whole number"),
                                              ({"projection": {"samples": 1}}, "projection.minutes is missing"),
-                                             ({"kind": None, "figures": 3}, "figures should be a string")])  # fmt: skip
+                                             ({"kind": None, "figures": 3}, "figures should be a string"),
+                                             ({"projection_none": ["x"]}, "projection_none should be a string")],
+                         )  # fmt: skip
 def test_a_crafted_bench_json_is_one_sentence(fields, message, tmp_path, capsys):
     folder = tmp_path / "bench"
     folder.mkdir()

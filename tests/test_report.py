@@ -90,6 +90,19 @@ def test_projected_time_to_train_is_reference_samples_over_the_rate_plus_the_cad
         project("bert", 768, 0.0, 1.0)
 
 
+def test_where_there_is_no_projection_the_reason_is_said():
+    """The batch outside the reference points names their span; a scaled-down preset and a ruleset without points
+    say so (bench.json's projection_none, the console and the report)."""
+    from trainbench.report.projection import why_none
+
+    assert why_none("bert", 96, None, False) == (
+        "the reference convergence points of bert (ruleset 5.0.0) span global batches 256 to 16,384, and 96 is "
+        "outside them")  # fmt: skip
+    assert "16 to 128, and 8 is outside" in why_none("llama31_8b", 8, None, False)
+    assert why_none("bert", 768, None, True).startswith("a scaled-down preset")
+    assert "no reference convergence points of bert for ruleset 0.7.0" in why_none("bert", 768, "0.7.0", False)
+
+
 def test_too_few_runs_have_no_score():
     assert score_runs([1.0, 2.0])[:2] == (None, False)
     assert score_runs([])[:2] == (None, False)

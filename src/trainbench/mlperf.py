@@ -327,6 +327,20 @@ class ReferenceConvergence:
     where a reference point exists at this batch."""
 
 
+def reference_batches(benchmark: str, ruleset: str) -> list[int] | None:
+    """The global batches of the reference convergence points mlperf-logging ships for ``benchmark`` and ``ruleset``,
+    in order; None where it has no file for them (or is not installed)."""
+    from importlib import resources
+
+    try:
+        path = resources.files("mlperf_logging") / "rcp_checker" / f"training_{ruleset}" / f"rcps_{benchmark}.json"
+    except ModuleNotFoundError:
+        return None
+    if not path.is_file():
+        return None
+    return sorted({int(entry["BS"]) for entry in json.loads(path.read_text()).values()})
+
+
 def reference_convergence(benchmark: str, ruleset: str, global_batch_size: int) -> ReferenceConvergence | None:
     """Samples to target at ``global_batch_size`` from the RCP file that mlperf-logging ships for ``benchmark`` and
     ``ruleset``; None where it has no file, or the batch lies outside its reference batches."""

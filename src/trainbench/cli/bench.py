@@ -145,4 +145,6 @@ def bench_summary(r: dict) -> str:
     if p:
         lines.append(f"  projected time to train ({r['figures']}, ruleset {r['ruleset']}): {p['minutes']:.1f} min "
                      f"({p['samples_to_target']:,.0f} samples to target, {p['evals']} evals)")  # fmt: skip
+    elif r.get("projection_none"):
+        lines.append(f"  no projected time to train: {r['projection_none']}")
     return "\n".join(lines)

@@ -86,7 +86,8 @@ def _bench_fields() -> dict[str, Any]:
 
     return {"kind": str, "benchmark": str, "preset": str, "figures": str, "ranks": int, "device": str,
             "blocks": int, "blocks_measured": ListOf(int), "ruleset": str, "global_batch_size": int,
-            "projection": {"minutes": NUMBER}, "profile": {"split_ms": dict, "by_kind_ms": dict},
+            "projection": {"minutes": NUMBER}, "projection_none": str,
+            "profile": {"split_ms": dict, "by_kind_ms": dict},
             **{key: NUMBER for _, key in FIGURES + SOME_FIGURES}}  # fmt: skip
 
 
@@ -133,7 +134,8 @@ def write(folder: Path) -> tuple[Path, Path, dict[str, Any]]:
             f"{result['global_batch_size']}, the measured rate and eval time; a projection, not a result."
         ]
     else:
-        notes = ["No projection: a scaled-down preset, or no reference convergence points at this batch."]
+        why = result.get("projection_none") or "a scaled-down preset, or no reference convergence points at this batch"
+        notes = [f"No projection: {why}."]
     from trainbench.report.page import md_fence, md_text
 
     hardware = f"Hardware: {hardware_line(result)}"
@@ -265,7 +267,7 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
     """bench.json: the figures at the model's depth, measured or (``depths``) extrapolated from the truncated ones by
     a straight line of step time against blocks."""
     from trainbench.measure.bench import KIND
-    from trainbench.report.projection import project
+    from trainbench.report.projection import project, why_none
 
     last = raws[max(raws)]
     device = last["device"]  # as rank 0 saw it: a Slurm job's GPUs are not those where bench started
@@ -323,6 +325,7 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         else None  # fmt: skip
     result["ruleset"] = ruleset
     result["projection"] = dataclasses.asdict(projection) | {"minutes": projection.minutes} if projection else None
+    result["projection_none"] = None if projection else why_none(bench.name, gbs, ruleset, bench.scaled_down(cfg))
     return result
 
 
