@@ -490,7 +490,8 @@ def test_the_plan_counts_the_whole_gradients_and_gathered_weights_of_reducing_on
 def test_the_plan_counts_the_weights_kept_gathered_through_a_step_at_the_bytes_they_are_gathered_in():
     """distributed.keep_gathered holds every block's gathered weights through a step: the plan counts them at the
     gather's bytes (FP8: a quarter of the probe's fp32 weights; bf16: half), nothing more where
-    distributed.reduce_once_a_step counts them already, and names them in its memory line."""
+    distributed.reduce_once_a_step counts them already, and names them in its memory line; on 2 H200 the 8B in FP8
+    keeps the plan it has without them (nothing recomputed, 2 rows a micro-batch)."""
     from trainbench.families.planner import sharded
 
     each = evaluate(32, sharded(P8, 2), 0, 0, False)
@@ -504,7 +505,8 @@ def test_the_plan_counts_the_weights_kept_gathered_through_a_step_at_the_bytes_t
     two = dataclasses.replace(H200, gpus=2)
     bench, cfg = _llama_cfg(**{"distributed.nproc": "2", "distributed.keep_gathered": "true",
                                "model.precision": "fp8"})  # fmt: skip
-    keys, lines = bench.plan_layout(cfg, two, P8)
+    planned, lines = bench.plan_layout(cfg, two, P8)
     assert "weights kept gathered through a step (distributed.keep_gathered)" in lines[2], lines
+    assert planned.perf.recompute_blocks == 0 and planned.data.micro_batch_size == 2, lines  # the plan without it
     gathered = 32 * (P8.block_weight_bytes // 4) / 2**30
     assert f"weights kept gathered through a step (distributed.keep_gathered) {gathered:.1f} GiB" in lines[2], lines
