@@ -371,7 +371,7 @@ def _fsdp2_reduced_once_a_step() -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from trainbench.distributed import Placed, fsdp_reduce_once_a_step, reduce_once_a_step
+    from trainbench.distributed import fsdp_reduce_once_a_step, reduce_once_a_step
 
     torch.manual_seed(0)
     xs = [torch.randn(4, 8) for _ in range(4)]
@@ -396,11 +396,21 @@ def _fsdp2_reduced_once_a_step() -> None:
             assert all(isinstance(p, DTensor) != gathered for p in m.parameters()), (i, no_sync)
     for a, b in zip(each.parameters(), once.parameters(), strict=True):
         assert b.grad is not None and torch.allclose(a.grad.full_tensor(), b.grad.full_tensor(), rtol=1e-6, atol=1e-6)
-    placed = Placed(module=once, model=once)
-    reduce_once_a_step(placed)
-    assert placed.no_sync is not contextlib.nullcontext and "once a step" in placed.notes[0]
+    _applies_to_fsdp2_alone(reduce_once_a_step, once, "once a step")
+
+
+def _applies_to_fsdp2_alone(apply, sharded_model, says: str) -> None:
+    """``apply`` (a key's setting of Placed.no_sync) gives a model FSDP2 placed a no_sync of its own and says
+    ``says``; a model without FSDP2 keeps the null one, and the console says it has no FSDP2."""
+    import torch
+
+    from trainbench.distributed import Placed
+
+    placed = Placed(module=sharded_model, model=sharded_model)
+    apply(placed)
+    assert placed.no_sync is not contextlib.nullcontext and says in placed.notes[0]
     plain = Placed(module=torch.nn.Linear(2, 2), model=None)
-    reduce_once_a_step(plain)
+    apply(plain)
     assert plain.no_sync is contextlib.nullcontext and "no FSDP2" in plain.notes[0]
 
 
@@ -431,7 +441,6 @@ def _fsdp2_kept_gathered() -> None:
 
     from trainbench.distributed import (
         RESHARDED_AFTER_FORWARD,
-        Placed,
         fsdp_keep_gathered,
         fsdp_reduce_once_a_step,
         keep_gathered,
@@ -471,9 +480,4 @@ def _fsdp2_kept_gathered() -> None:
                 assert torch.equal(a.grad.full_tensor(), b.grad.full_tensor()), name
             else:
                 assert torch.allclose(a.grad.full_tensor(), b.grad.full_tensor(), rtol=1e-6, atol=1e-6), name
-    placed = Placed(module=kept, model=kept)
-    keep_gathered(placed)
-    assert placed.no_sync is not contextlib.nullcontext and "keeps the blocks' weights gathered" in placed.notes[0]
-    plain = Placed(module=torch.nn.Linear(2, 2), model=None)
-    keep_gathered(plain)
-    assert plain.no_sync is contextlib.nullcontext and "no FSDP2" in plain.notes[0]
+    _applies_to_fsdp2_alone(keep_gathered, kept, "keeps the blocks' weights gathered")

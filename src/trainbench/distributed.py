@@ -256,16 +256,23 @@ def reduce_once_a_step(placed: Placed) -> None:
     """``distributed.reduce_once_a_step``: ``placed``'s FSDP2 reduce-scatters once a step
     (:func:`fsdp_reduce_once_a_step`), said on the console; a layout without FSDP2 (tensor parallelism alone) has
     nothing to defer, and says so."""
+    _fsdp2_no_sync(placed, "distributed.reduce_once_a_step", "no reduce-scatter to defer",
+                   fsdp_reduce_once_a_step,
+                   "FSDP2 reduce-scatters the gradients once a step (distributed.reduce_once_a_step): the "
+                   "micro-batches before the last keep theirs whole and unreduced, their weights gathered")  # fmt: skip
+
+
+def _fsdp2_no_sync(placed: Placed, key: str, nothing: str, wrap: Callable[[torch.nn.Module], Callable],
+                   says: str) -> None:  # fmt: skip
+    """``placed.no_sync`` replaced by ``wrap(placed.module)`` where FSDP2 placed the model, ``says`` on the console;
+    a layout without FSDP2 keeps its own and says that ``key`` finds ``nothing`` there."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(placed.module, FSDPModule):
-        placed.notes.append("distributed.reduce_once_a_step: this layout has no FSDP2, so no reduce-scatter to defer")
+        placed.notes.append(f"{key}: this layout has no FSDP2, so {nothing}")
         return
-    placed.no_sync = fsdp_reduce_once_a_step(placed.module)
-    placed.notes.append(
-        "FSDP2 reduce-scatters the gradients once a step (distributed.reduce_once_a_step): the "
-        "micro-batches before the last keep theirs whole and unreduced, their weights gathered"
-    )
+    placed.no_sync = wrap(placed.module)
+    placed.notes.append(says)
 
 
 # The blocks FSDP2 was told to reshard after their forward (the placements' ``shard_blocks``): what
@@ -305,16 +312,12 @@ def keep_gathered(placed: Placed) -> None:
     """``distributed.keep_gathered``: ``placed``'s FSDP2 gathers each block's weights twice a step instead of twice a
     micro-batch (:func:`fsdp_keep_gathered`, over whatever ``placed.no_sync`` already did), said on the console; a
     layout without FSDP2 has nothing to keep, and says so."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(placed.module, FSDPModule):
-        placed.notes.append("distributed.keep_gathered: this layout has no FSDP2, so no gathers to save")
-        return
-    placed.no_sync = fsdp_keep_gathered(placed.module, placed.no_sync)
-    placed.notes.append(
-        "FSDP2 keeps the blocks' weights gathered through a step's micro-batches (distributed.keep_gathered): "
-        "two gathers of each a step, the first forward's and the last backward's"
-    )
+    before = placed.no_sync
+    _fsdp2_no_sync(placed, "distributed.keep_gathered", "no gathers to save",
+                   lambda root: fsdp_keep_gathered(root, before),
+                   "FSDP2 keeps the blocks' weights gathered through a step's micro-batches "
+                   "(distributed.keep_gathered): two gathers of each a step, the first forward's and the last "
+                   "backward's")  # fmt: skip
 
 
 @dataclass

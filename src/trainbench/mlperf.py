@@ -327,23 +327,9 @@ class ReferenceConvergence:
     where a reference point exists at this batch."""
 
 
-def reference_batches(benchmark: str, ruleset: str) -> list[int] | None:
-    """The global batches of the reference convergence points mlperf-logging ships for ``benchmark`` and ``ruleset``,
-    in order; None where it has no file for them (or is not installed)."""
-    from importlib import resources
-
-    try:
-        path = resources.files("mlperf_logging") / "rcp_checker" / f"training_{ruleset}" / f"rcps_{benchmark}.json"
-    except ModuleNotFoundError:
-        return None
-    if not path.is_file():
-        return None
-    return sorted({int(entry["BS"]) for entry in json.loads(path.read_text()).values()})
-
-
-def reference_convergence(benchmark: str, ruleset: str, global_batch_size: int) -> ReferenceConvergence | None:
-    """Samples to target at ``global_batch_size`` from the RCP file that mlperf-logging ships for ``benchmark`` and
-    ``ruleset``; None where it has no file, or the batch lies outside its reference batches."""
+def reference_means(benchmark: str, ruleset: str) -> dict[int, float] | None:
+    """The reference convergence points mlperf-logging ships for ``benchmark`` and ``ruleset``: each global batch's
+    mean samples to converge (the olympic mean of its runs); None where it has no file for them."""
     from importlib import resources
 
     path = resources.files("mlperf_logging") / "rcp_checker" / f"training_{ruleset}" / f"rcps_{benchmark}.json"
@@ -353,6 +339,16 @@ def reference_convergence(benchmark: str, ruleset: str, global_batch_size: int) 
     for entry in json.loads(path.read_text()).values():
         runs = sorted(entry.get("samples to converge") or entry["Epochs to converge"])  # both hold samples
         means[int(entry["BS"])] = sum(runs[1:-1]) / (len(runs) - 2)
+    return means
+
+
+def reference_convergence(benchmark: str, ruleset: str, global_batch_size: int) -> ReferenceConvergence | None:
+    """Samples to target at ``global_batch_size`` from the RCP file that mlperf-logging ships for ``benchmark`` and
+    ``ruleset`` (:func:`reference_means`); None where it has no file, or the batch lies outside its reference
+    batches."""
+    means = reference_means(benchmark, ruleset)
+    if means is None:
+        return None
     if global_batch_size in means:
         return ReferenceConvergence(global_batch_size, means[global_batch_size])
     below = [b for b in means if b < global_batch_size]

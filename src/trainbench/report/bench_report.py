@@ -134,7 +134,9 @@ def write(folder: Path) -> tuple[Path, Path, dict[str, Any]]:
             f"{result['global_batch_size']}, the measured rate and eval time; a projection, not a result."
         ]
     else:
-        why = result.get("projection_none") or "a scaled-down preset, or no reference convergence points at this batch"
+        from trainbench.report.projection import NONE_UNSAID
+
+        why = result.get("projection_none") or NONE_UNSAID
         notes = [f"No projection: {why}."]
     from trainbench.report.page import md_fence, md_text
 

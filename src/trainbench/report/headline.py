@@ -230,7 +230,9 @@ def for_bench(folder: Path, result: dict[str, Any]) -> Headline:
     samples = result.get("samples_per_s")
     lines = [("samples/s", f"{samples:,.2f}" if isinstance(samples, (int, float)) else "-")]
     projection = result.get("projection")
-    why = result.get("projection_none") or "a scaled-down preset, or no reference convergence points at this batch"
+    from trainbench.report.projection import NONE_UNSAID
+
+    why = result.get("projection_none") or NONE_UNSAID
     projected = (f"{projection['minutes']:,.1f} min (from the reference convergence points; a projection, not a "
                  "result)" if projection else f"none ({why})")  # fmt: skip
     lines.append(("projected time to train", projected))

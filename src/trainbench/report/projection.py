@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from trainbench.benchmarks import get_benchmark
-from trainbench.mlperf import reference_batches, reference_convergence
+from trainbench.mlperf import reference_convergence, reference_means
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,11 @@ def project(benchmark: str, global_batch_size: int, samples_per_s: float, eval_s
     )
 
 
+# What a report says of a measurement with no projection whose bench.json does not say why (written before
+# ``projection_none``)
+NONE_UNSAID = "a scaled-down preset, or no reference convergence points at this batch"
+
+
 def why_none(benchmark: str, global_batch_size: int, ruleset: str | None, scaled_down: bool) -> str:
     """Why :func:`project` gives no projection for this measurement, in a clause (the console, bench.json and the
     report say it where the projected time would be)."""
@@ -76,9 +81,9 @@ def why_none(benchmark: str, global_batch_size: int, ruleset: str | None, scaled
     if scaled_down:
         return "a scaled-down preset: the reference runs' samples to target are the full model's"
     ruleset = ruleset or bench.ruleset
-    batches = reference_batches(bench.mlperf_name, ruleset)
-    if not batches:
-        return (f"mlperf-logging has no reference convergence points of {bench.mlperf_name} for ruleset {ruleset} "
-                "(or is not installed)")  # fmt: skip
+    means = reference_means(bench.mlperf_name, ruleset)
+    if not means:
+        return f"mlperf-logging has no reference convergence points of {bench.mlperf_name} for ruleset {ruleset}"
+    batches = sorted(means)
     return (f"the reference convergence points of {bench.mlperf_name} (ruleset {ruleset}) span global batches "
             f"{batches[0]:,} to {batches[-1]:,}, and {global_batch_size:,} is outside them")  # fmt: skip
