@@ -78,8 +78,15 @@ def test_a_measurement_is_reported_and_compared_but_never_checked_or_packaged(tm
         result = json.loads((folder / "bench.json").read_text())
         (folder / "bench.json").write_text(json.dumps(result | {"system": result["system"] | {"gpu_ids": ids}}))
     assert run_cli("report", a, b, "--out", tmp_path / "two.html") == 0
-    said = "A and B ran on different GPUs (GPU-3afc4ea2, GPU-2dee2e30 against GPU-9c413394, GPU-0b1c2d3e)"
+    said = "A and B ran on different GPUs (GPU-3afc4ea2, GPU-2dee2e30 against GPU-9c413394, GPU-0b1c2d3e):"
     assert said in capsys.readouterr().out and said in (tmp_path / "two.html").read_text()
+    # Their GPUs linked differently (system.gpu_links): the sentence names that too.
+    for folder, links in ((a, "18 active NVLinks on each of 2 GPUs"), (b, "no active NVLink on its 2 GPUs (PCIe)")):
+        result = json.loads((folder / "bench.json").read_text())
+        (folder / "bench.json").write_text(json.dumps(result | {"system": result["system"] | {"gpu_links": links}}))
+    assert run_cli("report", a, b, "--out", tmp_path / "two.html") == 0
+    assert ("GPU-0b1c2d3e), linked differently (18 active NVLinks on each of 2 GPUs against no active NVLink on its 2 "
+            "GPUs (PCIe)): B/A includes") in capsys.readouterr().out  # fmt: skip
     for command in (("check", a), ("package", a, "--org", "o", "--system", "s", "--out", tmp_path / "pkg")):
         assert run_cli(*command) == 2
         assert "is a throughput measurement (trainbench bench), not a run" in capsys.readouterr().out

@@ -380,3 +380,37 @@ def test_the_machine_names_its_gpus_by_their_uuids_and_nothing_without_nvml(monk
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: import fails
     assert telemetry.gpus() == (0, "", "", "")
     assert "gpu_ids" not in telemetry.machine()
+
+
+def test_the_machine_says_how_its_gpus_are_linked_by_their_active_nvlinks(monkeypatch):
+    """system.gpu_links: two machines of one kind whose pairs of GPUs scale differently may differ in their links.
+    NVML refuses the NVLink query on a GPU without NVLink (counted as 0) and on links past a GPU's last."""
+    from trainbench import telemetry
+
+    def nvml(up_by_gpu: list[int], links: int = 18):
+        nv = fake_nvml(watts=(300.0,) * len(up_by_gpu))
+        nv.NVML_NVLINK_MAX_LINKS, nv.NVML_FEATURE_ENABLED = links, 1
+
+        def state(handle, link):
+            if up_by_gpu[handle] == 0 or link >= 18:
+                raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+            return 1 if link < up_by_gpu[handle] else 0
+
+        nv.nvmlDeviceGetNvLinkState = state
+        monkeypatch.setitem(sys.modules, "pynvml", nv)
+        return nv
+
+    nv = nvml([18, 18, 18, 18], links=20)
+    assert telemetry.gpu_links() == "18 active NVLinks on each of 4 GPUs" and nv.calls == ["init", "shutdown"]
+    assert telemetry.machine()["gpu_links"] == "18 active NVLinks on each of 4 GPUs"
+    nvml([0, 0])
+    assert telemetry.gpu_links() == "no active NVLink on its 2 GPUs (PCIe between GPUs)"
+    nvml([18, 12])  # a link down on the second GPU
+    assert telemetry.gpu_links() == "active NVLinks by GPU: 18, 12"
+    nvml([18])  # one GPU: nothing to link
+    assert telemetry.gpu_links() is None and "gpu_links" not in telemetry.machine()
+    nv = nvml([18, 18])
+    del nv.nvmlDeviceGetNvLinkState  # an NVML that cannot be asked
+    assert telemetry.gpu_links() is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert telemetry.gpu_links() is None

@@ -170,7 +170,8 @@ class DistributedConfig:
         "through a step's micro-batches before the last, so that a step gathers them twice (the first forward, the "
         "last backward) instead of twice a micro-batch; the gradients are still reduce-scattered each micro-batch "
         "(with distributed.reduce_once_a_step, once). Costs every block's gathered weights on every GPU (a byte a "
-        "parameter gathered in FP8, two in bf16). Off by default: not yet run or measured on 2 GPUs (docs/llm.md)."
+        "parameter gathered in FP8, two in bf16). Off by default: on 2 H200 it measured slower (the 8B -3.2 %, its "
+        "memory costing the plan a row a micro-batch; flux1 no gain; docs/llm.md)."
     )  # fmt: skip
     grad_reduce_dtype: str = option(
         "fp32",

@@ -500,6 +500,43 @@ def gpus() -> tuple[int, str, str, str]:
         return 0, "", "", ""
 
 
+def active_nvlinks(nv, handle) -> int | None:
+    """How many of a GPU's NVLinks are up, through NVML (the ``pynvml`` module ``nv``, initialised): 0 for a GPU with
+    none (PCIe alone; NVML refuses the query), None where this NVML cannot be asked."""
+    state = getattr(nv, "nvmlDeviceGetNvLinkState", None)
+    if state is None:
+        return None
+    up = 0
+    for link in range(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18)):
+        if _try(state, handle, link) == getattr(nv, "NVML_FEATURE_ENABLED", 1):
+            up += 1
+    return up
+
+
+def gpu_links() -> str | None:
+    """How this host's GPUs reach each other, by their active NVLinks (``18 active NVLinks on each of 2 GPUs``, or
+    ``no active NVLink (PCIe between GPUs)``): two machines of one kind whose pairs scale differently may differ here.
+    None with fewer than 2 GPUs or without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            counts = [active_nvlinks(pynvml, pynvml.nvmlDeviceGetHandleByIndex(i))
+                      for i in range(pynvml.nvmlDeviceGetCount())]  # fmt: skip
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+    if len(counts) < 2 or None in counts:
+        return None
+    if len(set(counts)) > 1:
+        return f"active NVLinks by GPU: {', '.join(str(c) for c in counts)}"
+    if counts[0] == 0:
+        return f"no active NVLink on its {len(counts)} GPUs (PCIe between GPUs)"
+    return f"{counts[0]} active NVLinks on each of {len(counts)} GPUs"
+
+
 def driver_version() -> str:
     try:
         import pynvml
@@ -513,8 +550,8 @@ def driver_version() -> str:
 
 
 def machine() -> dict[str, str]:
-    """What a run ran on, for its outcome file and the report: CPU, memory, GPUs and driver, torch, Python, and the
-    trainbench that ran it."""
+    """What a run ran on, for its outcome file and the report: CPU, memory, GPUs (their ids and links) and driver,
+    torch, Python, and the trainbench that ran it."""
     import torch
 
     from trainbench.version import provenance
@@ -526,6 +563,7 @@ def machine() -> dict[str, str]:
         "memory": memory_gb(),
         "gpus": f"{count} x {gpu} ({gpu_memory})" if count else "none",
         **({"gpu_ids": ids} if ids else {}),  # which GPUs: machines of one name differ
+        **({"gpu_links": links} if (links := gpu_links()) else {}),  # and how they reach each other
         "driver": driver_version() or "-",
         "torch": torch.__version__,
         "python": platform.python_version(),

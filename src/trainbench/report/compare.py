@@ -91,15 +91,18 @@ def machine_of(folder: Path) -> dict[str, str]:
 
 def other_gpus(machine_a: dict[str, str], machine_b: dict[str, str]) -> str | None:
     """One sentence where two folders' machines (:func:`machine_of`) recorded different GPUs (their UUIDs:
-    ``system.gpu_ids``), whose ratio then holds the machines' own difference as well (two machines of 2 H200 ran one
-    flux1 measurement 15 % apart, docs/notes/node.md); None where they ran on the same GPUs or either did not record
-    them."""
+    ``system.gpu_ids``; their links, ``system.gpu_links``, named too where both recorded them and they differ), whose
+    ratio then holds the machines' own difference as well (two machines of 2 H200 ran one flux1 measurement 15 %
+    apart, docs/notes/node.md); None where they ran on the same GPUs or either did not record them."""
     ids = [machine_a.get("gpu_ids"), machine_b.get("gpu_ids")]
     if None in ids or ids[0] == ids[1]:
         return None
+    links = [machine_a.get("gpu_links"), machine_b.get("gpu_links")]
+    differ = None not in links and links[0] != links[1]
+    linked = f", linked differently ({links[0]} against {links[1]})" if differ else ""
     return (
-        f"A and B ran on different GPUs ({ids[0]} against {ids[1]}): B/A includes the difference between the "
-        "machines, which can be as large as what is compared; measure both on one machine for a ratio of the code"
+        f"A and B ran on different GPUs ({ids[0]} against {ids[1]}){linked}: B/A includes the difference between "
+        "the machines, which can be as large as what is compared; measure both on one machine for a ratio of the code"
     )
 
 
