@@ -7,6 +7,7 @@ CUDA device is visible."""
 import dataclasses
 import gc
 import json
+import time
 
 import pytest
 import torch
@@ -61,6 +62,23 @@ def test_the_layout_probe_measures_a_compiled_block_of_the_8b_model(precision):
     assert data["optimizer_bytes_per_block"] > 0 and data["other_optimizer_bytes"] > 0, data
     # the clock its timed steps ran at, where NVML sampled one (steps this short may fall between two samples)
     assert "sm_clock_mhz" in data and (data["sm_clock_mhz"] is None or 100 < data["sm_clock_mhz"] < 5000), data
+
+
+def test_the_probe_runs_steps_for_the_seconds_asked_before_it_times_its_blocks_on_cuda():
+    """perf.probe_sustained_s: the probe of a small 8B-shaped model runs its steps for that long before it times two
+    (to time its blocks at the clock the power cap holds through a run); its figures say so, and they are real."""
+    from trainbench.measure import probe
+    from trainbench.resolve import build_config
+
+    bench, cfg = build_config("llama31_8b", "llama31-8b", [], {
+        "device": "cuda", "perf.plan": "auto", "perf.probe_sustained_s": "5", "model.hidden_size": "1024",
+        "model.num_heads": "8", "model.num_kv_heads": "2", "model.intermediate_size": "3584",
+        "data.seq_length": "2048"})  # fmt: skip
+    t = time.perf_counter()
+    data = probe.measure(bench.probe_config(cfg), bench)
+    assert time.perf_counter() - t > 5 and data["sustained_s"] == 5 and data["sustained_steps"] > 5, data
+    assert 0 < data["forward_s"] < 1 and 0 < data["backward_s"] < 1, data
+    assert data["sm_clock_mhz"] is None or 100 < data["sm_clock_mhz"] < 5000, data  # 5 s: sampled at 20 Hz
 
 
 @pytest.mark.alone  # (the host link's rates)

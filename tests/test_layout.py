@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
+import torch
 from conftest import run_cli
 
 from trainbench.errors import ConfigError, UserError
@@ -376,9 +378,49 @@ def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path,
     probe.save(bench.probe_config(cfg), data | {"sm_clock_mhz": 1755.0, "power_w": 698.2})
     _, lines = planned(bench, cfg, print, here=False)
     assert "backward 12.4 ms (at 1,755 MHz, 698 W); host link" in lines[-1], lines[-1]
+    # perf.probe_sustained_s: another probe, cached apart (none of it yet); its line says how long it ran first
+    sustained = _llama_cfg(**{"distributed.nproc": "2", "perf.probe_sustained_s": "20"})[1]
+    assert probe.probe_key(sustained) != probe.probe_key(cfg) == probe.probe_key(_llama_cfg(**{
+        "distributed.nproc": "2", "perf.probe_sustained_s": "0"})[1])  # fmt: skip
+    with pytest.raises(UserError, match="none is cached for llama31_8b/llama31-8b"):
+        planned(bench, sustained, print, here=False)
+    probe.save(bench.probe_config(sustained), data | {"sm_clock_mhz": 1500.0, "power_w": 690.0, "sustained_s": 20.0,
+                                                      "sustained_steps": 311})  # fmt: skip
+    _, lines = planned(bench, sustained, print, here=False)
+    assert "backward 12.4 ms (at 1,500 MHz, 690 W, after 20 s of steps); host link" in lines[-1], lines[-1]
     monkeypatch.setattr(probe, "PROBE_FORMAT", 2)  # another format's key: this cache is not found
     with pytest.raises(UserError, match="none is cached for llama31_8b/llama31-8b"):
         planned(bench, cfg, print, here=False)
+
+
+def test_the_probe_times_its_two_steps_after_the_seconds_of_steps_asked_for(monkeypatch):
+    """measure/probe._timed_steps with perf.probe_sustained_s: two steps (compile, settle), steps until the seconds
+    asked for have passed (the GPU held at the clock its power cap allows, as through a run), then the two it times;
+    with none, four in all, as before the key. The CUDA calls are stood in for: what is tested is the count and the
+    order of the steps, and that the times kept are the timed steps' own."""
+    from trainbench.measure import probe
+
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    ran = []
+
+    class Marks:
+        def seconds(self, a: str, b: str) -> float:
+            return float(ran[-1])  # the step's own index: which step's times were kept
+
+    def step(i: int) -> None:
+        ran.append(i)
+        time.sleep(0.02)
+
+    quick = probe._timed_steps(step, torch.device("cpu"), Marks())
+    assert ran == [0, 1, 2, 3] and quick["steps"] == 4 and quick["forward_s"] in (2.0, 3.0)
+    ran.clear()
+    t = time.perf_counter()
+    held = probe._timed_steps(step, torch.device("cpu"), Marks(), sustained_s=0.3)
+    assert time.perf_counter() - t >= 0.3 + 4 * 0.02 and ran == list(range(held["steps"]))
+    assert held["steps"] >= 4 + 0.3 / 0.04 and held["forward_s"] in (held["steps"] - 2.0, held["steps"] - 1.0)
 
 
 def test_the_probe_reports_the_clock_and_power_of_the_gpu_its_steps_kept_busy():

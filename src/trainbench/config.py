@@ -232,6 +232,15 @@ class PerfConfig:
         "keys given by hand are kept, docs/lora.md, docs/llm.md).",
         choices=("manual", "auto"),
     )
+    probe_sustained_s: float = option(
+        0.0,
+        "perf.plan=auto: seconds of training steps the probe runs before it times its blocks, so that it times them "
+        "at the clock the GPU's power cap holds through a run (a probe of a few steps times them at the boost clock: "
+        "on 2 H200 the 8B's and the LoRA's plans then predicted 6-7 % faster than they ran). 0: timed within its "
+        "first four steps. Not yet verified on a GPU (docs/lora.md, 'Layout chosen by the tool').",
+        at_least=0,
+        at_most=600,
+    )
     gpu_memory_gib: float | None = option(
         None,
         "Use at most this much of each GPU, as if it had this much memory in all (CUDA): the allocator refuses beyond "
@@ -632,4 +641,6 @@ def keys_without_effect(cfg: RunConfig) -> dict[str, str]:
         out["perf.optimizer_kernel"] = "the CPU takes torch's AdamW update for every parameter (device=cpu)"
     if not cfg.perf.activation_checkpointing:
         out["perf.offload_recomputed_inputs"] = "no block is recomputed (perf.activation_checkpointing=false)"
+    if cfg.perf.plan != "auto":
+        out["perf.probe_sustained_s"] = "only perf.plan=auto probes the GPU (perf.plan=manual)"
     return out

@@ -122,9 +122,12 @@ def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[R
 
 def _clock(data: dict) -> str:
     """The SM clock and power the probe's timed steps ran at, where sampled: a step of the whole model may run at a
-    lower clock (a power cap), and then slower than planned."""
+    lower clock (a power cap), and then slower than planned; and the seconds of steps run before them, where set."""
     mhz, watts = data.get("sm_clock_mhz"), data.get("power_w")
-    return f" (at {mhz:,.0f} MHz, {watts:.0f} W)" if mhz and watts else ""
+    said = [f"at {mhz:,.0f} MHz, {watts:.0f} W"] if mhz and watts else []
+    if data.get("sustained_s"):  # perf.probe_sustained_s
+        said.append(f"after {data['sustained_s']:g} s of steps")
+    return f" ({', '.join(said)})" if said else ""
 
 
 def _busy(data: dict) -> str:

@@ -32,7 +32,8 @@ def cache_dir() -> Path:
 
 def probe_key(cfg) -> str:
     """What the probe's figures depend on: the model's shape and precision, the sequence, the micro-batch, compile,
-    and the software (torch, trainbench); the GPU model is added where the probe runs."""
+    the software (torch, trainbench) and, where set, the seconds of steps before it times them
+    (``perf.probe_sustained_s``); the GPU model is added where the probe runs."""
     import trainbench
 
     m = dataclasses.asdict(cfg.model)
@@ -41,6 +42,8 @@ def probe_key(cfg) -> str:
     shape = {"format": PROBE_FORMAT, "benchmark": cfg.benchmark, "model": m, "seq": cfg.data.seq_length,
              "micro": cfg.data.micro_batch_size, "compile": cfg.perf.compile, "torch": torch.__version__,
              "trainbench": trainbench.__version__}  # fmt: skip
+    if cfg.perf.probe_sustained_s:  # (a probe timed after steps of a while is another probe; none: the keys as before)
+        shape["sustained_s"] = cfg.perf.probe_sustained_s
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -220,27 +223,35 @@ def _stepper(run, bench, pcfg, info):
     return step
 
 
-def _timed_steps(step, device: torch.device, marks: _BlockMarks) -> dict[str, Any]:
-    """Four steps (compile, settle, two measured); the faster measured one's times and memory, and the SM clock and
-    power the steps ran at (:func:`busiest_gpu`)."""
+def _timed_steps(step, device: torch.device, marks: _BlockMarks, sustained_s: float = 0.0) -> dict[str, Any]:
+    """Two steps (compile, settle), then steps for ``sustained_s`` seconds (``perf.probe_sustained_s``: the GPU
+    brought to the clock its power cap holds through a run), then two measured; the faster measured one's times and
+    memory, the SM clock and power the steps ran at (:func:`busiest_gpu`), and the steps run in all."""
     from trainbench.telemetry import measured_window
 
-    times = []
+    times, i = [], 0
     with measured_window(rate_hz=20.0) as seen:
-        for i in range(4):
+        for _ in range(2):
+            step(i)
+            i += 1
+        until = time.perf_counter() + sustained_s
+        while time.perf_counter() < until:
+            step(i)
+            i += 1
+            torch.cuda.synchronize(device)  # (each step ends before the next: the queue never runs ahead of the clock)
+        for _ in range(2):
             torch.cuda.synchronize(device)
-            if i >= 2:
-                torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
             t = time.perf_counter()
             step(i)
+            i += 1
             torch.cuda.synchronize(device)
-            if i >= 2:
-                times.append({"step_s": time.perf_counter() - t,
-                              "forward_s": marks.seconds("forward_start", "forward_end"),
-                              "backward_s": marks.seconds("backward_start", "backward_end"),
-                              "peak": torch.cuda.max_memory_allocated(device) - base, "base": base})  # fmt: skip
-    return min(times, key=lambda x: x["step_s"]) | busiest_gpu(seen)
+            times.append({"step_s": time.perf_counter() - t,
+                          "forward_s": marks.seconds("forward_start", "forward_end"),
+                          "backward_s": marks.seconds("backward_start", "backward_end"),
+                          "peak": torch.cuda.max_memory_allocated(device) - base, "base": base})  # fmt: skip
+    return min(times, key=lambda x: x["step_s"]) | busiest_gpu(seen) | {"steps": i}
 
 
 def measure(cfg, bench) -> dict[str, Any]:
@@ -262,10 +273,10 @@ def measure(cfg, bench) -> dict[str, Any]:
     marks = _BlockMarks(block, device)
     step = _stepper(run, bench, pcfg, info)
     try:
-        last = _timed_steps(step, device, marks)
+        last = _timed_steps(step, device, marks, sustained := float(cfg.perf.probe_sustained_s))
     finally:
         marks.remove()
-    to_host_busy, to_gpu_busy = busy_link_rates(lambda: step(4), last["step_s"], to_host, to_gpu)
+    to_host_busy, to_gpu_busy = busy_link_rates(lambda: step(last["steps"]), last["step_s"], to_host, to_gpu)
     block_optimizer, other_optimizer = _optimizer_bytes(run, block, last["base"] - weights)
     return {
         "gpu_name": torch.cuda.get_device_name(device),
@@ -291,6 +302,7 @@ def measure(cfg, bench) -> dict[str, Any]:
         "micro_batch": cfg.data.micro_batch_size,
         "torch": torch.__version__,
         **{key: last[key] for key in ("sm_clock_mhz", "power_w")},
+        **({"sustained_s": sustained, "sustained_steps": last["steps"] - 4} if sustained else {}),
     }
 
 
