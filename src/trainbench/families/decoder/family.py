@@ -171,10 +171,26 @@ class DecoderFamily(ModelFamily):
         # distributed.keep_gathered: the blocks' weights as gathered (FP8 a byte, bf16 two: a GPU's plan is bf16)
         gather_bytes = (1 if cfg.model.precision == "fp8" else 2) if cfg.distributed.keep_gathered else 0
 
-        def shards(p, rows: int):
-            return sharded(p, resources.gpus, once, reduce_bytes, per_rank // rows, gather_bytes)
+        def planned(gathered: int):
+            """(rows a micro-batch, the fastest plan at them or None, the smallest plan) with the blocks' weights
+            kept gathered at ``gathered`` bytes a parameter (0: not kept)."""
 
-        fastest, smallest = best(layers, shards(probe, cfg.data.micro_batch_size), resources, fixed)
+            def shards(p, rows: int):
+                return sharded(p, resources.gpus, once, reduce_bytes, per_rank // rows, gathered)
+
+            fastest, smallest = best(layers, shards(probe, cfg.data.micro_batch_size), resources, fixed)
+            rows, probed = cfg.data.micro_batch_size, cfg.data.micro_batch_size
+            if fastest is not None and rows == preset.data.micro_batch_size:
+                for more in range(PLANNED_ROWS, rows, -1):
+                    if more % probed or per_rank % more:
+                        continue
+                    plan, _ = best(layers, shards(with_rows(probe, more // probed), more), resources, fixed)
+                    if plan is not None and plan.recompute <= fastest.recompute and plan.offload <= fastest.offload:
+                        return more, plan, smallest
+            return rows, fastest, smallest
+
+        rows, fastest, smallest = planned(gather_bytes)
+        probed = cfg.data.micro_batch_size
         if fastest is None:
             need, held = smallest.gpu_bytes / (1 - MARGIN), smallest.account
             raise ConfigError(
@@ -183,15 +199,6 @@ class DecoderFamily(ModelFamily):
                 f"and optimizer state {gib(held['gradients and optimizer state'])}); use more GPUs (--nproc N) or "
                 "larger ones"
             )
-        rows, probed = cfg.data.micro_batch_size, cfg.data.micro_batch_size
-        if rows == preset.data.micro_batch_size:
-            for more in range(PLANNED_ROWS, rows, -1):
-                if more % probed or per_rank % more:
-                    continue
-                plan, _ = best(layers, shards(with_rows(probe, more // probed), more), resources, fixed)
-                if plan is not None and plan.recompute <= fastest.recompute and plan.offload <= fastest.offload:
-                    rows, fastest = more, plan
-                    break
         keys = fastest.keys() | ({"data.micro_batch_size": rows} if rows != cfg.data.micro_batch_size else {})
         lines = describe(fastest, layers, resources, given, rows * cfg.data.seq_length)
         lines[0] += f"; micro-batches of {rows} row{'s' if rows > 1 else ''}"
@@ -207,7 +214,24 @@ class DecoderFamily(ModelFamily):
                          "are not counted")  # fmt: skip
         else:
             lines[0] += "; the whole model on the GPU"
+        if gather_bytes:
+            lines += self._kept_gathered_cost(planned(0), rows, fastest, rows * cfg.data.seq_length)
         return keys, lines
+
+    @staticmethod
+    def _kept_gathered_cost(without, rows: int, plan, tokens: int) -> list[str]:
+        """A line where distributed.keep_gathered's memory cost the plan rows a micro-batch or blocks recomputed,
+        with what the plan without it predicts: on 2 H200 it cost the 8B its second row and measured 3.2 % slower
+        (docs/llm.md)."""
+        rows_without, plan_without, _ = without
+        if plan_without is None or (rows_without <= rows and plan_without.recompute >= plan.recompute):
+            return []
+        rate_without = rows_without * tokens / rows / plan_without.seconds  # (``tokens``: this plan's micro-batch)
+        return [f"  distributed.keep_gathered: with the weights kept gathered the plan holds {rows} row"
+                f"{'s' if rows > 1 else ''} a micro-batch and {plan.recompute} blocks recomputed; without the key "
+                f"{rows_without} and {plan_without.recompute}, predicted {rate_without:,.0f} "
+                f"tokens/s a GPU against this plan's {tokens / plan.seconds:,.0f} (on 2 H200 the key "
+                "measured 3.2 % slower so: docs/llm.md)"]  # fmt: skip
 
 
 class GptOssFamily(DecoderFamily):
