@@ -193,8 +193,9 @@ def test_a_cached_probe_plans_a_job_and_none_is_one_sentence_before_any_folder(t
 
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
     bench, cfg = _lora_cfg()
-    with pytest.raises(UserError, match="none is cached for llama2_70b_lora/llama2-70b"):
+    with pytest.raises(UserError, match="none is cached for llama2_70b_lora/llama2-70b") as refused:
         planned(bench, cfg, print, here=False)
+    assert "run `trainbench bench llama2_70b_lora --preset llama2-70b --steps 1 --warmup 0` once" in str(refused.value)
     data = {f.name: getattr(P70, f.name) for f in dataclasses.fields(P70)}
     data |= {"gpu_name": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "gpu_free_bytes": H100.gpu_bytes,
              "gpu_total_bytes": 80 * GIB, "host_available_bytes": 120 * GIB}  # fmt: skip
@@ -382,8 +383,11 @@ def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path,
     sustained = _llama_cfg(**{"distributed.nproc": "2", "perf.probe_sustained_s": "20"})[1]
     assert probe.probe_key(sustained) != probe.probe_key(cfg) == probe.probe_key(_llama_cfg(**{
         "distributed.nproc": "2", "perf.probe_sustained_s": "0"})[1])  # fmt: skip
-    with pytest.raises(UserError, match="none is cached for llama31_8b/llama31-8b"):
+    with pytest.raises(UserError, match="none is cached for llama31_8b/llama31-8b") as refused:
         planned(bench, sustained, print, here=False)
+    # the command that caches it is given what shapes the probe: the plan (by hand in the preset), the precision, N
+    assert ("run `trainbench bench llama31_8b --preset llama31-8b perf.plan=auto model.precision=fp8 "
+            "perf.probe_sustained_s=20.0 --steps 1 --warmup 0` once") in str(refused.value), refused.value
     probe.save(bench.probe_config(sustained), data | {"sm_clock_mhz": 1500.0, "power_w": 690.0, "sustained_s": 20.0,
                                                       "sustained_steps": 311})  # fmt: skip
     _, lines = planned(bench, sustained, print, here=False)

@@ -18,20 +18,22 @@ from trainbench.families.planner import GIB, BlockProbe, Resources, host_availab
 from trainbench.launch.local import run_to_end
 
 
-def probe(bench: Benchmark, cfg: RunConfig, here: bool, say) -> dict:
+def probe(bench: Benchmark, cfg: RunConfig, here: bool, say, run_cfg: RunConfig | None = None) -> dict:
     """This shape's probe: cached, else (``here``: this machine has the GPU the run uses) measured now in a process
-    of its own and cached."""
+    of its own and cached. ``run_cfg``: the run's config, whose keys that shape the probe the command that would
+    cache it is given."""
     from trainbench.measure import probe as probing
 
     found = probing.cached(cfg)
     if found is not None:
         return found
     if not here:
+        keys = "".join(f" {k}" for k in probing.shape_keys(run_cfg or cfg, bench.config(cfg.preset)))
         raise UserError(f"perf.plan=auto plans from a probe of the GPU the job runs on, and none is cached for "
                         f"{bench.name}/{cfg.preset} at this shape and software version: run `trainbench bench "
-                        f"{bench.name} --preset {cfg.preset} --steps 1 --warmup 0` once on one of the system's nodes "
-                        f"(it probes and caches in {probing.cache_dir()}), or set perf.plan=manual with the layout "
-                        f"keys")  # fmt: skip
+                        f"{bench.name} --preset {cfg.preset}{keys} --steps 1 --warmup 0` once on one of the "
+                        f"system's nodes (it probes and caches in {probing.cache_dir()}), or set perf.plan=manual "
+                        f"with the layout keys")  # fmt: skip
     say(f"probing {probing.PROBE_BLOCKS} blocks of {bench.name}/{cfg.preset} on this GPU for perf.plan=auto "
         f"(once per GPU model and software version; cached in {probing.cache_dir()})")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,7 +111,7 @@ def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[R
                           "set perf.plan=manual")  # fmt: skip
     if (resolve_device(cfg.device) if here else cfg.device) == "cpu":
         return cfg, [f"perf.plan=auto: no GPU here, nothing to plan ({bench.name}'s layout keys as given)"]
-    data = shared_link(bench, cfg, probe(bench, bench.probe_config(cfg), here, say), here, say)
+    data = shared_link(bench, cfg, probe(bench, bench.probe_config(cfg), here, say, cfg), here, say)
     ranks = cfg.distributed.nproc
     p = block_probe(data, ranks)
     planned_cfg, lines = bench.plan_layout(cfg, resources(cfg, data, here), p)

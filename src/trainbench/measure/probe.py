@@ -47,6 +47,25 @@ def probe_key(cfg) -> str:
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def shape_keys(cfg, preset) -> list[str]:
+    """``key=value`` for each key that :func:`probe_key` holds and ``cfg`` sets away from its ``preset`` (and
+    ``perf.plan=auto`` where the preset plans by hand): what a ``trainbench bench`` must be given to probe and cache
+    what a run of ``cfg`` looks for."""
+
+    def said(value) -> str:
+        if isinstance(value, bool):
+            return str(value).lower()
+        return ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+
+    pairs = [(f"model.{f.name}", getattr(cfg.model, f.name), getattr(preset.model, f.name))
+             for f in dataclasses.fields(cfg.model) if f.name not in ("num_layers", "base_weights")]  # fmt: skip
+    pairs += [(f"{section}.{name}", getattr(getattr(cfg, section), name), getattr(getattr(preset, section), name))
+              for section, name in (("data", "seq_length"), ("data", "micro_batch_size"), ("perf", "compile"),
+                                    ("perf", "probe_sustained_s"))]  # fmt: skip
+    plan = [] if preset.perf.plan == "auto" else ["perf.plan=auto"]
+    return plan + [f"{key}={said(value)}" for key, value, default in pairs if value != default]
+
+
 def cached(cfg, gpu_name: str | None = None) -> dict[str, Any] | None:
     """The newest cached probe of this shape (on ``gpu_name`` where given)."""
     found = []
