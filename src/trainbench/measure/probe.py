@@ -251,6 +251,7 @@ def _timed_steps(step, device: torch.device, marks: _BlockMarks, sustained_s: fl
     times, i = [], 0
     with measured_window(rate_hz=20.0) as seen:
         for _ in range(2):
+            torch.cuda.synchronize(device)
             step(i)
             i += 1
         until = time.perf_counter() + sustained_s
