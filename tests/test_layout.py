@@ -386,8 +386,10 @@ def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path,
     with pytest.raises(UserError, match="none is cached for llama31_8b/llama31-8b") as refused:
         planned(bench, sustained, print, here=False)
     # the command that caches it is given what shapes the probe: the plan (by hand in the preset), the precision, N
-    assert ("run `trainbench bench llama31_8b --preset llama31-8b perf.plan=auto model.precision=fp8 "
-            "perf.probe_sustained_s=20.0 --steps 1 --warmup 0` once") in str(refused.value), refused.value
+    assert (
+        "run `trainbench bench llama31_8b --preset llama31-8b perf.plan=auto model.precision=fp8 "
+        "perf.probe_sustained_s=20.0 --steps 1 --warmup 0` once"
+    ) in str(refused.value), refused.value
     probe.save(bench.probe_config(sustained), data | {"sm_clock_mhz": 1500.0, "power_w": 690.0, "sustained_s": 20.0,
                                                       "sustained_steps": 311})  # fmt: skip
     _, lines = planned(bench, sustained, print, here=False)
