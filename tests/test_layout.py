@@ -426,7 +426,7 @@ def test_the_probe_times_its_two_steps_after_the_seconds_of_steps_asked_for(monk
     t = time.perf_counter()
     held = probe._timed_steps(step, torch.device("cpu"), Marks(), sustained_s=0.3)
     assert time.perf_counter() - t >= 0.3 + 4 * 0.02 and ran == list(range(held["steps"]))
-    assert held["steps"] >= 4 + 0.3 / 0.04 and held["forward_s"] in (held["steps"] - 2.0, held["steps"] - 1.0)
+    assert held["steps"] >= 4 + 3 and held["forward_s"] in (held["steps"] - 2.0, held["steps"] - 1.0)
 
 
 def test_the_probe_reports_the_clock_and_power_of_the_gpu_its_steps_kept_busy():
