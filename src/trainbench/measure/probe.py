@@ -23,6 +23,13 @@ PROBE_BLOCKS = 2  # block 1 is measured: its input comes from block 0, so it req
 PROBE_FORMAT = 3
 
 
+# What a probe's figures depend on beyond the software (:func:`probe_key`), and so what a command must be given to
+# cache the probe a run looks for (:func:`shape_keys`): the model's keys but these, and these of the other sections
+# (by their names in the key), with perf.probe_sustained_s where set.
+MODEL_NOT_SHAPING = ("num_layers", "base_weights")
+SHAPING = {"seq": ("data", "seq_length"), "micro": ("data", "micro_batch_size"), "compile": ("perf", "compile")}
+
+
 def cache_dir() -> Path:
     root = os.environ.get("TRAINBENCH_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "trainbench"
@@ -36,12 +43,10 @@ def probe_key(cfg) -> str:
     (``perf.probe_sustained_s``); the GPU model is added where the probe runs."""
     import trainbench
 
-    m = dataclasses.asdict(cfg.model)
-    m.pop("num_layers", None)
-    m.pop("base_weights", None)
-    shape = {"format": PROBE_FORMAT, "benchmark": cfg.benchmark, "model": m, "seq": cfg.data.seq_length,
-             "micro": cfg.data.micro_batch_size, "compile": cfg.perf.compile, "torch": torch.__version__,
+    m = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in MODEL_NOT_SHAPING}
+    shape = {"format": PROBE_FORMAT, "benchmark": cfg.benchmark, "model": m, "torch": torch.__version__,
              "trainbench": trainbench.__version__}  # fmt: skip
+    shape |= {name: getattr(getattr(cfg, section), key) for name, (section, key) in SHAPING.items()}
     if cfg.perf.probe_sustained_s:  # (a probe timed after steps of a while is another probe; none: the keys as before)
         shape["sustained_s"] = cfg.perf.probe_sustained_s
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -58,10 +63,9 @@ def shape_keys(cfg, preset) -> list[str]:
         return ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
 
     pairs = [(f"model.{f.name}", getattr(cfg.model, f.name), getattr(preset.model, f.name))
-             for f in dataclasses.fields(cfg.model) if f.name not in ("num_layers", "base_weights")]  # fmt: skip
-    pairs += [(f"{section}.{name}", getattr(getattr(cfg, section), name), getattr(getattr(preset, section), name))
-              for section, name in (("data", "seq_length"), ("data", "micro_batch_size"), ("perf", "compile"),
-                                    ("perf", "probe_sustained_s"))]  # fmt: skip
+             for f in dataclasses.fields(cfg.model) if f.name not in MODEL_NOT_SHAPING]  # fmt: skip
+    pairs += [(f"{section}.{key}", getattr(getattr(cfg, section), key), getattr(getattr(preset, section), key))
+              for section, key in [*SHAPING.values(), ("perf", "probe_sustained_s")]]  # fmt: skip
     plan = [] if preset.perf.plan == "auto" else ["perf.plan=auto"]
     return plan + [f"{key}={said(value)}" for key, value, default in pairs if value != default]
 

@@ -179,7 +179,7 @@ class DecoderFamily(ModelFamily):
                 return sharded(p, resources.gpus, once, reduce_bytes, per_rank // rows, gathered)
 
             fastest, smallest = best(layers, shards(probe, cfg.data.micro_batch_size), resources, fixed)
-            rows, probed = cfg.data.micro_batch_size, cfg.data.micro_batch_size
+            rows = probed = cfg.data.micro_batch_size
             if fastest is not None and rows == preset.data.micro_batch_size:
                 for more in range(PLANNED_ROWS, rows, -1):
                     if more % probed or per_rank % more:
@@ -215,22 +215,22 @@ class DecoderFamily(ModelFamily):
         else:
             lines[0] += "; the whole model on the GPU"
         if gather_bytes:
-            lines += self._kept_gathered_cost(planned(0), rows, fastest, rows * cfg.data.seq_length)
+            lines += self._kept_gathered_cost(planned(0), rows, fastest, cfg.data.seq_length)
         return keys, lines
 
     @staticmethod
-    def _kept_gathered_cost(without, rows: int, plan, tokens: int) -> list[str]:
+    def _kept_gathered_cost(without, rows: int, plan, seq: int) -> list[str]:
         """A line where distributed.keep_gathered's memory cost the plan rows a micro-batch or blocks recomputed,
         with what the plan without it predicts: on 2 H200 it cost the 8B its second row and measured 3.2 % slower
         (docs/llm.md)."""
         rows_without, plan_without, _ = without
         if plan_without is None or (rows_without <= rows and plan_without.recompute >= plan.recompute):
             return []
-        rate_without = rows_without * tokens / rows / plan_without.seconds  # (``tokens``: this plan's micro-batch)
         return [f"  distributed.keep_gathered: with the weights kept gathered the plan holds {rows} row"
                 f"{'s' if rows > 1 else ''} a micro-batch and {plan.recompute} blocks recomputed; without the key "
-                f"{rows_without} and {plan_without.recompute}, predicted {rate_without:,.0f} "
-                f"tokens/s a GPU against this plan's {tokens / plan.seconds:,.0f} (on 2 H200 the key "
+                f"{rows_without} and {plan_without.recompute}, predicted "
+                f"{rows_without * seq / plan_without.seconds:,.0f} tokens/s a GPU against this plan's "
+                f"{rows * seq / plan.seconds:,.0f} (on 2 H200 the key "
                 "measured 3.2 % slower so: docs/llm.md)"]  # fmt: skip
 
 
