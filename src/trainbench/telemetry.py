@@ -549,9 +549,9 @@ def driver_version() -> str:
         return ""
 
 
-def machine() -> dict[str, str]:
-    """What a run ran on, for its outcome file and the report: CPU, memory, GPUs (their ids and links) and driver,
-    torch, Python, and the trainbench that ran it."""
+def machine(links: bool = False) -> dict[str, str]:
+    """What a run ran on, for its outcome file and the report: CPU, memory, GPUs (their ids and, with ``links``,
+    ``output.gpu_links``, how they are linked) and driver, torch, Python, and the trainbench that ran it."""
     import torch
 
     from trainbench.version import provenance
@@ -563,7 +563,7 @@ def machine() -> dict[str, str]:
         "memory": memory_gb(),
         "gpus": f"{count} x {gpu} ({gpu_memory})" if count else "none",
         **({"gpu_ids": ids} if ids else {}),  # which GPUs: machines of one name differ
-        **({"gpu_links": links} if (links := gpu_links()) else {}),  # and how they reach each other
+        **({"gpu_links": said} if links and (said := gpu_links()) else {}),  # and how they reach each other
         "driver": driver_version() or "-",
         "torch": torch.__version__,
         "python": platform.python_version(),

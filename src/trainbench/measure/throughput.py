@@ -96,7 +96,7 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         "device": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
     }
     if info.is_main:  # this node's GPUs over the timed steps: median power and SM clock, throttle reasons, energy
-        result["system"] = machine()  # what rank 0 ran on, for the report's hardware line
+        result["system"] = machine(cfg.output.gpu_links)  # what rank 0 ran on, for the report's hardware line
         result["gpus"] = window_summary(run_dir, start_ms, stop_ms)
         energy = node_energy(result["gpus"], info.local_world_size)
         if energy is not None:
