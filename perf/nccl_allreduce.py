@@ -5,7 +5,7 @@ of the node, once per NCCL protocol (NCCL's own choice, then NCCL_PROTO=Simple, 
 processes (NCCL reads the variable at start), and reports algorithm bandwidth (bytes / time) and bus bandwidth
 (x 2(n-1)/n, what each link carries in a ring), and which transport NCCL took between the GPUs (NCCL_DEBUG).
 
-    python perf/nccl_allreduce.py --out OUT [--gpus 4]
+    python perf/nccl_allreduce.py --out OUT [--gpus 4] [--protocols default]
 
 Writes OUT/nccl_allreduce.json.
 """
@@ -56,13 +56,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path)
     p.add_argument("--gpus", type=int, default=4)
+    p.add_argument(
+        "--protocols",
+        nargs="+",
+        default=["default", "Simple", "LL128", "LL"],
+        choices=["default", "Simple", "LL128", "LL"],
+        help="NCCL protocols to time (default: all four)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker()
     args.out.mkdir(parents=True, exist_ok=True)
     report = {}
-    for proto in ("default", "Simple", "LL128", "LL"):
+    for proto in args.protocols:
         env = dict(os.environ, NCCL_DEBUG="INFO")
         if proto != "default":
             env["NCCL_PROTO"] = proto

@@ -669,3 +669,29 @@ def test_the_eval_time_is_the_median_of_three_timed_passes_after_an_untimed_one(
     seconds, router = throughput._eval_seconds_per_row(None, run, DistInfo(0, 0, 1, torch.device("cpu")), None)
     assert seconds == 4.0 / 4 and router is None  # the median pass over 4 rows
     assert next(passes, None) is None  # every pass ran: one untimed, three timed
+
+
+def test_the_peak_memory_is_put_on_the_line_through_the_depths_and_says_when_the_whole_model_would_not_fit():
+    """flux1 at 1 and 2 of 19 blocks on 2 H200, its gradients kept whole and its weights gathered (9.9 and 17.6 GiB
+    measured): about 148.5 GiB at 19 blocks on that line, more than the GPU's 139.3, said beside the peak measured; a
+    layout whose line stays under the GPU's memory is said to fit, and a run on the CPU (no peak) says neither."""
+    from trainbench.benchmarks.flux1 import Flux1Benchmark
+    from trainbench.cli.bench import bench_summary
+    from trainbench.report.bench_report import summarise
+
+    bench = Flux1Benchmark()
+    cfg = bench.config("flux1-schnell")
+
+    def raw(peak, gpu=139.3):
+        return {"seconds": 1.0, "steps": 1, "warmup": 1, "samples_per_step": 512, "eval_seconds_per_sample": 0.001,
+                "eval_samples": 10, "peak_memory_gib": peak, "gpu_memory_gib": gpu, "device": "NVIDIA H200",
+                "profile": None}  # fmt: skip
+
+    kept = summarise(bench, cfg, {1: raw(9.9), 2: raw(17.6)}, 19, [1, 2])
+    assert kept["peak_memory_gib_at_depth"] == pytest.approx(9.9 + 18 * 7.7) and kept["gpu_memory_gib"] == 139.3
+    assert ("peak memory 17.6 GiB (about 148.5 at 19 blocks on the line through the depths measured, more than the "
+            "GPU's 139.3: the whole model would not fit this layout)") in bench_summary(kept)  # fmt: skip
+    fits = summarise(bench, cfg, {1: raw(5.0), 2: raw(9.0)}, 19, [1, 2])
+    assert "(about 77.0 at 19 blocks on the line through the depths measured of the GPU's 139.3)" in bench_summary(fits)
+    cpu = summarise(bench, cfg, {1: raw(None, None), 2: raw(None, None)}, 19, [1, 2])
+    assert "peak_memory_gib_at_depth" not in cpu and "gpu_memory_gib" not in cpu

@@ -317,3 +317,36 @@ def test_a_rank_that_failed_leaves_nccl_at_once_while_a_peer_waits_on_it():
         for p in ranks:
             p.kill()
             p.join()
+
+
+def test_the_gpus_active_nvlinks_are_those_nvidia_smi_counts():
+    """system.gpu_links (output.gpu_links): each GPU's active NVLinks read through NVML are the links
+    `nvidia-smi nvlink -s` lists with a speed for it, and the sentence the run records says the same counts."""
+    import re
+    import shutil
+    import subprocess
+
+    import pynvml
+
+    from trainbench import telemetry
+
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("nvidia-smi is not on PATH: nothing to check NVML's counts against")
+    pynvml.nvmlInit()
+    try:
+        ours = [telemetry.active_nvlinks(pynvml, pynvml.nvmlDeviceGetHandleByIndex(i))
+                for i in range(pynvml.nvmlDeviceGetCount())]  # fmt: skip
+    finally:
+        pynvml.nvmlShutdown()
+    theirs = []
+    for i in range(len(ours)):
+        listing = subprocess.run(["nvidia-smi", "nvlink", "-s", "-i", str(i)], capture_output=True, text=True).stdout
+        theirs.append(len(re.findall(r"Link \d+: [\d.]+ GB/s", listing)))
+    assert ours == theirs, (ours, theirs)
+    said = telemetry.gpu_links()
+    if len(set(ours)) > 1:
+        assert said == f"active NVLinks by GPU: {', '.join(map(str, ours))}", said
+    elif ours[0] == 0:
+        assert said == f"no active NVLink on its {len(ours)} GPUs (PCIe between GPUs)", said
+    else:
+        assert said == f"{ours[0]} active NVLinks on each of {len(ours)} GPUs", said

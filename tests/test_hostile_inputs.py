@@ -185,8 +185,8 @@ def test_integers_are_parsed_as_integers_not_through_a_float():
          "distributed.keep_gathered=true has no effect on this run of llama31_8b: one rank all-reduces no"),
         (["--benchmark", "llama2_70b_lora", "distributed.nproc=2", "distributed.keep_gathered=true"],
          "distributed.keep_gathered=true has no effect on llama2_70b_lora: its frozen base is what FSDP2 gathers"),
-        (["device=cpu", "output.gpu_links=true"], "output.gpu_links=true has no effect on this run of bert: a run on "
-                                                  "the CPU records no GPU"),
+        (["device=cpu", "output.gpu_links=false"], "output.gpu_links=false has no effect on this run of bert: a run on "
+                                                   "the CPU records no GPU's links"),
         (["--benchmark", "llama31_8b", "perf.probe_sustained_s=20"],
          "perf.probe_sustained_s=20.0 has no effect on this run of llama31_8b: only perf.plan=auto probes the GPU"),
         (["--benchmark", "llama31_8b", "perf.plan=auto", "perf.probe_sustained_s=601"],

@@ -187,6 +187,31 @@ def test_node_bert_takes_the_shapes_asked_for_and_the_node_keys_on_the_node_alon
     assert back == ["node_bert_1x48x1.json", "node_bert_2x48x1.json"], back
 
 
+def test_node_flux_512_takes_the_presets_global_batch_on_one_gpu_and_on_the_node(tmp_path):
+    """`NPROC=2 NODE_EXTRA=... perf/bench_figures.sh node-flux-512`: flux1 in FP8 at the preset's global batch of 512
+    on one GPU (32 micro-batches of 16) and on 2 (16 each), NODE_EXTRA's keys on the 2-GPU run alone, each bench.json
+    back under its own name."""
+    done = _bench_figures(
+        tmp_path,
+        'echo "$*" >> "$OUT/args.txt"\n'
+        'mkdir -p "$d/20261130T000000Z-flux1"\n'
+        'echo \'{"samples_per_s": 1}\' > "$d/20261130T000000Z-flux1/bench.json"\n',
+        "node-flux-512",
+        nproc=2,
+        env={"NODE_EXTRA": "distributed.reduce_once_a_step=true distributed.keep_gathered=true"},
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    calls = [c.split() for c in (tmp_path / "out" / "args.txt").read_text().splitlines()]
+    assert [c[c.index("--nproc") + 1] for c in calls] == ["1", "2"], calls
+    for c in calls:
+        assert "data.global_batch_size=512" in c and "data.micro_batch_size=16" in c and "model.precision=fp8" in c
+        assert c[c.index("--blocks") + 1] == "1,2" and c[c.index("--preset") + 1] == "flux1-schnell", c
+    node = ["distributed.reduce_once_a_step=true", "distributed.keep_gathered=true"]
+    assert not any(k in calls[0] for k in node) and all(k in calls[1] for k in node), calls
+    back = sorted(p.name for p in (tmp_path / "out").glob("*.json"))
+    assert back == ["node_flux_1x512.json", "node_flux_2x512.json"], back
+
+
 @pytest.mark.parametrize("nproc, depth", [(2, ["--blocks", "2,4"]), (8, [])])
 def test_both_blocks_of_gpt_oss_20b_spread_their_experts_over_the_node(tmp_path, nproc, depth):
     """`perf/bench_figures.sh node-moe node-moe-hf`: the reference's block and GPT-OSS's (its own preset), each with

@@ -403,7 +403,7 @@ def test_the_machine_says_how_its_gpus_are_linked_by_their_active_nvlinks(monkey
     nv = nvml([18, 18, 18, 18], links=20)
     assert telemetry.gpu_links() == "18 active NVLinks on each of 4 GPUs" and nv.calls == ["init", "shutdown"]
     assert telemetry.machine(links=True)["gpu_links"] == "18 active NVLinks on each of 4 GPUs"
-    assert "gpu_links" not in telemetry.machine()  # output.gpu_links off (the default): not read
+    assert "gpu_links" not in telemetry.machine()  # output.gpu_links=false (or a run on the CPU): not read
     nvml([0, 0])
     assert telemetry.gpu_links() == "no active NVLink on its 2 GPUs (PCIe between GPUs)"
     nvml([18, 12])  # a link down on the second GPU

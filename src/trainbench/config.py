@@ -284,10 +284,9 @@ class PerfConfig:
 class OutputConfig:
     results_dir: str = option("results", "Where run folders are created.")
     gpu_links: bool = option(
-        False,
+        True,
         "Record how the host's GPUs are linked (their active NVLinks, read through NVML) in the run's and bench.json's "
-        "system (system.gpu_links), which a comparison of two machines names where they differ. Off by default: not "
-        "yet read on a GPU (docs/bench.md).",
+        "system (system.gpu_links), which a comparison of two machines names where they differ (docs/bench.md).",
     )
     log_every_steps: int = option(10, "Steps between loss/throughput records (each is a host sync).", at_least=1)
     profile: bool = option(
@@ -645,7 +644,7 @@ def keys_without_effect(cfg: RunConfig) -> dict[str, str]:
         out.setdefault("distributed.overlap_compiled", "it splits the compiled graph, and perf.compile=false")
     if cfg.device == "cpu":
         out["perf.optimizer_kernel"] = "the CPU takes torch's AdamW update for every parameter (device=cpu)"
-        out["output.gpu_links"] = "a run on the CPU records no GPU (device=cpu)"
+        out["output.gpu_links"] = "a run on the CPU records no GPU's links (device=cpu)"
     if not cfg.perf.activation_checkpointing:
         out["perf.offload_recomputed_inputs"] = "no block is recomputed (perf.activation_checkpointing=false)"
     if cfg.perf.plan != "auto":

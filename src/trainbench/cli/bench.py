@@ -102,6 +102,17 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _whole_peak(r: dict) -> str:
+    """The peak at the model's depth on the line through the measured depths' peaks, and whether the GPU holds it."""
+    whole = r.get("peak_memory_gib_at_depth")
+    if whole is None:
+        return ""
+    gpu = r.get("gpu_memory_gib")
+    fits = "" if gpu is None else (f", more than the GPU's {gpu:.1f}: the whole model would not fit this layout"
+                                   if whole > gpu else f" of the GPU's {gpu:.1f}")  # fmt: skip
+    return f" (about {whole:.1f} at {r['blocks']} blocks on the line through the depths measured{fits})"
+
+
 def bench_summary(r: dict) -> str:
     """bench.json in a few lines."""
     how = r["figures"] + (f" from {', '.join(map(str, r['blocks_measured']))} of {r['blocks']} blocks"
@@ -120,7 +131,7 @@ def bench_summary(r: dict) -> str:
     if r["mfu"] is not None:
         extra.append(f"MFU {r['mfu']:.1%}")
     if r["peak_memory_gib"] is not None:
-        extra.append(f"peak memory {r['peak_memory_gib']:.1f} GiB")
+        extra.append(f"peak memory {r['peak_memory_gib']:.1f} GiB" + _whole_peak(r))
     if r["energy_joules_per_token"] is not None:
         extra.append(f"{r['energy_joules_per_token'] * 1e3:.2f} mJ per token")
     for name, g in (r.get("gpus") or {}).items():

@@ -87,7 +87,8 @@ def _bench_fields() -> dict[str, Any]:
     return {"kind": str, "benchmark": str, "preset": str, "figures": str, "ranks": int, "device": str,
             "blocks": int, "blocks_measured": ListOf(int), "ruleset": str, "global_batch_size": int,
             "projection": {"minutes": NUMBER}, "projection_none": str,
-            "profile": {"split_ms": dict, "by_kind_ms": dict},
+            "profile": {"split_ms": dict, "by_kind_ms": dict}, "peak_memory_gib_at_depth": NUMBER,
+            "gpu_memory_gib": NUMBER,
             **{key: NUMBER for _, key in FIGURES + SOME_FIGURES}}  # fmt: skip
 
 
@@ -316,6 +317,13 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "system": last.get("system"),  # the machine rank 0 ran on (CPU, GPUs, trainbench's version)
         "raw": {str(d): r for d, r in sorted(raws.items())},
     }
+    # The peak on the same line as the step's time: whether the whole model would fit the GPU that the shallow depths
+    # fit (its parameters' and optimizer state's share grows with the blocks).
+    peaks = {d: r.get("peak_memory_gib") for d, r in raws.items()}
+    if depths and len(peaks) > 1 and None not in peaks.values():
+        result["peak_memory_gib_at_depth"] = at_depth(peaks, layers)
+        if last.get("gpu_memory_gib") is not None:
+            result["gpu_memory_gib"] = last["gpu_memory_gib"]
     if not depths and "energy_joules" in last:  # the energy of rank 0's node over the tokens its ranks trained
         node_share = min(1.0, cfg.distributed.nproc / ranks)
         tokens = samples_per_step * last["steps"] * per_sample * node_share

@@ -145,7 +145,7 @@ class TrainLoop:
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=run.bf16)
         self.stop = StopSignal()
         self.totals = StepTotals(info.device)
-        self.system = machine(cfg.output.gpu_links) if info.is_main else None
+        self.system = machine(cfg.output.gpu_links and info.device.type == "cuda") if info.is_main else None
 
     def run(self) -> RunOutcome:
         if self.record.fresh:
