@@ -163,15 +163,16 @@ class DistributedConfig:
         "their gradients whole and unreduced on every rank (the whole model's, in fp32) and their weights gathered "
         "after their backward (one gather a micro-batch fewer). Off by default: it needs the whole model's fp32 "
         "gradients and gathered weights on every GPU (flux1 on 2 H200: 9 % faster at truncated depth; "
-        "docs/performance.md)."
+        "docs/flux1.md)."
     )  # fmt: skip
     keep_gathered: bool = option(
         False, "FSDP2 with accumulation (llama31_8b, gpt3, gpt_oss_20b, flux1): keep each block's weights gathered "
         "through a step's micro-batches before the last, so that a step gathers them twice (the first forward, the "
         "last backward) instead of twice a micro-batch; the gradients are still reduce-scattered each micro-batch "
         "(with distributed.reduce_once_a_step, once). Costs every block's gathered weights on every GPU (a byte a "
-        "parameter gathered in FP8, two in bf16). Off by default: on 2 H200 it measured slower (the 8B -3.2 %, its "
-        "memory costing the plan a row a micro-batch; flux1 no gain; docs/llm.md)."
+        "parameter gathered in FP8, two in bf16). Off by default: on 2 H200 the 8B measured 3.2 % slower (its memory "
+        "cost the plan a row a micro-batch; docs/llm.md); flux1 at GBS 512, reduced once a step, 0.989 of one GPU a "
+        "GPU against 0.91 without it, at a memory the whole model does not fit on 2 H200 (docs/flux1.md)."
     )  # fmt: skip
     grad_reduce_dtype: str = option(
         "fp32",
