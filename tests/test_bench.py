@@ -677,7 +677,7 @@ def test_the_peak_memory_is_put_on_the_line_through_the_depths_and_says_when_the
     layout whose line stays under the GPU's memory is said to fit, and a run on the CPU (no peak) says neither."""
     from trainbench.benchmarks.flux1 import Flux1Benchmark
     from trainbench.cli.bench import bench_summary
-    from trainbench.report.bench_report import summarise
+    from trainbench.report.bench_report import rows, summarise
 
     bench = Flux1Benchmark()
     cfg = bench.config("flux1-schnell")
@@ -691,6 +691,7 @@ def test_the_peak_memory_is_put_on_the_line_through_the_depths_and_says_when_the
     assert kept["peak_memory_gib_at_depth"] == pytest.approx(9.9 + 18 * 7.7) and kept["gpu_memory_gib"] == 139.3
     assert ("peak memory 17.6 GiB (about 148.5 at 19 blocks on the line through the depths measured, more than the "
             "GPU's 139.3: the whole model would not fit this layout)") in bench_summary(kept)  # fmt: skip
+    assert ["peak memory at the model's depth, on the line (GiB)", "148.5"] in rows(kept), rows(kept)
     fits = summarise(bench, cfg, {1: raw(5.0), 2: raw(9.0)}, 19, [1, 2])
     assert "(about 77.0 at 19 blocks on the line through the depths measured of the GPU's 139.3)" in bench_summary(fits)
     cpu = summarise(bench, cfg, {1: raw(None, None), 2: raw(None, None)}, 19, [1, 2])
