@@ -144,6 +144,11 @@ dlrm_bench() {  # NAME N: dlrmv4's reference layers on N GPUs, tables cut to 1 M
         optimizer.lr="$(awk "BEGIN { print 1e-6 * $2 * 512 / 8192 }")" --steps 3 --warmup 2 --profile-steps 1
 }
 
+flux_node_bench() {  # NAME N GBS: flux1's MMDiT in FP8 on N GPUs, 1 and 2 blocks to 19, micro-batches of 16
+    bench "$1" flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 --blocks 1,2 --nproc "$2" \
+        data.global_batch_size="$3" data.micro_batch_size=16 --steps 3 --warmup 2
+}
+
 for what in "$@"; do
     case $what in
     lora) bench lora llama2_70b_lora --preset llama2-70b perf.plan=manual model.base_precision=fp8 \
@@ -207,13 +212,8 @@ for what in "$@"; do
                     --steps 5 --warmup 3
             done
         done ;;
-    node-flux) bench node_flux flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 --blocks 1,2 \
-        --nproc "$NPROC" data.global_batch_size=$((NPROC * 64)) data.micro_batch_size=16 --steps 3 --warmup 2 ;;
-    node-flux-512)
-        for n in 1 "$NPROC"; do
-            bench "node_flux_${n}x512" flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 --blocks 1,2 \
-                --nproc "$n" data.global_batch_size=512 data.micro_batch_size=16 --steps 3 --warmup 2
-        done ;;
+    node-flux) flux_node_bench node_flux "$NPROC" $((NPROC * 64)) ;;
+    node-flux-512) for n in 1 "$NPROC"; do flux_node_bench "node_flux_${n}x512" "$n" 512; done ;;
     dlrmv4) dlrm_bench dlrmv4 1 ;;
     node-dlrmv4) for n in 1 "$NPROC"; do dlrm_bench "node_dlrmv4_$n" "$n"; done ;;
     node-dlrmv4-full) bench node_dlrmv4_full dlrmv4 --preset dlrmv4 device=cuda perf.compile=true --nproc "$NPROC" \

@@ -89,11 +89,7 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         "mean_loss": timed.loss,
         "peak_memory_gib": peak,
         # what the GPU has (or perf.gpu_memory_gib stands in for): where an extrapolated peak would not fit
-        "gpu_memory_gib": (
-            cfg.perf.gpu_memory_gib or torch.cuda.get_device_properties(info.device).total_memory / 2**30
-        )
-        if info.device.type == "cuda"
-        else None,
+        "gpu_memory_gib": (cfg.perf.gpu_memory_gib or _gpu_gib(info.device)) if info.device.type == "cuda" else None,
         "eval_seconds_per_sample": eval_seconds_per_row / info.world_size,  # each rank its own rows, side by side
         "eval_samples": run.data.eval_samples,
         "notes": run.placed.notes + bench.family.model_notes(cfg, info.device, run.bf16),
@@ -135,11 +131,16 @@ def _steps_or_why_not(cfg, bench, run, info, autocast, steps, warmup, profile_st
     return timed
 
 
+def _gpu_gib(device: torch.device) -> float:
+    """The GPU's whole memory, GiB."""
+    return torch.cuda.get_device_properties(device).total_memory / 2**30
+
+
 def _does_not_fit(cfg: RunConfig, bench: Benchmark, info: DistInfo, exc: torch.OutOfMemoryError,
                   account: str) -> str:  # fmt: skip
     """The sentence for a measurement out of GPU memory: the allocation that failed (from torch's message), the peak
     this rank held before it (what is held once the error unwound says little), and what would make it fit."""
-    gib = torch.cuda.get_device_properties(info.device).total_memory / 2**30
+    gib = _gpu_gib(info.device)
     peak = torch.cuda.max_memory_allocated(info.device) / 2**30
     asked = re.search(r"Tried to allocate ([0-9.]+ [KMGT]?i?B)", str(exc))
     failed = f"an allocation of {asked.group(1)} failed" if asked else "an allocation failed"
