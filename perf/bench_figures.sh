@@ -50,6 +50,8 @@
 #   perf/bench_figures.sh node-flux-512  the same at the preset's global batch of 512 samples (MLPerf's first
 #                                     reference point) on one GPU and on NPROC, each of those GPUs 512 / NPROC a step:
 #                                     the ratio a run of the recipe sees, with a projected time to train
+#   perf/bench_figures.sh node-flux-whole  the whole 19-block model the same way on NPROC GPUs alone: what the line
+#                                     through 1 and 2 blocks says of its memory and rate, measured
 #   perf/bench_figures.sh dlrmv4      dlrmv4's reference layers on one GPU with every table cut to 1 M rows, sharded
 #                                     (perf.sharded_tables), micro-batches of 128, a step of 512, profiled
 #   perf/bench_figures.sh node-dlrmv4 the same on one GPU and on NPROC, each GPU a step of 512 (the tables' rows
@@ -214,6 +216,8 @@ for what in "$@"; do
         done ;;
     node-flux) flux_node_bench node_flux "$NPROC" $((NPROC * 64)) ;;
     node-flux-512) for n in 1 "$NPROC"; do flux_node_bench "node_flux_${n}x512" "$n" 512; done ;;
+    node-flux-whole) bench node_flux_whole flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 \
+        --nproc "$NPROC" data.global_batch_size=512 data.micro_batch_size=16 --steps 3 --warmup 2 ;;
     dlrmv4) dlrm_bench dlrmv4 1 ;;
     node-dlrmv4) for n in 1 "$NPROC"; do dlrm_bench "node_dlrmv4_$n" "$n"; done ;;
     node-dlrmv4-full) bench node_dlrmv4_full dlrmv4 --preset dlrmv4 device=cuda perf.compile=true --nproc "$NPROC" \
@@ -234,7 +238,7 @@ for what in "$@"; do
             cp "$(ls -d "$RESULTS/tiny_$name"/*/ | tail -n 1)summary.json" "$OUT/tiny_$name.json" || true
         done ;;
     *) echo "unknown measurement $what (lora, lora-auto, lora-auto-80, llm, llm-auto, llm-shard1, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
-        "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, dlrmv4, node-lora, node-llm, node-moe, node-moe-hf, node-bert, node-flux, node-flux-512, node-dlrmv4, node-dlrmv4-full, node-lora-run, node-tiny)" >&2; exit 2 ;;
+        "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, dlrmv4, node-lora, node-llm, node-moe, node-moe-hf, node-bert, node-flux, node-flux-512, node-flux-whole, node-dlrmv4, node-dlrmv4-full, node-lora-run, node-tiny)" >&2; exit 2 ;;
     esac
 done
 if [ ${#failed[@]} -gt 0 ]; then

@@ -212,6 +212,35 @@ def test_node_flux_512_takes_the_presets_global_batch_on_one_gpu_and_on_the_node
     assert back == ["node_flux_1x512.json", "node_flux_2x512.json"], back
 
 
+def test_node_flux_whole_measures_the_whole_model_at_the_presets_global_batch_on_the_node_alone(tmp_path):
+    """`NPROC=2 NODE_EXTRA=... perf/bench_figures.sh node-flux-whole`: flux1 in FP8 with all its 19 blocks (no
+    --blocks) at the preset's global batch of 512 on the 2 GPUs alone, NODE_EXTRA's keys with it: what the line
+    through 1 and 2 blocks says of the whole model's memory, measured."""
+    done = _bench_figures(
+        tmp_path,
+        'echo "$*" >> "$OUT/args.txt"\n'
+        'mkdir -p "$d/20261130T000000Z-flux1"\n'
+        'echo \'{"samples_per_s": 1}\' > "$d/20261130T000000Z-flux1/bench.json"\n',
+        "node-flux-whole",
+        nproc=2,
+        env={"NODE_EXTRA": "distributed.reduce_once_a_step=true distributed.grad_reduce_dtype=bf16"},
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    calls = [c.split() for c in (tmp_path / "out" / "args.txt").read_text().splitlines()]
+    assert len(calls) == 1 and calls[0][calls[0].index("--nproc") + 1] == "2" and "--blocks" not in calls[0], calls
+    assert all(
+        k in calls[0]
+        for k in (
+            "data.global_batch_size=512",
+            "data.micro_batch_size=16",
+            "model.precision=fp8",
+            "distributed.reduce_once_a_step=true",
+            "distributed.grad_reduce_dtype=bf16",
+        )
+    )
+    assert (tmp_path / "out" / "node_flux_whole.json").exists()
+
+
 @pytest.mark.parametrize("nproc, depth", [(2, ["--blocks", "2,4"]), (8, [])])
 def test_both_blocks_of_gpt_oss_20b_spread_their_experts_over_the_node(tmp_path, nproc, depth):
     """`perf/bench_figures.sh node-moe node-moe-hf`: the reference's block and GPT-OSS's (its own preset), each with
