@@ -162,8 +162,8 @@ class DistributedConfig:
         "step, with the last micro-batch's backward, instead of once a micro-batch; the micro-batches before it keep "
         "their gradients whole and unreduced on every rank (the whole model's, in fp32) and their weights gathered "
         "after their backward (one gather a micro-batch fewer). Off by default: it needs the whole model's fp32 "
-        "gradients and gathered weights on every GPU (flux1 on 2 H200: 9 % faster at truncated depth; "
-        "docs/flux1.md)."
+        "gradients and gathered weights on every GPU (flux1 on 2 H200: 9 % faster at truncated depth, and its whole "
+        "model out of memory so; docs/flux1.md)."
     )  # fmt: skip
     keep_gathered: bool = option(
         False, "FSDP2 with accumulation (llama31_8b, gpt3, gpt_oss_20b, flux1): keep each block's weights gathered "
