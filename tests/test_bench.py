@@ -676,7 +676,7 @@ def test_the_peak_memory_is_put_on_the_line_through_the_depths_and_says_when_the
     measured): about 148.5 GiB at 19 blocks on that line, more than the GPU's 139.3, said beside the peak measured; a
     line within a tenth of the GPU's memory may not fit (the whole model reduced once a step failed an allocation at
     130.8 GiB on an H200 of 139.8); a layout whose line stays below that is said to fit, and a run on the CPU (no
-    peak) says neither."""
+    peak) says neither; the report's rows say the same."""
     from trainbench.benchmarks.flux1 import Flux1Benchmark
     from trainbench.cli.bench import bench_summary
     from trainbench.report.bench_report import rows, summarise
@@ -697,11 +697,15 @@ def test_the_peak_memory_is_put_on_the_line_through_the_depths_and_says_when_the
     fits = summarise(bench, cfg, {1: raw(5.0), 2: raw(9.0)}, 19, [1, 2])
     assert "(about 77.0 at 19 blocks on the line through the depths measured of the GPU's 139.3)" in bench_summary(fits)
     # reduced once a step alone (2 H200, 2026-11-30): 135.5 on the line; the whole model failed at 130.8 allocated
-    close = summarise(bench, cfg, {1: raw(9.5, 139.8), 2: raw(16.5, 139.8)}, 19, [1, 2])
+    close = summarise(bench, cfg, {1: raw(9.5, 139.80072), 2: raw(16.5, 139.80072)}, 19, [1, 2])
     assert close["peak_memory_gib_at_depth"] == pytest.approx(135.5)
     assert (
         "(about 135.5 at 19 blocks on the line through the depths measured of the GPU's 139.8, more than the 90 % "
         "of it a run can count on allocating: the whole model may not fit this layout)"
     ) in bench_summary(close)
+    fit_row = "the whole model in this layout on the GPU, by the line"
+    assert [fit_row, "may not: more than 90 % of it"] in rows(close), rows(close)
+    assert [fit_row, "no: more than the GPU's memory"] in rows(kept) and [fit_row, "yes"] in rows(fits)
     cpu = summarise(bench, cfg, {1: raw(None, None), 2: raw(None, None)}, 19, [1, 2])
     assert "peak_memory_gib_at_depth" not in cpu and "gpu_memory_gib" not in cpu
+    assert not any(row[0] == fit_row for row in rows(cpu))

@@ -102,30 +102,23 @@ def cmd_bench(args) -> int:
     return 0
 
 
-# Of a GPU's whole memory, what a run's allocated peak can reach: the CUDA context, NCCL's buffers and the caching
-# allocator's blocks reserved but not allocated take the rest. The whole flux1 on 2 H200 (reduced once a step) failed
-# an allocation at 130.8 GiB allocated of 139.8 (93.6 %), where the line through 1 and 2 blocks said 135.5; the 8B's
-# 125.1 (89.5 %) ran (docs/performance.md).
-ALLOCATABLE_SHARE = 0.9
-
-
 def _whole_peak(r: dict) -> str:
-    """The peak at the model's depth on the line through the measured depths' peaks, and whether the GPU holds it:
-    above the GPU's memory it does not; above :data:`ALLOCATABLE_SHARE` of it, the line cannot tell."""
+    """The peak at the model's depth on the line through the measured depths' peaks, and whether the GPU holds it
+    (:func:`~trainbench.report.bench_report.whole_model_fits`)."""
+    from trainbench.report.bench_report import ALLOCATABLE_SHARE, whole_model_fits
+
     whole = r.get("peak_memory_gib_at_depth")
     if whole is None:
         return ""
-    gpu = r.get("gpu_memory_gib")
-    if gpu is None:
-        fits = ""
-    elif whole > gpu:
-        fits = f", more than the GPU's {gpu:.1f}: the whole model would not fit this layout"
-    elif whole > ALLOCATABLE_SHARE * gpu:
-        fits = (f" of the GPU's {gpu:.1f}, more than the {ALLOCATABLE_SHARE * 100:.0f} % of it a run can count on "
-                "allocating: the whole model may not fit this layout")  # fmt: skip
-    else:
-        fits = f" of the GPU's {gpu:.1f}"
-    return f" (about {whole:.1f} at {r['blocks']} blocks on the line through the depths measured{fits})"
+    fits, gpu = whole_model_fits(r), f"{r.get('gpu_memory_gib') or 0:.1f}"
+    said = {
+        None: "",
+        "no": f", more than the GPU's {gpu}: the whole model would not fit this layout",
+        "maybe": f" of the GPU's {gpu}, more than the {ALLOCATABLE_SHARE * 100:.0f} % of it a run can count on "
+        "allocating: the whole model may not fit this layout",
+        "yes": f" of the GPU's {gpu}",
+    }[fits]
+    return f" (about {whole:.1f} at {r['blocks']} blocks on the line through the depths measured{said})"
 
 
 def bench_summary(r: dict) -> str:

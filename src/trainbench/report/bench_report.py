@@ -70,9 +70,30 @@ SOME_FIGURES = (
 )
 
 
+# Of a GPU's whole memory, what a run's allocated peak can reach: the CUDA context, NCCL's buffers and the caching
+# allocator's blocks reserved but not allocated take the rest. The whole flux1 on 2 H200 (reduced once a step) failed
+# an allocation at 130.8 GiB allocated of 139.8 (93.6 %), where the line through 1 and 2 blocks said 135.5; the 8B's
+# 125.1 (89.5 %) ran (docs/performance.md).
+ALLOCATABLE_SHARE = 0.9
+FITS = {"no": "no: more than the GPU's memory", "maybe": f"may not: more than {ALLOCATABLE_SHARE * 100:.0f} % of it",
+        "yes": "yes"}  # fmt: skip
+
+
+def whole_model_fits(result: dict[str, Any]) -> str | None:
+    """Whether the GPU holds the peak on the line at the model's depth (an extrapolated bench's
+    ``peak_memory_gib_at_depth`` against its ``gpu_memory_gib``): "no" above the GPU's memory, "maybe" above
+    :data:`ALLOCATABLE_SHARE` of it, "yes" below; None without both figures."""
+    whole, gpu = result.get("peak_memory_gib_at_depth"), result.get("gpu_memory_gib")
+    if whole is None or gpu is None:
+        return None
+    return "no" if whole > gpu else "maybe" if whole > ALLOCATABLE_SHARE * gpu else "yes"
+
+
 def rows(result: dict[str, Any]) -> list[list[str]]:
     out = [[label, _num(result.get(key))] for label, key in FIGURES]
     out += [[label, _num(result[key])] for label, key in SOME_FIGURES if result.get(key) is not None]
+    if (fits := whole_model_fits(result)) is not None:
+        out.append(["the whole model in this layout on the GPU, by the line", FITS[fits]])
     p = result.get("projection")
     out.append(["projected time to train (min)", _num(p["minutes"]) if p else "-"])
     prof = result.get("profile")
