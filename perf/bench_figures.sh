@@ -146,9 +146,11 @@ dlrm_bench() {  # NAME N: dlrmv4's reference layers on N GPUs, tables cut to 1 M
         optimizer.lr="$(awk "BEGIN { print 1e-6 * $2 * 512 / 8192 }")" --steps 3 --warmup 2 --profile-steps 1
 }
 
-flux_node_bench() {  # NAME N GBS: flux1's MMDiT in FP8 on N GPUs, 1 and 2 blocks to 19, micro-batches of 16
-    bench "$1" flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 --blocks 1,2 --nproc "$2" \
-        data.global_batch_size="$3" data.micro_batch_size=16 --steps 3 --warmup 2
+flux_node_bench() {  # NAME N GBS [DEPTH...]: flux1's MMDiT in FP8 on N GPUs, micro-batches of 16; DEPTH: bench's
+    local name=$1 n=$2 gbs=$3  # depth arguments (--blocks 1,2: 1 and 2 blocks to 19; none: the whole model)
+    shift 3
+    bench "$name" flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 "$@" --nproc "$n" \
+        data.global_batch_size="$gbs" data.micro_batch_size=16 --steps 3 --warmup 2
 }
 
 for what in "$@"; do
@@ -214,10 +216,9 @@ for what in "$@"; do
                     --steps 5 --warmup 3
             done
         done ;;
-    node-flux) flux_node_bench node_flux "$NPROC" $((NPROC * 64)) ;;
-    node-flux-512) for n in 1 "$NPROC"; do flux_node_bench "node_flux_${n}x512" "$n" 512; done ;;
-    node-flux-whole) bench node_flux_whole flux1 --preset flux1-schnell perf.compile=true model.precision=fp8 \
-        --nproc "$NPROC" data.global_batch_size=512 data.micro_batch_size=16 --steps 3 --warmup 2 ;;
+    node-flux) flux_node_bench node_flux "$NPROC" $((NPROC * 64)) --blocks 1,2 ;;
+    node-flux-512) for n in 1 "$NPROC"; do flux_node_bench "node_flux_${n}x512" "$n" 512 --blocks 1,2; done ;;
+    node-flux-whole) flux_node_bench node_flux_whole "$NPROC" 512 ;;
     dlrmv4) dlrm_bench dlrmv4 1 ;;
     node-dlrmv4) for n in 1 "$NPROC"; do dlrm_bench "node_dlrmv4_$n" "$n"; done ;;
     node-dlrmv4-full) bench node_dlrmv4_full dlrmv4 --preset dlrmv4 device=cuda perf.compile=true --nproc "$NPROC" \

@@ -120,6 +120,18 @@ def _bench_figures(tmp_path, stand_in: str, *measurements: str, limit_s: int | N
                           capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
+def _recording(folder: str, figure: str = "samples_per_s") -> str:
+    """A stand-in `trainbench bench` for :func:`_bench_figures` that records its arguments a line a call in
+    $OUT/args.txt and writes a bench.json (``figure``: 1) in a results folder named ``folder``."""
+    return (f'echo "$*" >> "$OUT/args.txt"\nmkdir -p "$d/{folder}"\n'
+            f"echo '{{\"{figure}\": 1}}' > \"$d/{folder}/bench.json\"\n")  # fmt: skip
+
+
+def _calls(tmp_path) -> list[list[str]]:
+    """The arguments of each call :func:`_recording` recorded, split."""
+    return [c.split() for c in (tmp_path / "out" / "args.txt").read_text().splitlines()]
+
+
 def test_a_failed_measurement_of_bench_figures_is_named_and_the_next_still_runs(tmp_path):
     """perf/bench_figures.sh with a stand-in `python3` on PATH whose `trainbench bench llama31_8b` fails after its
     first depth: the depth it measured comes back, the bert measurement after it still runs and its bench.json comes
@@ -145,17 +157,15 @@ def test_dlrmv4_on_one_gpu_and_on_the_node_takes_a_step_of_512_a_gpu_at_the_rule
     1 M rows and sharded; each bench.json back under its own name."""
     done = _bench_figures(
         tmp_path,
-        'echo "$*" >> "$OUT/args.txt"\n'
-        'mkdir -p "$d/20261129T000000Z-dlrmv4"\n'
-        'echo \'{"samples_per_s": 1}\' > "$d/20261129T000000Z-dlrmv4/bench.json"\n',
+        _recording("20261129T000000Z-dlrmv4"),
         "node-dlrmv4",
         nproc=2,
     )
     assert done.returncode == 0, (done.stdout, done.stderr)
-    calls = (tmp_path / "out" / "args.txt").read_text().splitlines()
+    calls = _calls(tmp_path)
     assert len(calls) == 2
-    for call, n, gbs, lr in zip(calls, (1, 2), (512, 1024), ("6.25e-08", "1.25e-07"), strict=True):
-        args = call.split()
+    for args, n, gbs, lr in zip(calls, (1, 2), (512, 1024), ("6.25e-08", "1.25e-07"), strict=True):
+        call = " ".join(args)
         assert args[args.index("--nproc") + 1] == str(n) and f"data.global_batch_size={gbs}" in args, call
         assert f"optimizer.lr={lr}" in args and "data.micro_batch_size=128" in args, call
         assert args[args.index("--table-rows") + 1] == "1000000" and "perf.sharded_tables=true" in args, call
@@ -168,16 +178,14 @@ def test_node_bert_takes_the_shapes_asked_for_and_the_node_keys_on_the_node_alon
     on both."""
     done = _bench_figures(
         tmp_path,
-        'echo "$*" >> "$OUT/args.txt"\n'
-        'mkdir -p "$d/20261130T000000Z-bert"\n'
-        'echo \'{"samples_per_s": 1}\' > "$d/20261130T000000Z-bert/bench.json"\n',
+        _recording("20261130T000000Z-bert"),
         "node-bert",
         nproc=2,
         env={"BERT_ACCUMULATION": "1", "NODE_EXTRA": "distributed.bucket_cap_mb=400 distributed.overlap_compiled=true",
              "EXTRA": "--profile-steps 0"},
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout, done.stderr)
-    calls = [c.split() for c in (tmp_path / "out" / "args.txt").read_text().splitlines()]
+    calls = _calls(tmp_path)
     assert [(c[c.index("--nproc") + 1], [a for a in c if a.startswith("data.global_batch_size=")]) for c in calls] == [
         ("1", ["data.global_batch_size=48"]), ("2", ["data.global_batch_size=96"])]  # fmt: skip
     node = ["distributed.bucket_cap_mb=400", "distributed.overlap_compiled=true"]
@@ -193,15 +201,13 @@ def test_node_flux_512_takes_the_presets_global_batch_on_one_gpu_and_on_the_node
     back under its own name."""
     done = _bench_figures(
         tmp_path,
-        'echo "$*" >> "$OUT/args.txt"\n'
-        'mkdir -p "$d/20261130T000000Z-flux1"\n'
-        'echo \'{"samples_per_s": 1}\' > "$d/20261130T000000Z-flux1/bench.json"\n',
+        _recording("20261130T000000Z-flux1"),
         "node-flux-512",
         nproc=2,
         env={"NODE_EXTRA": "distributed.reduce_once_a_step=true distributed.keep_gathered=true"},
     )
     assert done.returncode == 0, (done.stdout, done.stderr)
-    calls = [c.split() for c in (tmp_path / "out" / "args.txt").read_text().splitlines()]
+    calls = _calls(tmp_path)
     assert [c[c.index("--nproc") + 1] for c in calls] == ["1", "2"], calls
     for c in calls:
         assert "data.global_batch_size=512" in c and "data.micro_batch_size=16" in c and "model.precision=fp8" in c
@@ -218,15 +224,13 @@ def test_node_flux_whole_measures_the_whole_model_at_the_presets_global_batch_on
     through 1 and 2 blocks says of the whole model's memory, measured."""
     done = _bench_figures(
         tmp_path,
-        'echo "$*" >> "$OUT/args.txt"\n'
-        'mkdir -p "$d/20261130T000000Z-flux1"\n'
-        'echo \'{"samples_per_s": 1}\' > "$d/20261130T000000Z-flux1/bench.json"\n',
+        _recording("20261130T000000Z-flux1"),
         "node-flux-whole",
         nproc=2,
         env={"NODE_EXTRA": "distributed.reduce_once_a_step=true distributed.grad_reduce_dtype=bf16"},
     )
     assert done.returncode == 0, (done.stdout, done.stderr)
-    calls = [c.split() for c in (tmp_path / "out" / "args.txt").read_text().splitlines()]
+    calls = _calls(tmp_path)
     assert len(calls) == 1 and calls[0][calls[0].index("--nproc") + 1] == "2" and "--blocks" not in calls[0], calls
     assert all(
         k in calls[0]
@@ -247,14 +251,13 @@ def test_both_blocks_of_gpt_oss_20b_spread_their_experts_over_the_node(tmp_path,
     its experts over NPROC GPUs; the whole 24 blocks on 8, 2 and 4 blocks extrapolated on fewer."""
     done = _bench_figures(
         tmp_path,
-        'echo "$*" >> "$OUT/args.txt"\nmkdir -p "$d/20261129T000000Z-moe"\n'
-        'echo \'{"tokens_per_s": 1}\' > "$d/20261129T000000Z-moe/bench.json"\n',
+        _recording("20261129T000000Z-moe", "tokens_per_s"),
         "node-moe",
         "node-moe-hf",
         nproc=nproc,
     )
     assert done.returncode == 0, (done.stdout, done.stderr)
-    calls = [c.split() for c in (tmp_path / "out" / "args.txt").read_text().splitlines()]
+    calls = _calls(tmp_path)
     assert [c[c.index("--preset") + 1] for c in calls] == ["gpt-oss-20b", "gpt-oss-20b-hf"]
     for c in calls:
         assert f"distributed.ep={nproc}" in c and c[c.index("--nproc") + 1] == str(nproc)
