@@ -15,7 +15,7 @@ FIELDS = {"kind", "benchmark", "preset", "figures", "blocks", "blocks_measured",
           "step_seconds", "samples_per_s", "tokens_per_s", "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu",
           "peak_memory_gib", "eval_seconds_per_sample", "energy_joules_per_token", "steps", "warmup", "raw", "ruleset",
           "projection", "gpus", "compare", "samples_per_step", "profile", "nodes", "tokens_per_s_per_node",
-          "router", "system", "lookups_per_s", "projection_none"}  # fmt: skip
+          "router", "system", "lookups_per_s", "projection_none", "peak_reserved_gib", "allocator_retries"}  # fmt: skip
 
 
 def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:
@@ -35,6 +35,7 @@ def test_each_tiny_preset_is_measured_on_one_rank(benchmark, tmp_path, capsys):
     assert result["kind"].startswith("throughput measurement") and "not a time-to-train result" in result["kind"]
     assert result["figures"] == "measured" and result["ranks"] == 1 and result["device"] == "cpu"
     assert result["steps"] == 2 and result["warmup"] == 1
+    assert result["allocator_retries"] is None and result["peak_reserved_gib"] is None  # CUDA's alone
     raw = next(iter(result["raw"].values()))
     assert result["samples_per_s"] == pytest.approx(result["global_batch_size"] * 2 / raw["seconds"])
     assert result["tokens_per_s"] > result["samples_per_s"] > 0 and result["eval_seconds_per_sample"] > 0
@@ -709,3 +710,33 @@ def test_the_peak_memory_is_put_on_the_line_through_the_depths_and_says_when_the
     cpu = summarise(bench, cfg, {1: raw(None, None), 2: raw(None, None)}, 19, [1, 2])
     assert "peak_memory_gib_at_depth" not in cpu and "gpu_memory_gib" not in cpu
     assert not any(row[0] == fit_row for row in rows(cpu))
+
+
+def test_allocator_retries_in_the_timed_steps_are_said_and_kept_and_none_is_a_zero_without_a_sentence():
+    """Where the CUDA caching allocator ran out of room in the timed steps (it frees its cache, waiting on the GPU,
+    and retries), the console says so with what may help and the report keeps the count and the peak held; a run
+    without retries shows 0 and no sentence; a CPU run (None) and an older bench.json (no key) show neither."""
+    from trainbench.benchmarks import get_benchmark
+    from trainbench.cli.bench import bench_summary
+    from trainbench.report.bench_report import rows, summarise
+
+    bench = get_benchmark("llama31_8b")
+    cfg = bench.config("tiny")
+
+    def raw(**memory):
+        return {"seconds": 1.0, "steps": 2, "warmup": 1, "samples_per_step": 8, "eval_seconds_per_sample": 0.001,
+                "eval_samples": 10, "peak_memory_gib": 120.0, "device": "NVIDIA H200", "profile": None} | memory  # fmt: skip
+
+    said = "the CUDA caching allocator ran out of room 1,234 times in the timed steps"
+    pressed = summarise(bench, cfg, {None: raw(allocator_retries=1234, peak_reserved_gib=137.5)}, None, None)
+    assert pressed["allocator_retries"] == 1234 and pressed["peak_reserved_gib"] == 137.5
+    assert said in bench_summary(pressed) and "expandable_segments:True" in bench_summary(pressed)
+    assert ["allocator retries in the timed steps (memory pressure)", "1,234"] in rows(pressed), rows(pressed)
+    assert ["peak memory held by the allocator (GiB)", "137.5"] in rows(pressed)
+    calm = summarise(bench, cfg, {None: raw(allocator_retries=0, peak_reserved_gib=121.0)}, None, None)
+    assert "caching allocator" not in bench_summary(calm)
+    assert ["allocator retries in the timed steps (memory pressure)", "0"] in rows(calm)
+    for old in (raw(), raw(allocator_retries=None, peak_reserved_gib=None)):
+        result = summarise(bench, cfg, {None: old}, None, None)
+        assert "caching allocator" not in bench_summary(result)
+        assert not any("allocator" in row[0] for row in rows(result))

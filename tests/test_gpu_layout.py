@@ -123,3 +123,29 @@ def test_a_gpu_memory_limit_holds_the_allocator_to_it_on_cuda():
     big = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, gpu_memory_gib=total / 2**30 + 1))
     with pytest.raises(ConfigError, match="is more than this GPU has"):
         limit_gpu_memory(big, torch.device("cuda"))
+
+
+def test_allocator_retries_count_the_caching_allocators_cache_flushes_on_cuda():
+    """bench's ``allocator_retries``: an allocation that no cached block fits and that new memory would take past the
+    process's limit frees the cache and retries, once; an allocation the cache serves counts nothing."""
+    from trainbench.measure.throughput import allocator_retries
+
+    device = torch.device("cuda")
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = allocator_retries(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(device) + (3 << 30)) / total)
+    try:
+        cached = torch.empty(2 << 30, dtype=torch.uint8, device=device)
+        del cached  # kept by the allocator for reuse
+        again = torch.empty(2 << 30, dtype=torch.uint8, device=device)  # the cached block: no retry
+        del again
+        assert allocator_retries(device) == before
+        larger = torch.empty(5 << 29, dtype=torch.uint8, device=device)  # 2.5 GiB: past the limit beside the cache
+        del larger
+        assert allocator_retries(device) == before + 1
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert allocator_retries(torch.device("cpu")) is None

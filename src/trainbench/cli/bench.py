@@ -156,6 +156,11 @@ def bench_summary(r: dict) -> str:
         worst, median = max(range(len(busiest)), key=busiest.__getitem__), sorted(busiest)[len(busiest) // 2]
         lines.append(f"  router: the busiest of {r['router']['experts']} experts gets {max(busiest):.2f}x the mean "
                      f"tokens (block {worst}), {median:.2f}x in the median block")  # fmt: skip
+    if r.get("allocator_retries"):
+        lines.append(f"  the CUDA caching allocator ran out of room {r['allocator_retries']:,} times in the timed "
+                     "steps (every rank's; each time it frees its cache, waiting on the GPU, and tries again): memory "
+                     "pressure slowed these steps, and PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or a layout "
+                     "with more room may run faster")  # fmt: skip
     if r.get("profile"):
         from trainbench.report.bench_report import split_line
 

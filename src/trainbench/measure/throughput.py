@@ -56,6 +56,13 @@ def memory_account(device: torch.device, run_dir: Path, when: str, top: int = 30
     return f"; the account is in {text_path}"
 
 
+def allocator_retries(device: torch.device) -> int | None:
+    """How many times so far this process's caching allocator found neither a cached block nor new GPU memory for an
+    allocation, freed every cached block (waiting on the GPU) and tried again; None off CUDA. Each retry stalls the
+    step: a count that grows in the timed steps is memory pressure slowing them."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else None
+
+
 def _sync(info: DistInfo) -> None:
     if info.device.type == "cuda":
         torch.cuda.synchronize(info.device)
@@ -74,7 +81,9 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=run.bf16)
     sampler = start_telemetry(cfg.output, run_dir, 0, info, out)
     timed = _steps_or_why_not(cfg, bench, run, info, autocast, steps, warmup, profile_steps, run_dir, out, snapshot)
-    peak = torch.cuda.max_memory_allocated(info.device) / 2**30 if info.device.type == "cuda" else None
+    cuda = info.device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated(info.device) / 2**30 if cuda else None
+    held = torch.cuda.max_memory_reserved(info.device) / 2**30 if cuda else None
     eval_seconds_per_row, router = _eval_seconds_per_row(bench, run, info, autocast)
     if sampler is not None:
         sampler.stop()
@@ -88,6 +97,9 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         "tokens_per_s": timed.samples * bench.family.tokens_per_sample(cfg) / seconds,
         "mean_loss": timed.loss,
         "peak_memory_gib": peak,
+        # rank 0's peak held by the caching allocator (allocated, and cached for reuse) over the timed steps
+        "peak_reserved_gib": held,
+        "allocator_retries": timed.allocator_retries,
         # what the GPU has (or perf.gpu_memory_gib stands in for): where an extrapolated peak would not fit
         "gpu_memory_gib": (cfg.perf.gpu_memory_gib or _gpu_gib(info.device)) if info.device.type == "cuda" else None,
         "eval_seconds_per_sample": eval_seconds_per_row / info.world_size,  # each rank its own rows, side by side
@@ -165,6 +177,7 @@ class Timed:
     samples: int  # samples the timed steps trained on (a packed row holds several)
     loss: float  # the mean loss of every step
     profile: dict | None  # rank 0's profiled steps: where a step's GPU time went
+    allocator_retries: int | None  # every rank's caching allocator's retries in the timed steps (None off CUDA)
 
 
 def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, profile_steps: int, run_dir: Path,
@@ -174,7 +187,7 @@ def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, profi
     batches = prefetch(source, cfg.data.prefetch)
     run.placed.model.train()
     profile_steps = profile_steps if info.device.type == "cuda" else 0
-    samples, profile = 0, None
+    samples, profile, retries = 0, None, None
 
     def one(i: int, step_batches) -> None:
         train_step(bench, run.placed, run.optimizer, step_batches, bench.lr_at(cfg, i), info, autocast, totals)
@@ -186,6 +199,7 @@ def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, profi
                 _sync(info)
                 if info.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(info.device)
+                retries = allocator_retries(info.device)
                 start, start_ms = time.perf_counter(), time.time() * 1000
             step_batches = next(it)
             one(i, step_batches)
@@ -194,6 +208,9 @@ def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, profi
             out.say(f"  step {i + 1} of {warmup + steps}{' (warm-up)' if i < warmup else ''}")
         _sync(info)
         seconds, stop_ms = time.perf_counter() - start, time.time() * 1000
+        if retries is not None:
+            retries = int(all_reduce_sum(torch.tensor([allocator_retries(info.device) - retries],
+                                                      device=info.device), info).item())  # fmt: skip
         if profile_steps:
             out.say(f"  profiling {profile_steps} more steps")
             profile = _profiled(lambda k: one(warmup + steps + k, next(it)), profile_steps, run_dir, info,
@@ -201,7 +218,7 @@ def _timed_steps(cfg, bench, run, info, autocast, steps: int, warmup: int, profi
     finally:
         batches.close()
     loss = float(all_reduce_sum(totals.loss_sum.clone(), info)) / (warmup + steps + profile_steps)
-    return Timed(seconds, start_ms, stop_ms, samples, loss, profile)
+    return Timed(seconds, start_ms, stop_ms, samples, loss, profile, retries)
 
 
 def _profiled(step, steps: int, run_dir: Path, info: DistInfo, blocks: int | None,

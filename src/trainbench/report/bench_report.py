@@ -67,6 +67,8 @@ SOME_FIGURES = (
     ("table lookups/s", "lookups_per_s"),
     ("peak memory at the model's depth, on the line (GiB)", "peak_memory_gib_at_depth"),
     ("the GPU's memory (GiB)", "gpu_memory_gib"),
+    ("peak memory held by the allocator (GiB)", "peak_reserved_gib"),
+    ("allocator retries in the timed steps (memory pressure)", "allocator_retries"),
 )
 
 
@@ -330,6 +332,10 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "tokens_per_s_per_node": samples_per_s * per_sample / cfg.distributed.nodes,
         "mfu": flops * samples_per_s / ranks / (peak * 1e12) if flops and peak else None,
         "peak_memory_gib": last["peak_memory_gib"],
+        # the caching allocator at the deepest measured depth: its peak held and every rank's retries (an older
+        # trainbench's raw figures have neither)
+        "peak_reserved_gib": last.get("peak_reserved_gib"),
+        "allocator_retries": last.get("allocator_retries"),
         "eval_seconds_per_sample": eval_s,
         "energy_joules_per_token": None,
         "steps": last["steps"],
