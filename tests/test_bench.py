@@ -724,8 +724,9 @@ def test_allocator_retries_in_the_timed_steps_are_said_and_kept_and_none_is_a_ze
     cfg = bench.config("tiny")
 
     def raw(**memory):
-        return {"seconds": 1.0, "steps": 2, "warmup": 1, "samples_per_step": 8, "eval_seconds_per_sample": 0.001,
-                "eval_samples": 10, "peak_memory_gib": 120.0, "device": "NVIDIA H200", "profile": None} | memory  # fmt: skip
+        figures = {"seconds": 1.0, "steps": 2, "warmup": 1, "samples_per_step": 8, "eval_seconds_per_sample": 0.001,
+                   "eval_samples": 10, "peak_memory_gib": 120.0, "device": "NVIDIA H200", "profile": None}  # fmt: skip
+        return figures | memory
 
     said = "the CUDA caching allocator ran out of room 1,234 times in the timed steps"
     pressed = summarise(bench, cfg, {None: raw(allocator_retries=1234, peak_reserved_gib=137.5)}, None, None)
