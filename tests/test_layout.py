@@ -394,6 +394,10 @@ def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path,
                                                       "sustained_steps": 311})  # fmt: skip
     _, lines = planned(bench, sustained, print, here=False)
     assert "backward 12.4 ms (at 1,500 MHz, 690 W, after 20 s of steps); host link" in lines[-1], lines[-1]
+    probe.save(bench.probe_config(cfg), data | {"device_copy_bytes_s": 2.1e12})  # the GPU's own copies: FSDP2's
+    _, lines = planned(bench, cfg, print, here=False)
+    assert lines[-1].endswith("; the GPU's memory copies 2,100 GB/s (FSDP2's are charged at it)"), lines[-1]
+    assert "FSDP2's copies" in lines[1], lines
     monkeypatch.setattr(probe, "PROBE_FORMAT", 2)  # another format's key: this cache is not found
     with pytest.raises(UserError, match="none is cached for llama31_8b/llama31-8b"):
         planned(bench, cfg, print, here=False)
@@ -571,3 +575,42 @@ def test_the_plan_counts_the_weights_kept_gathered_through_a_step_at_the_bytes_t
     without, _ = bench.plan_layout(dataclasses.replace(cfg, distributed=dataclasses.replace(
         cfg.distributed, keep_gathered=False)), smaller, P8)  # fmt: skip
     assert without.data.micro_batch_size == 2
+
+
+def test_the_plan_counts_fsdp2_s_own_copies_of_every_block_at_the_gpu_s_copy_rate():
+    """Sharded, each micro-batch gathers every block twice and reduce-scatters it once, and FSDP2's own kernels copy
+    and cast around each (one GPU has none of them): in FP8 gathers and bf16 reduce-scatters over 2 ranks, 24 bytes
+    read and written a parameter, charged at twice the probe's copy rate (a copy reads and writes each byte). The
+    weights kept gathered gather once a step, reduced once a step reduce-scatters once a step; more rows a
+    micro-batch leave the copies as they are (fewer micro-batches a step carry them); the predicted line says them;
+    a probe without the copy rate (an older one) charges nothing."""
+    from trainbench.families.planner import MASTER_BYTES, shard_copy_bytes, sharded, with_rows
+
+    # FP8 gather: cast 5/2, copy into the buffer 2/2, copy out 2; twice. bf16 reduce-scatter: into the buffer 4,
+    # the shard to fp32 6/2, added to its fp32 gradient 12/2
+    assert shard_copy_bytes(2, 1, 2, gathers=2, reduces=1) == pytest.approx(2 * (2.5 + 1 + 2) + 4 + 3 + 6)  # 24
+    assert shard_copy_bytes(2, 1, 4, gathers=2, reduces=1) == pytest.approx(11 + 8 + 6)  # fp32: no cast back
+    assert shard_copy_bytes(2, 2, 2, gathers=2, reduces=1) == pytest.approx(2 * (3 + 4) + 13)  # bf16 gathers
+    assert shard_copy_bytes(4, 1, 2, 2, 1) < shard_copy_bytes(2, 1, 2, 2, 1)  # a smaller shard to cast and add
+    rate = 2.0e12
+    p = dataclasses.replace(P8, device_copy_bytes_s=rate)
+    params = P8.block_weight_bytes / MASTER_BYTES  # 218 M
+    each = sharded(p, 2, reduce_bytes=2, micro_batches=8, gathered_as=1)
+    assert each.shard_copy_s == pytest.approx(params * 24 / (2 * rate)) and 1.2e-3 < each.shard_copy_s < 1.4e-3
+    plan = evaluate(32, each, 0, 0, False)
+    without = evaluate(32, sharded(P8, 2, reduce_bytes=2, micro_batches=8, gathered_as=1), 0, 0, False)
+    assert plan.shard_copy_s == pytest.approx(32 * each.shard_copy_s) and without.shard_copy_s == 0.0
+    assert plan.seconds - without.seconds == pytest.approx(plan.shard_copy_s)
+    kept = sharded(p, 2, reduce_bytes=2, micro_batches=8, gather_bytes=1, gathered_as=1)
+    assert kept.shard_copy_s == pytest.approx(params * shard_copy_bytes(2, 1, 2, 1 / 8, 1) / (2 * rate))
+    once = sharded(p, 2, reduce_once_a_step=True, reduce_bytes=2, micro_batches=8, gathered_as=1)
+    assert once.shard_copy_s == pytest.approx(params * shard_copy_bytes(2, 1, 2, 1 / 8, 1 / 8) / (2 * rate))
+    assert sharded(p, 1).shard_copy_s == 0.0
+    rows2 = sharded(with_rows(p, 2), 2, reduce_bytes=2, micro_batches=8, gathered_as=1)
+    assert rows2.shard_copy_s == each.shard_copy_s and rows2.forward_s == 2 * p.forward_s
+    bench, cfg = _llama_cfg(**{"distributed.nproc": "2", "distributed.grad_reduce_dtype": "bf16"})
+    _, lines = bench.plan_layout(cfg, dataclasses.replace(H200, gpus=2), p)
+    copies = 32 * each.shard_copy_s  # the plan's 2 rows a micro-batch: 8 of them in a rank's 16 rows a step
+    assert f"FSDP2's copies {copies:.3f} s" in lines[1], lines
+    _, old = bench.plan_layout(cfg, dataclasses.replace(H200, gpus=2), P8)
+    assert "FSDP2's copies" not in old[1]

@@ -36,6 +36,11 @@ GATHERED_BLOCKS = 2
 # reduce-scatters in 966 ms of NCCL's kernels a step (docs/performance.md, 2026-11-29). A node's figure: across nodes
 # the network is slower, and the prediction then too high.
 NODE_COLLECTIVE_BYTES_S = 200e9
+# Bytes FSDP2's own kernels read and write on each GPU, beside NCCL's, for each parameter of a sharded block (fp32
+# weights, gradients and optimizer state), a gather and a reduce-scatter (:func:`shard_copy_bytes`). On 2 H200 they
+# were the 8B's pair's largest cost at equal depths: 11.7 ms a block a step of 8 micro-batches (copies, chunk_cat,
+# casts and adds; docs/notes/node.md, 2026-11-30), about 4 % of its step, where one GPU has none of it.
+MASTER_BYTES = 4
 # GPU memory left unplanned: the allocator's rounding and stray buffers (expandable segments keep it small).
 MARGIN = 0.03
 # Host memory a plan may pin, of what the host has available: the rest stays for the data, the page cache, the ranks.
@@ -88,6 +93,11 @@ class BlockProbe:
     gathered_bytes_per_block: int = 0
     # Of a micro-batch, the collectives no block's compute hides, where FSDP2 shards the model (:func:`sharded`)
     exposed_comm_s: float = 0.0
+    # The GPU's own memory copy rate (bytes copied a second, each read once and written once; None: not measured)
+    device_copy_bytes_s: float | None = None
+    # Of a micro-batch, FSDP2's own kernels for one sharded block: the casts, copies in and out of its collectives'
+    # buffers and the gradient's add (:func:`sharded`; 0 on one GPU, or where the copy rate was not measured)
+    shard_copy_s: float = 0.0
 
     def rates(self) -> tuple[float, float]:
         """The copy rates a plan can count on, to the host and back: those measured while the GPU computes, times
@@ -114,6 +124,7 @@ class Plan:
     account: dict[str, int]  # the GPU's bytes by what holds them
     stall_s: float  # of ``seconds``, waiting for copies
     comm_s: float = 0.0  # of ``seconds``, the collectives' exposed time (BlockProbe.exposed_comm_s)
+    shard_copy_s: float = 0.0  # of ``seconds``, FSDP2's own copies of every block (BlockProbe.shard_copy_s)
 
     def keys(self) -> dict[str, Any]:
         """The config keys that build this plan."""
@@ -145,13 +156,28 @@ def evaluate(layers: int, p: BlockProbe, recompute: int, offload: int, inputs: b
     backward = layers * p.backward_s + recompute * p.forward_s
     out_rate, back_rate = p.rates()
     stall = max(0.0, to_host / out_rate - forward) + max(0.0, to_host / back_rate - backward)
-    seconds = p.head_s + forward + backward + stall + p.exposed_comm_s
+    copies = layers * p.shard_copy_s
+    seconds = p.head_s + forward + backward + stall + p.exposed_comm_s + copies
     return Plan(recompute, offload, inputs, sum(account.values()), to_host, seconds, account, stall,
-                p.exposed_comm_s)  # fmt: skip
+                p.exposed_comm_s, copies)  # fmt: skip
+
+
+def shard_copy_bytes(ranks: int, gathered_as: int, reduce_bytes: int, gathers: float, reduces: float) -> float:
+    """Bytes FSDP2's own kernels read and write on one GPU, for each parameter of a sharded block (fp32 as
+    :data:`MASTER_BYTES`), in ``gathers`` gathers at ``gathered_as`` bytes a parameter (1: FP8, 2: bf16) and
+    ``reduces`` reduce-scatters at ``reduce_bytes`` (2: bf16, 4: fp32). A gather casts the shard (read fp32, write
+    it as gathered; an FP8 cast, torchao's, then copied once more into the collective's buffer) and copies the
+    gathered block out of that buffer into the parameters (read, write). A reduce-scatter copies the whole gradient
+    into its buffer (read, write), casts the shard it gets back to fp32 where it was reduced in less, and adds it
+    to the shard's fp32 gradient (read both, write one)."""
+    shard, g, r = 1 / ranks, gathered_as, reduce_bytes
+    gather = (MASTER_BYTES + g) * shard + (2 * g * shard if g == 1 else 0) + 2 * g
+    reduce = 2 * r + ((r + MASTER_BYTES) * shard if r < MASTER_BYTES else 0) + 3 * MASTER_BYTES * shard
+    return gathers * gather + reduces * reduce
 
 
 def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False, reduce_bytes: int = 4,
-            micro_batches: int = 1, gather_bytes: int = 0) -> BlockProbe:  # fmt: skip
+            micro_batches: int = 1, gather_bytes: int = 0, gathered_as: int = 2) -> BlockProbe:  # fmt: skip
     """One GPU's share of ``p``'s memory where FSDP2 shards every parameter, its gradient and its optimizer state
     over ``ranks``: the shards, plus :data:`GATHERED_BLOCKS` blocks held whole at a time (the one computing and the
     next, gathered ahead; in backward a block's gradient before its reduce-scatter), counted at the probe's own size
@@ -167,11 +193,22 @@ def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False, reduce_
     (``other_weight_bytes``, fp32: the embedding, the output layer, the norms): gathered in bf16 before a
     micro-batch's first block and its gradients reduce-scattered (``reduce_bytes`` a parameter: 4 in fp32, 2 in bf16)
     after its last, at :data:`NODE_COLLECTIVE_BYTES_S`; with ``reduce_once_a_step``, once in a step's
-    ``micro_batches``."""
+    ``micro_batches``.
+
+    And FSDP2's own kernels for each block, which run beside NCCL's in every gather and reduce-scatter and which
+    one GPU does not have (:func:`shard_copy_bytes`, at twice the probe's ``device_copy_bytes_s``: a copy reads and
+    writes each byte): each micro-batch gathers a block twice (forward, and again for its backward) at
+    ``gathered_as`` bytes a parameter and reduce-scatters it once; the weights kept gathered (``gather_bytes``, or
+    with ``reduce_once_a_step``) gather once a step, and ``reduce_once_a_step`` reduce-scatters once a step."""
     if ranks <= 1:
         return p
     params = p.other_weight_bytes / 4
     exposed = params * (2 + reduce_bytes) * (ranks - 1) / ranks / NODE_COLLECTIVE_BYTES_S
+    once = 1 / max(1, micro_batches)
+    gathers = once if gather_bytes or reduce_once_a_step else 2
+    per_param = shard_copy_bytes(ranks, gathered_as, reduce_bytes, gathers, once if reduce_once_a_step else 1)
+    copy_s = p.block_weight_bytes / MASTER_BYTES * per_param / (2 * p.device_copy_bytes_s) \
+        if p.device_copy_bytes_s else 0.0  # fmt: skip
     return dataclasses.replace(
         p,
         whole_bytes_per_block=2 * p.block_weight_bytes if reduce_once_a_step else 0,
@@ -181,6 +218,7 @@ def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False, reduce_
         optimizer_bytes_per_block=p.optimizer_bytes_per_block // ranks,
         other_optimizer_bytes=p.other_optimizer_bytes // ranks,
         exposed_comm_s=exposed / max(1, micro_batches) if reduce_once_a_step else exposed,
+        shard_copy_s=copy_s,
     )
 
 
@@ -265,7 +303,9 @@ def describe(plan: Plan, layers: int, r: Resources, fixed: dict[str, Any], token
         f"memory a rank: {kept} blocks keep their activations on the GPU, {plan.offload} keep them in host memory, "
         f"{plan.recompute} are recomputed" + (" (their inputs in host memory)" if plan.offload_inputs else "") + given,
         f"  predicted: {plan.seconds:.2f} s a micro-batch ({tokens / plan.seconds:,.0f} tokens/s a GPU: compute "
-        f"{plan.seconds - plan.stall_s - plan.comm_s:.3f} s, waiting for host copies {plan.stall_s:.3f} s"
+        f"{plan.seconds - plan.stall_s - plan.comm_s - plan.shard_copy_s:.3f} s, waiting for host copies "
+        f"{plan.stall_s:.3f} s"
+        + (f", FSDP2's copies {plan.shard_copy_s:.3f} s" if plan.shard_copy_s else "")
         + (
             ""
             if r.gpus == 1

@@ -119,7 +119,7 @@ def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[R
                                  f"forward {data['forward_s'] * 1e3:.1f} ms, backward {data['backward_s'] * 1e3:.1f} "
                                  f"ms{_clock(data)}; host link {data['to_host_bytes_s'] / 1e9:.0f} GB/s out, "
                                  f"{data['to_gpu_bytes_s'] / 1e9:.0f} GB/s back{_busy(data)}"
-                                 f"{_shared(p, ranks)}"]  # fmt: skip
+                                 f"{_shared(p, ranks)}{_device_copies(data, ranks)}"]  # fmt: skip
 
 
 def _clock(data: dict) -> str:
@@ -138,6 +138,12 @@ def _busy(data: dict) -> str:
     if not out or not back:
         return ""
     return f" idle, {out / 1e9:.0f} and {back / 1e9:.0f} GB/s while a step runs (the plan's)"
+
+
+def _device_copies(data: dict, ranks: int) -> str:
+    """The GPU's own copy rate, which FSDP2's copies are charged at, on more than one rank where it was measured."""
+    rate = data.get("device_copy_bytes_s")
+    return f"; the GPU's memory copies {rate / 1e9:,.0f} GB/s (FSDP2's are charged at it)" if rate and ranks > 1 else ""
 
 
 def _shared(p: BlockProbe, ranks: int) -> str:

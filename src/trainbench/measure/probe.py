@@ -19,8 +19,9 @@ import torch
 
 PROBE_BLOCKS = 2  # block 1 is measured: its input comes from block 0, so it requires grad as every later one does
 # What a probe measures: a cached probe of an older format is measured again (2: copy rates while a step runs; 3: the
-# optimizer state of the measured block's own parameters, and that of the parameters outside the blocks).
-PROBE_FORMAT = 3
+# optimizer state of the measured block's own parameters, and that of the parameters outside the blocks; 4: the GPU's
+# own memory copy rate).
+PROBE_FORMAT = 4
 
 
 # What a probe's figures depend on beyond the software (:func:`probe_key`), and so what a command must be given to
@@ -170,6 +171,22 @@ def link_rates(gib: int = 1, reps: int = 3, gpus: int = 1) -> tuple[float, float
     return rates[0], rates[1]
 
 
+def device_copy_rate(gib: int = 1, reps: int = 3) -> float:
+    """The GPU's own memory copy rate (bytes copied a second; each byte read once and written once): the median of
+    ``reps`` copies of ``gib`` GiB from one buffer of this GPU to another, after one untimed."""
+    n = gib << 30
+    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    rates = []
+    for _ in range(reps + 1):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        stop.record()
+        stop.synchronize()
+        rates.append(n / (start.elapsed_time(stop) / 1e3))
+    return sorted(rates[1:])[reps // 2]
+
+
 def busy_link_rates(step, step_s: float, to_host: float, to_gpu: float) -> tuple[float, float]:
     """Pinned copy rates (bytes/s) while the GPU computes, as an offloaded step's copies run: one copy each way on a
     side stream of its own, both queued just before a training step (``step()``), each of as many bytes as half the
@@ -288,6 +305,7 @@ def measure(cfg, bench) -> dict[str, Any]:
     torch.cuda.set_device(device)
     free, total = torch.cuda.mem_get_info(device)
     to_host, to_gpu = link_rates()
+    device_copy = device_copy_rate()
     pcfg = probe_config(cfg)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     run = build_run(pcfg, bench, info, None, synthetic=True)
@@ -322,6 +340,7 @@ def measure(cfg, bench) -> dict[str, Any]:
         "to_gpu_bytes_s": to_gpu,
         "to_host_busy_bytes_s": to_host_busy,
         "to_gpu_busy_bytes_s": to_gpu_busy,
+        "device_copy_bytes_s": device_copy,
         "seq": cfg.data.seq_length,
         "micro_batch": cfg.data.micro_batch_size,
         "torch": torch.__version__,

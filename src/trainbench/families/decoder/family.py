@@ -169,14 +169,15 @@ class DecoderFamily(ModelFamily):
         once, per_rank = cfg.distributed.reduce_once_a_step, cfg.data.global_batch_size // resources.gpus
         reduce_bytes = 2 if cfg.distributed.grad_reduce_dtype == "bf16" else 4
         # distributed.keep_gathered: the blocks' weights as gathered (FP8 a byte, bf16 two: a GPU's plan is bf16)
-        gather_bytes = (1 if cfg.model.precision == "fp8" else 2) if cfg.distributed.keep_gathered else 0
+        gathered_as = 1 if cfg.model.precision == "fp8" else 2  # FP8 blocks are gathered in FP8 (families/fp8.py)
+        gather_bytes = gathered_as if cfg.distributed.keep_gathered else 0
 
         def planned(gathered: int):
             """(rows a micro-batch, the fastest plan at them or None, the smallest plan) with the blocks' weights
             kept gathered at ``gathered`` bytes a parameter (0: not kept)."""
 
             def shards(p, rows: int):
-                return sharded(p, resources.gpus, once, reduce_bytes, per_rank // rows, gathered)
+                return sharded(p, resources.gpus, once, reduce_bytes, per_rank // rows, gathered, gathered_as)
 
             fastest, smallest = best(layers, shards(probe, cfg.data.micro_batch_size), resources, fixed)
             rows = probed = cfg.data.micro_batch_size
