@@ -9,6 +9,7 @@ offloaded (both spread over the depth, so that the copies are spread over the wh
 micro-batch costs
 
     time   = head + L x (forward + backward) + R x forward + the copies' stall
+             (+ sharded over several GPUs: the collectives nothing hides + L x FSDP2's own copies of a block)
     memory = weights + optimizer + (L - R - O) x kept + (R x input, unless the inputs are offloaded)
              + in-flight copies + the step's working set + a margin
 
