@@ -341,3 +341,61 @@ def test_the_saved_tensors_listing_names_what_each_way_keeps_from_the_forward_fo
     for once, tensors in ways.items():  # the weights as the backward takes them, in either orientation
         kept = {t["dtype"] for t in tensors if t["input"] and {tuple(t["shape"]), tuple(t["shape"][::-1])} & weights}
         assert kept == ({"torch.float8_e4m3fn"} if once else {"torch.float32"}), (once, kept)
+
+
+def _each_gpu(tmp_path, stand_in: str, *measurements: str, gpus: str = "2"):
+    """perf/each_gpu.sh ``measurements`` on ``gpus`` GPUs with ``stand_in`` (after :data:`RESULTS_DIR_OF_ARGS`) as
+    the `python3` on PATH, $OUT and $RESULTS under ``tmp_path``. The finished process."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    python3 = bin_dir / "python3"
+    python3.write_text("#!/bin/sh\n" + RESULTS_DIR_OF_ARGS + stand_in)
+    python3.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               RESULTS=str(tmp_path / "results"), GPUS=gpus)  # fmt: skip
+    return subprocess.run(["bash", str(SCRIPTS / "each_gpu.sh"), *measurements], env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+
+
+# A stand-in `trainbench bench` whose figure is its GPU's (CUDA_VISIBLE_DEVICES): GPU 1 the slower
+BY_GPU = (
+    'echo "$CUDA_VISIBLE_DEVICES $*" >> "$OUT/args.txt"\nmkdir -p "$d/run"\n'
+    "case $CUDA_VISIBLE_DEVICES in 0) t=15059.4 ;; 1) t=14856.2 ;; *) t=1 ;; esac\n"
+    'printf \'{\\n  "tokens_per_s": %s,\\n  "tokens_per_s_per_rank": 2\\n}\\n\' "$t" > "$d/run/bench.json"\n'
+)
+
+
+def test_each_gpu_measures_one_gpu_figures_on_every_gpu_side_by_side_and_names_the_slowest(tmp_path):
+    """perf/each_gpu.sh llm-auto on 2 GPUs: bench_figures.sh's llm-auto once on each GPU alone (CUDA_VISIBLE_DEVICES
+    0 and 1, one rank each, results apart), each bench.json back as llm_auto-gpuN.json with its console, then each
+    GPU's figure and the slowest's, the pace a synchronous step of both would go at."""
+    done = _each_gpu(tmp_path, BY_GPU, "llm-auto")
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert done.stdout.strip() == "llm_auto: GPU 0 15059, GPU 1 14856 tokens/s; the slowest GPU 1: 14856", done.stdout
+    out = tmp_path / "out"
+    assert json.loads((out / "llm_auto-gpu0.json").read_text())["tokens_per_s"] == 15059.4
+    assert json.loads((out / "llm_auto-gpu1.json").read_text())["tokens_per_s"] == 14856.2
+    calls = sorted(_calls(tmp_path))
+    assert [c[0] for c in calls] == ["0", "1"]  # one measurement on each GPU alone
+    for gpu, call in zip("01", calls, strict=True):
+        assert call[1:5] == ["-m", "trainbench", "bench", "llama31_8b"] and "--nproc" not in call
+        assert f"output.results_dir={tmp_path}/results/gpu{gpu}/llm_auto-gpu{gpu}" in call, call
+    assert (out / "llm_auto-gpu1.log").exists() and (out / "each_gpu1.log").exists()
+
+
+def test_each_gpu_refuses_a_node_measurement_or_a_host_without_gpus_and_says_which_gpu_failed(tmp_path):
+    """A node measurement (it runs on NPROC GPUs) and a host where no GPU is listed are refused in one sentence,
+    exit 2, before anything runs; a measurement that fails on one GPU ends the call non-zero naming that GPU and
+    its console, the other GPU's figure still said."""
+    node = _each_gpu(tmp_path, BY_GPU, "llm-auto", "node-llm")
+    assert node.returncode == 2 and "node-llm runs on NPROC GPUs: give it to perf/bench_figures.sh" in node.stderr
+    none = _each_gpu(tmp_path, BY_GPU, "llm-auto", gpus="0")
+    assert none.returncode == 2 and "usage: perf/each_gpu.sh MEASUREMENT" in none.stderr
+    assert not (tmp_path / "out" / "args.txt").exists()
+    failing = 'case $CUDA_VISIBLE_DEVICES in 1) echo "error: CUDA out of memory"; exit 1 ;; esac\n' + BY_GPU
+    done = _each_gpu(tmp_path, failing, "llm-auto")
+    assert done.returncode == 1 and f"failed on GPU 1 ({tmp_path}/out/each_gpu1.log)" in done.stderr, done.stderr
+    assert done.stdout.strip() == "llm_auto: GPU 0 15059 tokens/s; the slowest GPU 0: 15059", done.stdout

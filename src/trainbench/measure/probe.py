@@ -304,14 +304,12 @@ def measure(cfg, bench) -> dict[str, Any]:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     free, total = torch.cuda.mem_get_info(device)
-    to_host, to_gpu = link_rates()
-    device_copy = device_copy_rate()
+    (to_host, to_gpu), device_copy = link_rates(), device_copy_rate()
     pcfg = probe_config(cfg)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     run = build_run(pcfg, bench, info, None, synthetic=True)
     block = run.placed.module.model.layers[1]
-    weights = torch.cuda.memory_allocated(device)
-    block_weights = _storages(block)
+    weights, block_weights = torch.cuda.memory_allocated(device), _storages(block)
     marks = _BlockMarks(block, device)
     step = _stepper(run, bench, pcfg, info)
     try:
