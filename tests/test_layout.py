@@ -581,7 +581,7 @@ def test_the_plan_counts_fsdp2_s_own_copies_of_every_block_at_the_gpu_s_copy_rat
     """Sharded, each micro-batch gathers every block twice and reduce-scatters it once, and FSDP2's own kernels copy
     and cast around each (one GPU has none of them): in FP8 gathers and bf16 reduce-scatters over 2 ranks, 24 bytes
     read and written a parameter, charged at twice the probe's copy rate (a copy reads and writes each byte). The
-    weights kept gathered gather once a step, reduced once a step reduce-scatters once a step; more rows a
+    weights kept gathered gather twice a step, reduced once a step reduce-scatters once a step; more rows a
     micro-batch leave the copies as they are (fewer micro-batches a step carry them); the predicted line says them;
     a probe without the copy rate (an older one) charges nothing."""
     from trainbench.families.planner import MASTER_BYTES, shard_copy_bytes, sharded, with_rows
@@ -601,10 +601,15 @@ def test_the_plan_counts_fsdp2_s_own_copies_of_every_block_at_the_gpu_s_copy_rat
     without = evaluate(32, sharded(P8, 2, reduce_bytes=2, micro_batches=8, gathered_as=1), 0, 0, False)
     assert plan.shard_copy_s == pytest.approx(32 * each.shard_copy_s) and without.shard_copy_s == 0.0
     assert plan.seconds - without.seconds == pytest.approx(plan.shard_copy_s)
+    # kept gathered: two gathers a step (the first forward's, the last backward's); reduced once a step: every
+    # backward's gather and the first forward's, one reduce-scatter a step; both: two gathers and one
     kept = sharded(p, 2, reduce_bytes=2, micro_batches=8, gather_bytes=1, gathered_as=1)
-    assert kept.shard_copy_s == pytest.approx(params * shard_copy_bytes(2, 1, 2, 1 / 8, 1) / (2 * rate))
+    assert kept.shard_copy_s == pytest.approx(params * shard_copy_bytes(2, 1, 2, 2 / 8, 1) / (2 * rate))
     once = sharded(p, 2, reduce_once_a_step=True, reduce_bytes=2, micro_batches=8, gathered_as=1)
-    assert once.shard_copy_s == pytest.approx(params * shard_copy_bytes(2, 1, 2, 1 / 8, 1 / 8) / (2 * rate))
+    assert once.shard_copy_s == pytest.approx(params * shard_copy_bytes(2, 1, 2, 1 + 1 / 8, 1 / 8) / (2 * rate))
+    both = sharded(p, 2, reduce_once_a_step=True, reduce_bytes=2, micro_batches=8, gather_bytes=1, gathered_as=1)
+    assert both.shard_copy_s == pytest.approx(params * shard_copy_bytes(2, 1, 2, 2 / 8, 1 / 8) / (2 * rate))
+    assert both.shard_copy_s < once.shard_copy_s < kept.shard_copy_s < each.shard_copy_s
     assert sharded(p, 1).shard_copy_s == 0.0
     rows2 = sharded(with_rows(p, 2), 2, reduce_bytes=2, micro_batches=8, gathered_as=1)
     assert rows2.shard_copy_s == each.shard_copy_s and rows2.forward_s == 2 * p.forward_s

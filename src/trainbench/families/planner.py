@@ -199,14 +199,17 @@ def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False, reduce_
     And FSDP2's own kernels for each block, which run beside NCCL's in every gather and reduce-scatter and which
     one GPU does not have (:func:`shard_copy_bytes`, at twice the probe's ``device_copy_bytes_s``: a copy reads and
     writes each byte): each micro-batch gathers a block twice (forward, and again for its backward) at
-    ``gathered_as`` bytes a parameter and reduce-scatters it once; the weights kept gathered (``gather_bytes``, or
-    with ``reduce_once_a_step``) gather once a step, and ``reduce_once_a_step`` reduce-scatters once a step."""
+    ``gathered_as`` bytes a parameter and reduce-scatters it once; the weights kept gathered (``gather_bytes``)
+    gather twice a step, and ``reduce_once_a_step`` reduce-scatters once a step and gathers once a micro-batch (its
+    backward's) and once more a step."""
     if ranks <= 1:
         return p
     params = p.other_weight_bytes / 4
     exposed = params * (2 + reduce_bytes) * (ranks - 1) / ranks / NODE_COLLECTIVE_BYTES_S
     once = 1 / max(1, micro_batches)
-    gathers = once if gather_bytes or reduce_once_a_step else 2
+    # (keep_gathered: the step's first forward and last backward; reduce_once_a_step alone: its first forward and
+    # every backward, the blocks resharded after their forward as usual)
+    gathers = 2 * once if gather_bytes else 1 + once if reduce_once_a_step else 2
     per_param = shard_copy_bytes(ranks, gathered_as, reduce_bytes, gathers, once if reduce_once_a_step else 1)
     copy_s = p.block_weight_bytes / MASTER_BYTES * per_param / (2 * p.device_copy_bytes_s) \
         if p.device_copy_bytes_s else 0.0  # fmt: skip
