@@ -100,24 +100,32 @@ def test_the_inductor_options_hook_sets_known_options_and_refuses_unknown_ones_i
 RESULTS_DIR_OF_ARGS = 'for a in "$@"; do case $a in output.results_dir=*) d=${a#output.results_dir=} ;; esac; done\n'
 
 
-def _bench_figures(tmp_path, stand_in: str, *measurements: str, limit_s: int | None = None, nproc: int = 1,
-                   env: dict[str, str] | None = None):  # fmt: skip
-    """perf/bench_figures.sh ``measurements`` with ``stand_in`` (a shell script's body, after
-    :data:`RESULTS_DIR_OF_ARGS`) as the `python3` on PATH, $OUT and $RESULTS under ``tmp_path``, ``env`` besides;
-    under `timeout limit_s` where given. The finished process."""
+def _perf_script(tmp_path, script: str, stand_in: str, args: tuple[str, ...], env: dict[str, str],
+                 limit: tuple[str, ...] = ()):  # fmt: skip
+    """perf/``script`` ``args`` with ``stand_in`` (a shell script's body, after :data:`RESULTS_DIR_OF_ARGS`) as the
+    `python3` on PATH, $OUT and $RESULTS under ``tmp_path``, ``env`` besides, after ``limit`` (a `timeout`). The
+    finished process."""
     import os
     import subprocess
 
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     python3 = bin_dir / "python3"
     python3.write_text("#!/bin/sh\n" + RESULTS_DIR_OF_ARGS + stand_in)
     python3.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               RESULTS=str(tmp_path / "results"), NPROC=str(nproc), **(env or {}))  # fmt: skip
-    limit = ["timeout", str(limit_s)] if limit_s is not None else []
-    return subprocess.run([*limit, "bash", str(SCRIPTS / "bench_figures.sh"), *measurements], env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+               RESULTS=str(tmp_path / "results"), **env)  # fmt: skip
+    return subprocess.run([*limit, "bash", str(SCRIPTS / script), *args], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+
+
+def _bench_figures(tmp_path, stand_in: str, *measurements: str, limit_s: int | None = None, nproc: int = 1,
+                   env: dict[str, str] | None = None):  # fmt: skip
+    """perf/bench_figures.sh ``measurements`` on ``nproc`` GPUs through :func:`_perf_script`; under `timeout
+    limit_s` where given. The finished process."""
+    limit = ("timeout", str(limit_s)) if limit_s is not None else ()
+    return _perf_script(tmp_path, "bench_figures.sh", stand_in, measurements, {"NPROC": str(nproc), **(env or {})},
+                        limit)  # fmt: skip
 
 
 def _recording(folder: str, figure: str = "samples_per_s") -> str:
@@ -344,20 +352,8 @@ def test_the_saved_tensors_listing_names_what_each_way_keeps_from_the_forward_fo
 
 
 def _each_gpu(tmp_path, stand_in: str, *measurements: str, gpus: str = "2"):
-    """perf/each_gpu.sh ``measurements`` on ``gpus`` GPUs with ``stand_in`` (after :data:`RESULTS_DIR_OF_ARGS`) as
-    the `python3` on PATH, $OUT and $RESULTS under ``tmp_path``. The finished process."""
-    import os
-    import subprocess
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    python3 = bin_dir / "python3"
-    python3.write_text("#!/bin/sh\n" + RESULTS_DIR_OF_ARGS + stand_in)
-    python3.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               RESULTS=str(tmp_path / "results"), GPUS=gpus)  # fmt: skip
-    return subprocess.run(["bash", str(SCRIPTS / "each_gpu.sh"), *measurements], env=env, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    """perf/each_gpu.sh ``measurements`` on ``gpus`` GPUs through :func:`_perf_script`. The finished process."""
+    return _perf_script(tmp_path, "each_gpu.sh", stand_in, measurements, {"GPUS": gpus})
 
 
 # A stand-in `trainbench bench` whose figure is its GPU's (CUDA_VISIBLE_DEVICES): GPU 1 the slower

@@ -101,17 +101,17 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         "peak_reserved_gib": held,
         "allocator_retries": timed.allocator_retries,
         # what the GPU has (or perf.gpu_memory_gib stands in for): where an extrapolated peak would not fit
-        "gpu_memory_gib": (cfg.perf.gpu_memory_gib or _gpu_gib(info.device)) if info.device.type == "cuda" else None,
+        "gpu_memory_gib": (cfg.perf.gpu_memory_gib or _gpu_gib(info.device)) if cuda else None,
         "eval_seconds_per_sample": eval_seconds_per_row / info.world_size,  # each rank its own rows, side by side
         "eval_samples": run.data.eval_samples,
         "notes": run.placed.notes + bench.family.model_notes(cfg, info.device, run.bf16),
         "profile": timed.profile,
         "router": router,
-        "device": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(info.device) if cuda else "cpu",
     }
     if info.is_main:  # this node's GPUs over the timed steps: median power and SM clock, throttle reasons, energy
         # what rank 0 ran on, for the report's hardware line
-        result["system"] = machine(cfg.output.gpu_links and info.device.type == "cuda")
+        result["system"] = machine(cfg.output.gpu_links and cuda)
         result["gpus"] = window_summary(run_dir, start_ms, stop_ms)
         energy = node_energy(result["gpus"], info.local_world_size)
         if energy is not None:
