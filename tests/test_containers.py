@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import tarfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import CLUSTER_GROUP, needs_two_nodes, only_run_dir, run_cli
@@ -117,17 +118,59 @@ def needs_podman(test):
     return test
 
 
+def podman(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(["podman", *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+# What building the image takes of the disk at its peak: the wheels, the build container's copy of the venv, the blob
+# written from it and the image's layer (measured on 2026-11-30: 6.4 GB above where it started, for an image of 1.8 GB).
+IMAGE_PEAK_GB = 6.5
+
+
+def _too_little_disk() -> str | None:
+    """Why the image cannot be built here for want of disk, or None: podman's storage (and the temporary folder the
+    build writes its layer through) must have IMAGE_PEAK_GB free between them."""
+    proc = podman("info", "--format", "{{.Store.GraphRoot}}", timeout=60)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return None  # the build itself says what is wrong with podman
+    places = {Path(proc.stdout.strip()), Path(os.environ.get("TMPDIR", "/var/tmp"))}
+    free = {os.stat(p).st_dev: shutil.disk_usage(p).free / 1e9 for p in places if p.exists()}
+    if free and sum(free.values()) < IMAGE_PEAK_GB:
+        where = " and ".join(sorted(str(p) for p in places if p.exists()))
+        return (f"building the image takes about {IMAGE_PEAK_GB} GB of disk at its peak, and only "
+                f"{sum(free.values()):.1f} GB is free on {where}")  # fmt: skip
+    return None
+
+
 @pytest.fixture(scope="session")
-def image(podman_limits) -> str:
-    """The CPU image, built once by `containers/image.sh cpu` (mmdebstrap, wheels gathered by pip, podman build)."""
+def image(podman_limits):
+    """The CPU image, built once by `containers/image.sh cpu` (mmdebstrap, wheels gathered by pip, podman build), and
+    removed at the end of the session (the Debian base is kept: the next build starts from it). Skips with the reason
+    where the disk cannot hold the build."""
+    why = _too_little_disk()
+    if why:
+        pytest.skip(why)
     proc = subprocess.run([str(REPO / "containers" / "image.sh"), "cpu"], env=dict(os.environ, IMAGE=IMAGE),
                           capture_output=True, text=True, timeout=1200)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return IMAGE
+    try:
+        yield IMAGE
+    finally:
+        podman("rmi", "--force", IMAGE)
 
 
-def podman(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(["podman", *map(str, args)], capture_output=True, text=True, timeout=timeout)
+def test_too_little_disk_for_the_image_is_a_skip_that_says_how_much(monkeypatch, tmp_path):
+    """Where podman's storage cannot hold the build, its tests skip with one sentence, not an error halfway through."""
+    import test_containers as here
+
+    monkeypatch.setattr(here, "podman", lambda *a, **k: subprocess.CompletedProcess(a, 0, f"{tmp_path}\n", ""))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=2.0e9))
+    assert here._too_little_disk() == (
+        f"building the image takes about 6.5 GB of disk at its peak, and only 2.0 GB is free on {tmp_path}"
+    )
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=10e9))
+    assert here._too_little_disk() is None
 
 
 @needs_podman
@@ -157,28 +200,40 @@ def test_the_tiny_preset_trains_to_its_target_inside_the_image(image, tmp_path, 
 
 @needs_podman
 def test_the_enroot_squashfs_and_the_oci_archive_hold_a_working_trainbench(image, tmp_path):
-    sqsh, oci = tmp_path / "trainbench.sqsh", tmp_path / "trainbench.oci.tar"
+    """Each file is checked and deleted before the next is made: the squashfs unpacked is the image's size again (about
+    2 GB), and the test's folder would otherwise hold all three to the end of the session."""
     env = dict(os.environ, IMAGE=image)
-    for kind, out in (("sqsh", sqsh), ("oci", oci)):
+
+    def made(kind: str, out: Path) -> Path:
         proc = subprocess.run([str(REPO / "containers" / "image.sh"), kind, str(out)], env=env, capture_output=True,
                               text=True, timeout=900)  # fmt: skip
         assert proc.returncode == 0 and out.is_file(), proc.stderr[-2000:]
+        return out
+
     # The squashfs as enroot would unpack it: the image's environment in /etc/environment, trainbench runs from it.
-    root = tmp_path / "root"
-    assert subprocess.run(["unsquashfs", "-q", "-n", "-d", root, sqsh], capture_output=True).returncode == 0
-    environment = (root / "etc" / "environment").read_text()
-    assert "PATH=/opt/trainbench/venv/bin:" in environment
-    listed = podman("run", "--rm", "--rootfs", root, "/bin/sh", "-c", "set -a; . /etc/environment; trainbench list")
-    assert listed.returncode == 0 and "llama31_8b" in listed.stdout, listed.stderr[-2000:]
+    sqsh, root = made("sqsh", tmp_path / "trainbench.sqsh"), tmp_path / "root"
+    try:
+        assert subprocess.run(["unsquashfs", "-q", "-n", "-d", root, sqsh], capture_output=True).returncode == 0
+        environment = (root / "etc" / "environment").read_text()
+        assert "PATH=/opt/trainbench/venv/bin:" in environment
+        listed = podman("run", "--rm", "--rootfs", root, "/bin/sh", "-c", "set -a; . /etc/environment; trainbench list")
+        assert listed.returncode == 0 and "llama31_8b" in listed.stdout, listed.stderr[-2000:]
+    finally:
+        sqsh.unlink(missing_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
     # The OCI archive as `apptainer build x.sif oci-archive://...` reads it: a layout, an index, its manifest's blobs.
-    with tarfile.open(oci) as tar:
-        names = set(tar.getnames())
-        assert json.load(tar.extractfile("oci-layout"))["imageLayoutVersion"] == "1.0.0"
-        index = json.load(tar.extractfile("index.json"))
-        digest = index["manifests"][0]["digest"].replace(":", "/")
-        manifest = json.load(tar.extractfile(f"blobs/{digest}"))
-        for blob in [manifest["config"], *manifest["layers"]]:
-            assert f"blobs/{blob['digest'].replace(':', '/')}" in names
+    oci = made("oci", tmp_path / "trainbench.oci.tar")
+    try:
+        with tarfile.open(oci) as tar:
+            names = set(tar.getnames())
+            assert json.load(tar.extractfile("oci-layout"))["imageLayoutVersion"] == "1.0.0"
+            index = json.load(tar.extractfile("index.json"))
+            digest = index["manifests"][0]["digest"].replace(":", "/")
+            manifest = json.load(tar.extractfile(f"blobs/{digest}"))
+            for blob in [manifest["config"], *manifest["layers"]]:
+                assert f"blobs/{blob['digest'].replace(':', '/')}" in names
+    finally:
+        oci.unlink(missing_ok=True)
 
 
 # -- podman under Slurm, with the preflight ------------------------------------------------------------------------
