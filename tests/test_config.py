@@ -315,6 +315,11 @@ def test_the_output_layer_in_fp8_is_refused_in_one_sentence_where_it_cannot_be_h
         build_config("llama31_8b", "tiny", overrides=fp8 | {"model.tie_embeddings": "true"})
     with pytest.raises(ConfigError, match=r"multiples of 16 .*; model.vocab_size=30522$"):
         build_config("llama31_8b", "tiny", overrides=fp8 | {"model.vocab_size": "30522"})
+    with pytest.raises(ConfigError, match=r"keeps the output layer with the embedding under FSDP2 .*: set "
+                       r"distributed.output_layer_apart=false$"):  # fmt: skip
+        build_config(
+            "llama31_8b", "tiny", overrides=fp8 | {"distributed.nproc": "2", "distributed.output_layer_apart": "true"}
+        )
     assert "model.output_precision" in BENCHMARKS["llama2_70b_lora"].unused_for(
         build_config("llama2_70b_lora", "tiny")[1]
     )

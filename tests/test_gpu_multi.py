@@ -201,9 +201,11 @@ PATHS = [
     ("gpt3_fsdp2", "gpt3", [], [], 16, 1e-2, None),  # (from scratch, gpt3's log is not compliant: no target run)
     ("fsdp2_fp8", "llama31_8b", ["model.precision=fp8", "perf.compile=true"], [], 16, 2e-2,
      "FSDP2 gathers their weights in FP8"),
-    # the same with the gradients reduce-scattered in bf16 (distributed.grad_reduce_dtype=bf16)
+    # the same with the gradients reduce-scattered in bf16 (distributed.grad_reduce_dtype=bf16), 2 micro-batches a
+    # rank: the embedding and the output layer (its unit apart, called by the compiled loss) kept gathered between
+    # them (distributed.keep_outer_gathered, the default)
     ("fsdp2_fp8_bf16_reduce", "llama31_8b", ["model.precision=fp8", "perf.compile=true"],
-     ["distributed.grad_reduce_dtype=bf16"], 16, 2e-2, "reduce-scatters the gradients in bf16"),
+     ["distributed.grad_reduce_dtype=bf16"], 8, 2e-2, "reduce-scatters the gradients in bf16"),
     # the same with the blocks' FP8 weights kept gathered through a rank's 2 micro-batches (distributed.keep_gathered)
     ("fsdp2_fp8_kept", "llama31_8b", ["model.precision=fp8", "perf.compile=true"], ["distributed.keep_gathered=true"],
      8, 2e-2, "keeps the blocks' weights gathered"),

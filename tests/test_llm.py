@@ -178,7 +178,18 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_p
         "fsdp": ["--nproc", "2", "micro_batch_size=16"],
         "tp": ["--nproc", "2", "distributed.tp=2"],
         # activation checkpointing on the last of the 2 blocks only: the same arithmetic, recomputed
-        "fsdp_recompute": ["--nproc", "2", "micro_batch_size=16", "activation_checkpointing=1", "recompute_blocks=1"],
+        # (and the embedding and output layer in the root's one unit, gathered each micro-batch, as before the key)
+        "fsdp_recompute": [
+            "--nproc",
+            "2",
+            "micro_batch_size=16",
+            "activation_checkpointing=1",
+            "recompute_blocks=1",
+            "distributed.keep_outer_gathered=false",
+        ],
+        # FSDP2 over 2 with 2 micro-batches a rank, the embedding and output layer kept gathered between them (the
+        # default), the output layer's unit apart
+        "fsdp_accum": ["--nproc", "2", "micro_batch_size=8", "distributed.output_layer_apart=true"],
         # FSDP2 over 2 with 2 micro-batches a rank, reduce-scattered once a step
         "fsdp_once": ["--nproc", "2", "micro_batch_size=8", "distributed.reduce_once_a_step=true"],
         # the same with the blocks' weights kept gathered through the step's micro-batches, reduced each
@@ -201,7 +212,11 @@ def test_fsdp_tensor_parallel_and_both_give_the_loss_of_one_rank(llm_data, tmp_p
     once = (only_run_dir(tmp_path / "fsdp_once") / "console.log").read_text()
     assert "reduce-scatters the gradients once a step" in once
     assert "keeps the blocks' weights gathered" in (only_run_dir(tmp_path / "fsdp_kept") / "console.log").read_text()
-    for name in ("one_sharded", "fsdp", "tp", "fsdp_recompute", "fsdp_once", "fsdp_kept"):
+    accum = (only_run_dir(tmp_path / "fsdp_accum") / "console.log").read_text()
+    assert "keeps them gathered between its micro-batches (distributed.keep_outer_gathered)" in accum
+    assert "FSDP2 shards the output layer apart (distributed.output_layer_apart)" in accum
+    assert "keep_outer_gathered" not in console and "output_layer_apart" not in console
+    for name in ("one_sharded", "fsdp", "tp", "fsdp_recompute", "fsdp_once", "fsdp_kept", "fsdp_accum"):
         assert max(abs(a - b) for a, b in zip(losses["one"], losses[name], strict=True)) <= 1e-5, (name, losses)
         assert max(abs(a - b) for a, b in zip(evals["one"], evals[name], strict=True)) <= 1e-5, (name, evals)
     bf16 = (only_run_dir(tmp_path / "fsdp_bf16_reduce") / "console.log").read_text()

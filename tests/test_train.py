@@ -481,3 +481,85 @@ def _fsdp2_kept_gathered() -> None:
             else:
                 assert torch.allclose(a.grad.full_tensor(), b.grad.full_tensor(), rtol=1e-6, atol=1e-6), name
     _applies_to_fsdp2_alone(keep_gathered, kept, "keeps the blocks' weights gathered")
+
+
+def test_fsdp2_keeps_the_layers_outside_the_blocks_gathered_between_micro_batches_and_reduces_each():
+    """distributed.keep_outer_gathered's context (Placed.no_sync of a decoder sharded by FSDP2): around the
+    micro-batches before the last, the root's own weights (a decoder's embedding and final norm) and the output
+    layer's, sharded apart, stay gathered after the backward, while the blocks reshard as without the key; the last
+    micro-batch reshards them all before the optimizer's update. Each micro-batch's gradients are still reduced: the
+    same gradients as without the key, bit for bit. Over a process group of one; over two ranks the runs' losses
+    (tests/test_llm.py)."""
+    import torch
+    import torch.distributed as dist
+
+    from trainbench.distributed import single_rank_group
+
+    assert not dist.is_initialized()
+    single_rank_group(torch.device("cpu"))
+    try:
+        _fsdp2_outer_kept_gathered()
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp2_outer_kept_gathered() -> None:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from trainbench.distributed import Placed
+    from trainbench.families.decoder.placement import keep_outer_gathered
+
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 8) for _ in range(4)]
+
+    class Tiny(torch.nn.Module):  # a decoder's units: the root's embedding, two blocks, the output layer
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(1)
+            self.embed = torch.nn.Linear(8, 16)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+            self.lm_head = torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            x = self.embed(x)
+            for block in self.blocks:
+                x = torch.nn.functional.gelu(block(x))
+            return self.lm_head(x)
+
+    def model(apart: bool) -> Tiny:
+        m = Tiny()
+        fully_shard(m.blocks[0], reshard_after_forward=True)  # as the placements shard every block but the last
+        fully_shard(m.blocks[1], reshard_after_forward=False)
+        if apart:
+            fully_shard(m.lm_head, reshard_after_forward=False)
+        fully_shard(m)
+        return m
+
+    def sharded(*modules: torch.nn.Module) -> list[bool]:
+        return [isinstance(p, DTensor) for m in modules for p in m.parameters()]
+
+    each, kept, together = model(True), model(True), model(False)
+    placements = {}
+    for name, m, apart in (("kept", kept, True), ("together", together, False)):
+        placements[name] = Placed(module=m, model=m)
+        keep_outer_gathered(placements[name], apart)
+    for m, no_sync in ((each, None), (kept, placements["kept"].no_sync), (together, placements["together"].no_sync)):
+        for i, x in enumerate(xs):
+            last = i == len(xs) - 1
+            within = not last and no_sync is not None
+            with contextlib.nullcontext() if not within else no_sync():
+                m(x).square().sum().backward()
+            # After a backward: the blocks resharded; the embedding and the output layer kept gathered within the
+            # context, resharded after it (and without it).
+            assert all(sharded(*m.blocks)), (i, no_sync)
+            assert sharded(m.embed, m.lm_head) == [not within] * 4, (i, no_sync)
+    for other in (kept, together):
+        for a, b in zip(each.parameters(), other.parameters(), strict=True):
+            assert isinstance(b.grad, DTensor) and torch.equal(a.grad.full_tensor(), b.grad.full_tensor())
+    for placed in placements.values():
+        assert placed.notes == [
+            "FSDP2 gathers the embedding, the final norm and the output layer once a step and keeps "
+            "them gathered between its micro-batches (distributed.keep_outer_gathered)"
+        ]

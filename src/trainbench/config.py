@@ -174,6 +174,21 @@ class DistributedConfig:
         "cost the plan a row a micro-batch; docs/llm.md); flux1 at GBS 512, reduced once a step, 0.989 of one GPU a "
         "GPU against 0.91 without it, at a memory the whole model does not fit on 2 H200 (docs/flux1.md)."
     )  # fmt: skip
+    keep_outer_gathered: bool = option(
+        True, "FSDP2 on a decoder (llama31_8b, gpt3, gpt_oss_20b): the layers outside the blocks (the embedding, the "
+        "final norm, the output layer), which no block's compute hides, are gathered once a step and kept gathered "
+        "between its micro-batches instead of once a micro-batch (they are held gathered through each micro-batch "
+        "anyway: no more memory at the peak); their gradients are still reduce-scattered each micro-batch. false: "
+        "gathered each micro-batch (docs/llm.md)."
+    )  # fmt: skip
+    output_layer_apart: bool = option(
+        False, "FSDP2 on a decoder (llama31_8b, gpt3, gpt_oss_20b): the output layer sharded as a unit of its own, so "
+        "that its gradient's reduce-scatter runs beside the blocks' backward instead of after the embedding's, at the "
+        "backward's end. Off by default: the reduce-scatter then runs at the step's peak of memory (3 GiB more for "
+        "the 8B on 2 H200, for 0.25 % over the root kept alone; counting it, the plan fits two rows a micro-batch "
+        "with 0.2 GiB to spare; docs/llm.md). "
+        "Not with model.output_precision=fp8, whose own function reads the layer's weight."
+    )  # fmt: skip
     grad_reduce_dtype: str = option(
         "fp32",
         "Type of the gradients on the wire: fp32, or bf16 (half the traffic). DDP (bert, dlrmv4's dense part): each "
@@ -640,7 +655,8 @@ def keys_without_effect(cfg: RunConfig) -> dict[str, str]:
         for key in ("distributed.bucket_cap_mb", "distributed.overlap_compiled"):
             out[key] = one
         if not cfg.distributed.shard_one_rank:  # (FSDP2 over a group of one reduce-scatters: what it measures)
-            for key in ("distributed.reduce_once_a_step", "distributed.grad_reduce_dtype", "distributed.keep_gathered"):
+            for key in ("distributed.reduce_once_a_step", "distributed.grad_reduce_dtype", "distributed.keep_gathered",
+                        "distributed.keep_outer_gathered", "distributed.output_layer_apart"):  # fmt: skip
                 out[key] = one
     if not cfg.perf.compile:
         out.setdefault("distributed.overlap_compiled", "it splits the compiled graph, and perf.compile=false")

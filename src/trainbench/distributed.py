@@ -320,6 +320,30 @@ def keep_gathered(placed: Placed) -> None:
                    "backward's")  # fmt: skip
 
 
+def fsdp_keep_outer_gathered(units: list[torch.nn.Module], before: Callable[[], contextlib.AbstractContextManager]
+                             ) -> Callable[[], contextlib.AbstractContextManager]:  # fmt: skip
+    """``Placed.no_sync`` for a decoder sharded by FSDP2 whose layers outside the blocks stay gathered between the
+    micro-batches of a step (``distributed.keep_outer_gathered``): around each micro-batch but the last (inside
+    ``before``), ``units`` (the root, which holds the embedding and the final norm, and the output layer where it is
+    sharded apart) are not resharded after their backward, so that the next micro-batch gathers none of them. Their
+    gradients are still reduce-scattered each micro-batch. They are gathered through each micro-batch's forward and
+    backward anyway, so the peak holds nothing more. The step's last micro-batch reshards them after its backward,
+    before the optimizer's update changes the shards."""
+
+    @contextlib.contextmanager
+    def kept() -> Iterator[None]:
+        with before():
+            for unit in units:
+                unit.set_reshard_after_backward(False, recurse=False)
+            try:
+                yield
+            finally:
+                for unit in units:
+                    unit.set_reshard_after_backward(True, recurse=False)
+
+    return kept
+
+
 @dataclass
 class Placed:
     """A model on its rank's devices, as a benchmark's placement returns it to the training loop.

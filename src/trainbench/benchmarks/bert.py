@@ -161,6 +161,8 @@ class BertBenchmark(Benchmark):
         "perf.optimizer_kernel": "its LAMB update is its own (optim/lamb.py), not AdamW's",
         "distributed.reduce_once_a_step": "DDP reduces its gradients once a step already (no FSDP2)",
         "distributed.keep_gathered": "DDP keeps its whole weights on every rank already (no FSDP2)",
+        "distributed.keep_outer_gathered": "DDP keeps its whole weights on every rank already (no FSDP2)",
+        "distributed.output_layer_apart": "DDP shards no layer (no FSDP2)",
     }
 
     def validate(self, cfg: RunConfig) -> None:

@@ -123,6 +123,8 @@ class Dlrmv4Benchmark(Benchmark):
         "data.max_predictions": "it predicts one label per sample",
         "distributed.reduce_once_a_step": "DDP reduces its dense gradients once a step already (no FSDP2)",
         "distributed.keep_gathered": "DDP keeps its dense weights whole on every rank already (no FSDP2)",
+        "distributed.keep_outer_gathered": "DDP keeps its dense weights whole on every rank already (no FSDP2)",
+        "distributed.output_layer_apart": "DDP shards no layer (no FSDP2)",
         "data.layout": "its samples are one anchor event each",
         "data.length_bins": "its samples are padded to one length",
         "optimizer.weight_decay": "the rules fix it at 0 (Adam without weight decay, RowWiseAdagrad without any)",

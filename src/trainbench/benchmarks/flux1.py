@@ -87,6 +87,10 @@ class Flux1Benchmark(Benchmark):
         "optimizer.bias_correction": "AdamW always corrects its moments' bias",
         "optimizer.clip": "the optimizer clips the global gradient norm",
         "schedule.poly_power": "its rate is constant after the warmup",
+        "distributed.keep_outer_gathered": "its layers outside the blocks (the embedders, the final layer) are a "
+        "small share of its weights: FSDP2 gathers them with the model each micro-batch",
+        "distributed.output_layer_apart": "its final layer is a small share of its weights: FSDP2 shards it with the "
+        "model",
         "schedule.start_warmup_step": "its warmup starts at step 0",
         "schedule.end_lr": "its rate is constant after the warmup",
         "perf.recompute_blocks": "perf.activation_checkpointing recomputes every block",

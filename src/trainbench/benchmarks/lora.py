@@ -117,6 +117,10 @@ class LoraBenchmark(LLMBenchmark):
         "would undo the base's sharding",
         "distributed.keep_gathered": "its frozen base is what FSDP2 gathers (model.base_sharding=fsdp): kept "
         "gathered, it would undo the base's sharding",
+        "distributed.keep_outer_gathered": "its embedding and output layer are frozen (no gradient to reduce) and "
+        "placed with its base (model.base_sharding)",
+        "distributed.output_layer_apart": "its output layer is frozen (no gradient to reduce) and placed with its "
+        "base (model.base_sharding)",
         "distributed.grad_reduce_dtype": "its adapters' gradients, a fraction of a percent of the weights, are reduced "
         "in fp32",
     }

@@ -178,7 +178,8 @@ def shard_copy_bytes(ranks: int, gathered_as: int, reduce_bytes: int, gathers: f
 
 
 def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False, reduce_bytes: int = 4,
-            micro_batches: int = 1, gather_bytes: int = 0, gathered_as: int = 2) -> BlockProbe:  # fmt: skip
+            micro_batches: int = 1, gather_bytes: int = 0, gathered_as: int = 2, outer_kept: bool = False,
+            head_apart: bool = False) -> BlockProbe:  # fmt: skip
     """One GPU's share of ``p``'s memory where FSDP2 shards every parameter, its gradient and its optimizer state
     over ``ranks``: the shards, plus :data:`GATHERED_BLOCKS` blocks held whole at a time (the one computing and the
     next, gathered ahead; in backward a block's gradient before its reduce-scatter), counted at the probe's own size
@@ -194,7 +195,12 @@ def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False, reduce_
     (``other_weight_bytes``, fp32: the embedding, the output layer, the norms): gathered in bf16 before a
     micro-batch's first block and its gradients reduce-scattered (``reduce_bytes`` a parameter: 4 in fp32, 2 in bf16)
     after its last, at :data:`NODE_COLLECTIVE_BYTES_S`; with ``reduce_once_a_step``, once in a step's
-    ``micro_batches``.
+    ``micro_batches``. ``outer_kept`` (``distributed.keep_outer_gathered``): gathered once a step, kept between the
+    micro-batches; ``head_apart``: the output layer's reduce-scatter runs beside the blocks' backward, and only the
+    embedding's (half the rest: an untied decoder's two are the same size) is left after the last block. It runs at
+    the backward's start, the step's peak of memory: its gradient once more in the reduce's type (the buffer the
+    reduce-scatter reads) and its shard in fp32 are counted in the working set (measured: 3.0 GiB more for the 8B
+    on 2 H200, bf16 reduce-scatters; this counts 2.9).
 
     And FSDP2's own kernels for each block, which run beside NCCL's in every gather and reduce-scatter and which
     one GPU does not have (:func:`shard_copy_bytes`, at twice the probe's ``device_copy_bytes_s``: a copy reads and
@@ -205,23 +211,28 @@ def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False, reduce_
     if ranks <= 1:
         return p
     params = p.other_weight_bytes / 4
-    exposed = params * (2 + reduce_bytes) * (ranks - 1) / ranks / NODE_COLLECTIVE_BYTES_S
     once = 1 / max(1, micro_batches)
+    reduced = reduce_bytes * (0.5 if head_apart else 1)  # bytes a parameter of the rest, after the last block
+    # (reduce_once_a_step keeps everything gathered between micro-batches, and reduces once a step)
+    per_micro_batch = (2 + reduced) * once if reduce_once_a_step else 2 * (once if outer_kept else 1) + reduced
+    exposed = params * per_micro_batch * (ranks - 1) / ranks / NODE_COLLECTIVE_BYTES_S
     # (keep_gathered: the step's first forward and last backward; reduce_once_a_step alone: its first forward and
     # every backward, the blocks resharded after their forward as usual)
     gathers = 2 * once if gather_bytes else 1 + once if reduce_once_a_step else 2
     per_param = shard_copy_bytes(ranks, gathered_as, reduce_bytes, gathers, once if reduce_once_a_step else 1)
     copy_s = p.block_weight_bytes / MASTER_BYTES * per_param / (2 * p.device_copy_bytes_s) \
         if p.device_copy_bytes_s else 0.0  # fmt: skip
+    head_peak = params / 2 * (2 * reduce_bytes + 4 / ranks) if head_apart else 0
     return dataclasses.replace(
         p,
+        working_bytes=p.working_bytes + int(head_peak),
         whole_bytes_per_block=2 * p.block_weight_bytes if reduce_once_a_step else 0,
         gathered_bytes_per_block=0 if reduce_once_a_step else p.block_weight_bytes * gather_bytes // 4,
         block_weight_bytes=p.block_weight_bytes // ranks,
         other_weight_bytes=p.other_weight_bytes // ranks + GATHERED_BLOCKS * p.block_weight_bytes,
         optimizer_bytes_per_block=p.optimizer_bytes_per_block // ranks,
         other_optimizer_bytes=p.other_optimizer_bytes // ranks,
-        exposed_comm_s=exposed / max(1, micro_batches) if reduce_once_a_step else exposed,
+        exposed_comm_s=exposed,
         shard_copy_s=copy_s,
     )
 

@@ -45,6 +45,10 @@ def output_layer_in_fp8(cfg: RunConfig) -> None:
     if odd:
         raise ConfigError(f"model.output_precision=fp8 needs a vocabulary and width that are multiples of 16 (FP8 "
                           f"tensor cores); {' and '.join(odd)}")  # fmt: skip
+    if cfg.distributed.output_layer_apart:
+        raise ConfigError("model.output_precision=fp8 keeps the output layer with the embedding under FSDP2 (its own "
+                          "function reads the layer's weight without calling the layer): set "
+                          "distributed.output_layer_apart=false")  # fmt: skip
 
 
 def decoder_flops_per_token(model: DecoderConfig, seq: int) -> float:
@@ -132,7 +136,8 @@ class DecoderFamily(ModelFamily):
 
         return place_decoder(model, cfg.model, info, cfg.distributed.tp, bf16, cfg.perf, cfg.seed,
                              cfg.distributed.ep, cfg.distributed.shard_one_rank,
-                             cfg.distributed.grad_reduce_dtype == "bf16")  # fmt: skip
+                             cfg.distributed.grad_reduce_dtype == "bf16",
+                             cfg.distributed.keep_outer_gathered, cfg.distributed.output_layer_apart)  # fmt: skip
 
     def data_rank(self, cfg: RunConfig, info: DistInfo) -> tuple[int, int]:
         tp = cfg.distributed.tp
@@ -171,13 +176,15 @@ class DecoderFamily(ModelFamily):
         # distributed.keep_gathered: the blocks' weights as gathered (FP8 a byte, bf16 two: a GPU's plan is bf16)
         gathered_as = 1 if cfg.model.precision == "fp8" else 2  # FP8 blocks are gathered in FP8 (families/fp8.py)
         gather_bytes = gathered_as if cfg.distributed.keep_gathered else 0
+        outer_kept, head_apart = cfg.distributed.keep_outer_gathered, cfg.distributed.output_layer_apart
 
         def planned(gathered: int):
             """(rows a micro-batch, the fastest plan at them or None, the smallest plan) with the blocks' weights
             kept gathered at ``gathered`` bytes a parameter (0: not kept)."""
 
             def shards(p, rows: int):
-                return sharded(p, resources.gpus, once, reduce_bytes, per_rank // rows, gathered, gathered_as)
+                return sharded(p, resources.gpus, once, reduce_bytes, per_rank // rows, gathered, gathered_as,
+                               outer_kept, head_apart)  # fmt: skip
 
             fastest, smallest = best(layers, shards(probe, cfg.data.micro_batch_size), resources, fixed)
             rows = probed = cfg.data.micro_batch_size
@@ -209,10 +216,13 @@ class DecoderFamily(ModelFamily):
                          "docs/llm.md)")  # fmt: skip
         if resources.gpus > 1:
             lines[0] += f"; FSDP2 over the {resources.gpus} ranks"
-            lines.append("  communication: the embedding's and output layer's gathers and reduce-scatters each "
-                         f"micro-batch, which no block's compute hides, at {NODE_COLLECTIVE_BYTES_S / 1e9:.0f} GB/s "
-                         "(one node's NVLink under compute); the blocks' own overlap their neighbours' compute and "
-                         "are not counted")  # fmt: skip
+            gathers = "gathers once a step (kept between micro-batches)" if outer_kept else "gathers each micro-batch"
+            reduced = ("the embedding's reduce-scatter each micro-batch (the output layer's runs beside the blocks')"
+                       if head_apart else "their reduce-scatters each micro-batch")  # fmt: skip
+            outer = f"the embedding's and output layer's {gathers} and {reduced}"
+            lines.append(f"  communication: {outer}, which no block's compute hides, at "
+                         f"{NODE_COLLECTIVE_BYTES_S / 1e9:.0f} GB/s (one node's NVLink under compute); the blocks' own "
+                         "overlap their neighbours' compute and are not counted")  # fmt: skip
         else:
             lines[0] += "; the whole model on the GPU"
         if gather_bytes:

@@ -114,16 +114,22 @@ def apply_expert_parallel(model: DecoderLM, device_type: str, ep: int, world: in
 
 
 def apply_fsdp(model: DecoderLM, mesh: DeviceMesh, bf16: bool, ignored: set[nn.Parameter] | None = None,
-               reduce_bf16: bool = False) -> None:  # fmt: skip
-    shard_blocks(model, list(model.model.layers), mesh, bf16, ignored, reduce_bf16)
+               reduce_bf16: bool = False, head_apart: bool = False) -> None:  # fmt: skip
+    """:func:`shard_blocks` over the decoder's blocks; ``head_apart``: its output layer as a unit of its own."""
+    shard_blocks(model, list(model.model.layers), mesh, bf16, ignored, reduce_bf16,
+                 model.lm_head if head_apart else None)  # fmt: skip
 
 
 def shard_blocks(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, bf16: bool,
-                 ignored: set[nn.Parameter] | None = None, reduce_bf16: bool = False) -> None:  # fmt: skip
-    """FSDP2 on each of ``blocks`` in order, then on ``model`` for the rest: bf16 parameters gathered under
-    ``bf16``; the gradients reduce-scattered in fp32, or in bf16 under ``reduce_bf16``
-    (``distributed.grad_reduce_dtype=bf16``: half the bytes; each micro-batch's reduced shard is added to the fp32
-    gradient in fp32); ``ignored`` parameters left unsharded (experts spread by expert parallelism)."""
+                 ignored: set[nn.Parameter] | None = None, reduce_bf16: bool = False,
+                 head: nn.Module | None = None) -> None:  # fmt: skip
+    """FSDP2 on each of ``blocks`` in order, then on ``head`` (the output layer, where given), then on ``model`` for
+    the rest: bf16 parameters gathered under ``bf16``; the gradients reduce-scattered in fp32, or in bf16 under
+    ``reduce_bf16`` (``distributed.grad_reduce_dtype=bf16``: half the bytes; each micro-batch's reduced shard is
+    added to the fp32 gradient in fp32); ``ignored`` parameters left unsharded (experts spread by expert
+    parallelism). ``head`` apart, its gradient is reduce-scattered as soon as the backward has it, beside the
+    blocks' backward, where in ``model``'s unit it waits for the embedding's at the backward's end; like the last
+    block it is not resharded after its forward (the backward needs it at once)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = None
@@ -139,6 +145,8 @@ def shard_blocks(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, bf
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
         if reshard:  # (distributed.keep_gathered keeps them gathered between micro-batches)
             RESHARDED_AFTER_FORWARD.add(block)
+    if head is not None:
+        fully_shard(head, reshard_after_forward=False, **kwargs)
     fully_shard(model, **kwargs)
 
 
@@ -165,7 +173,8 @@ def use_flex_for_packed_rows(model: DecoderLM, device: torch.device, compiled: b
 def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf16: bool, checkpointing: bool,
                 compile_blocks: bool, full_state: dict[str, torch.Tensor] | None, seed: int,
                 fill: Callable[[DecoderLM], None] | None = None, ep: int = 1,
-                shard_one_rank: bool = False, reduce_bf16: bool = False) -> nn.Module:  # fmt: skip
+                shard_one_rank: bool = False, reduce_bf16: bool = False, head_apart: bool = False
+                ) -> nn.Module:  # fmt: skip
     """Shard ``model`` (built on the meta device) over ``world`` ranks and materialise it on ``device``; on one rank
     too where ``shard_one_rank`` (FSDP2 over a process group of one, as several ranks place it).
 
@@ -204,7 +213,7 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
     use_flex_for_packed_rows(model, device, compile_blocks)
     if sharded:
         experts = apply_expert_parallel(model, device.type, ep, world) if ep > 1 else None
-        apply_fsdp(model, mesh["dp"], bf16, experts, reduce_bf16)
+        apply_fsdp(model, mesh["dp"], bf16, experts, reduce_bf16, head_apart)
     model.to_empty(device=device)
     if model.cfg.tie_embeddings:  # to_empty gives every module its own tensor: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -222,11 +231,27 @@ def parallelize(model: DecoderLM, device: torch.device, world: int, tp: int, bf1
     return model
 
 
+def keep_outer_gathered(placed: Placed, head_apart: bool) -> None:
+    """``distributed.keep_outer_gathered`` on a decoder sharded by FSDP2: the root's unit (the embedding, the final
+    norm) and the output layer's where it is apart (``head_apart``) kept gathered between a step's micro-batches
+    (:func:`~trainbench.distributed.fsdp_keep_outer_gathered`), said on the console."""
+    from trainbench.distributed import fsdp_keep_outer_gathered
+
+    root = placed.module
+    units = [root, root.lm_head] if head_apart else [root]
+    placed.no_sync = fsdp_keep_outer_gathered(units, placed.no_sync)
+    placed.notes.append("FSDP2 gathers the embedding, the final norm and the output layer once a step and keeps them "
+                        "gathered between its micro-batches (distributed.keep_outer_gathered)")  # fmt: skip
+
+
 def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int, bf16: bool, perf: PerfConfig,
                   seed: int, ep: int = 1, shard_one_rank: bool = False,
-                  reduce_bf16: bool = False) -> Placed:  # fmt: skip
+                  reduce_bf16: bool = False, keep_outer: bool = False, head_apart: bool = False
+                  ) -> Placed:  # fmt: skip
     """``model`` (built on the meta device) sharded over the ranks (on one rank too where ``shard_one_rank``; the
-    gradients reduce-scattered in bf16 under ``reduce_bf16``),
+    gradients reduce-scattered in bf16 under ``reduce_bf16``; the layers outside the blocks kept gathered between
+    micro-batches under ``keep_outer``, :func:`keep_outer_gathered`; the output layer sharded as a unit of its own
+    under ``head_apart``),
     materialised and initialised from ``seed``; compiled per block and checkpointed by ``perf.compile`` and
     ``perf.activation_checkpointing``, and what its blocks keep for the backward chosen by ``perf``'s other keys last
     (:func:`~trainbench.families.decoder.memory.recompute_and_offload`: checkpointing on fewer blocks, host
@@ -239,11 +264,17 @@ def place_decoder(model: DecoderLM, cfg: DecoderConfig, info: DistInfo, tp: int,
         full = whole.state_dict()
     mixed = bf16 and info.device.type == "cuda"
     placed = parallelize(model, info.device, info.world_size, tp, mixed, checkpointing, compile_blocks, full, seed,
-                         ep=ep, shard_one_rank=shard_one_rank, reduce_bf16=reduce_bf16)  # fmt: skip
+                         ep=ep, shard_one_rank=shard_one_rank, reduce_bf16=reduce_bf16,
+                         head_apart=head_apart)  # fmt: skip
     fp8 = cfg.precision == "fp8"
     sharded = info.world_size > 1 or shard_one_rank
     comm = sharded_comm_precision(info.world_size, mixed, fp8, sharded and reduce_bf16)
     out = Placed(module=placed, model=placed, comm_precision=comm)
+    if sharded and head_apart:
+        out.notes.append("FSDP2 shards the output layer apart (distributed.output_layer_apart): its gradient "
+                         "reduce-scattered beside the blocks' backward")  # fmt: skip
+    if sharded and keep_outer:
+        keep_outer_gathered(out, head_apart)
     if info.world_size == 1 and shard_one_rank:
         out.notes.append("FSDP2 over this one rank (distributed.shard_one_rank), placed as several ranks place it")
     if sharded and reduce_bf16:
