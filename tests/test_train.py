@@ -347,12 +347,9 @@ def test_prepare_is_idempotent_and_refuses_to_mix(tmp_path, capsys):
     assert run_cli("prepare", "bert", "--out", out) == 2 and "--synthetic" in capsys.readouterr().out
 
 
-def test_fsdp2_reduces_once_a_step_the_gradients_it_kept_whole_over_the_micro_batches():
-    """distributed.reduce_once_a_step's context (Placed.no_sync for FSDP2): around the micro-batches before the
-    last, FSDP2 keeps the weights gathered and their whole gradients unreduced (no shard of a gradient made); the
-    last micro-batch's backward reduces the sum of all of them at once: the gradients of reducing each micro-batch,
-    within fp32's rounding of the sums' order. Over a process group of one (the reduce-scatter a copy); over two
-    ranks the runs' losses (tests/test_llm.py, tests/test_flux.py)."""
+def _over_one_rank(check) -> None:
+    """``check()`` inside a CPU process group of one rank (FSDP2 needs one), torn down after it: the worker's other
+    tests run with no process group."""
     import torch
     import torch.distributed as dist
 
@@ -361,9 +358,18 @@ def test_fsdp2_reduces_once_a_step_the_gradients_it_kept_whole_over_the_micro_ba
     assert not dist.is_initialized()
     single_rank_group(torch.device("cpu"))
     try:
-        _fsdp2_reduced_once_a_step()
+        check()
     finally:
-        dist.destroy_process_group()  # the worker's other tests run with no process group
+        dist.destroy_process_group()
+
+
+def test_fsdp2_reduces_once_a_step_the_gradients_it_kept_whole_over_the_micro_batches():
+    """distributed.reduce_once_a_step's context (Placed.no_sync for FSDP2): around the micro-batches before the
+    last, FSDP2 keeps the weights gathered and their whole gradients unreduced (no shard of a gradient made); the
+    last micro-batch's backward reduces the sum of all of them at once: the gradients of reducing each micro-batch,
+    within fp32's rounding of the sums' order. Over a process group of one (the reduce-scatter a copy); over two
+    ranks the runs' losses (tests/test_llm.py, tests/test_flux.py)."""
+    _over_one_rank(_fsdp2_reduced_once_a_step)
 
 
 def _fsdp2_reduced_once_a_step() -> None:
@@ -421,17 +427,7 @@ def test_fsdp2_keeps_the_blocks_gathered_through_the_micro_batches_and_reduces_e
     Each micro-batch's gradients are still reduced: the same gradients as without the key, bit for bit. Over both
     keys, the gradients of reducing once a step. Over a process group of one; over two ranks the runs' losses
     (tests/test_llm.py)."""
-    import torch
-    import torch.distributed as dist
-
-    from trainbench.distributed import single_rank_group
-
-    assert not dist.is_initialized()
-    single_rank_group(torch.device("cpu"))
-    try:
-        _fsdp2_kept_gathered()
-    finally:
-        dist.destroy_process_group()
+    _over_one_rank(_fsdp2_kept_gathered)
 
 
 def _fsdp2_kept_gathered() -> None:
@@ -490,17 +486,7 @@ def test_fsdp2_keeps_the_layers_outside_the_blocks_gathered_between_micro_batche
     micro-batch reshards them all before the optimizer's update. Each micro-batch's gradients are still reduced: the
     same gradients as without the key, bit for bit. Over a process group of one; over two ranks the runs' losses
     (tests/test_llm.py)."""
-    import torch
-    import torch.distributed as dist
-
-    from trainbench.distributed import single_rank_group
-
-    assert not dist.is_initialized()
-    single_rank_group(torch.device("cpu"))
-    try:
-        _fsdp2_outer_kept_gathered()
-    finally:
-        dist.destroy_process_group()
+    _over_one_rank(_fsdp2_outer_kept_gathered)
 
 
 def _fsdp2_outer_kept_gathered() -> None:
