@@ -542,6 +542,9 @@ def test_the_layers_outside_the_blocks_kept_gathered_are_gathered_once_a_step():
     assert both.exposed_comm_s == pytest.approx(params * (2 / 8 + 1) / 2 / NODE_COLLECTIVE_BYTES_S)
     assert 3.2e-3 < both.exposed_comm_s < 3.4e-3 < 5.8e-3 < kept.exposed_comm_s < 6.0e-3 < each.exposed_comm_s < 10.6e-3
     assert kept.working_bytes == each.working_bytes  # gathered through each micro-batch anyway
+    # distributed.keep_gathered keeps the root's unit gathered with the blocks (its context recurses from the root)
+    blocks_kept = sharded(P8, 2, reduce_bytes=2, micro_batches=8, gather_bytes=1, gathered_as=1)
+    assert blocks_kept.exposed_comm_s == pytest.approx(kept.exposed_comm_s)
     assert both.working_bytes - kept.working_bytes == pytest.approx(params / 2 * (2 * 2 + 4 / 2), abs=1)
     assert 2.8 < (both.working_bytes - kept.working_bytes) / 2**30 < 3.0
     # reduced once a step, everything is kept gathered between micro-batches already: once in the step

@@ -213,8 +213,10 @@ def sharded(p: BlockProbe, ranks: int, reduce_once_a_step: bool = False, reduce_
     params = p.other_weight_bytes / 4
     once = 1 / max(1, micro_batches)
     reduced = reduce_bytes * (0.5 if head_apart else 1)  # bytes a parameter of the rest, after the last block
-    # (reduce_once_a_step keeps everything gathered between micro-batches, and reduces once a step)
-    per_micro_batch = (2 + reduced) * once if reduce_once_a_step else 2 * (once if outer_kept else 1) + reduced
+    # (reduce_once_a_step keeps everything gathered between micro-batches, and reduces once a step; keep_gathered
+    # keeps the root's unit gathered with the blocks, whatever outer_kept says)
+    kept = outer_kept or gather_bytes > 0
+    per_micro_batch = (2 + reduced) * once if reduce_once_a_step else 2 * (once if kept else 1) + reduced
     exposed = params * per_micro_batch * (ranks - 1) / ranks / NODE_COLLECTIVE_BYTES_S
     # (keep_gathered: the step's first forward and last backward; reduce_once_a_step alone: its first forward and
     # every backward, the blocks resharded after their forward as usual)
