@@ -15,7 +15,8 @@ FIELDS = {"kind", "benchmark", "preset", "figures", "blocks", "blocks_measured",
           "step_seconds", "samples_per_s", "tokens_per_s", "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu",
           "peak_memory_gib", "eval_seconds_per_sample", "energy_joules_per_token", "steps", "warmup", "raw", "ruleset",
           "projection", "gpus", "compare", "samples_per_step", "profile", "nodes", "tokens_per_s_per_node",
-          "router", "system", "lookups_per_s", "projection_none", "peak_reserved_gib", "allocator_retries"}  # fmt: skip
+          "router", "system", "lookups_per_s", "projection_none", "peak_reserved_gib", "allocator_retries",
+          "forecast"}  # fmt: skip
 
 
 def measured(benchmark: str, results: Path, *extra: str) -> tuple[Path, dict]:

@@ -352,3 +352,52 @@ def test_the_gpus_active_nvlinks_are_those_nvidia_smi_counts():
         assert said == f"no active NVLink on its {len(ours)} GPUs (PCIe between GPUs)", said
     else:
         assert said == f"{ours[0]} active NVLinks on each of {len(ours)} GPUs", said
+
+
+# -- the forecast of 2 GPUs from one (measure/forecast.py) ----------------------------------------------------------
+
+# the benchmark, keys of both measurements, keys of the 2-GPU one, what the forecast counts beside the compute
+FORECASTS = [
+    ("bert", [], [], ["exposed communication"]),
+    ("flux1", ["model.precision=fp8"], ["distributed.reduce_once_a_step=true"],
+     ["exposed communication", "FSDP2's copies"]),
+    ("gpt_oss_20b", [], ["distributed.ep=2"], ["exposed communication", "FSDP2's copies", "the experts' all-to-all"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, keys, two_keys, costs", FORECASTS, ids=[c[0] for c in FORECASTS])
+def test_a_bench_on_two_gpus_forecasts_its_step_from_one_gpus_of_the_same_shape(tmp_path, monkeypatch, name, keys,
+                                                                                two_keys, costs):  # fmt: skip
+    """`trainbench bench` on one GPU keeps its step; the same shape on 2 GPUs (each rank the one GPU's micro-batches)
+    forecasts its step from it before timing (rank 0's console), with the family's costs and the one GPU's step as
+    its compute, and bench.json holds the forecast and the miss; another micro-batch finds none and says so."""
+    if "model.precision=fp8" in keys:
+        _needs_torchao()
+    monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    quick = ["--preset", "tiny", "--steps", "3", "--warmup", "1", "--profile-steps", "0", "device=cuda",
+             "progress=false", "output.telemetry_hz=0", *keys]  # fmt: skip
+    from trainbench.resolve import build_config
+
+    micro = build_config(name, "tiny", None, {"device": "cuda"})[1].data.micro_batch_size
+    gbs = build_config(name, "tiny", None, {})[1].data.global_batch_size
+    shape = [f"data.micro_batch_size={micro}"]
+    assert run_cli("bench", name, *quick, *shape, f"data.global_batch_size={gbs}",
+                   f"output.results_dir={tmp_path / 'one'}") == 0  # fmt: skip
+    one = json.loads((only_run_dir(tmp_path / "one") / "bench.json").read_text())
+    assert one.get("forecast") is None  # one GPU forecasts nothing
+    assert run_cli("bench", name, *quick, *shape, *two_keys, "--nproc", "2", f"data.global_batch_size={2 * gbs}",
+                   f"output.results_dir={tmp_path / 'two'}") == 0  # fmt: skip
+    folder = only_run_dir(tmp_path / "two")
+    two = json.loads((folder / "bench.json").read_text())
+    got = two["forecast"]
+    assert list(got["split_s"]) == ["compute (one GPU's step)", *costs]
+    assert got["split_s"]["compute (one GPU's step)"] == pytest.approx(one["step_seconds"], rel=1e-6)
+    assert all(s > 0 for s in got["split_s"].values())
+    assert got["step_seconds"] == pytest.approx(sum(got["split_s"].values()))
+    assert got["miss"] == pytest.approx(got["step_seconds"] / two["step_seconds"] - 1)
+    console = (folder / "console.log").read_text()
+    assert console.index("forecast from one GPU's step") < console.index("against the forecast's")
+    assert run_cli("bench", name, *quick, f"data.micro_batch_size={max(1, micro // 2)}", *two_keys, "--nproc", "2",
+                   f"data.global_batch_size={2 * gbs}", f"output.results_dir={tmp_path / 'other'}") == 0  # fmt: skip
+    other = json.loads((only_run_dir(tmp_path / "other") / "bench.json").read_text())
+    assert "no step of this shape on one" in other["forecast"]["none"]

@@ -161,6 +161,10 @@ def bench_summary(r: dict) -> str:
                      "steps (every rank's; each time it frees its cache, waiting on the GPU, and tries again): memory "
                      "pressure slowed these steps, and PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True or a layout "
                      "with more room may run faster")  # fmt: skip
+    if r.get("forecast"):
+        from trainbench.report.bench_report import forecast_line
+
+        lines.append("  " + forecast_line(r["forecast"]))
     if r.get("profile"):
         from trainbench.report.bench_report import split_line
 

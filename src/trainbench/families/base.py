@@ -128,3 +128,25 @@ class ModelFamily(ABC):
         """Floating-point operations of one sample's forward and backward as NVIDIA counts them for its MLPerf
         submissions (recompute excluded), for the MFU; None where no count is defined."""
         return None
+
+    # -- several GPUs of one node, forecast from one (trainbench bench --nproc N) ------------------------------------
+    def blocks_of(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The model's blocks, those :meth:`depth` counts and FSDP2 shards a unit each: the first ``layers`` list in
+        the model by default (none where it has no such list)."""
+        import torch
+
+        for module in model.modules():
+            if isinstance(layers := getattr(module, "layers", None), torch.nn.ModuleList):
+                return list(layers)
+        return []
+
+    def expert_params(self, model: torch.nn.Module) -> int:
+        """Of the blocks' trained parameters, those in a mixture's experts (spread over the ranks by expert
+        parallelism, not sharded by FSDP2): none by default."""
+        return 0
+
+    def node_costs(self, cfg: RunConfig, ranks: int, one) -> dict[str, float] | str:
+        """Seconds a step that ``ranks`` GPUs of one node add to ``one``'s (families/node_costs.OneGpu: one GPU's
+        measured step at this shape and its parameters), by what (families/node_costs.py's models), for the forecast
+        of `trainbench bench --nproc N` (measure/forecast.py); or one sentence saying why this family has none."""
+        return f"the {self.name} family has no model of what several GPUs add to one GPU's step"

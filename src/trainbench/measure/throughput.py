@@ -76,12 +76,24 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     eval batch timed (after one untimed); every rank's figures summed. Returns rank 0's record of it (the same dict
     on every rank, but for ``profile``, which is rank 0's)."""
     out = RunConsole(run_dir / CONSOLE, enabled=info.is_main)
+    cuda = info.device.type == "cuda"
+    one_gpu = cuda and info.world_size == 1
+    copy_rate = _device_copy_rate() if one_gpu else None  # (before the model: 2 GiB for a moment)
     run = build_run(cfg, bench, info, None, synthetic=True)
     announce(out, cfg, bench, run, 0, info)
+    node = _forecast(cfg, bench, info, out) if cuda and info.world_size > 1 and info.is_main else None
     autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=run.bf16)
     sampler = start_telemetry(cfg.output, run_dir, 0, info, out)
     timed = _steps_or_why_not(cfg, bench, run, info, autocast, steps, warmup, profile_steps, run_dir, out, snapshot)
-    cuda = info.device.type == "cuda"
+    if one_gpu and timed.seconds > 0:  # kept for a forecast of this shape on several GPUs (measure/forecast.py)
+        from trainbench.measure import forecast
+
+        one = forecast.measured(cfg, bench, run.placed.module, timed.seconds / steps,
+                                torch.cuda.get_device_name(info.device), copy_rate)  # fmt: skip
+        try:
+            forecast.save(cfg, one)
+        except OSError as exc:
+            out.say(f"  this step was not kept for a forecast on several GPUs ({exc})", style="yellow")
     peak = torch.cuda.max_memory_allocated(info.device) / 2**30 if cuda else None
     held = torch.cuda.max_memory_reserved(info.device) / 2**30 if cuda else None
     eval_seconds_per_row, router = _eval_seconds_per_row(bench, run, info, autocast)
@@ -109,6 +121,12 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         "router": router,
         "device": torch.cuda.get_device_name(info.device) if cuda else "cpu",
     }
+    if node is not None:
+        result["forecast"] = node
+        if "step_s" in node:
+            measured_s = seconds / steps
+            miss = node["step_s"] / measured_s - 1
+            out.say(f"  measured {measured_s:.3f} s a step: its rate {miss:+.1%} against the forecast's")
     if info.is_main:  # this node's GPUs over the timed steps: median power and SM clock, throttle reasons, energy
         # what rank 0 ran on, for the report's hardware line
         result["system"] = machine(cfg.output.gpu_links and cuda)
@@ -117,6 +135,29 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         if energy is not None:
             result["energy_joules"] = energy
     return result
+
+
+def _device_copy_rate() -> float | None:
+    """The GPU's own memory copy rate (measure/probe.device_copy_rate), which a forecast on several GPUs charges
+    FSDP2's copies at; None where 2 GiB are not free for it."""
+    from trainbench.measure.probe import device_copy_rate
+
+    try:
+        return device_copy_rate()
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        torch.cuda.empty_cache()
+
+
+def _forecast(cfg: RunConfig, bench: Benchmark, info: DistInfo, out: RunConsole) -> dict[str, Any]:
+    """Rank 0's forecast of this step on the node's ranks from one GPU's (measure/forecast.py), said before the timed
+    steps."""
+    from trainbench.measure import forecast
+
+    node = forecast.forecast(bench, cfg, info.world_size, torch.cuda.get_device_name(info.device))
+    out.say("  " + forecast.line(node))
+    return node
 
 
 def node_energy(gpus: dict[str, dict], ranks_here: int) -> float | None:

@@ -36,6 +36,15 @@ def read(folder: Path) -> dict[str, Any]:
         raise UserError(f"{path} cannot be read (no such file)")
     result = read_record(path, BENCH_FIELDS, whole=True, required=("kind", "benchmark", "preset", "figures", "ranks",
                                                                   "device"))  # fmt: skip
+    forecast = result.get("forecast")
+    if forecast is not None and "none" not in forecast:
+        missing = next((k for k in ("step_seconds", "tokens_per_s_per_rank", "miss", "split_s") if k not in forecast),
+                       None)  # fmt: skip
+        odd = next((k for k, v in forecast.get("split_s", {}).items() if not isinstance(v, (int, float))
+                    or isinstance(v, bool)), None)  # fmt: skip
+        if missing or odd:
+            said = f"field forecast.{missing} is missing" if missing else f"forecast.split_s.{odd} should be a number"
+            raise UserError(f"{path}: {said}; restore the file from the run, or remove it")
     if result.get("projection") is not None:
         read_record(path, BENCH_FIELDS, required=("ruleset", "global_batch_size"))
         if not isinstance(result["projection"].get("minutes"), (int, float)):
@@ -96,6 +105,8 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
     out += [[label, _num(result[key])] for label, key in SOME_FIGURES if result.get(key) is not None]
     if (fits := whole_model_fits(result)) is not None:
         out.append(["the whole model in this layout on the GPU, by the line", FITS[fits]])
+    if result.get("forecast"):
+        out.append(["several GPUs against one", forecast_line(result["forecast"])])
     p = result.get("projection")
     out.append(["projected time to train (min)", _num(p["minutes"]) if p else "-"])
     prof = result.get("profile")
@@ -115,6 +126,8 @@ def _bench_fields() -> dict[str, Any]:
             "blocks": int, "blocks_measured": ListOf(int), "ruleset": str, "global_batch_size": int,
             "projection": {"minutes": NUMBER}, "projection_none": str,
             "profile": {"split_ms": dict, "by_kind_ms": dict},
+            "forecast": {"none": str, "step_seconds": NUMBER, "tokens_per_s_per_rank": NUMBER, "miss": NUMBER,
+                         "split_s": dict, "one_gpu_measured_at": str},
             **{key: NUMBER for _, key in FIGURES + SOME_FIGURES}}  # fmt: skip
 
 
@@ -291,6 +304,33 @@ def profile_at_depth(raws: dict[int, dict], layers: int | None, depths: list[int
     return out
 
 
+def forecast_at_depth(raws: dict[int, dict], layers: int | None, tokens_per_step: float,
+                      step_s: float) -> dict[str, Any] | None:  # fmt: skip
+    """The forecast from one GPU (measure/forecast.py) at the model's depth, as the step is taken: its step, its
+    split, the rate a GPU it gives (``tokens_per_step`` a GPU) and the measured rate over it less one (``miss``);
+    ``{"none": why}`` where a depth had none; None where no depth was forecast (one GPU, a CPU)."""
+    forecasts = [r.get("forecast") for r in raws.values()]
+    if not any(forecasts):
+        return None
+    if not all(f and "step_s" in f for f in forecasts):
+        return {"none": next((f["none"] for f in forecasts if f and "none" in f), "a depth was not forecast")}
+    deepest = raws[max(raws)]["forecast"]
+    forecast_s = at_depth({d: r["forecast"]["step_s"] for d, r in raws.items()}, layers)
+    split = {k: at_depth({d: r["forecast"]["split_s"].get(k, 0.0) for d, r in raws.items()}, layers)
+             for k in deepest["split_s"]}  # fmt: skip
+    return {"step_seconds": forecast_s, "tokens_per_s_per_rank": tokens_per_step / forecast_s, "split_s": split,
+            "miss": forecast_s / step_s - 1, "one_gpu_measured_at": deepest["one_gpu"]["measured_at"]}  # fmt: skip
+
+
+def forecast_line(f: dict[str, Any]) -> str:
+    """bench.json's forecast in a sentence."""
+    if "none" in f:
+        return f"no forecast from one GPU: {f['none']}"
+    split = ", ".join(f"{what} {s * 1e3:,.1f} ms" for what, s in f["split_s"].items())
+    return (f"forecast from one GPU's step: {f['tokens_per_s_per_rank']:,.0f} tokens/s a GPU, {f['step_seconds']:.3f} "
+            f"s a step ({split}); measured {f['miss']:+.1%} against it")  # fmt: skip
+
+
 def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: int | None,
               depths: list[int] | None, peers: dict[str, dict] | None = None) -> dict[str, Any]:  # fmt: skip
     """bench.json: the figures at the model's depth, measured or (``depths``) extrapolated from the truncated ones by
@@ -347,6 +387,7 @@ def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: i
         "system": last.get("system"),  # the machine rank 0 ran on (CPU, GPUs, trainbench's version)
         "raw": {str(d): r for d, r in sorted(raws.items())},
     }
+    result["forecast"] = forecast_at_depth(raws, layers, samples_per_step * per_sample / ranks, step_s)
     # The peak on the same line as the step's time: whether the whole model would fit the GPU that the shallow depths
     # fit (its parameters' and optimizer state's share grows with the blocks).
     peaks = {d: r.get("peak_memory_gib") for d, r in raws.items()}

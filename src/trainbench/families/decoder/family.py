@@ -229,6 +229,26 @@ class DecoderFamily(ModelFamily):
             lines += self._kept_gathered_cost(planned(0), rows, fastest, cfg.data.seq_length)
         return keys, lines
 
+    def node_costs(self, cfg: RunConfig, ranks: int, one) -> dict[str, float] | str:
+        """FSDP2 over every rank (families/node_costs.fully_sharded), with the layout keys the placement reads."""
+        from trainbench.families.node_costs import fully_sharded, micro_batches
+
+        if cfg.distributed.tp > 1:
+            return (
+                f"distributed.tp={cfg.distributed.tp}: the forecast models FSDP2 over every rank, not tensor "
+                "parallelism"
+            )
+        return fully_sharded(one, ranks, micro_batches(cfg, ranks), **self._sharding(cfg))
+
+    @staticmethod
+    def _sharding(cfg: RunConfig) -> dict[str, Any]:
+        """fully_sharded's keywords for ``cfg``'s FSDP2 keys (FP8 blocks are gathered in FP8: families/fp8.py)."""
+        d = cfg.distributed
+        return {"reduce_bytes": 2 if d.grad_reduce_dtype == "bf16" else 4,
+                "gathered_as": 1 if cfg.model.precision == "fp8" else 2, "reduce_once_a_step": d.reduce_once_a_step,
+                "keep_gathered": d.keep_gathered, "outer_kept": d.keep_outer_gathered,
+                "head_apart": d.output_layer_apart}  # fmt: skip
+
     @staticmethod
     def _kept_gathered_cost(without, rows: int, plan, seq: int) -> list[str]:
         """A line where distributed.keep_gathered's memory cost the plan rows a micro-batch or blocks recomputed,
@@ -315,6 +335,27 @@ class GptOssFamily(DecoderFamily):
                             f"{m.sliding_window}-token window on every {m.window_every} blocks{spread}"
                             f"{kernels}")  # fmt: skip
         return placed
+
+    def expert_params(self, model: torch.nn.Module) -> int:
+        """The experts' weights and biases of every block's mixture (the router is not an expert's)."""
+        from trainbench.families.decoder.moe import MoE
+
+        return sum(p.numel() for m in model.modules() if isinstance(m, MoE)
+                   for name, p in m.named_parameters(recurse=False) if p.requires_grad)  # fmt: skip
+
+    def node_costs(self, cfg: RunConfig, ranks: int, one) -> dict[str, float] | str:
+        """With the experts spread over the ranks (``distributed.ep``): FSDP2 over the rest of the blocks and the
+        layers outside them, and the experts' all-to-all (families/node_costs.all_to_all_s, in bf16); without, FSDP2
+        over everything. The router's busiest rank is not counted (the forecast's miss says how much it cost)."""
+        from trainbench.families.node_costs import all_to_all_s, fully_sharded, micro_batches
+
+        if cfg.distributed.ep <= 1:
+            return super().node_costs(cfg, ranks, one)
+        m, micro = cfg.model, micro_batches(cfg, ranks)
+        out = fully_sharded(one, ranks, micro, params=one.block_params - one.expert_params, **self._sharding(cfg))
+        rows = cfg.data.micro_batch_size * cfg.data.seq_length
+        exchange = all_to_all_s(rows, m.hidden_size, m.experts_per_token, m.num_layers, ranks) * micro
+        return out | {"the experts' all-to-all": exchange}
 
     def flops_per_sample(self, cfg: RunConfig) -> float | None:
         """6 x the parameters a token passes through in matrix products (its top-k experts, the output layer) plus
@@ -422,6 +463,10 @@ class LoraFamily(DecoderFamily):
         return [f"base weights: {folder}, stored as {', '.join(stored)}, {made}"]
 
     # -- layout (perf.plan=auto) --------------------------------------------------------------------------------
+    def node_costs(self, cfg: RunConfig, ranks: int, one) -> dict[str, float] | str:
+        return ("perf.plan=auto predicts the LoRA's step on several GPUs from its probe (the plan's `predicted` "
+                "line): that is its forecast")  # fmt: skip
+
     def probe_config(self, cfg: RunConfig, preset: RunConfig) -> RunConfig:
         """Probed with the FP8 base, the one a plan picks where the GPU has FP8 (unless the base is given)."""
         from trainbench.families.planner import fixed_keys

@@ -62,6 +62,17 @@ class EncoderFamily(ModelFamily):
         bucket_clip = cfg.optimizer.max_grad_norm if cfg.optimizer.clip == "bucket" else None
         return place_data_parallel(model, info, cfg.distributed, cfg.perf, bucket_clip)
 
+    def node_costs(self, cfg: RunConfig, ranks: int, one) -> dict[str, float] | str:
+        """A replica on each GPU under DDP (families/node_costs.replicated): compiled as one graph (the default on
+        one node), every bucket all-reduced after the backward; eager, or the graph split at the buckets
+        (``distributed.overlap_compiled=true``), the last bucket left after it."""
+        from trainbench.families.node_costs import replicated
+
+        d = cfg.distributed
+        reduce = 2 if d.grad_reduce_dtype == "bf16" else 4
+        split = not cfg.perf.compile or d.overlap_compiled == "true"
+        return replicated(one, ranks, reduce, d.bucket_cap_mb * 2**20 * reduce / 4 if split else None)
+
     def _bench_lengths(self, cfg: RunConfig) -> np.ndarray:
         from trainbench.data.synthetic_bert import mlperf_like_lengths
 

@@ -1,0 +1,196 @@
+"""The forecast of several GPUs from one (measure/forecast.py, families/node_costs.py): the models of what the ranks
+add against hand-computed figures and the planner's, the one-GPU step kept per shape and read back with its fields
+checked, each family's choice of model, and the forecast at the model's depth in bench.json and its report. The
+paths that run it (a one-GPU bench keeping its step, a bench on several GPUs forecasting before it times) run only
+on GPUs: tests/test_gpu_multi.py."""
+
+import dataclasses
+import json
+
+import pytest
+
+from trainbench.errors import UserError
+from trainbench.families import node_costs
+from trainbench.families.node_costs import OneGpu
+from trainbench.families.planner import NODE_COLLECTIVE_BYTES_S, BlockProbe, sharded
+from trainbench.measure import forecast
+from trainbench.report import bench_report
+from trainbench.resolve import build_config
+
+ONE = OneGpu(step_s=0.5, micro_batches=4, block_params=100_000_000, other_params=50_000_000,
+             device_copy_bytes_s=2e12, gpu_name="NVIDIA H200", measured_at="2026-11-30T00:00:00Z")  # fmt: skip
+
+
+def test_a_replicas_all_reduce_sends_twice_its_gradients_share_once_a_step_and_a_split_graph_leaves_one_bucket():
+    whole = node_costs.replicated(ONE, 2, 4, None)["exposed communication"]
+    assert whole == pytest.approx(150e6 * 4 * 2 * (1 / 2) / NODE_COLLECTIVE_BYTES_S)  # 3.0 ms
+    four = node_costs.replicated(ONE, 4, 2, None)["exposed communication"]
+    assert four == pytest.approx(150e6 * 2 * 2 * (3 / 4) / NODE_COLLECTIVE_BYTES_S)
+    bucket = node_costs.replicated(ONE, 2, 4, 25 * 2**20)["exposed communication"]
+    assert bucket == pytest.approx(25 * 2**20 / NODE_COLLECTIVE_BYTES_S)
+    assert node_costs.replicated(ONE, 2, 4, 1e12)["exposed communication"] == pytest.approx(whole)  # at most all
+
+
+def test_fsdp2s_forecast_counts_each_block_as_the_planner_counts_one_of_the_same_size():
+    """The forecast (all the blocks' parameters at once) and the plan (a block's, times the blocks) agree, for every
+    key the decoder's FSDP2 reads: one model of a sharded step, whichever asks."""
+    blocks, per_block = 8, ONE.block_params // 8
+    probe = BlockProbe(kept_bytes=0, input_bytes=0, block_weight_bytes=per_block * 4, other_weight_bytes=50_000_000 * 4,
+                       optimizer_bytes_per_block=0, working_bytes=0, forward_s=0.0, backward_s=0.0, head_s=0.0,
+                       to_host_bytes_s=1.0, to_gpu_bytes_s=1.0, device_copy_bytes_s=2e12)  # fmt: skip
+    for keys in ({}, {"reduce_once_a_step": True}, {"keep_gathered": True}, {"outer_kept": True},
+                 {"outer_kept": True, "head_apart": True}):  # fmt: skip
+        got = node_costs.fully_sharded(ONE, 2, 4, 2, 1, **keys)
+        plan = sharded(probe, 2, keys.get("reduce_once_a_step", False), 2, 4, 1 if keys.get("keep_gathered") else 0,
+                       1, keys.get("outer_kept", False), keys.get("head_apart", False))  # fmt: skip
+        assert got["FSDP2's copies"] == pytest.approx(blocks * plan.shard_copy_s * 4), keys
+        assert got["exposed communication"] == pytest.approx(plan.exposed_comm_s * 4), keys
+        assert got["exposed communication"] > 0 and got["FSDP2's copies"] > 0
+    kept = node_costs.fully_sharded(ONE, 2, 4, 2, 1, outer_kept=True)["exposed communication"]
+    assert kept < node_costs.fully_sharded(ONE, 2, 4, 2, 1)["exposed communication"]  # gathered once, not 4 times
+    without_rate = node_costs.fully_sharded(dataclasses.replace(ONE, device_copy_bytes_s=None), 2, 4, 2, 1)
+    assert "FSDP2's copies" not in without_rate  # not measured: not guessed
+    dense = node_costs.fully_sharded(ONE, 2, 4, 2, 1, params=ONE.block_params // 10)
+    assert dense["FSDP2's copies"] == pytest.approx(node_costs.fully_sharded(ONE, 2, 4, 2, 1)["FSDP2's copies"] / 10)
+
+
+def test_a_mixtures_exchange_is_four_all_to_alls_a_block_of_the_rows_that_leave_the_gpu():
+    # 16,384 rows, 4 experts each, 2,880 bf16 values, 24 blocks, 2 ranks: half the copies leave
+    got = node_costs.all_to_all_s(16_384, 2_880, 4, 24, 2)
+    assert got == pytest.approx(4 * 24 * 16_384 * 4 * 2_880 * 2 * 0.5 / NODE_COLLECTIVE_BYTES_S)  # 45.3 ms
+    assert node_costs.all_to_all_s(16_384, 2_880, 4, 24, 4) == pytest.approx(got * 1.5)
+
+
+def _cfg(name: str, *keys: str):
+    return build_config(name, "tiny", None, dict(k.split("=", 1) for k in keys))
+
+
+def test_one_gpus_step_is_kept_by_shape_not_by_global_batch_or_distributed_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path))
+    _, cfg = _cfg("bert")
+    forecast.save(cfg, ONE)
+    assert forecast.cached(cfg, ONE.gpu_name) == ONE
+    assert forecast.cached(cfg, "NVIDIA H100 80GB HBM3") is None  # another GPU model
+    _, same = _cfg("bert", f"data.global_batch_size={2 * cfg.data.global_batch_size}", "distributed.nproc=2",
+                   "distributed.grad_reduce_dtype=bf16")  # fmt: skip
+    assert forecast.cached(same, ONE.gpu_name) == ONE
+    for key in (f"data.micro_batch_size={cfg.data.micro_batch_size // 2}", "model.num_layers=3",
+                "perf.compile=true", "optimizer.lr=0.5"):  # fmt: skip
+        assert forecast.cached(_cfg("bert", key)[1], ONE.gpu_name) is None, key
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"step_s": 0.5}', json.dumps(dataclasses.asdict(ONE) | {"step_s": -1}),
+                                  json.dumps(dataclasses.asdict(ONE) | {"micro_batches": 0}),
+                                  json.dumps(dataclasses.asdict(ONE) | {"block_params": "many"}),
+                                  json.dumps(dataclasses.asdict(ONE) | {"other_params": True})])  # fmt: skip
+def test_a_kept_step_that_is_damaged_or_odd_is_no_step(tmp_path, monkeypatch, text):
+    monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path))
+    _, cfg = _cfg("bert")
+    forecast.save(cfg, ONE).write_text(text)
+    assert forecast.cached(cfg, ONE.gpu_name) is None
+
+
+def test_each_family_forecasts_with_its_own_placements_costs_or_says_why_not(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path))
+    cases = {
+        "bert": ([], ["exposed communication"]),
+        "flux1": ([], ["exposed communication", "FSDP2's copies"]),
+        "llama31_8b": ([], ["exposed communication", "FSDP2's copies"]),
+        "gpt_oss_20b": (["distributed.ep=2"], ["exposed communication", "FSDP2's copies", "the experts' all-to-all"]),
+    }
+    for name, (keys, costs) in cases.items():
+        bench, one_cfg = _cfg(name)
+        bench, two = _cfg(name, "distributed.nproc=2", *keys,
+                          f"data.global_batch_size={2 * one_cfg.data.global_batch_size}")  # fmt: skip
+        said = forecast.forecast(bench, two, 2, ONE.gpu_name)
+        assert "no step of this shape on one NVIDIA H200 is kept" in said["none"], name
+        forecast.save(one_cfg, dataclasses.replace(ONE, micro_batches=forecast.micro_batches(one_cfg, 1),
+                                                   expert_params=ONE.block_params // 2))  # fmt: skip
+        got = forecast.forecast(bench, two, 2, ONE.gpu_name)
+        assert list(got["split_s"]) == ["compute (one GPU's step)", *costs], name
+        assert got["split_s"]["compute (one GPU's step)"] == pytest.approx(ONE.step_s), name  # the same micro-batches
+        assert got["step_s"] == pytest.approx(sum(got["split_s"].values()))
+        assert all(s > 0 for s in got["split_s"].values()), name
+        assert "s a step (compute (one GPU's step) 500.0 ms, exposed communication" in forecast.line(got)
+    bench, one_cfg = _cfg("bert")
+    bench, fewer = _cfg("bert", "distributed.nproc=2")  # half the micro-batches a rank: half the one GPU's compute
+    got = forecast.forecast(bench, fewer, 2, ONE.gpu_name)
+    if forecast.micro_batches(one_cfg, 1) > 1:
+        assert got["split_s"]["compute (one GPU's step)"] < ONE.step_s
+    bench, lora = _cfg("llama2_70b_lora", "distributed.nproc=2")
+    forecast.save(lora, ONE)  # (the key leaves out the distributed keys: as one GPU's step at this shape)
+    assert "perf.plan=auto predicts the LoRA's step" in forecast.forecast(bench, lora, 2, ONE.gpu_name)["none"]
+    bench, nodes = _cfg("bert", "distributed.nproc=2", "distributed.nodes=2")
+    assert "one node" in forecast.forecast(bench, nodes, 4, ONE.gpu_name)["none"]
+    bench, dlrm = _cfg("dlrmv4", "distributed.nproc=2")
+    forecast.save(dlrm, ONE)
+    assert "has no model of what several GPUs add" in forecast.forecast(bench, dlrm, 2, ONE.gpu_name)["none"]
+
+
+@pytest.mark.parametrize("name", ["bert", "flux1", "gpt_oss_20b"])
+def test_the_kept_step_splits_the_trained_parameters_into_the_blocks_and_the_rest(name):
+    bench, cfg = _cfg(name)
+    model = bench.family.build_model(cfg)
+    if any(p.is_meta for p in model.parameters()):
+        model = model.to_empty(device="cpu")
+    one = forecast.measured(cfg, bench, model, 0.25, "cpu", None)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    blocks = bench.family.blocks_of(model)
+    assert len(blocks) == sum(1 for m in model.modules() if m in set(blocks)) > 0
+    assert one.block_params + one.other_params == trained
+    assert 0 < one.block_params < trained
+    assert one.micro_batches == cfg.data.global_batch_size // cfg.data.micro_batch_size
+    if name == "gpt_oss_20b":
+        assert 0 < one.expert_params < one.block_params
+    else:
+        assert one.expert_params == 0
+    if name == "flux1":
+        assert len(blocks) == cfg.model.double_blocks + cfg.model.single_blocks
+
+
+def _raw(step_s: float, forecast_s: float | None) -> dict:
+    raw = {"seconds": step_s * 2, "steps": 2}
+    if forecast_s is not None:
+        raw["forecast"] = {"step_s": forecast_s, "split_s": {"compute (one GPU's step)": forecast_s * 0.9,
+                                                             "exposed communication": forecast_s * 0.1},
+                           "one_gpu": {"measured_at": "2026-11-30T00:00:00Z"}}  # fmt: skip
+    return raw
+
+
+def test_the_forecast_is_taken_to_the_models_depth_as_the_step_is_and_its_miss_said():
+    raws = {2: _raw(1.0, 0.9), 4: _raw(1.5, 1.3)}
+    got = bench_report.forecast_at_depth(raws, 24, 1000.0, 6.5)
+    assert got["step_seconds"] == pytest.approx(0.9 + 0.2 * 22)  # 5.3 s on the line through 0.9 and 1.3
+    assert got["split_s"]["exposed communication"] == pytest.approx(0.53)
+    assert got["tokens_per_s_per_rank"] == pytest.approx(1000.0 / 5.3)
+    assert got["miss"] == pytest.approx(5.3 / 6.5 - 1)  # measured 18.5 % below the forecast's rate
+    assert "measured -18.5% against it" in bench_report.forecast_line(got)
+    raws[4]["forecast"] = {"none": "no step of this shape on one GPU is kept"}
+    assert bench_report.forecast_at_depth(raws, 24, 1000.0, 6.5) == {"none": "no step of this shape on one GPU is kept"}
+    assert bench_report.forecast_at_depth({2: _raw(1.0, None)}, None, 1000.0, 1.0) is None  # one GPU: none asked
+
+
+def test_a_bench_json_whose_forecast_is_odd_is_refused_in_one_sentence(tmp_path):
+    base = {"kind": "k", "benchmark": "bert", "preset": "tiny", "figures": "measured", "ranks": 2, "device": "cpu"}
+    good = {"step_seconds": 1.0, "tokens_per_s_per_rank": 5.0, "miss": -0.02, "split_s": {"compute": 1.0}}
+    (tmp_path / "bench.json").write_text(json.dumps(base | {"forecast": good}))
+    assert bench_report.read(tmp_path)["forecast"] == good
+    for odd, said in (({"split_s": {"compute": "x"}}, "forecast.split_s.compute should be a number"),
+                      ({"miss": "far"}, "forecast.miss should be a number"),
+                      ({"split_s": None}, "field forecast.split_s is missing")):  # fmt: skip
+        record = good | odd
+        if record.get("split_s") is None:
+            record.pop("split_s")
+        (tmp_path / "bench.json").write_text(json.dumps(base | {"forecast": record}))
+        with pytest.raises(UserError, match=said) as caught:
+            bench_report.read(tmp_path)
+        assert str(caught.value).count(". ") == 0
+    (tmp_path / "bench.json").write_text(json.dumps(base | {"forecast": {"none": "no model"}}))
+    assert bench_report.read(tmp_path)["forecast"] == {"none": "no model"}
+
+
+def test_the_kept_steps_folder_is_beside_the_probes(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path))
+    from trainbench.measure.probe import cache_dir
+
+    assert forecast.cache_dir().parent == cache_dir().parent
