@@ -61,6 +61,15 @@ def test_a_mixtures_exchange_is_four_all_to_alls_a_block_of_the_rows_that_leave_
     assert node_costs.all_to_all_s(16_384, 2_880, 4, 24, 4) == pytest.approx(got * 1.5)
 
 
+def test_a_mixtures_busiest_rank_is_waited_for_in_each_block_by_its_experts_share_of_the_tokens():
+    # 4 experts over 2 ranks: block 0 even, block 1 rank 0's experts get 6 of 8 tokens (1.5x the mean of 4)
+    loads = [[1, 1, 1, 1], [3, 3, 1, 1]]
+    assert node_costs.busiest_rank_s(loads, 2, 0.2) == pytest.approx(0.2 * (0 + 0.5) / 2)
+    assert node_costs.busiest_rank_s(loads, 4, 0.2) == pytest.approx(0.2 * (0 + 0.5) / 2)  # 3 of a mean of 2
+    assert node_costs.busiest_rank_s([[2, 2, 2, 2]], 2, 1.0) == 0.0
+    assert node_costs.busiest_rank_s([[0, 0, 0, 0]], 2, 1.0) == 0.0  # no token routed: nothing to wait for
+
+
 def _cfg(name: str, *keys: str):
     return build_config(name, "tiny", None, dict(k.split("=", 1) for k in keys))
 
@@ -82,7 +91,10 @@ def test_one_gpus_step_is_kept_by_shape_not_by_global_batch_or_distributed_keys(
 @pytest.mark.parametrize("text", ["{", "[]", '{"step_s": 0.5}', json.dumps(dataclasses.asdict(ONE) | {"step_s": -1}),
                                   json.dumps(dataclasses.asdict(ONE) | {"micro_batches": 0}),
                                   json.dumps(dataclasses.asdict(ONE) | {"block_params": "many"}),
-                                  json.dumps(dataclasses.asdict(ONE) | {"other_params": True})])  # fmt: skip
+                                  json.dumps(dataclasses.asdict(ONE) | {"other_params": True}),
+                                  json.dumps(dataclasses.asdict(ONE) | {"expert_loads": [[1, "2"]]}),
+                                  json.dumps(dataclasses.asdict(ONE) | {"expert_loads": [1, 2]}),
+                                  json.dumps(dataclasses.asdict(ONE) | {"expert_loads": [[1, -2]]})])  # fmt: skip
 def test_a_kept_step_that_is_damaged_or_odd_is_no_step(tmp_path, monkeypatch, text):
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path))
     _, cfg = _cfg("bert")
@@ -96,7 +108,10 @@ def test_each_family_forecasts_with_its_own_placements_costs_or_says_why_not(tmp
         "bert": ([], ["exposed communication"]),
         "flux1": ([], ["exposed communication", "FSDP2's copies"]),
         "llama31_8b": ([], ["exposed communication", "FSDP2's copies"]),
-        "gpt_oss_20b": (["distributed.ep=2"], ["exposed communication", "FSDP2's copies", "the experts' all-to-all"]),
+        "gpt_oss_20b": (
+            ["distributed.ep=2"],
+            ["exposed communication", "FSDP2's copies", "the experts' all-to-all", "the router's busiest rank"],
+        ),
     }
     for name, (keys, costs) in cases.items():
         bench, one_cfg = _cfg(name)
@@ -104,8 +119,11 @@ def test_each_family_forecasts_with_its_own_placements_costs_or_says_why_not(tmp
                           f"data.global_batch_size={2 * one_cfg.data.global_batch_size}")  # fmt: skip
         said = forecast.forecast(bench, two, 2, ONE.gpu_name)
         assert "no step of this shape on one NVIDIA H200 is kept" in said["none"], name
-        forecast.save(one_cfg, dataclasses.replace(ONE, micro_batches=forecast.micro_batches(one_cfg, 1),
-                                                   expert_params=ONE.block_params // 2))  # fmt: skip
+        half = one_cfg.model.num_experts // 2 if name == "gpt_oss_20b" else 0
+        loads = [[4] * half + [1] * half] * one_cfg.model.num_layers if half else None  # rank 0's experts 1.6x
+        one = dataclasses.replace(ONE, micro_batches=forecast.micro_batches(one_cfg, 1),
+                                  expert_params=ONE.block_params // 2, expert_loads=loads)  # fmt: skip
+        forecast.save(one_cfg, one)
         got = forecast.forecast(bench, two, 2, ONE.gpu_name)
         assert list(got["split_s"]) == ["compute (one GPU's step)", *costs], name
         assert got["split_s"]["compute (one GPU's step)"] == pytest.approx(ONE.step_s), name  # the same micro-batches

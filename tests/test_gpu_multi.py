@@ -361,7 +361,8 @@ FORECASTS = [
     ("bert", [], [], ["exposed communication"]),
     ("flux1", ["model.precision=fp8"], ["distributed.reduce_once_a_step=true"],
      ["exposed communication", "FSDP2's copies"]),
-    ("gpt_oss_20b", [], ["distributed.ep=2"], ["exposed communication", "FSDP2's copies", "the experts' all-to-all"]),
+    ("gpt_oss_20b", [], ["distributed.ep=2"], ["exposed communication", "FSDP2's copies", "the experts' all-to-all",
+                                               "the router's busiest rank"]),
 ]  # fmt: skip
 
 
@@ -392,7 +393,8 @@ def test_a_bench_on_two_gpus_forecasts_its_step_from_one_gpus_of_the_same_shape(
     got = two["forecast"]
     assert list(got["split_s"]) == ["compute (one GPU's step)", *costs]
     assert got["split_s"]["compute (one GPU's step)"] == pytest.approx(one["step_seconds"], rel=1e-6)
-    assert all(s > 0 for s in got["split_s"].values())
+    assert all(s > 0 for what, s in got["split_s"].items() if what != "the router's busiest rank")
+    assert got["split_s"].get("the router's busiest rank", 0.0) >= 0.0
     assert got["step_seconds"] == pytest.approx(sum(got["split_s"].values()))
     assert got["miss"] == pytest.approx(got["step_seconds"] / two["step_seconds"] - 1)
     console = (folder / "console.log").read_text()

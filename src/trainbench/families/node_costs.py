@@ -32,6 +32,8 @@ class OneGpu:
     device_copy_bytes_s: float | None = None  # the GPU's own memory copy rate (None: not measured)
     gpu_name: str = "GPU"
     measured_at: str = ""  # when (UTC, ISO 8601)
+    # A mixture's tokens each expert got, per block, in the one GPU's untimed eval pass (None: no experts)
+    expert_loads: list[list[int]] | None = None
 
 
 def all_reduce_s(nbytes: float, ranks: int) -> float:
@@ -85,3 +87,17 @@ def all_to_all_s(rows: int, width: int, top_k: int, blocks: int, ranks: int, nby
 def micro_batches(cfg, ranks: int) -> int:
     """Micro-batches a step of each of ``ranks`` ranks."""
     return max(1, cfg.data.global_batch_size // (cfg.data.micro_batch_size * ranks))
+
+
+def busiest_rank_s(loads: list[list[int]], ranks: int, experts_s: float) -> float:
+    """The wait for a mixture's busiest rank, a step: with the experts spread evenly over ``ranks`` GPUs (rank j holds
+    the j-th contiguous share of each block's experts), each block's exchange waits for the rank whose experts got
+    the most of the tokens ``loads`` counts (per block, per expert), and every other rank waits that much beyond the
+    mean. ``experts_s``: the experts' compute of one GPU's step at the mean load, spread evenly over the blocks."""
+    waits = []
+    for block in loads:
+        share = len(block) // ranks
+        per_rank = [sum(block[r * share : (r + 1) * share]) for r in range(ranks)]
+        mean = sum(per_rank) / ranks
+        waits.append(max(per_rank) / mean - 1 if mean else 0.0)
+    return experts_s * sum(waits) / len(loads) if loads else 0.0

@@ -85,18 +85,19 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=run.bf16)
     sampler = start_telemetry(cfg.output, run_dir, 0, info, out)
     timed = _steps_or_why_not(cfg, bench, run, info, autocast, steps, warmup, profile_steps, run_dir, out, snapshot)
+    peak = torch.cuda.max_memory_allocated(info.device) / 2**30 if cuda else None
+    held = torch.cuda.max_memory_reserved(info.device) / 2**30 if cuda else None
+    eval_seconds_per_row, router = _eval_seconds_per_row(bench, run, info, autocast)
     if one_gpu and timed.seconds > 0:  # kept for a forecast of this shape on several GPUs (measure/forecast.py)
         from trainbench.measure import forecast
 
         one = forecast.measured(cfg, bench, run.placed.module, timed.seconds / steps,
-                                torch.cuda.get_device_name(info.device), copy_rate)  # fmt: skip
+                                torch.cuda.get_device_name(info.device), copy_rate,
+                                router["loads"] if router else None)  # fmt: skip
         try:
             forecast.save(cfg, one)
         except OSError as exc:
             out.say(f"  this step was not kept for a forecast on several GPUs ({exc})", style="yellow")
-    peak = torch.cuda.max_memory_allocated(info.device) / 2**30 if cuda else None
-    held = torch.cuda.max_memory_reserved(info.device) / 2**30 if cuda else None
-    eval_seconds_per_row, router = _eval_seconds_per_row(bench, run, info, autocast)
     if sampler is not None:
         sampler.stop()
     seconds, start_ms, stop_ms = timed.seconds, timed.start_ms, timed.stop_ms
@@ -345,4 +346,5 @@ class RouterLoads:
         mean = loads.mean(dim=1)
         busiest, idlest = (loads.max(dim=1).values / mean).tolist(), (loads.min(dim=1).values / mean).tolist()
         return {"experts": loads.shape[1], "tokens_routed": int(loads[0].sum()), "busiest_over_mean": busiest,
-                "idlest_over_mean": idlest, "worst_busiest_over_mean": max(busiest)}  # fmt: skip
+                "idlest_over_mean": idlest, "worst_busiest_over_mean": max(busiest),
+                "loads": [[int(n) for n in block] for block in loads.tolist()]}  # fmt: skip

@@ -347,7 +347,7 @@ class GptOssFamily(DecoderFamily):
         """With the experts spread over the ranks (``distributed.ep``): FSDP2 over the rest of the blocks and the
         layers outside them, and the experts' all-to-all (families/node_costs.all_to_all_s, in bf16); without, FSDP2
         over everything. The router's busiest rank is not counted (the forecast's miss says how much it cost)."""
-        from trainbench.families.node_costs import all_to_all_s, fully_sharded, micro_batches
+        from trainbench.families.node_costs import all_to_all_s, busiest_rank_s, fully_sharded, micro_batches
 
         if cfg.distributed.ep <= 1:
             return super().node_costs(cfg, ranks, one)
@@ -355,7 +355,18 @@ class GptOssFamily(DecoderFamily):
         out = fully_sharded(one, ranks, micro, params=one.block_params - one.expert_params, **self._sharding(cfg))
         rows = cfg.data.micro_batch_size * cfg.data.seq_length
         exchange = all_to_all_s(rows, m.hidden_size, m.experts_per_token, m.num_layers, ranks) * micro
-        return out | {"the experts' all-to-all": exchange}
+        out |= {"the experts' all-to-all": exchange}
+        if one.expert_loads and len(one.expert_loads) == m.num_layers:
+            experts_s = one.step_s * micro / one.micro_batches * self.experts_share(cfg)
+            out["the router's busiest rank"] = busiest_rank_s(one.expert_loads, ranks, experts_s)
+        return out
+
+    def experts_share(self, cfg: RunConfig) -> float:
+        """The experts' share of a step's FLOPs (:meth:`flops_per_sample`'s count): each token's top-k experts, three
+        products of hidden x expert width each, in every block."""
+        m = cfg.model
+        experts = 6 * m.experts_per_token * 3 * m.hidden_size * m.intermediate_size * m.num_layers
+        return experts * cfg.data.seq_length / self.flops_per_sample(cfg)
 
     def flops_per_sample(self, cfg: RunConfig) -> float | None:
         """6 x the parameters a token passes through in matrix products (its top-k experts, the output layer) plus
