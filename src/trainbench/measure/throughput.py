@@ -89,15 +89,7 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     held = torch.cuda.max_memory_reserved(info.device) / 2**30 if cuda else None
     eval_seconds_per_row, router = _eval_seconds_per_row(bench, run, info, autocast)
     if one_gpu and timed.seconds > 0:  # kept for a forecast of this shape on several GPUs (measure/forecast.py)
-        from trainbench.measure import forecast
-
-        one = forecast.measured(cfg, bench, run.placed.module, timed.seconds / steps,
-                                torch.cuda.get_device_name(info.device), copy_rate,
-                                router["loads"] if router else None)  # fmt: skip
-        try:
-            forecast.save(cfg, one)
-        except OSError as exc:
-            out.say(f"  this step was not kept for a forecast on several GPUs ({exc})", style="yellow")
+        _keep_step(cfg, bench, run, info, timed.seconds / steps, copy_rate, router, out)
     if sampler is not None:
         sampler.stop()
     seconds, start_ms, stop_ms = timed.seconds, timed.start_ms, timed.stop_ms
@@ -123,19 +115,21 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
         "device": torch.cuda.get_device_name(info.device) if cuda else "cpu",
     }
     if node is not None:
-        result["forecast"] = node
-        if "step_s" in node:
-            measured_s = seconds / steps
-            miss = node["step_s"] / measured_s - 1
-            out.say(f"  measured {measured_s:.3f} s a step: its rate {miss:+.1%} against the forecast's")
-    if info.is_main:  # this node's GPUs over the timed steps: median power and SM clock, throttle reasons, energy
-        # what rank 0 ran on, for the report's hardware line
-        result["system"] = machine(cfg.output.gpu_links and cuda)
-        result["gpus"] = window_summary(run_dir, start_ms, stop_ms)
-        energy = node_energy(result["gpus"], info.local_world_size)
-        if energy is not None:
-            result["energy_joules"] = energy
+        result["forecast"] = _against(node, seconds / steps, out)
+    if info.is_main:
+        result.update(_node_window(cfg, run_dir, info, start_ms, stop_ms))
     return result
+
+
+def _node_window(cfg: RunConfig, run_dir: Path, info: DistInfo, start_ms: float, stop_ms: float) -> dict[str, Any]:
+    """What rank 0 ran on (the report's hardware line) and this node's GPUs over the timed steps: median power and SM
+    clock, throttle reasons, energy."""
+    found: dict[str, Any] = {"system": machine(cfg.output.gpu_links and info.device.type == "cuda")}
+    found["gpus"] = window_summary(run_dir, start_ms, stop_ms)
+    energy = node_energy(found["gpus"], info.local_world_size)
+    if energy is not None:
+        found["energy_joules"] = energy
+    return found
 
 
 def _device_copy_rate() -> float | None:
@@ -149,6 +143,28 @@ def _device_copy_rate() -> float | None:
         return None
     finally:
         torch.cuda.empty_cache()
+
+
+def _keep_step(cfg: RunConfig, bench: Benchmark, run, info: DistInfo, step_s: float, copy_rate: float | None,
+               router: dict | None, out: RunConsole) -> None:  # fmt: skip
+    """This one GPU's step at ``cfg``'s shape kept for a forecast on several GPUs (measure/forecast.py); a cache that
+    cannot be written is said, and the measurement stands."""
+    from trainbench.measure import forecast
+
+    one = forecast.measured(cfg, bench, run.placed.module, step_s, torch.cuda.get_device_name(info.device), copy_rate,
+                            router["loads"] if router else None)  # fmt: skip
+    try:
+        forecast.save(cfg, one)
+    except OSError as exc:
+        out.say(f"  this step was not kept for a forecast on several GPUs ({exc})", style="yellow")
+
+
+def _against(node: dict[str, Any], measured_s: float, out: RunConsole) -> dict[str, Any]:
+    """The forecast ``node``, after the timed steps: how far their ``measured_s`` a step fell from it, said."""
+    if "step_s" in node:
+        out.say(f"  measured {measured_s:.3f} s a step: its rate {node['step_s'] / measured_s - 1:+.1%} against the "
+                "forecast's")  # fmt: skip
+    return node
 
 
 def _forecast(cfg: RunConfig, bench: Benchmark, info: DistInfo, out: RunConsole) -> dict[str, Any]:
