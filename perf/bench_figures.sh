@@ -42,6 +42,9 @@
 #                                     on 8 GPUs, 2 and 4 blocks extrapolated on fewer; in FP8:
 #                                     EXTRA=model.precision=fp8 TAG=-fp8 perf/bench_figures.sh node-moe
 #   perf/bench_figures.sh node-moe-hf the same with GPT-OSS's block and vocabulary (--preset gpt-oss-20b-hf)
+#   perf/bench_figures.sh node-moe-fsdp  the reference's block with the layout `--nproc` gives it unasked: every
+#                                     parameter, the experts too, sharded by FSDP2 (no distributed.ep), each rank its
+#                                     own tokens through every expert; the same depths as node-moe
 #   perf/bench_figures.sh node-bert   BERT-large at NVIDIA's node shapes (48 rows x 1 and x 2 accumulation a GPU) on
 #                                     NPROC GPUs and on one, for the scaling (BERT_ACCUMULATION=1 takes the x 1 shape
 #                                     alone)
@@ -203,10 +206,11 @@ for what in "$@"; do
     node-lora) bench node_lora llama2_70b_lora --preset llama2-70b --nproc "$NPROC" --steps 2 --warmup 1 ;;
     node-llm) bench node_llm llama31_8b --preset llama31-8b model.precision=fp8 perf.compile=true --nproc "$NPROC" \
         perf.plan=auto --steps 3 --warmup 2 ;;
-    node-moe | node-moe-hf)
+    node-moe | node-moe-hf | node-moe-fsdp)
         if [ "$NPROC" -ge 8 ]; then depth=(); else depth=(--blocks 2,4); fi
-        if [ "$what" = node-moe ]; then preset=gpt-oss-20b; else preset=gpt-oss-20b-hf; fi
-        bench "${what//-/_}" gpt_oss_20b --preset "$preset" perf.compile=true distributed.ep="$NPROC" \
+        if [ "$what" = node-moe-hf ]; then preset=gpt-oss-20b-hf; else preset=gpt-oss-20b; fi
+        if [ "$what" = node-moe-fsdp ]; then layout=(); else layout=(distributed.ep="$NPROC"); fi
+        bench "${what//-/_}" gpt_oss_20b --preset "$preset" perf.compile=true "${layout[@]}" \
             --nproc "$NPROC" "${depth[@]}" --steps 3 --warmup 2 ;;
     node-bert)
         for accumulation in ${BERT_ACCUMULATION:-1 2}; do
@@ -239,7 +243,7 @@ for what in "$@"; do
             cp "$(ls -d "$RESULTS/tiny_$name"/*/ | tail -n 1)summary.json" "$OUT/tiny_$name.json" || true
         done ;;
     *) echo "unknown measurement $what (lora, lora-auto, lora-auto-80, llm, llm-auto, llm-shard1, llm-row, bert, bert-packed, llm-hf, bert-hf, lora-hf," \
-        "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, dlrmv4, node-lora, node-llm, node-moe, node-moe-hf, node-bert, node-flux, node-flux-512, node-flux-whole, node-dlrmv4, node-dlrmv4-full, node-lora-run, node-tiny)" >&2; exit 2 ;;
+        "gpt-oss-hf, gpt-oss, gpt-oss-fp8, gpt-oss-fp8-hf, gpt-oss-fp8-hf-80, gpt-oss-fp8-ref, gpt-oss-mb4, flux-hf, flux, flux-fp8, flux-fp8-hf, flux-bf16-hf, dlrmv4, node-lora, node-llm, node-moe, node-moe-hf, node-moe-fsdp, node-bert, node-flux, node-flux-512, node-flux-whole, node-dlrmv4, node-dlrmv4-full, node-lora-run, node-tiny)" >&2; exit 2 ;;
     esac
 done
 if [ ${#failed[@]} -gt 0 ]; then

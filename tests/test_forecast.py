@@ -145,6 +145,45 @@ def test_each_family_forecasts_with_its_own_placements_costs_or_says_why_not(tmp
     assert "has no model of what several GPUs add" in forecast.forecast(bench, dlrm, 2, ONE.gpu_name)["none"]
 
 
+def test_a_mixture_sharded_by_fsdp2_in_fp8_gathers_its_experts_in_bf16_and_casts_them_in_every_micro_batch(
+        tmp_path, monkeypatch):  # fmt: skip
+    """gpt_oss_20b over 2 ranks without distributed.ep: in bf16 the decoder's FSDP2 model over every parameter; in FP8
+    the linear layers' copies at FP8's byte, the experts' at bf16's 2, and the experts' casts each micro-batch beyond
+    the one GPU's one a step."""
+    monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path))
+    for precision in ("auto", "fp8"):
+        _, tiny = _cfg("gpt_oss_20b")
+        gbs = 4 * tiny.data.micro_batch_size  # 4 micro-batches on one GPU, as many on each of 2
+        bench, one_cfg = _cfg("gpt_oss_20b", f"model.precision={precision}", f"data.global_batch_size={gbs}")
+        micro_one = forecast.micro_batches(one_cfg, 1)
+        assert micro_one == 4
+        one = dataclasses.replace(ONE, micro_batches=micro_one, expert_params=ONE.block_params * 3 // 4)
+        forecast.save(one_cfg, one)
+        bench, two = _cfg("gpt_oss_20b", f"model.precision={precision}", "distributed.nproc=2",
+                          f"data.global_batch_size={2 * gbs}")  # fmt: skip
+        got = forecast.forecast(bench, two, 2, ONE.gpu_name)["split_s"]
+        micro, keys = forecast.micro_batches(two, 2), bench.family._sharding(two)  # the run's FSDP2 keys
+        dense, experts = one.block_params - one.expert_params, one.expert_params
+        if precision == "auto":
+            assert got == {"compute (one GPU's step)": pytest.approx(ONE.step_s),
+                           **node_costs.fully_sharded(one, 2, micro, **keys)}  # fmt: skip
+            continue
+        assert list(got) == ["compute (one GPU's step)", "exposed communication", "FSDP2's copies",
+                             "the experts' FP8 casts"]  # fmt: skip
+        rest = node_costs.fully_sharded(one, 2, micro, **keys)["exposed communication"]
+        assert got["exposed communication"] == pytest.approx(rest)  # the rest's, as without the experts apart
+        assert keys["gathered_as"] == 1  # the linear layers' FP8 gathers
+        per_param = node_costs.fully_sharded(ONE, 2, micro, **keys)["FSDP2's copies"] / ONE.block_params
+        per_bf16 = node_costs.fully_sharded(ONE, 2, micro, **keys | {"gathered_as": 2})["FSDP2's copies"]
+        per_bf16 /= ONE.block_params
+        assert per_bf16 > per_param
+        assert got["FSDP2's copies"] == pytest.approx(dense * per_param + experts * per_bf16)
+        casts = micro - micro / micro_one  # 4 - 1: one GPU cast once in its 4
+        assert casts == 3
+        assert got["the experts' FP8 casts"] == pytest.approx(experts * 12 * casts / (2 * ONE.device_copy_bytes_s))
+        assert got["the experts' FP8 casts"] > 0
+
+
 @pytest.mark.parametrize("name", ["bert", "flux1", "gpt_oss_20b"])
 def test_the_kept_step_splits_the_trained_parameters_into_the_blocks_and_the_rest(name):
     bench, cfg = _cfg(name)

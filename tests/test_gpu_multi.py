@@ -212,6 +212,10 @@ PATHS = [
     ("tp", "llama31_8b", [], ["distributed.tp=2"], 32, 1e-2, None),  # (the whole batch on both ranks of the group)
     ("ep_fp8", "gpt_oss_20b", ["model.precision=fp8", "perf.compile=true"], ["distributed.ep=2"], 16, 2e-2,
      "on each of 2 ranks (all-to-all)"),
+    # a mixture's layout unasked on several GPUs: the experts sharded by FSDP2 with the rest (no distributed.ep),
+    # gathered in bf16 for each forward and cast to FP8 there, each rank's own tokens through every expert
+    ("fsdp2_fp8_experts", "gpt_oss_20b", ["model.precision=fp8", "perf.compile=true"], [], 16, 2e-2,
+     "the experts' grouped products of"),
     ("lora_fp8_replicas", "llama2_70b_lora", ["model.base_precision=fp8"], [], 4, 2e-2, "FP8 base on every rank"),
     # FSDP2 in FP8 (gathered in FP8), 4 micro-batches a rank reduce-scattered once a step
     ("flux_fp8_once", "flux1", ["model.precision=fp8", "perf.compile=true"], ["distributed.reduce_once_a_step=true"],
@@ -363,10 +367,13 @@ FORECASTS = [
      ["exposed communication", "FSDP2's copies"]),
     ("gpt_oss_20b", [], ["distributed.ep=2"], ["exposed communication", "FSDP2's copies", "the experts' all-to-all",
                                                "the router's busiest rank"]),
+    # the same mixture with its experts sharded by FSDP2 as the rest (its layout unasked): no exchange, no wait
+    ("gpt_oss_20b", [], [], ["exposed communication", "FSDP2's copies"]),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("name, keys, two_keys, costs", FORECASTS, ids=[c[0] for c in FORECASTS])
+@pytest.mark.parametrize("name, keys, two_keys, costs", FORECASTS, ids=["bert", "flux1", "gpt_oss_20b_ep2",
+                                                                       "gpt_oss_20b_fsdp2"])  # fmt: skip
 def test_a_bench_on_two_gpus_forecasts_its_step_from_one_gpus_of_the_same_shape(tmp_path, monkeypatch, name, keys,
                                                                                 two_keys, costs):  # fmt: skip
     """`trainbench bench` on one GPU keeps its step; the same shape on 2 GPUs (each rank the one GPU's micro-batches)

@@ -255,22 +255,26 @@ def test_node_flux_whole_measures_the_whole_model_at_the_presets_global_batch_on
 
 @pytest.mark.parametrize("nproc, depth", [(2, ["--blocks", "2,4"]), (8, [])])
 def test_both_blocks_of_gpt_oss_20b_spread_their_experts_over_the_node(tmp_path, nproc, depth):
-    """`perf/bench_figures.sh node-moe node-moe-hf`: the reference's block and GPT-OSS's (its own preset), each with
-    its experts over NPROC GPUs; the whole 24 blocks on 8, 2 and 4 blocks extrapolated on fewer."""
+    """`perf/bench_figures.sh node-moe node-moe-hf node-moe-fsdp`: the reference's block and GPT-OSS's (its own
+    preset), each with its experts over NPROC GPUs, then the reference's block with the experts sharded by FSDP2 as
+    the rest (no distributed.ep); the whole 24 blocks on 8, 2 and 4 blocks extrapolated on fewer."""
     done = _bench_figures(
         tmp_path,
         _recording("20261129T000000Z-moe", "tokens_per_s"),
         "node-moe",
         "node-moe-hf",
+        "node-moe-fsdp",
         nproc=nproc,
     )
     assert done.returncode == 0, (done.stdout, done.stderr)
     calls = _calls(tmp_path)
-    assert [c[c.index("--preset") + 1] for c in calls] == ["gpt-oss-20b", "gpt-oss-20b-hf"]
+    assert [c[c.index("--preset") + 1] for c in calls] == ["gpt-oss-20b", "gpt-oss-20b-hf", "gpt-oss-20b"]
     for c in calls:
-        assert f"distributed.ep={nproc}" in c and c[c.index("--nproc") + 1] == str(nproc)
+        assert c[c.index("--nproc") + 1] == str(nproc)
         assert ("--blocks" in c) == bool(depth) and (not depth or c[c.index("--blocks") + 1] == "2,4")
-    assert all((tmp_path / "out" / f"{name}.json").exists() for name in ("node_moe", "node_moe_hf"))
+    assert [f"distributed.ep={nproc}" in c for c in calls] == [True, True, False]
+    assert not any(k.startswith("distributed.ep=") for k in calls[2])
+    assert all((tmp_path / "out" / f"{name}.json").exists() for name in ("node_moe", "node_moe_hf", "node_moe_fsdp"))
 
 
 def test_a_measurement_stopped_by_a_time_limit_keeps_the_depths_it_measured(tmp_path):
@@ -395,3 +399,29 @@ def test_each_gpu_refuses_a_node_measurement_or_a_host_without_gpus_and_says_whi
     done = _each_gpu(tmp_path, failing, "llm-auto")
     assert done.returncode == 1 and f"failed on GPU 1 ({tmp_path}/out/each_gpu1.log)" in done.stderr, done.stderr
     assert done.stdout.strip() == "llm_auto: GPU 0 15059 tokens/s; the slowest GPU 0: 15059", done.stdout
+
+
+def test_forecast_layouts_takes_one_gpus_steps_to_the_models_depth_and_forecasts_each_layout(tmp_path, monkeypatch):
+    """perf/forecast_layouts.py: the one GPU's step on the line through its two depths, at the model's own depth;
+    each layout's forecast through the product's (measure/forecast.py), its rate a GPU against the one GPU's."""
+    monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path))
+    forecast_layouts = load("forecast_layouts")
+    from trainbench.resolve import build_config
+
+    _, tiny = build_config("gpt_oss_20b", "tiny", None, {})
+    gbs, layers = 4 * tiny.data.micro_batch_size, tiny.model.num_layers
+    rows = forecast_layouts.forecasts("gpt_oss_20b", "tiny", {"data.global_batch_size": str(gbs)},
+                                      [{"distributed.ep": "2"}, {}], 2, (1, 2), (0.3, 0.5), 2e12)  # fmt: skip
+    step = 0.3 + 0.2 * (layers - 1)
+    assert [r["one_gpu_step_s"] for r in rows] == [pytest.approx(step)] * 2 and rows[0]["depth"] == layers
+    ep, fsdp = (r["split_s"] for r in rows)
+    assert ep["compute (one GPU's step)"] == pytest.approx(step / 2)  # each rank half the one GPU's micro-batches
+    assert "the experts' all-to-all" in ep and "the experts' all-to-all" not in fsdp and "FSDP2's copies" in fsdp
+    for row in rows:
+        assert row["of_one"] == pytest.approx(step / 2 / row["step_s"]) and row["of_one"] < 1
+    with pytest.raises(SystemExit, match="two different depths"):
+        forecast_layouts.forecasts("gpt_oss_20b", "tiny", {}, [{}], 2, (2, 2), (0.3, 0.5), None)
+    with pytest.raises(SystemExit, match="two numbers split by a comma"):
+        forecast_layouts._pair("2;4", int, "--depths")
+    with pytest.raises(SystemExit, match="is not a key=value pair"):
+        forecast_layouts._keys(["distributed.ep"])

@@ -5,9 +5,8 @@ does not make, in seconds a step, by what. Each family says which of these its p
 family that plans its layout and one that does not count the same collective alike.
 
 Not counted anywhere here: the compute's own slowdown beside NCCL's kernels (on 2 H200, flux1's FP8 GEMMs ran 8 %
-slower while FSDP2's gathers ran beside them, docs/flux1.md), a mixture's busiest rank (the router's imbalance), and
-clocks that differ between the GPUs: the forecast is an upper bound where those are large, and its miss says how
-large they were.
+slower while FSDP2's gathers ran beside them, docs/flux1.md) and clocks that differ between the GPUs: the forecast is
+an upper bound where those are large, and its miss says how large they were.
 """
 
 from __future__ import annotations
@@ -73,6 +72,18 @@ def fully_sharded(one: OneGpu, ranks: int, micro_batches: int, reduce_bytes: int
     if one.device_copy_bytes_s:
         out["FSDP2's copies"] = s.shard_copy_s * micro_batches
     return out
+
+
+# The bytes a cast of the experts' bf16 weights to FP8 moves a parameter (moe_fp8.fp8_weight_casts, made in the
+# forward and again in the backward where no cast is kept): the forward's amax read (2), the cast's read and write
+# (2 + 1) and its column-major copy (1 + 1); the backward's amax read, read and write (2 + 2 + 1).
+EXPERT_CAST_BYTES = 12
+
+
+def weight_casts_s(params: int, casts: float, copy_bytes_s: float, nbytes: int = EXPERT_CAST_BYTES) -> float:
+    """``casts`` casts of ``params`` weights, ``nbytes`` read or written a parameter each, at a GPU's memory rate (twice
+    its ``copy_bytes_s``: a copy reads and writes each byte)."""
+    return params * nbytes * casts / (2 * copy_bytes_s)
 
 
 def all_to_all_s(rows: int, width: int, top_k: int, blocks: int, ranks: int, nbytes: int = 2) -> float:

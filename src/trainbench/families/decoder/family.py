@@ -345,11 +345,14 @@ class GptOssFamily(DecoderFamily):
 
     def node_costs(self, cfg: RunConfig, ranks: int, one) -> dict[str, float] | str:
         """With the experts spread over the ranks (``distributed.ep``): FSDP2 over the rest of the blocks and the
-        layers outside them, and the experts' all-to-all (families/node_costs.all_to_all_s, in bf16); without, FSDP2
-        over everything. The router's busiest rank is not counted (the forecast's miss says how much it cost)."""
+        layers outside them, the experts' all-to-all (families/node_costs.all_to_all_s, in bf16) and the wait for the
+        rank whose experts the router sent the most tokens (where the one GPU counted them); without, FSDP2 over
+        everything (in FP8: :meth:`_sharded_fp8_experts`)."""
         from trainbench.families.node_costs import all_to_all_s, busiest_rank_s, fully_sharded, micro_batches
 
         if cfg.distributed.ep <= 1:
+            if cfg.model.precision == "fp8" and one.expert_params and cfg.distributed.tp <= 1:
+                return self._sharded_fp8_experts(cfg, ranks, one)
             return super().node_costs(cfg, ranks, one)
         m, micro = cfg.model, micro_batches(cfg, ranks)
         out = fully_sharded(one, ranks, micro, params=one.block_params - one.expert_params, **self._sharding(cfg))
@@ -359,6 +362,23 @@ class GptOssFamily(DecoderFamily):
         if one.expert_loads and len(one.expert_loads) == m.num_layers:
             experts_s = one.step_s * micro / one.micro_batches * self.experts_share(cfg)
             out["the router's busiest rank"] = busiest_rank_s(one.expert_loads, ranks, experts_s)
+        return out
+
+    def _sharded_fp8_experts(self, cfg: RunConfig, ranks: int, one) -> dict[str, float]:
+        """FSDP2 over every parameter in FP8: the blocks' linear layers gathered in FP8, the experts gathered in bf16
+        (FSDP2's copies of 2 bytes a parameter) and cast to FP8 in each micro-batch's forward and again for its
+        backward (moe_fp8's casts, uncached when sharded), where the one GPU cast them once a step."""
+        from trainbench.families.node_costs import fully_sharded, micro_batches, weight_casts_s
+
+        micro, keys = micro_batches(cfg, ranks), self._sharding(cfg)
+        out = fully_sharded(one, ranks, micro, params=one.block_params - one.expert_params, **keys)
+        experts = fully_sharded(dataclasses.replace(one, other_params=0), ranks, micro, params=one.expert_params,
+                                **(keys | {"gathered_as": 2}))  # fmt: skip
+        if one.device_copy_bytes_s:
+            out["FSDP2's copies"] += experts["FSDP2's copies"]
+            # each micro-batch's casts, less the one GPU's once a step that its step scaled to these micro-batches holds
+            casts = micro - micro / one.micro_batches
+            out["the experts' FP8 casts"] = weight_casts_s(one.expert_params, casts, one.device_copy_bytes_s)
         return out
 
     def experts_share(self, cfg: RunConfig) -> float:
