@@ -1,17 +1,19 @@
 """The forecast of several GPUs (measure/forecast.py) for several layouts at once, from one GPU's measured steps.
 
 `trainbench bench --nproc N` forecasts the one layout it runs, from the step a one-GPU bench kept on that machine.
-This takes the one GPU's steps at two depths from a measurement already written down (docs/performance.md), takes
-them to the model's depth along the line through them (as `trainbench bench` does), and prints the forecast of each
-layout given (a set of `distributed` keys) on N GPUs of one node, split as the bench prints it: which layout to
-measure first, and what to expect of it. A forecast, not a measurement: the device says what the layouts do.
+This takes the one GPU's steps at two depths from a measurement already written down (docs/performance.md), forecasts
+each depth and takes the forecast to the model's depth along the line through them (as `trainbench bench` does), and
+prints the forecast of each layout given (a set of `distributed` keys) on N GPUs of one node, split as the bench
+prints it: which layout to measure first, and what to expect of it. A forecast, not a measurement: the device says
+what the layouts do.
 
     python perf/forecast_layouts.py gpt_oss_20b --preset gpt-oss-20b --nproc 2 --depths 2,4 --steps 0.973,1.418 \\
         --copy-rate 2.011e12 --key model.precision=fp8 --key perf.compile=true \\
         --layout distributed.ep=2 --layout "distributed.ep=1 distributed.grad_reduce_dtype=bf16"
 
-The one GPU's FSDP2 copy rate (`--copy-rate`, bytes copied a second) is what the one-GPU bench's probe timed
-(`device_copy_bytes_s` in its kept step); without it FSDP2's own copies are not counted.
+The one GPU's copy rate (`--copy-rate`, bytes copied a second) is what the one-GPU bench timed (`device_copy_bytes_s`
+in its kept step); without it FSDP2's own copies are not counted. `--loads` reads a one-GPU bench.json's router loads
+(each block's tokens per expert) for a mixture's busiest rank under expert parallelism; without, it is not counted.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 
 def _pair(text: str, kind: type, what: str) -> tuple:
@@ -42,39 +45,72 @@ def _keys(items: list[str]) -> dict[str, str]:
 
 
 def forecasts(name: str, preset: str | None, keys: dict[str, str], layouts: list[dict[str, str]], nproc: int,
-              depths: tuple[int, int], steps: tuple[float, float], copy_rate: float | None,
-              gpu: str = "GPU") -> list[dict]:  # fmt: skip
-    """Each layout's forecast on ``nproc`` GPUs (measure/forecast.forecast's dict, with ``tokens_per_s_per_rank``
-    and ``of_one``: the rate a GPU over the one GPU's), from one GPU's ``steps`` (s) at ``depths``, at the model's
-    own depth, ``keys`` on both."""
+              depths: tuple[int, int], steps: tuple[float, float], copy_rate: float | None, gpu: str = "GPU",
+              loads: list[list[int]] | None = None) -> list[dict]:  # fmt: skip
+    """Each layout's forecast on ``nproc`` GPUs from one GPU's ``steps`` (s) at ``depths``, as `trainbench bench`
+    takes it: forecast at each depth (the model built that deep), then along the line through the two to the model's
+    own depth; ``keys`` on both; ``loads``: the one GPU's tokens per expert per block at the deeper depth (a
+    one-GPU bench.json's ``router.loads``; the shallower depth takes its first blocks), for the busiest rank.
+    Each: ``layout``, ``depth``, ``one_gpu_step_s`` and, where forecast, ``step_s``, ``split_s``,
+    ``tokens_per_s_per_rank`` and ``of_one`` (the rate a GPU over the one GPU's); else ``none``."""
     import torch
 
     from trainbench.measure import forecast
+    from trainbench.report.bench_report import at_depth
     from trainbench.resolve import build_config
 
-    (d1, d2), (s1, s2) = depths, steps
-    if d1 == d2 or min(d1, d2) < 1 or min(s1, s2) <= 0:
+    if depths[0] == depths[1] or min(depths) < 1 or min(steps) <= 0:
         raise SystemExit("error: --depths takes two different depths of 1 or more, --steps two positive seconds")
     bench, one_cfg = build_config(name, preset, None, dict(keys))
-    depth = one_cfg.model.num_layers
-    step = s1 + (s2 - s1) / (d2 - d1) * (depth - d1)  # the line through the two depths, to the model's
-    with torch.device("meta"):
-        model = bench.family.build_model(one_cfg)
-    one = forecast.measured(one_cfg, bench, model, step, gpu, copy_rate)
-    forecast.save(one_cfg, one)
+    if loads is not None and len(loads) < max(depths):
+        raise SystemExit(f"error: the loads hold {len(loads)} blocks, fewer than the depth {max(depths)}")
+    depth, gbs = one_cfg.model.num_layers, str(one_cfg.data.global_batch_size)
+    for d, step_d in zip(depths, steps, strict=True):  # one GPU's step at each depth, kept as a one-GPU bench keeps it
+        _, cfg_d = build_config(name, preset, None, dict(keys) | {"model.num_layers": str(d)})
+        with torch.device("meta"):
+            model = bench.family.build_model(cfg_d)
+        forecast.save(cfg_d, forecast.measured(cfg_d, bench, model, step_d, gpu, copy_rate,
+                                               None if loads is None else loads[:d]))  # fmt: skip
+    one_step = at_depth(dict(zip(depths, steps, strict=True)), depth)
     tokens = bench.family.tokens_per_sample(one_cfg)
     out = []
     for layout in layouts:
-        gbs = str(one_cfg.data.global_batch_size)  # the one GPU's global batch: each rank 1 / nproc of it
-        _, cfg = build_config(name, preset, None, dict(keys) | {"distributed.nproc": str(nproc),
-                                                                "data.global_batch_size": gbs} | layout)  # fmt: skip
-        got = forecast.forecast(bench, cfg, nproc, gpu)
-        if "step_s" in got:
-            samples = forecast.micro_batches(cfg, nproc) * cfg.data.micro_batch_size
-            got["tokens_per_s_per_rank"] = samples * tokens / got["step_s"]
-            got["of_one"] = got["tokens_per_s_per_rank"] / (one_cfg.data.global_batch_size * tokens / step)
-        out.append({"layout": layout, "one_gpu_step_s": step, "depth": depth} | got)
+        row: dict = {"layout": layout, "one_gpu_step_s": one_step, "depth": depth}
+        got = {}
+        for d in depths:  # each rank 1 / nproc of the one GPU's global batch
+            shape = {"model.num_layers": str(d), "data.global_batch_size": gbs, "distributed.nproc": str(nproc)}
+            _, cfg = build_config(name, preset, None, dict(keys) | shape | layout)
+            got[d] = forecast.forecast(bench, cfg, nproc, gpu)
+        if any("none" in f for f in got.values()):
+            out.append(row | {"none": next(f["none"] for f in got.values() if "none" in f)})
+            continue
+        deeper = got[max(depths)]["split_s"]
+        row["split_s"] = {k: at_depth({d: f["split_s"].get(k, 0.0) for d, f in got.items()}, depth) for k in deeper}
+        row["step_s"] = at_depth({d: f["step_s"] for d, f in got.items()}, depth)
+        samples = forecast.micro_batches(cfg, nproc) * cfg.data.micro_batch_size
+        row["tokens_per_s_per_rank"] = samples * tokens / row["step_s"]
+        row["of_one"] = row["tokens_per_s_per_rank"] / (one_cfg.data.global_batch_size * tokens / one_step)
+        out.append(row)
     return out
+
+
+def read_loads(path: Path) -> list[list[int]]:
+    """A one-GPU bench.json's ``router.loads`` (its folder or the file): each block's tokens per expert."""
+    from trainbench.errors import UserError
+    from trainbench.report import bench_report
+
+    try:
+        record = bench_report.read(path.parent if path.is_file() else path)
+    except UserError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    loads = (record.get("router") or {}).get("loads")
+    good = isinstance(loads, list) and loads and all(
+        isinstance(b, list) and b and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in b)
+        for b in loads)  # fmt: skip
+    if not good:
+        raise SystemExit(f"error: {path} holds no router.loads (each block's tokens per expert, whole numbers): "
+                         "measure a mixture of experts on one GPU with `trainbench bench`")  # fmt: skip
+    return loads
 
 
 def main() -> None:
@@ -88,14 +124,16 @@ def main() -> None:
     p.add_argument("--gpu", default="GPU", help="the GPU's name (a label)")
     p.add_argument("--key", action="append", default=[], help="key=value on both (repeat)")
     p.add_argument("--layout", action="append", default=[], help="the distributed keys of a layout (repeat)")
+    p.add_argument("--loads", type=Path, help="a one-GPU bench.json (or its folder) whose router.loads to read")
     args = p.parse_args()
     if args.nproc < 2:
         raise SystemExit("error: --nproc takes 2 or more GPUs")
     depths, steps = _pair(args.depths, int, "--depths"), _pair(args.steps, float, "--steps")
     layouts = [_keys([layout]) for layout in args.layout] or [{}]
     os.environ["TRAINBENCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="forecast-layouts-")  # (the kept step goes here)
+    loads = read_loads(args.loads) if args.loads else None
     for row in forecasts(args.benchmark, args.preset, _keys(args.key), layouts, args.nproc, depths, steps,
-                         args.copy_rate, args.gpu):  # fmt: skip
+                         args.copy_rate, args.gpu, loads):  # fmt: skip
         name = " ".join(f"{k}={v}" for k, v in row["layout"].items()) or "the default layout"
         if "none" in row:
             print(f"{name}: no forecast ({row['none']})")

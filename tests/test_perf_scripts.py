@@ -419,6 +419,33 @@ def test_forecast_layouts_takes_one_gpus_steps_to_the_models_depth_and_forecasts
     assert "the experts' all-to-all" in ep and "the experts' all-to-all" not in fsdp and "FSDP2's copies" in fsdp
     for row in rows:
         assert row["of_one"] == pytest.approx(step / 2 / row["step_s"]) and row["of_one"] < 1
+    # the one GPU's tokens per expert: rank 0's half of the experts busier, the busiest rank waited for
+    experts = tiny.model.num_experts
+    loads = [[3] * (experts // 2) + [1] * (experts // 2)] * 2
+    bench_dir = tmp_path / "bench"
+    bench_dir.mkdir()
+    record = {"kind": "bench", "benchmark": "gpt_oss_20b", "preset": "tiny", "figures": "measured", "ranks": 1,
+              "device": "NVIDIA H200", "router": {"loads": loads}}  # fmt: skip
+    (bench_dir / "bench.json").write_text(json.dumps(record))
+    assert forecast_layouts.read_loads(bench_dir) == loads
+    [busy] = forecast_layouts.forecasts(
+        "gpt_oss_20b",
+        "tiny",
+        {"data.global_batch_size": str(gbs)},
+        [{"distributed.ep": "2"}],
+        2,
+        (1, 2),
+        (0.3, 0.5),
+        2e12,
+        "GPU",
+        loads,
+    )
+    assert busy["split_s"]["the router's busiest rank"] > 0 and busy["of_one"] < rows[0]["of_one"]
+    (bench_dir / "bench.json").write_text(json.dumps(record | {"router": {"loads": [[1, -1]]}}))
+    with pytest.raises(SystemExit, match="holds no router.loads"):
+        forecast_layouts.read_loads(bench_dir)
+    with pytest.raises(SystemExit, match="fewer than the depth"):
+        forecast_layouts.forecasts("gpt_oss_20b", "tiny", {}, [{}], 2, (1, 3), (0.3, 0.5), None, "GPU", loads)
     with pytest.raises(SystemExit, match="two different depths"):
         forecast_layouts.forecasts("gpt_oss_20b", "tiny", {}, [{}], 2, (2, 2), (0.3, 0.5), None)
     with pytest.raises(SystemExit, match="two numbers split by a comma"):
