@@ -132,8 +132,14 @@ def main() -> None:
     layouts = [_keys([layout]) for layout in args.layout] or [{}]
     os.environ["TRAINBENCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="forecast-layouts-")  # (the kept step goes here)
     loads = read_loads(args.loads) if args.loads else None
-    for row in forecasts(args.benchmark, args.preset, _keys(args.key), layouts, args.nproc, depths, steps,
-                         args.copy_rate, args.gpu, loads):  # fmt: skip
+    from trainbench.errors import UserError
+
+    try:
+        rows = forecasts(args.benchmark, args.preset, _keys(args.key), layouts, args.nproc, depths, steps,
+                         args.copy_rate, args.gpu, loads)  # fmt: skip
+    except UserError as exc:  # an unknown benchmark, a key or a layout the configuration refuses
+        raise SystemExit(f"error: {exc}") from None
+    for row in rows:
         name = " ".join(f"{k}={v}" for k, v in row["layout"].items()) or "the default layout"
         if "none" in row:
             print(f"{name}: no forecast ({row['none']})")

@@ -2,6 +2,8 @@
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -452,3 +454,10 @@ def test_forecast_layouts_takes_one_gpus_steps_to_the_models_depth_and_forecasts
         forecast_layouts._pair("2;4", int, "--depths")
     with pytest.raises(SystemExit, match="is not a key=value pair"):
         forecast_layouts._keys(["distributed.ep"])
+    refused = [(["nosuch"], "error: unknown benchmark 'nosuch'"),
+               (["gpt_oss_20b", "--preset", "tiny", "--layout", "distributed.ep=3"], "error: distributed.ep=3"),
+               (["gpt_oss_20b", "--loads", str(tmp_path / "none")], "cannot be read (no such file)")]  # fmt: skip
+    for args, said in refused:
+        done = subprocess.run([sys.executable, str(SCRIPTS / "forecast_layouts.py"), *args, "--depths", "1,2",
+                               "--steps", "1,2"], capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 1 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
