@@ -8,6 +8,9 @@
 # measurements' folders go under $RESULTS/gpuN; EXTRA, TAG and INDUCTOR reach each as bench_figures.sh reads them.
 # GPUS=N takes the first N GPUs (default: every GPU nvidia-smi lists). Ends non-zero where any GPU's measurement
 # failed; a TERM or INT stops every GPU's.
+# ONE_EACH=1 gives each measurement a GPU of its own instead (the first on GPU 0, the next on GPU 1, ...), all at once:
+# several benchmarks' one-GPU figures in the time of the longest, before the node's own measurements, e.g.
+#   ONE_EACH=1 perf/each_gpu.sh gpt-oss flux-fp8 llm-auto && NPROC=4 perf/bench_figures.sh node-moe node-flux node-llm
 set -euo pipefail
 OUT=${OUT:-/tmp/bench_out}
 RESULTS=${RESULTS:-/tmp/bench_results}
@@ -25,6 +28,17 @@ for what in "$@"; do
         exit 2 ;;
     esac
 done
+jobs=()  # the measurements of GPU 0, GPU 1, ...
+if [ "${ONE_EACH:-0}" = 1 ]; then
+    if [ "$#" -gt "$GPUS" ]; then
+        echo "perf/each_gpu.sh: ONE_EACH=1 gives each of the $# measurements a GPU of its own, and $GPUS are" \
+            "listed: give fewer" >&2
+        exit 2
+    fi
+    jobs=("$@")
+else
+    for ((gpu = 0; gpu < GPUS; gpu++)); do jobs+=("$*"); done
+fi
 mkdir -p "$OUT"
 here=$(cd "$(dirname "$0")" && pwd)
 pids=()
@@ -34,13 +48,14 @@ stop() {
     exit 143
 }
 trap stop TERM INT
-for ((gpu = 0; gpu < GPUS; gpu++)); do
+for gpu in "${!jobs[@]}"; do
+    read -r -a measurements <<< "${jobs[$gpu]}"
     CUDA_VISIBLE_DEVICES=$gpu NPROC=1 TAG="${TAG:-}-gpu$gpu" RESULTS="$RESULTS/gpu$gpu" OUT="$OUT" \
-        bash "$here/bench_figures.sh" "$@" > "$OUT/each_gpu$gpu.log" 2>&1 &
+        bash "$here/bench_figures.sh" "${measurements[@]}" > "$OUT/each_gpu$gpu.log" 2>&1 &
     pids+=($!)
 done
 failed=()
-for ((gpu = 0; gpu < GPUS; gpu++)); do
+for gpu in "${!jobs[@]}"; do
     wait "${pids[$gpu]}" || failed+=("GPU $gpu ($OUT/each_gpu$gpu.log)")
 done
 figure() {  # FILE: its tokens/s, else its samples/s, with the unit ("" where neither is there)
@@ -53,22 +68,32 @@ figure() {  # FILE: its tokens/s, else its samples/s, with the unit ("" where ne
         fi
     done
 }
-for file in "$OUT"/*"${TAG:-}-gpu0.json"; do
-    [ -e "$file" ] || continue
-    name=${file##*/}
-    name=${name%-gpu0.json}
-    line="" slowest="" at=""
-    for ((gpu = 0; gpu < GPUS; gpu++)); do
-        f="$OUT/$name-gpu$gpu.json"
-        [ -e "$f" ] || continue
-        read -r value unit <<< "$(figure "$f")"
-        [ -n "${value:-}" ] || continue
-        line+=" GPU $gpu $(printf '%.0f' "$value"),"
-        if [ -z "$slowest" ] || awk "BEGIN { exit !($value < $slowest) }"; then
-            slowest=$value at=$gpu
+declare -A seen=()
+for gpu in "${!jobs[@]}"; do
+    for file in "$OUT"/*"${TAG:-}-gpu$gpu.json"; do
+        [ -e "$file" ] || continue
+        name=${file##*/}
+        name=${name%-gpu"$gpu".json}
+        [ -z "${seen[$name]:-}" ] || continue
+        seen[$name]=1
+        line="" slowest="" at=""
+        for g in "${!jobs[@]}"; do
+            f="$OUT/$name-gpu$g.json"
+            [ -e "$f" ] || continue
+            read -r value unit <<< "$(figure "$f")"
+            [ -n "${value:-}" ] || continue
+            line+=" GPU $g $(printf '%.0f' "$value"),"
+            if [ -z "$slowest" ] || awk "BEGIN { exit !($value < $slowest) }"; then
+                slowest=$value at=$g
+            fi
+        done
+        [ -n "$slowest" ] || continue
+        if [ "${ONE_EACH:-0}" = 1 ]; then  # (a GPU of its own: no other GPU's figure of it)
+            echo "$name:${line%,} $unit"
+        else
+            echo "$name:${line%,} $unit; the slowest GPU $at: $(printf '%.0f' "$slowest")"
         fi
     done
-    [ -n "$slowest" ] && echo "$name:${line%,} $unit; the slowest GPU $at: $(printf '%.0f' "$slowest")"
 done
 if [ ${#failed[@]} -gt 0 ]; then
     echo "failed on ${failed[*]}" >&2

@@ -403,6 +403,23 @@ def test_each_gpu_refuses_a_node_measurement_or_a_host_without_gpus_and_says_whi
     assert done.stdout.strip() == "llm_auto: GPU 0 15059 tokens/s; the slowest GPU 0: 15059", done.stdout
 
 
+def test_each_gpu_one_each_gives_every_measurement_a_gpu_of_its_own_at_once(tmp_path):
+    """ONE_EACH=1 perf/each_gpu.sh A B on 3 GPUs: A on GPU 0 alone, B on GPU 1 alone, GPU 2 idle, each figure said
+    under its name; more measurements than GPUs are refused in one sentence before anything runs."""
+    done = _perf_script(tmp_path, "each_gpu.sh", BY_GPU, ("llm-auto", "gpt-oss"), {"GPUS": "3", "ONE_EACH": "1"})
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert sorted(done.stdout.split("\n")[:2]) == ["gpt_oss: GPU 1 14856 tokens/s", "llm_auto: GPU 0 15059 tokens/s"]
+    calls = sorted(_calls(tmp_path))
+    assert [(c[0], c[4]) for c in calls] == [("0", "llama31_8b"), ("1", "gpt_oss_20b")], calls
+    assert all("--nproc" not in c for c in calls) and not (tmp_path / "out" / "each_gpu2.log").exists()
+    assert (tmp_path / "out" / "llm_auto-gpu0.json").exists() and (tmp_path / "out" / "gpt_oss-gpu1.json").exists()
+    (tmp_path / "many").mkdir()
+    many = _perf_script(tmp_path / "many", "each_gpu.sh", BY_GPU, ("llm-auto", "gpt-oss", "bert"),
+                        {"GPUS": "2", "ONE_EACH": "1"})  # fmt: skip
+    assert many.returncode == 2 and "gives each of the 3 measurements a GPU of its own, and 2 are" in many.stderr
+    assert not (tmp_path / "many" / "out" / "args.txt").exists()
+
+
 def test_forecast_layouts_takes_one_gpus_steps_to_the_models_depth_and_forecasts_each_layout(tmp_path, monkeypatch):
     """perf/forecast_layouts.py: the one GPU's step on the line through its two depths, at the model's own depth;
     each layout's forecast through the product's (measure/forecast.py), its rate a GPU against the one GPU's."""
