@@ -68,32 +68,29 @@ figure() {  # FILE: its tokens/s, else its samples/s, with the unit ("" where ne
         fi
     done
 }
-declare -A seen=()
-for gpu in "${!jobs[@]}"; do
-    for file in "$OUT"/*"${TAG:-}-gpu$gpu.json"; do
-        [ -e "$file" ] || continue
-        name=${file##*/}
-        name=${name%-gpu"$gpu".json}
-        [ -z "${seen[$name]:-}" ] || continue
-        seen[$name]=1
-        line="" slowest="" at=""
-        for g in "${!jobs[@]}"; do
-            f="$OUT/$name-gpu$g.json"
-            [ -e "$f" ] || continue
-            read -r value unit <<< "$(figure "$f")"
-            [ -n "${value:-}" ] || continue
-            line+=" GPU $g $(printf '%.0f' "$value"),"
-            if [ -z "$slowest" ] || awk "BEGIN { exit !($value < $slowest) }"; then
-                slowest=$value at=$g
-            fi
-        done
-        [ -n "$slowest" ] || continue
-        if [ "${ONE_EACH:-0}" = 1 ]; then  # (a GPU of its own: no other GPU's figure of it)
-            echo "$name:${line%,} $unit"
-        else
-            echo "$name:${line%,} $unit; the slowest GPU $at: $(printf '%.0f' "$slowest")"
+names=()  # each measurement's name, from its results (NAME-gpuN.json, not NAME-gpuN.raw_D.json)
+for file in "$OUT"/*"${TAG:-}"-gpu*.json; do
+    [[ $file =~ ^.*/(.+)-gpu[0-9]+\.json$ ]] || continue
+    [[ " ${names[*]} " == *" ${BASH_REMATCH[1]} "* ]] || names+=("${BASH_REMATCH[1]}")
+done
+for name in "${names[@]}"; do
+    line="" slowest="" at=""
+    for gpu in "${!jobs[@]}"; do
+        f="$OUT/$name-gpu$gpu.json"
+        [ -e "$f" ] || continue
+        read -r value unit <<< "$(figure "$f")"
+        [ -n "${value:-}" ] || continue
+        line+=" GPU $gpu $(printf '%.0f' "$value"),"
+        if [ -z "$slowest" ] || awk "BEGIN { exit !($value < $slowest) }"; then
+            slowest=$value at=$gpu
         fi
     done
+    [ -n "$slowest" ] || continue
+    if [ "${ONE_EACH:-0}" = 1 ]; then  # (a GPU of its own: no other GPU's figure of it)
+        echo "$name:${line%,} $unit"
+    else
+        echo "$name:${line%,} $unit; the slowest GPU $at: $(printf '%.0f' "$slowest")"
+    fi
 done
 if [ ${#failed[@]} -gt 0 ]; then
     echo "failed on ${failed[*]}" >&2

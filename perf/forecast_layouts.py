@@ -24,24 +24,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+from trainbench.config import parse_key_values
+from trainbench.errors import UserError
+from trainbench.measure.forecast import split_text
+
 
 def _pair(text: str, kind: type, what: str) -> tuple:
     try:
         a, b = (kind(v) for v in text.split(","))
     except ValueError:
-        raise SystemExit(f"error: {what} takes two numbers split by a comma, not {text!r}") from None
+        raise UserError(f"{what} takes two numbers split by a comma, not {text!r}") from None
     return a, b
-
-
-def _keys(items: list[str]) -> dict[str, str]:
-    keys = {}
-    for item in items:
-        for pair in item.split():
-            if "=" not in pair:
-                raise SystemExit(f"error: {pair!r} is not a key=value pair")
-            key, value = pair.split("=", 1)
-            keys[key] = value
-    return keys
 
 
 def forecasts(name: str, preset: str | None, keys: dict[str, str], layouts: list[dict[str, str]], nproc: int,
@@ -60,10 +53,10 @@ def forecasts(name: str, preset: str | None, keys: dict[str, str], layouts: list
     from trainbench.resolve import build_config
 
     if depths[0] == depths[1] or min(depths) < 1 or min(steps) <= 0:
-        raise SystemExit("error: --depths takes two different depths of 1 or more, --steps two positive seconds")
+        raise UserError("--depths takes two different depths of 1 or more, --steps two positive seconds")
     bench, one_cfg = build_config(name, preset, None, dict(keys))
     if loads is not None and len(loads) < max(depths):
-        raise SystemExit(f"error: the loads hold {len(loads)} blocks, fewer than the depth {max(depths)}")
+        raise UserError(f"the loads hold {len(loads)} blocks, fewer than the depth {max(depths)}")
     depth, gbs = one_cfg.model.num_layers, str(one_cfg.data.global_batch_size)
     for d, step_d in zip(depths, steps, strict=True):  # one GPU's step at each depth, kept as a one-GPU bench keeps it
         _, cfg_d = build_config(name, preset, None, dict(keys) | {"model.num_layers": str(d)})
@@ -96,20 +89,16 @@ def forecasts(name: str, preset: str | None, keys: dict[str, str], layouts: list
 
 def read_loads(path: Path) -> list[list[int]]:
     """A one-GPU bench.json's ``router.loads`` (its folder or the file): each block's tokens per expert."""
-    from trainbench.errors import UserError
     from trainbench.report import bench_report
 
-    try:
-        record = bench_report.read(path.parent if path.is_file() else path)
-    except UserError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    record = bench_report.read(path.parent if path.is_file() else path)
     loads = (record.get("router") or {}).get("loads")
     good = isinstance(loads, list) and loads and all(
         isinstance(b, list) and b and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in b)
         for b in loads)  # fmt: skip
     if not good:
-        raise SystemExit(f"error: {path} holds no router.loads (each block's tokens per expert, whole numbers): "
-                         "measure a mixture of experts on one GPU with `trainbench bench`")  # fmt: skip
+        raise UserError(f"{path} holds no router.loads (each block's tokens per expert, whole numbers): measure a "
+                        "mixture of experts on one GPU with `trainbench bench`")  # fmt: skip
     return loads
 
 
@@ -126,28 +115,32 @@ def main() -> None:
     p.add_argument("--layout", action="append", default=[], help="the distributed keys of a layout (repeat)")
     p.add_argument("--loads", type=Path, help="a one-GPU bench.json (or its folder) whose router.loads to read")
     args = p.parse_args()
-    if args.nproc < 2:
-        raise SystemExit("error: --nproc takes 2 or more GPUs")
-    depths, steps = _pair(args.depths, int, "--depths"), _pair(args.steps, float, "--steps")
-    layouts = [_keys([layout]) for layout in args.layout] or [{}]
-    os.environ["TRAINBENCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="forecast-layouts-")  # (the kept step goes here)
-    loads = read_loads(args.loads) if args.loads else None
-    from trainbench.errors import UserError
-
-    try:
-        rows = forecasts(args.benchmark, args.preset, _keys(args.key), layouts, args.nproc, depths, steps,
-                         args.copy_rate, args.gpu, loads)  # fmt: skip
-    except UserError as exc:  # an unknown benchmark, a key or a layout the configuration refuses
-        raise SystemExit(f"error: {exc}") from None
+    try:  # bad input (an unknown benchmark, a key or layout the configuration refuses, a bench.json): one sentence
+        rows = _forecast_args(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     for row in rows:
         name = " ".join(f"{k}={v}" for k, v in row["layout"].items()) or "the default layout"
         if "none" in row:
             print(f"{name}: no forecast ({row['none']})")
             continue
-        split = ", ".join(f"{what} {s * 1000:,.1f} ms" for what, s in row["split_s"].items())
         print(f"{name}: {row['step_s']:.3f} s a step at {row['depth']} blocks, {row['tokens_per_s_per_rank']:,.0f} "
-              f"tokens/s a GPU, {row['of_one']:.3f} of one GPU's ({split})")  # fmt: skip
+              f"tokens/s a GPU, {row['of_one']:.3f} of one GPU's ({split_text(row['split_s'])})")  # fmt: skip
     sys.stdout.flush()
+
+
+def _forecast_args(args) -> list[dict]:
+    """:func:`forecasts` of the command line's arguments."""
+    if args.nproc < 2:
+        raise UserError("--nproc takes 2 or more GPUs")
+    depths, steps = _pair(args.depths, int, "--depths"), _pair(args.steps, float, "--steps")
+    layouts = [parse_key_values(layout.split()) for layout in args.layout] or [{}]
+    keys = parse_key_values([pair for item in args.key for pair in item.split()])
+    loads = read_loads(args.loads) if args.loads else None
+    os.environ["TRAINBENCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="forecast-layouts-")  # (the kept step goes here)
+    return forecasts(args.benchmark, args.preset, keys, layouts, args.nproc, depths, steps, args.copy_rate, args.gpu,
+                     loads)  # fmt: skip
 
 
 if __name__ == "__main__":

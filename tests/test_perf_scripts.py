@@ -419,7 +419,8 @@ def test_each_gpu_one_each_gives_every_measurement_a_gpu_of_its_own_at_once(tmp_
     assert not (tmp_path / "many" / "out" / "args.txt").exists()
 
 
-def test_forecast_layouts_takes_one_gpus_steps_to_the_models_depth_and_forecasts_each_layout(tmp_path, monkeypatch):
+def test_forecast_layouts_takes_one_gpus_steps_to_the_models_depth_and_forecasts_each_layout(tmp_path, monkeypatch,
+                                                                                             capsys):  # fmt: skip
     """perf/forecast_layouts.py: the one GPU's step on the line through its two depths, at the model's own depth;
     each layout's forecast through the product's (measure/forecast.py), its rate a GPU against the one GPU's."""
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path))
@@ -460,21 +461,25 @@ def test_forecast_layouts_takes_one_gpus_steps_to_the_models_depth_and_forecasts
     )
     assert busy["split_s"]["the router's busiest rank"] > 0 and busy["of_one"] < rows[0]["of_one"]
     (bench_dir / "bench.json").write_text(json.dumps(record | {"router": {"loads": [[1, -1]]}}))
-    with pytest.raises(SystemExit, match="holds no router.loads"):
+    from trainbench.errors import UserError
+
+    with pytest.raises(UserError, match="holds no router.loads"):
         forecast_layouts.read_loads(bench_dir)
-    with pytest.raises(SystemExit, match="fewer than the depth"):
+    with pytest.raises(UserError, match="fewer than the depth"):
         forecast_layouts.forecasts("gpt_oss_20b", "tiny", {}, [{}], 2, (1, 3), (0.3, 0.5), None, "GPU", loads)
-    with pytest.raises(SystemExit, match="two different depths"):
+    with pytest.raises(UserError, match="two different depths"):
         forecast_layouts.forecasts("gpt_oss_20b", "tiny", {}, [{}], 2, (2, 2), (0.3, 0.5), None)
-    with pytest.raises(SystemExit, match="two numbers split by a comma"):
+    with pytest.raises(UserError, match="two numbers split by a comma"):
         forecast_layouts._pair("2;4", int, "--depths")
-    with pytest.raises(SystemExit, match="is not a key=value pair"):
-        forecast_layouts._keys(["distributed.ep"])
     refused = [(["nosuch"], "error: unknown benchmark 'nosuch'"),
                (["gpt_oss_20b", "--preset", "tiny", "--layout", "distributed.ep=3"], "error: distributed.ep=3"),
-               (["gpt_oss_20b", "--loads", str(tmp_path / "none")], "cannot be read (no such file)")]  # fmt: skip
-    for args, said in refused:  # (SystemExit with a sentence: Python prints it alone and exits 1)
+               (["gpt_oss_20b", "--layout", "distributed.ep"], "'distributed.ep' is not of the form key=value"),
+               (["gpt_oss_20b", "--loads", str(tmp_path / "none")], "cannot be read (no such file)"),
+               (["gpt_oss_20b", "--loads", str(bench_dir)], "holds no router.loads")]  # fmt: skip
+    for args, said in refused:  # one sentence on stderr, exit 2, nothing on stdout
         monkeypatch.setattr(sys, "argv", ["forecast_layouts.py", *args, "--depths", "1,2", "--steps", "1,2"])
         with pytest.raises(SystemExit) as stopped:
             forecast_layouts.main()
-        assert said in str(stopped.value.code), stopped.value.code
+        printed = capsys.readouterr()
+        assert stopped.value.code == 2 and not printed.out, printed
+        assert printed.err.startswith("error: ") and printed.err.count("\n") == 1 and said in printed.err, printed

@@ -35,6 +35,12 @@ class OneGpu:
     expert_loads: list[list[int]] | None = None
 
 
+def reduce_bytes(distributed) -> int:
+    """Bytes a parameter's gradient takes on the wire under ``distributed`` (the config's section): 2 where
+    ``grad_reduce_dtype`` is bf16, else 4 (fp32)."""
+    return 2 if distributed.grad_reduce_dtype == "bf16" else 4
+
+
 def all_reduce_s(nbytes: float, ranks: int) -> float:
     """An all-reduce of ``nbytes`` over ``ranks`` GPUs of one node: each sends 2 (ranks - 1) / ranks of it (a ring) at
     the planner's :data:`~trainbench.families.planner.NODE_COLLECTIVE_BYTES_S`."""

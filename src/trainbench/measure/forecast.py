@@ -114,11 +114,14 @@ def forecast(bench, cfg, ranks: int, gpu_name: str) -> dict[str, Any]:
     return {"step_s": sum(split.values()), "split_s": split, "one_gpu": dataclasses.asdict(one)}
 
 
+def split_text(split_s: dict[str, float]) -> str:
+    """A forecast's split (seconds a step by what) in words, in ms."""
+    return ", ".join(f"{what} {s * 1e3:,.1f} ms" for what, s in split_s.items())
+
+
 def line(f: dict[str, Any]) -> str:
     """The forecast in a sentence: the step and its split."""
     if "none" in f:
         return f"no forecast from one GPU: {f['none']}"
-    split = ", ".join(f"{what} {s * 1e3:,.1f} ms" for what, s in f["split_s"].items())
-    return (
-        f"forecast from one GPU's step (measured {f['one_gpu']['measured_at']}): {f['step_s']:.3f} s a step ({split})"
-    )
+    return (f"forecast from one GPU's step (measured {f['one_gpu']['measured_at']}): {f['step_s']:.3f} s a step "
+            f"({split_text(f['split_s'])})")  # fmt: skip

@@ -324,11 +324,12 @@ def forecast_at_depth(raws: dict[int, dict], layers: int | None, tokens_per_step
 
 def forecast_line(f: dict[str, Any]) -> str:
     """bench.json's forecast in a sentence."""
+    from trainbench.measure.forecast import split_text
+
     if "none" in f:
         return f"no forecast from one GPU: {f['none']}"
-    split = ", ".join(f"{what} {s * 1e3:,.1f} ms" for what, s in f["split_s"].items())
     return (f"forecast from one GPU's step: {f['tokens_per_s_per_rank']:,.0f} tokens/s a GPU, {f['step_seconds']:.3f} "
-            f"s a step ({split}); measured {f['miss']:+.1%} against it")  # fmt: skip
+            f"s a step ({split_text(f['split_s'])}); measured {f['miss']:+.1%} against it")  # fmt: skip
 
 
 def summarise(bench: Benchmark, cfg: RunConfig, raws: dict[int, dict], layers: int | None,

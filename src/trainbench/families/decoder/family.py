@@ -243,8 +243,10 @@ class DecoderFamily(ModelFamily):
     @staticmethod
     def _sharding(cfg: RunConfig) -> dict[str, Any]:
         """fully_sharded's keywords for ``cfg``'s FSDP2 keys (FP8 blocks are gathered in FP8: families/fp8.py)."""
+        from trainbench.families.node_costs import reduce_bytes
+
         d = cfg.distributed
-        return {"reduce_bytes": 2 if d.grad_reduce_dtype == "bf16" else 4,
+        return {"reduce_bytes": reduce_bytes(d),
                 "gathered_as": 1 if cfg.model.precision == "fp8" else 2, "reduce_once_a_step": d.reduce_once_a_step,
                 "keep_gathered": d.keep_gathered, "outer_kept": d.keep_outer_gathered,
                 "head_apart": d.output_layer_apart}  # fmt: skip
@@ -350,12 +352,13 @@ class GptOssFamily(DecoderFamily):
         everything (in FP8: :meth:`_sharded_fp8_experts`)."""
         from trainbench.families.node_costs import all_to_all_s, busiest_rank_s, fully_sharded, micro_batches
 
-        if cfg.distributed.ep <= 1:
-            if cfg.model.precision == "fp8" and one.expert_params and cfg.distributed.tp <= 1:
-                return self._sharded_fp8_experts(cfg, ranks, one)
-            return super().node_costs(cfg, ranks, one)
-        m, micro = cfg.model, micro_batches(cfg, ranks)
-        out = fully_sharded(one, ranks, micro, params=one.block_params - one.expert_params, **self._sharding(cfg))
+        d, m = cfg.distributed, cfg.model
+        if d.ep <= 1 and (m.precision != "fp8" or not one.expert_params or d.tp > 1):
+            return super().node_costs(cfg, ranks, one)  # the experts sharded and gathered as the rest
+        micro, keys = micro_batches(cfg, ranks), self._sharding(cfg)
+        out = fully_sharded(one, ranks, micro, params=one.block_params - one.expert_params, **keys)  # but the experts
+        if d.ep <= 1:
+            return self._sharded_fp8_experts(out, one, ranks, micro, keys)
         rows = cfg.data.micro_batch_size * cfg.data.seq_length
         exchange = all_to_all_s(rows, m.hidden_size, m.experts_per_token, m.num_layers, ranks) * micro
         out |= {"the experts' all-to-all": exchange}
@@ -364,14 +367,15 @@ class GptOssFamily(DecoderFamily):
             out["the router's busiest rank"] = busiest_rank_s(one.expert_loads, ranks, experts_s)
         return out
 
-    def _sharded_fp8_experts(self, cfg: RunConfig, ranks: int, one) -> dict[str, float]:
-        """FSDP2 over every parameter in FP8: the blocks' linear layers gathered in FP8, the experts gathered in bf16
-        (FSDP2's copies of 2 bytes a parameter) and cast to FP8 in each micro-batch's forward and again for its
-        backward (moe_fp8's casts, uncached when sharded), where the one GPU cast them once a step."""
-        from trainbench.families.node_costs import fully_sharded, micro_batches, weight_casts_s
+    @staticmethod
+    def _sharded_fp8_experts(out: dict[str, float], one, ranks: int, micro: int,
+                             keys: dict[str, Any]) -> dict[str, float]:  # fmt: skip
+        """FSDP2 over every parameter in FP8: to ``out`` (the costs of all but the experts, their linear layers
+        gathered in FP8) the experts', gathered in bf16 (FSDP2's copies of 2 bytes a parameter) and cast to FP8 in
+        each micro-batch's forward and again for its backward (moe_fp8's casts, uncached when sharded), where the one
+        GPU cast them once a step."""
+        from trainbench.families.node_costs import fully_sharded, weight_casts_s
 
-        micro, keys = micro_batches(cfg, ranks), self._sharding(cfg)
-        out = fully_sharded(one, ranks, micro, params=one.block_params - one.expert_params, **keys)
         experts = fully_sharded(dataclasses.replace(one, other_params=0), ranks, micro, params=one.expert_params,
                                 **(keys | {"gathered_as": 2}))  # fmt: skip
         if one.device_copy_bytes_s:

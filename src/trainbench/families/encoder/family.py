@@ -66,10 +66,10 @@ class EncoderFamily(ModelFamily):
         """A replica on each GPU under DDP (families/node_costs.replicated): compiled as one graph (the default on
         one node), every bucket all-reduced after the backward; eager, or the graph split at the buckets
         (``distributed.overlap_compiled=true``), the last bucket left after it."""
-        from trainbench.families.node_costs import replicated
+        from trainbench.families.node_costs import reduce_bytes, replicated
 
         d = cfg.distributed
-        reduce = 2 if d.grad_reduce_dtype == "bf16" else 4
+        reduce = reduce_bytes(d)
         split = not cfg.perf.compile or d.overlap_compiled == "true"
         return replicated(one, ranks, reduce, d.bucket_cap_mb * 2**20 * reduce / 4 if split else None)
 

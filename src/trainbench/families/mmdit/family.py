@@ -85,11 +85,11 @@ class MMDiTFamily(ModelFamily):
     def node_costs(self, cfg: RunConfig, ranks: int, one) -> dict[str, float] | str:
         """FSDP2 over the ranks, a unit a block (families/node_costs.fully_sharded), FP8 blocks gathered in FP8 (their
         modulation, a small share, in bf16)."""
-        from trainbench.families.node_costs import fully_sharded, micro_batches
+        from trainbench.families.node_costs import fully_sharded, micro_batches, reduce_bytes
 
         d = cfg.distributed
-        reduce, gathered = 2 if d.grad_reduce_dtype == "bf16" else 4, 1 if cfg.model.precision == "fp8" else 2
-        return fully_sharded(one, ranks, micro_batches(cfg, ranks), reduce, gathered, d.reduce_once_a_step,
+        gathered = 1 if cfg.model.precision == "fp8" else 2
+        return fully_sharded(one, ranks, micro_batches(cfg, ranks), reduce_bytes(d), gathered, d.reduce_once_a_step,
                              d.keep_gathered)  # fmt: skip
 
     def tokens_per_sample(self, cfg: RunConfig) -> int:
