@@ -266,13 +266,18 @@ def test_expert_parallelism_and_fsdp_on_two_ranks_give_the_losses_of_one(llm_dat
               "log_every_steps=1", "telemetry_hz=0", "schedule.max_samples=256", "eval.every_samples=128",
               "eval_samples=64"]  # fmt: skip
     runs = {"one": ["--nproc", "1"], "fsdp": ["--nproc", "2", "micro_batch_size=8"],
-            "ep": ["--nproc", "2", "distributed.ep=2", "micro_batch_size=8"]}  # fmt: skip
+            "ep": ["--nproc", "2", "distributed.ep=2", "micro_batch_size=8"],
+            # the experts dealt out again by their load every 2 steps, a checkpoint saved at step 5 between deals
+            "placed": ["--nproc", "2", "distributed.ep=2", "micro_batch_size=8", "distributed.expert_rebalance_every=2",
+                       "checkpoint_every_steps=5"]}  # fmt: skip
     losses, evals = losses_and_evals(common, runs, tmp_path, "log_perplexity")
     assert len(losses["one"]) == 8 and losses["one"][-1] < losses["one"][0] and len(evals["one"]) == 2
-    for name in ("fsdp", "ep"):
+    for name in ("fsdp", "ep", "placed"):
         assert max(abs(a - b) for a, b in zip(losses["one"], losses[name], strict=True)) <= 1e-5, (name, losses)
         assert max(abs(a - b) for a, b in zip(evals["one"], evals[name], strict=True)) <= 1e-5, (name, evals)
     layout = {e["key"]: e["value"] for e in read_log(only_run_dir(tmp_path / "ep") / "result_0.txt")}
     assert layout["expert_parallelism"] == 2
     console = (only_run_dir(tmp_path / "ep") / "console.log").read_text()
     assert "2 experts on each of 2 ranks (all-to-all)" in console
+    console = (only_run_dir(tmp_path / "placed") / "console.log").read_text()
+    assert "experts dealt out over the 2 ranks again every 2 steps" in console

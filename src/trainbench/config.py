@@ -150,6 +150,12 @@ class DistributedConfig:
         "experts and sends every token to its experts' ranks by all-to-all; 1 (every rank holds all, sharded by FSDP) "
         "or the run's number of ranks.", at_least=1
     )  # fmt: skip
+    expert_rebalance_every: int = option(
+        0, "With distributed.ep: every N steps, deal each block's experts out again over the ranks by the tokens "
+        "each took since (the model unchanged: a token's expert found by its slot), so that no rank's experts take "
+        "far more than the mean and the others wait on it; 0: each rank keeps its contiguous share. Not yet "
+        "verified on GPUs (docs/gpt_oss.md).", at_least=0
+    )  # fmt: skip
     shard_one_rank: bool = option(
         False, "LLM benchmarks: shard the model with FSDP2 on one rank too (a process group of one), placed as "
         "several ranks place it (bf16 or FP8 gathers, fp32 gradients), to measure that placement on one GPU."

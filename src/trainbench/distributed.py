@@ -13,7 +13,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -357,7 +357,9 @@ class Placed:
     the run's console on what placement chose. ``comm_precision``: the lowest precision its collectives carry, in
     MLPerf's names (``bfloat16`` where FSDP gathers bf16 parameters or DDP reduces bf16 gradients), ``fp32``
     otherwise and on one rank. ``after_step``: run after every optimizer step (FP8 weights gathered in FP8: their
-    scales for the next step's gathers)."""
+    scales for the next step's gathers). ``rearrange(optimizer, canonical)``: parameters moved between the ranks
+    after an optimizer step, before ``after_step`` (a mixture's experts by their load), and with ``canonical`` back
+    to their placement's own order before a checkpoint's save."""
 
     module: torch.nn.Module
     model: Callable
@@ -366,6 +368,7 @@ class Placed:
     notes: list[str] = field(default_factory=list)
     comm_precision: str = "fp32"
     after_step: Callable[[], None] | None = None
+    rearrange: Callable[[Any, bool], None] | None = None
 
     def also_after_step(self, f: Callable[[], None] | None) -> None:
         """Run ``f`` (where given) after every optimizer step, after what already runs there."""

@@ -12,6 +12,7 @@ an upper bound where those are large, and its miss says how large they were.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from trainbench.families.planner import NODE_COLLECTIVE_BYTES_S, BlockProbe, sharded
 
@@ -106,15 +107,18 @@ def micro_batches(cfg, ranks: int) -> int:
     return max(1, cfg.data.global_batch_size // (cfg.data.micro_batch_size * ranks))
 
 
-def busiest_rank_s(loads: list[list[int]], ranks: int, experts_s: float) -> float:
+def busiest_rank_s(loads: list[list[int]], ranks: int, experts_s: float,
+                   deal: Callable[[list[int], int], list[int]] | None = None) -> float:  # fmt: skip
     """The wait for a mixture's busiest rank, a step: with the experts spread evenly over ``ranks`` GPUs (rank j holds
-    the j-th contiguous share of each block's experts), each block's exchange waits for the rank whose experts got
-    the most of the tokens ``loads`` counts (per block, per expert), and every other rank waits that much beyond the
-    mean. ``experts_s``: the experts' compute of one GPU's step at the mean load, spread evenly over the blocks."""
+    the j-th contiguous share of each block's slots: expert i in slot i, or in ``deal(block's loads, ranks)[i]``),
+    each block's exchange waits for the rank whose experts got the most of the tokens ``loads`` counts (per block, per
+    expert), and every other rank waits that much beyond the mean. ``experts_s``: the experts' compute of one GPU's
+    step at the mean load, spread evenly over the blocks."""
     waits = []
     for block in loads:
-        share = len(block) // ranks
-        per_rank = [sum(block[r * share : (r + 1) * share]) for r in range(ranks)]
+        share, per_rank = len(block) // ranks, [0] * ranks
+        for expert, slot in enumerate(deal(block, ranks) if deal else range(len(block))):
+            per_rank[slot // share] += block[expert]
         mean = sum(per_rank) / ranks
         waits.append(max(per_rank) / mean - 1 if mean else 0.0)
     return experts_s * sum(waits) / len(loads) if loads else 0.0

@@ -258,6 +258,8 @@ class TrainLoop:
     def _save_checkpoint(self) -> None:
         log = self.files.partial_log
         self.state.log_bytes = log.stat().st_size if self.info.is_main and log.exists() else 0
+        if self.run_.placed.rearrange is not None:  # a checkpoint holds the placement's own order, whatever moved since
+            self.run_.placed.rearrange(self.run_.optimizer, True)
         checkpoint.save(self.files.run_dir, self.files.index, self.run_.placed.module, self.run_.optimizer,
                         self.state, self.info)  # fmt: skip
 

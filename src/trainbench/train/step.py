@@ -42,6 +42,8 @@ def train_step(bench: Benchmark, placed: Placed, optimizer: torch.optim.Optimize
         totals.loss_sum += loss.detach() / info.world_size
         totals.nonfinite |= ~torch.isfinite(loss.detach())
     optimizer.step()
+    if placed.rearrange is not None:
+        placed.rearrange(optimizer, False)
     if placed.after_step is not None:
         placed.after_step()
     optimizer.zero_grad(set_to_none=True)

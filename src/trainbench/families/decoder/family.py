@@ -289,6 +289,11 @@ class GptOssFamily(DecoderFamily):
         if ep > 1 and (m.num_experts % ep or ep != ranks):
             raise ConfigError(f"distributed.ep={ep} must divide the {m.num_experts} experts and equal the run's "
                               f"{ranks} ranks (expert parallelism spans all of them)")  # fmt: skip
+        every = cfg.distributed.expert_rebalance_every
+        if every and (ep <= 1 or ranks <= 1):
+            raise ConfigError(f"distributed.expert_rebalance_every={every} places the experts that "
+                              "distributed.ep spreads over the ranks: set distributed.ep to the run's ranks (more "
+                              "than one), or leave it at 0")  # fmt: skip
         scores = cfg.data.micro_batch_size * m.num_heads * cfg.data.seq_length**2 * 4
         if m.gpt_oss_block and not cfg.perf.compile and scores > 4 << 30:
             raise ConfigError(f"model.block=gpt_oss at seq {cfg.data.seq_length} needs perf.compile=true: uncompiled, "
@@ -336,6 +341,14 @@ class GptOssFamily(DecoderFamily):
         placed.notes.append(f"{m.block} block: {m.num_experts} experts, {m.experts_per_token} a token; a "
                             f"{m.sliding_window}-token window on every {m.window_every} blocks{spread}"
                             f"{kernels}")  # fmt: skip
+        every = cfg.distributed.expert_rebalance_every
+        if ep > 1 and every:
+            from trainbench.families.decoder.expert_placement import ExpertPlacer
+
+            placed.rearrange = ExpertPlacer(placed.module, every).rearrange
+            placed.notes.append(f"each block's experts dealt out over the {ep} ranks again every {every} steps by "
+                                "the tokens each took (distributed.expert_rebalance_every): not yet verified on "
+                                "GPUs")  # fmt: skip
         return placed
 
     def expert_params(self, model: torch.nn.Module) -> int:
@@ -364,7 +377,10 @@ class GptOssFamily(DecoderFamily):
         out |= {"the experts' all-to-all": exchange}
         if one.expert_loads and len(one.expert_loads) == m.num_layers:
             experts_s = one.step_s * micro / one.micro_batches * self.experts_share(cfg)
-            out["the router's busiest rank"] = busiest_rank_s(one.expert_loads, ranks, experts_s)
+            from trainbench.families.decoder.expert_placement import balanced
+
+            deal = balanced if d.expert_rebalance_every else None  # (the one GPU's loads, dealt as the run deals them)
+            out["the router's busiest rank"] = busiest_rank_s(one.expert_loads, ranks, experts_s, deal)
         return out
 
     @staticmethod

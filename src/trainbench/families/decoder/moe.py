@@ -109,6 +109,10 @@ class MoE(nn.Module):
         # The row alignment of each expert's group that expert_product needs (16 for FP8's, set with it by the
         # placement; 1: the groups packed back to back)
         self.align_rows = 1
+        # The experts placed by their load over the ranks (families/decoder/expert_placement): ``slot_of``, a buffer
+        # set there, gives each expert's slot (rank j holds the j-th contiguous share of the slots, each slot its
+        # expert's weights); ``slot_loads`` counts the rows this rank sent to each slot in training's forwards.
+        self.slot_loads: torch.Tensor | None = None
         if s.bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(s.experts, 2 * s.ffn))
             self.down_proj_bias = nn.Parameter(torch.empty(s.experts, s.hidden))
@@ -190,6 +194,8 @@ class MoE(nn.Module):
 
         ranks = dist.get_world_size(self.ep_group)
         local = self.shape.experts // ranks
+        if self.slot_loads is not None and torch.is_grad_enabled():
+            self.slot_loads += counts
         send = counts.view(ranks, local)  # rows for [rank, its expert]
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)  # rows from [rank, my expert]
@@ -215,6 +221,8 @@ class MoE(nn.Module):
         logits = self.router_logits(tokens)
         weights, experts = route(logits, self.shape.top_k)
         flat = experts.reshape(-1)
+        if getattr(self, "slot_of", None) is not None:  # the experts placed by their load: each choice by its slot
+            flat = self.slot_of[flat]
         order = torch.argsort(flat, stable=True)  # the (token, choice) pairs sorted by expert
         counts = torch.bincount(flat, minlength=self.shape.experts)
         token_of = order // self.shape.top_k
