@@ -11,6 +11,7 @@ import pytest
 
 from trainbench.errors import UserError
 from trainbench.families import node_costs
+from trainbench.families.decoder.expert_placement import balanced
 from trainbench.families.node_costs import OneGpu
 from trainbench.families.planner import NODE_COLLECTIVE_BYTES_S, BlockProbe, sharded
 from trainbench.measure import forecast
@@ -68,6 +69,30 @@ def test_a_mixtures_busiest_rank_is_waited_for_in_each_block_by_its_experts_shar
     assert node_costs.busiest_rank_s(loads, 4, 0.2) == pytest.approx(0.2 * (0 + 0.5) / 2)  # 3 of a mean of 2
     assert node_costs.busiest_rank_s([[2, 2, 2, 2]], 2, 1.0) == 0.0
     assert node_costs.busiest_rank_s([[0, 0, 0, 0]], 2, 1.0) == 0.0  # no token routed: nothing to wait for
+    # the experts dealt out by their load (distributed.expert_rebalance_every): a 3 and a 1 on each rank, even
+    assert node_costs.busiest_rank_s(loads, 2, 0.2, deal=balanced) == 0.0
+    assert node_costs.busiest_rank_s([[6, 1, 1, 0]], 2, 1.0, deal=balanced) == pytest.approx(6 / 4 - 1)  # 6 and 0
+
+
+def test_a_forecast_with_the_experts_dealt_out_waits_for_no_busiest_rank_where_the_deal_evens_them(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path))
+    bench, one_cfg = _cfg("gpt_oss_20b")
+    half = one_cfg.model.num_experts // 2
+    loads = [[4, 1] * half] * one_cfg.model.num_layers  # contiguous halves even; [[4] * half + [1] * half]: 1.6x
+    waits = {}
+    for name, block in (("even", loads), ("uneven", [[4] * half + [1] * half] * one_cfg.model.num_layers)):
+        one = dataclasses.replace(ONE, micro_batches=forecast.micro_batches(one_cfg, 1),
+                                  expert_params=ONE.block_params // 2, expert_loads=block)  # fmt: skip
+        forecast.save(one_cfg, one)
+        for dealt in ("0", "4"):
+            _, two = _cfg("gpt_oss_20b", "distributed.nproc=2", "distributed.ep=2",
+                          f"distributed.expert_rebalance_every={dealt}",
+                          f"data.global_batch_size={2 * one_cfg.data.global_batch_size}")  # fmt: skip
+            waits[name, dealt] = forecast.forecast(bench, two, 2, ONE.gpu_name)["split_s"]["the router's busiest rank"]
+    assert waits["uneven", "0"] > 0 and waits["uneven", "4"] == 0.0  # the deal puts a 4 and a 1 on each rank
+    assert waits["even", "0"] == waits["even", "4"] == 0.0
 
 
 def _cfg(name: str, *keys: str):

@@ -76,7 +76,8 @@ class ExpertPlacer:
             else:
                 by_slot = moe.slot_loads.clone()
                 dist.all_reduce(by_slot, group=moe.ep_group)  # each rank counted the rows it sent to each slot
-                loads = [by_slot.tolist()[slot] for slot in now]  # by expert
+                counted = by_slot.tolist()
+                loads = [counted[slot] for slot in now]  # by expert
                 moe.slot_loads.zero_()
                 ranks = dist.get_world_size(moe.ep_group)
                 new = balanced(loads, ranks)
