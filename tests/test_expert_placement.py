@@ -10,7 +10,8 @@ from conftest import spawned
 from test_moe import _EXPERT_TENSORS, _expert_parallel_case, _on_gloo_ranks
 
 from trainbench.errors import ConfigError
-from trainbench.families.decoder.expert_placement import ExpertPlacer, balanced, busiest_over_mean
+from trainbench.families.decoder.expert_placement import ExpertPlacer, balanced
+from trainbench.families.node_costs import busiest_over_mean
 from trainbench.resolve import build_config
 
 

@@ -12,7 +12,7 @@ an upper bound where those are large, and its miss says how large they were.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 from trainbench.families.planner import NODE_COLLECTIVE_BYTES_S, BlockProbe, sharded
 
@@ -114,11 +114,15 @@ def busiest_rank_s(loads: list[list[int]], ranks: int, experts_s: float,
     each block's exchange waits for the rank whose experts got the most of the tokens ``loads`` counts (per block, per
     expert), and every other rank waits that much beyond the mean. ``experts_s``: the experts' compute of one GPU's
     step at the mean load, spread evenly over the blocks."""
-    waits = []
-    for block in loads:
-        share, per_rank = len(block) // ranks, [0] * ranks
-        for expert, slot in enumerate(deal(block, ranks) if deal else range(len(block))):
-            per_rank[slot // share] += block[expert]
-        mean = sum(per_rank) / ranks
-        waits.append(max(per_rank) / mean - 1 if mean else 0.0)
+    waits = [busiest_over_mean(block, deal(block, ranks) if deal else range(len(block)), ranks) - 1 for block in loads]
     return experts_s * sum(waits) / len(loads) if loads else 0.0
+
+
+def busiest_over_mean(loads: Sequence[float], slot_of: Iterable[int], ranks: int) -> float:
+    """The most loaded rank's tokens over the ranks' mean, with expert i of ``loads`` in slot ``slot_of[i]`` (rank j
+    holds the j-th contiguous share of the slots); 1: even, or no token at all."""
+    share, per_rank = len(loads) // ranks, [0.0] * ranks
+    for expert, slot in enumerate(slot_of):
+        per_rank[slot // share] += loads[expert]
+    mean = sum(per_rank) / ranks
+    return max(per_rank) / mean if mean else 1.0

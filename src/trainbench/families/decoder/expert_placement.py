@@ -17,8 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainbench.families.decoder.moe import MoE
-
-EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+from trainbench.families.node_costs import busiest_over_mean
 
 
 def balanced(loads: list[float], ranks: int) -> list[int]:
@@ -38,15 +37,6 @@ def balanced(loads: list[float], ranks: int) -> list[int]:
         for i, expert in enumerate(sorted(experts)):
             slot_of[expert] = rank * share + i
     return slot_of
-
-
-def busiest_over_mean(loads: list[float], slot_of: list[int], ranks: int) -> float:
-    """The most loaded rank's tokens over the ranks' mean with the experts in ``slot_of``'s slots (1: even)."""
-    share, per_rank = len(loads) // ranks, [0.0] * ranks
-    for expert, slot in enumerate(slot_of):
-        per_rank[slot // share] += loads[expert]
-    mean = sum(per_rank) / ranks
-    return max(per_rank) / mean if mean else 1.0
 
 
 class ExpertPlacer:
@@ -103,11 +93,12 @@ class ExpertPlacer:
         sends = [(slot // share, now[expert_in[slot]] % share) for slot in range(len(new))
                  if now[expert_in[slot]] // share == me]  # fmt: skip
         receives = sorted((now[expert_in[slot]] // share, slot) for slot in range(me * share, (me + 1) * share))
-        send_rows = torch.tensor([row for _, row in sends], dtype=torch.long)
+        device = moe.slot_of.device
+        send_rows = torch.tensor([row for _, row in sends], dtype=torch.long, device=device)
         send_counts = [sum(1 for rank, _ in sends if rank == r) for r in range(ranks)]
         recv_counts = [sum(1 for rank, _ in receives if rank == r) for r in range(ranks)]
-        recv_rows = torch.tensor([slot - me * share for _, slot in receives], dtype=torch.long)
-        for name in EXPERT_TENSORS:
+        recv_rows = torch.tensor([slot - me * share for _, slot in receives], dtype=torch.long, device=device)
+        for name in MoE.EXPERT_TENSORS:
             weight = getattr(moe, name)
             if weight is None:
                 continue
@@ -117,9 +108,7 @@ class ExpertPlacer:
                 if t is None:
                     continue
                 local = t.to_local() if hasattr(t, "to_local") else t
-                out = torch.empty_like(local)
-                arrived = torch.empty((sum(recv_counts), *local.shape[1:]), dtype=local.dtype, device=local.device)
-                dist.all_to_all_single(arrived, local[send_rows.to(local.device)].contiguous(), recv_counts,
-                                       send_counts, group=group)  # fmt: skip
-                out[recv_rows.to(local.device)] = arrived
-                local.copy_(out)
+                arrived = torch.empty_like(local)  # (every slot of this rank receives its expert)
+                # the rows sent are gathered into a tensor of their own first, so they may be overwritten after
+                dist.all_to_all_single(arrived, local[send_rows], recv_counts, send_counts, group=group)
+                local.index_copy_(0, recv_rows, arrived)

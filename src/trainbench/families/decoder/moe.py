@@ -85,6 +85,9 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Te
 
 
 class MoE(nn.Module):
+    # The stacked experts' tensors (a bias None where the shape has none): what expert parallelism cuts by expert
+    EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
     def __init__(self, shape: MoEShape):
         super().__init__()
         self.shape = shape

@@ -102,7 +102,7 @@ def apply_expert_parallel(model: DecoderLM, device_type: str, ep: int, world: in
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         if moe.shape.experts % ep:
             raise ConfigError(f"distributed.ep={ep} does not divide the {moe.shape.experts} experts")
-        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        for name in MoE.EXPERT_TENSORS:
             full = getattr(moe, name)
             if full is None:
                 continue
