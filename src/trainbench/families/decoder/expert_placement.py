@@ -50,7 +50,7 @@ class ExpertPlacer:
         self.every, self.gain, self.steps, self.moves = every, gain, 0, 0
         for moe in self.moes:
             device = moe.gate_up_proj.device
-            moe.register_buffer("slot_of", torch.arange(moe.shape.experts, device=device), persistent=False)
+            moe.slot_of = torch.arange(moe.shape.experts, device=device)
             moe.slot_loads = torch.zeros(moe.shape.experts, dtype=torch.float64, device=device)
 
     @torch.no_grad()

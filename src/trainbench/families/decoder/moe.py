@@ -113,8 +113,11 @@ class MoE(nn.Module):
         # placement; 1: the groups packed back to back)
         self.align_rows = 1
         # The experts placed by their load over the ranks (families/decoder/expert_placement): ``slot_of``, a buffer
-        # set there, gives each expert's slot (rank j holds the j-th contiguous share of the slots, each slot its
-        # expert's weights); ``slot_loads`` counts the rows this rank sent to each slot in training's forwards.
+        # set there (None: each expert in its own slot), gives each expert's slot (rank j holds the j-th contiguous
+        # share of the slots, each slot its expert's weights); ``slot_loads`` counts the rows this rank sent to each
+        # slot in training's forwards.
+        self.slot_of: torch.Tensor | None
+        self.register_buffer("slot_of", None, persistent=False)
         self.slot_loads: torch.Tensor | None = None
         if s.bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(s.experts, 2 * s.ffn))
@@ -224,7 +227,7 @@ class MoE(nn.Module):
         logits = self.router_logits(tokens)
         weights, experts = route(logits, self.shape.top_k)
         flat = experts.reshape(-1)
-        if getattr(self, "slot_of", None) is not None:  # the experts placed by their load: each choice by its slot
+        if self.slot_of is not None:  # the experts placed by their load: each choice by its slot
             flat = self.slot_of[flat]
         order = torch.argsort(flat, stable=True)  # the (token, choice) pairs sorted by expert
         counts = torch.bincount(flat, minlength=self.shape.experts)
