@@ -267,9 +267,10 @@ def test_expert_parallelism_and_fsdp_on_two_ranks_give_the_losses_of_one(llm_dat
               "eval_samples=64"]  # fmt: skip
     runs = {"one": ["--nproc", "1"], "fsdp": ["--nproc", "2", "micro_batch_size=8"],
             "ep": ["--nproc", "2", "distributed.ep=2", "micro_batch_size=8"],
-            # the experts dealt out again by their load every 2 steps, a checkpoint saved at step 5 between deals
+            # the experts dealt out again by their load every 2 steps, a checkpoint saved at step 5 between deals;
+            # compiled blocks, as on GPUs (each choice's slot read from the buffer the deal rewrites)
             "placed": ["--nproc", "2", "distributed.ep=2", "micro_batch_size=8", "distributed.expert_rebalance_every=2",
-                       "checkpoint_every_steps=5"]}  # fmt: skip
+                       "checkpoint_every_steps=5", "perf.compile=true"]}  # fmt: skip
     losses, evals = losses_and_evals(common, runs, tmp_path, "log_perplexity")
     assert len(losses["one"]) == 8 and losses["one"][-1] < losses["one"][0] and len(evals["one"]) == 2
     for name in ("fsdp", "ep", "placed"):
