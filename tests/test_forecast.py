@@ -60,6 +60,9 @@ def test_a_mixtures_exchange_is_four_all_to_alls_a_block_of_the_rows_that_leave_
     got = node_costs.all_to_all_s(16_384, 2_880, 4, 24, 2)
     assert got == pytest.approx(4 * 24 * 16_384 * 4 * 2_880 * 2 * 0.5 / NODE_COLLECTIVE_BYTES_S)  # 45.3 ms
     assert node_costs.all_to_all_s(16_384, 2_880, 4, 24, 4) == pytest.approx(got * 1.5)
+    # distributed.expert_exchange=fp8: two of the four at a byte a value and a byte a row
+    fp8 = node_costs.all_to_all_s(16_384, 2_880, 4, 24, 2, fp8_halves=True)
+    assert fp8 == pytest.approx(got * (2 * 2 * 2_880 + 2 * 2_881) / (4 * 2 * 2_880))  # 0.75 of bf16's
 
 
 def test_a_mixtures_busiest_rank_is_waited_for_in_each_block_by_its_experts_share_of_the_tokens():

@@ -168,6 +168,11 @@ def test_tokens_after_an_end_of_document_token_are_not_predicted():
         ({"model.attention": "cudnn"}, "model.attention=cudnn is a GPU kernel of the compiled blocks in 16 bits"),
         ({"model.window_attention": "flash", "perf.compile": "true", "device": "cpu"}, "model.window_attention=flash"),
         ({"model.attention": "flash", "perf.compile": "true", "precision": "fp32"}, "precision=auto or bf16"),
+        (
+            {"distributed.expert_exchange": "fp8", "distributed.ep": "2", "distributed.nproc": "2"},
+            "distributed.expert_exchange=fp8 sends the rows .* it needs model.precision=fp8",
+        ),
+        ({"distributed.expert_exchange": "fp8"}, "and distributed.ep set to the run's ranks"),
     ],
 )
 def test_bad_layouts_are_one_sentence(overrides, says):
@@ -182,6 +187,9 @@ def test_expert_parallelism_is_refused_where_there_are_no_experts():
 
     with pytest.raises(ConfigError, match="distributed.ep=2: llama31_8b has no mixture of experts"):
         build_config("llama31_8b", "tiny", None, {"distributed.ep": "2", "distributed.nproc": "2"})
+    for key, value in (("expert_rebalance_every", "2"), ("expert_exchange", "fp8")):
+        with pytest.raises(ConfigError, match=f"distributed.{key}={value}: bert has no mixture of experts"):
+            build_config("bert", "tiny", None, {f"distributed.{key}": value})
 
 
 @pytest.mark.parametrize("name", ["bert", "llama2_70b_lora", "flux1"])

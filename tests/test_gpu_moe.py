@@ -257,3 +257,113 @@ def test_the_cuda_placement_gives_every_expert_layer_the_fused_activation_on_cud
 
     layers = placed_gpt_oss_experts(torch.device("cuda"))
     assert len(layers) == 2 and all(m.biased_activation == BiasGLU.apply for m in layers)  # == : a new bound method
+
+
+def _two_ranks_on_one_gpu(rank: int, world: int, port: int, mode: str, out: str) -> None:
+    """One of 2 gloo ranks sharing the one GPU: the FP8 experts' layer as the CUDA placement makes it (the rows' casts
+    compiled, the fused activation, the weights' casts once a step), its 8 experts over the 2 ranks, each rank its own
+    1,024 tokens. ``wire``: one forward and backward with bf16 on the wire, then with FP8
+    (``distributed.expert_exchange=fp8``). ``deal``: 3 AdamW steps with the experts in their contiguous halves,
+    then with them dealt out again by their load after each step (``distributed.expert_rebalance_every=1``), then a
+    forward of each. Each rank writes what it saw."""
+    import os
+
+    import torch.distributed as dist
+
+    from trainbench.families.decoder.expert_placement import ExpertPlacer
+    from trainbench.families.decoder.glu_kernel import fuse_activations
+    from trainbench.families.decoder.moe import MoE, MoEShape
+    from trainbench.families.decoder.moe_fp8 import cache_fp8_weight_casts, exchange_in_fp8, experts_in_fp8
+    from trainbench.families.decoder.placement import apply_expert_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        shape = MoEShape(hidden=256, ffn=256, experts=8, top_k=2, activation="gpt_oss", bias=True)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(1024, 256, generator=g).cuda()
+        direction = torch.randn(1024, 256, generator=g).cuda()
+        seen = []
+        for variant in (0, 1):
+            torch.manual_seed(0)
+            layer = MoE(shape)
+            for p in layer.parameters():
+                torch.nn.init.normal_(p, std=0.06)
+            layer.router.weight.data[:, :8] += 0.3 * torch.arange(8.0)  # a router that favours some experts
+            holder = torch.nn.Sequential(layer.cuda())
+            experts_in_fp8(holder, torch.device("cuda"), compiled_casts=True)
+            fuse_activations(holder)
+            apply_expert_parallel(holder, "cuda", world, world)
+            if mode == "wire":
+                if variant:
+                    exchange_in_fp8(layer, compiled=True)
+                rows = x.clone().requires_grad_()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    result, _ = layer(rows)
+                (result.float() * direction).sum().backward()
+                grads = {n: getattr(p.grad, "_local_tensor", p.grad).cpu() for n, p in layer.named_parameters()}
+                seen.append({"output": result.detach().cpu(), "input": rows.grad.cpu(), **grads})
+                continue
+            after_step = cache_fp8_weight_casts(holder, compiled=True)
+            placer = ExpertPlacer(holder, every=1, gain=-1.0) if variant else None
+            optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+            for _ in range(3):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    result, _ = layer(x)
+                ((result.float() * direction).sum() * world).backward()
+                for p in layer.router.parameters():  # replicated: FSDP would average them
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+                optimizer.step()
+                after_step()
+                if placer:
+                    placer.rearrange(optimizer)
+                optimizer.zero_grad()
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                result, _ = layer(x)
+            if placer:
+                placer.rearrange(optimizer, canonical=True)
+            weights = {n: p.to_local().cpu() for n, p in layer.named_parameters() if hasattr(p, "to_local")}
+            seen.append({"output": result.float().cpu(), "moves": placer.moves if placer else 0, **weights})
+        torch.save(seen, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp8_on_the_wire_keeps_the_experts_forward_and_the_inputs_gradient_to_the_bit_on_cuda(tmp_path):
+    """distributed.expert_exchange=fp8 with torch's FP8 grouped product and the compiled casts, 2 gloo ranks on the one
+    GPU: the outputs, the input's and the router's gradients and the first product's bias gradient are those of bf16
+    on the wire to the bit; the weights' gradients, whose FP8 products cast their operands again with a scale an
+    expert, the same but where a value falls among e4m3's subnormals; the output bias's gradient, summed from the
+    outputs' gradients rounded to e4m3 on the wire, within e4m3's rounding of them."""
+    from conftest import spawned
+
+    out = tmp_path / "wire.pt"
+    spawned(_two_ranks_on_one_gpu, 2, "wire", str(out))
+    for rank in range(2):
+        plain, fp8 = torch.load(f"{out}.{rank}")
+        for name in ("output", "input", "router.weight", "router.bias", "gate_up_proj_bias"):
+            assert torch.equal(fp8[name], plain[name]), (rank, name)
+        for name, rtol in (("gate_up_proj", 2**-6), ("down_proj", 2**-6), ("down_proj_bias", 2**-3)):
+            scale = plain[name].float().abs().max()
+            error = (fp8[name].float() - plain[name].float()).abs().max()
+            assert error <= rtol * scale, (rank, name, float(error), float(scale))
+
+
+def test_experts_dealt_out_by_their_load_train_as_in_their_halves_on_cuda(tmp_path):
+    """distributed.expert_rebalance_every with the FP8 experts (their weights' casts made once a step, which a move
+    must renew), 2 gloo ranks on the one GPU: 3 AdamW steps with the experts dealt out after each give the outputs and,
+    back in the contiguous order, the weights of the same steps with the experts in their halves, to FP8's rounding;
+    experts moved."""
+    from conftest import spawned
+
+    out = tmp_path / "deal.pt"
+    spawned(_two_ranks_on_one_gpu, 2, "deal", str(out))
+    for rank in range(2):
+        halves, dealt = torch.load(f"{out}.{rank}")
+        assert dealt["moves"] > 0 and halves["moves"] == 0
+        for name in halves:
+            if name != "moves":
+                scale = halves[name].abs().max()
+                assert (dealt[name] - halves[name]).abs().max() <= 2e-2 * scale, (rank, name)

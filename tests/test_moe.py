@@ -364,6 +364,102 @@ def test_under_expert_parallelism_each_rank_casts_its_share_of_the_fp8_experts_o
     assert seen["cast_shape"] == (3, 32, 48)  # this rank's 3 of the 6 experts
 
 
+def test_rows_sent_in_e4m3_arrive_as_the_grouped_product_casts_them():
+    """moe_fp8's wire format: a row's e4m3 values and its scale's exponent (one byte) are _e4m3's of the row, and the
+    row rebuilt from them, cast again as the grouped product casts its rows, gives the same values with the same
+    scale or each doubled with the scale halved (a row whose largest magnitude rounded down to 224): the same
+    products. Rows from 2**-40 to 2**40 in magnitude, a zero row, one whose largest value rounds to 224."""
+    from trainbench.families.decoder.moe_fp8 import _e4m3, _e4m3_with_exponent, _from_e4m3
+
+    torch.manual_seed(0)
+    rows = torch.randn(83, 64) * torch.exp2(torch.arange(-40, 43, dtype=torch.float32))[:, None]
+    rows[3] = 0
+    rows[5] = torch.linspace(-1, 1, 64) * 225 / 256  # the largest scaled by 256 to 225, which rounds to 224
+    for dtype in (torch.bfloat16, torch.float32):
+        t = rows.to(dtype)
+        q, exponent = _e4m3_with_exponent(t)
+        want_q, want_recip = _e4m3(t, -1)
+        assert exponent.dtype == torch.int8 and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(torch.exp2(exponent.float()), want_recip)
+        back = _from_e4m3(q, exponent, dtype)
+        assert back.dtype == dtype and torch.equal(back, (want_q.float() * want_recip[:, None]).to(dtype))
+        again, recip = _e4m3(back, -1)
+        ratio = recip / want_recip  # 1, or 1/2 where the values doubled
+        assert set(ratio.tolist()) <= {1.0, 0.5} and ratio[5] == 0.5, ratio
+        assert torch.equal(again.float() * recip[:, None], want_q.float() * want_recip[:, None])
+
+
+class _GradRoundedToE4M3(torch.autograd.Function):
+    """The identity whose backward rounds the gradient's rows to e4m3 with a power-of-two scale a row, as moe_fp8's
+    wire carries them."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from trainbench.families.decoder.moe_fp8 import _e4m3_with_exponent, _from_e4m3
+
+        return _from_e4m3(*_e4m3_with_exponent(grad), grad.dtype)
+
+
+def _three_fp8_expert_layers():
+    """:func:`_two_fp8_expert_layers` and a third copy."""
+    pair, x, direction = _two_fp8_expert_layers()
+    return torch.nn.ModuleList([*pair, copy.deepcopy(pair[0])]), x, direction
+
+
+def _wire_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of two: the FP8 expert-parallel layer with bf16 on the wire, with ``exchange_in_fp8``, and with bf16
+    on the wire but the outputs' gradients rounded to e4m3 as they arrive at the experts, each rank's half of the
+    tokens (torch's FP8 grouped product stood in for on the CPU); each rank writes what the three gave and the
+    dtypes moe_fp8's all-to-alls carried."""
+    from trainbench.families.decoder import moe_fp8 as moe
+
+    def body(layers, x, direction):
+        torch._scaled_grouped_mm = _scaled_grouped_mm_on_cpu
+        carried = []
+        exchange = moe._exchange
+        moe._exchange = lambda t, *args: carried.append(t.dtype) or exchange(t, *args)
+        moe.exchange_in_fp8(layers[1])
+        layers[2].from_experts = lambda rows, *args: MoE.from_experts(_GradRoundedToE4M3.apply(rows), *args)
+        mine, d = x.chunk(world)[rank].clone(), direction.chunk(world)[rank]
+        results = []
+        for layer in layers:
+            carried.append(None)
+            rows = mine.clone().requires_grad_()
+            result, _ = layer(rows)
+            (result.float() * d).sum().backward()
+            grads = {n: getattr(p.grad, "_local_tensor", p.grad).clone() for n, p in layer.named_parameters()}
+            results.append({"output": result.detach(), "input": rows.grad, **grads})
+        torch.save({"results": results, "carried": carried}, f"{out}.{rank}")
+
+    _on_gloo_ranks(rank, world, port, body, case=_three_fp8_expert_layers)
+
+
+def test_fp8_on_the_wire_keeps_the_forward_and_the_inputs_gradient_to_the_bit(tmp_path):
+    """distributed.expert_exchange=fp8 on 2 gloo ranks, the FP8 experts' layer against itself with bf16 on the wire: the
+    rows to the experts and the gradients of their outputs on the way back to them travel as bytes (e4m3 and an
+    exponent a row), the outputs and the rows' gradients as they are. The outputs and every gradient are the same to
+    the bit, but the output bias's, which sums the outputs' gradients as they arrive: rounded to e4m3 there, it is the
+    bias gradient of bf16 on the wire with those gradients rounded to e4m3 on arrival, to the bit."""
+    out = tmp_path / "wire.pt"
+    spawned(_wire_worker, 2, str(out))
+    for rank in range(2):
+        seen = torch.load(f"{out}.{rank}")
+        plain, fp8, rounded = seen["results"]
+        # bf16 on the wire goes by torch's all-to-all with autograd (moe._all_to_all), FP8 by moe_fp8's: the rows
+        # forward as e4m3 bytes and their exponents, the outputs back in bf16, then in the backward the outputs'
+        # gradients as bytes and exponents, and the rows' gradients back in bf16
+        assert seen["carried"] == [None, None, torch.uint8, torch.int8, torch.bfloat16, torch.uint8, torch.int8,
+                                   torch.bfloat16, None], seen["carried"]  # fmt: skip
+        assert not torch.equal(fp8["down_proj_bias"], plain["down_proj_bias"]), "no e4m3 rounding on the way back"
+        for name in plain:
+            assert torch.equal(fp8[name], rounded[name]), (rank, name)
+            assert name == "down_proj_bias" or torch.equal(fp8[name], plain[name]), (rank, name)
+
+
 def test_the_weight_gradient_operands_take_one_power_of_two_scale_an_expert_and_are_transposed():
     """moe_fp8._group_scaled_transpose (the FP8 weight gradient's operands): [rows, n] becomes row-major [n, rows] in
     e4m3 whose scale is constant over each expert's rows (the grouped product sums along them), a power of two that

@@ -156,6 +156,14 @@ class DistributedConfig:
         "far more than the mean and the others wait on it; 0: each rank keeps its contiguous share. Not yet "
         "verified on GPUs (docs/gpt_oss.md).", at_least=0
     )  # fmt: skip
+    expert_exchange: str = option(
+        "bf16",
+        "With distributed.ep and model.precision=fp8 (gpt_oss_20b): the all-to-all's rows: bf16, or fp8 (the rows to "
+        "the experts' ranks, and the gradients of the experts' outputs on their way back to them, in e4m3 with a "
+        "power-of-two scale a row, as FP8's grouped products cast them: half the bytes of two of the four "
+        "all-to-alls; the forward the same to the bit). Not yet verified on GPUs.",
+        choices=("bf16", "fp8"),
+    )
     shard_one_rank: bool = option(
         False, "LLM benchmarks: shard the model with FSDP2 on one rank too (a process group of one), placed as "
         "several ranks place it (bf16 or FP8 gathers, fp32 gradients), to measure that placement on one GPU."

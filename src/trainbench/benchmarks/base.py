@@ -118,8 +118,10 @@ class Benchmark(ABC):
         if cfg.optimizer.name != self.optimizer_name:
             raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with {self.optimizer_name}")
         ranks, tp = cfg.distributed.world_size, max(1, cfg.distributed.tp)
-        if cfg.distributed.ep > 1 and not self.family.has_experts:
-            raise ConfigError(f"distributed.ep={cfg.distributed.ep}: {self.name} has no mixture of experts to spread")
+        unset = {"ep": 1, "expert_rebalance_every": 0, "expert_exchange": "bf16"}  # the experts' keys
+        experts_keys = [f"distributed.{k}={v}" for k in unset if (v := getattr(cfg.distributed, k)) != unset[k]]
+        if experts_keys and not self.family.has_experts:
+            raise ConfigError(f"{experts_keys[0]}: {self.name} has no mixture of experts to spread")
         if cfg.distributed.shard_one_rank and not self.family.shards_one_rank:
             raise ConfigError(f"distributed.shard_one_rank=true: {self.name}'s placement has no one-rank sharding (the "
                               "LLM benchmarks' FSDP2 has)")  # fmt: skip

@@ -93,13 +93,16 @@ def weight_casts_s(params: int, casts: float, copy_bytes_s: float, nbytes: int =
     return params * nbytes * casts / (2 * copy_bytes_s)
 
 
-def all_to_all_s(rows: int, width: int, top_k: int, blocks: int, ranks: int, nbytes: int = 2) -> float:
+def all_to_all_s(rows: int, width: int, top_k: int, blocks: int, ranks: int, nbytes: int = 2,
+                 fp8_halves: bool = False) -> float:  # fmt: skip
     """A mixture's exchange over ``ranks`` GPUs of one node, a micro-batch: in each of ``blocks`` blocks each of the
     rank's ``rows`` tokens goes to ``top_k`` experts and comes back (two all-to-alls forward, two again in the
-    backward), ``width`` values of ``nbytes`` each; with the experts spread evenly, (ranks - 1) / ranks of them
-    leave the GPU. Nothing computes beside the exchange (the experts wait for their rows): all of it exposed."""
-    sent = rows * top_k * width * nbytes * (ranks - 1) / ranks
-    return 4 * blocks * sent / NODE_COLLECTIVE_BYTES_S
+    backward), ``width`` values of ``nbytes`` each (``fp8_halves``: two of the four at a byte a value and one a row);
+    with the experts spread evenly, (ranks - 1) / ranks of them leave the GPU. Nothing computes beside the exchange
+    (the experts wait for their rows): all of it exposed."""
+    row_bytes = 4 * width * nbytes if not fp8_halves else 2 * width * nbytes + 2 * (width + 1)
+    sent = rows * top_k * row_bytes * (ranks - 1) / ranks
+    return blocks * sent / NODE_COLLECTIVE_BYTES_S
 
 
 def micro_batches(cfg, ranks: int) -> int:

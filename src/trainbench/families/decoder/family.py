@@ -294,6 +294,12 @@ class GptOssFamily(DecoderFamily):
             raise ConfigError(f"distributed.expert_rebalance_every={every} places the experts that "
                               "distributed.ep spreads over the ranks: set distributed.ep to the run's ranks (more "
                               "than one), or leave it at 0")  # fmt: skip
+        wire = cfg.distributed.expert_exchange
+        if wire == "fp8" and (m.precision != "fp8" or m.expert_weight_grad != "fp8" or ep <= 1 or ranks <= 1):
+            raise ConfigError("distributed.expert_exchange=fp8 sends the rows of expert parallelism's all-to-all as "
+                              "FP8's grouped products cast them: it needs model.precision=fp8, "
+                              "model.expert_weight_grad=fp8 (a bf16 weight gradient would read the rows rounded to "
+                              "FP8) and distributed.ep set to the run's ranks (more than one)")  # fmt: skip
         scores = cfg.data.micro_batch_size * m.num_heads * cfg.data.seq_length**2 * 4
         if m.gpt_oss_block and not cfg.perf.compile and scores > 4 << 30:
             raise ConfigError(f"model.block=gpt_oss at seq {cfg.data.seq_length} needs perf.compile=true: uncompiled, "
@@ -341,6 +347,14 @@ class GptOssFamily(DecoderFamily):
         placed.notes.append(f"{m.block} block: {m.num_experts} experts, {m.experts_per_token} a token; a "
                             f"{m.sliding_window}-token window on every {m.window_every} blocks{spread}"
                             f"{kernels}")  # fmt: skip
+        if ep > 1 and cfg.distributed.expert_exchange == "fp8":
+            from trainbench.families.decoder.moe import MoE
+            from trainbench.families.decoder.moe_fp8 import exchange_in_fp8
+
+            for moe in (mod for mod in placed.module.modules() if isinstance(mod, MoE)):
+                exchange_in_fp8(moe, cfg.perf.compile)
+            placed.notes.append("the all-to-all's rows to the experts, and their outputs' gradients, in e4m3 on the "
+                                "wire (distributed.expert_exchange=fp8): not yet verified on GPUs")  # fmt: skip
         every = cfg.distributed.expert_rebalance_every
         if ep > 1 and every:
             from trainbench.families.decoder.expert_placement import ExpertPlacer
@@ -373,7 +387,8 @@ class GptOssFamily(DecoderFamily):
         if d.ep <= 1:
             return self._sharded_fp8_experts(out, one, ranks, micro, keys)
         rows = cfg.data.micro_batch_size * cfg.data.seq_length
-        exchange = all_to_all_s(rows, m.hidden_size, m.experts_per_token, m.num_layers, ranks) * micro
+        exchange = all_to_all_s(rows, m.hidden_size, m.experts_per_token, m.num_layers, ranks,
+                                fp8_halves=d.expert_exchange == "fp8") * micro  # fmt: skip
         out |= {"the experts' all-to-all": exchange}
         if one.expert_loads and len(one.expert_loads) == m.num_layers:
             experts_s = one.step_s * micro / one.micro_batches * self.experts_share(cfg)

@@ -126,6 +126,22 @@ class MoE(nn.Module):
             self.gate_up_proj_bias = self.down_proj_bias = None
 
     @staticmethod
+    def to_experts(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                   group: dist.ProcessGroup) -> torch.Tensor:  # fmt: skip
+        """Expert parallelism's exchange of ``rows`` [n, width] over ``group`` by all-to-all: ``in_splits[j]`` rows to
+        rank j, ``out_splits[j]`` from it; the gradient goes back the same way. The rows to their experts' ranks; a
+        placement may set another of this signature on the layer (an instance attribute): FP8's on the wire
+        (moe_fp8.exchange_in_fp8)."""
+        return _all_to_all(rows, out_splits, in_splits, group)
+
+    @staticmethod
+    def from_experts(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                     group: dist.ProcessGroup) -> torch.Tensor:  # fmt: skip
+        """:meth:`to_experts`'s exchange for the experts' outputs on their way back (and so for their gradients on
+        the way to the experts)."""
+        return _all_to_all(rows, out_splits, in_splits, group)
+
+    @staticmethod
     def expert_product(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, group: torch.Tensor,
                        name: str) -> torch.Tensor:  # fmt: skip
         """The experts' grouped product (:func:`_grouped`) of rows ``x`` sorted by expert (``counts`` a group;
@@ -196,8 +212,6 @@ class MoE(nn.Module):
         and back, in the order it left. Never compiled: the rows a rank receives, and each of its experts', are
         known only on the host and change every call, so a compiled block (fixed shapes) compiled this anew for
         each call until dynamo's limit and then ran it uncompiled anyway (docs/notes/node.md)."""
-        from torch.distributed.nn.functional import all_to_all_single
-
         ranks = dist.get_world_size(self.ep_group)
         local = self.shape.experts // ranks
         if self.slot_loads is not None and torch.is_grad_enabled():
@@ -206,8 +220,7 @@ class MoE(nn.Module):
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send.contiguous(), group=self.ep_group)  # rows from [rank, my expert]
         sent, received = send.sum(1).tolist(), recv.sum(1).tolist()
-        arrived = all_to_all_single(rows.new_empty(sum(received), rows.shape[1]), rows, received, sent,
-                                    group=self.ep_group)  # fmt: skip
+        arrived = self.to_experts(rows, received, sent, self.ep_group)
         # Arrived by rank, then expert: sorted by expert (stable), through the experts, and back into that order.
         expert_of = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ranks), recv.reshape(-1))
         by_expert = torch.argsort(expert_of, stable=True)
@@ -219,7 +232,7 @@ class MoE(nn.Module):
         else:
             out = self._experts(rows, group, counts, *mine)
         out = out[torch.argsort(by_expert)]
-        return all_to_all_single(out.new_empty(sum(sent), out.shape[1]), out, sent, received, group=self.ep_group)
+        return self.from_experts(out, sent, received, self.ep_group)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(output like ``x``, the router's logits [tokens, experts] for a load-balancing loss)."""
@@ -277,6 +290,14 @@ class MoE(nn.Module):
         out = out * slot_weight[:, None].to(out.dtype)
         combined = _Combine.apply(out, position, slot_token, self.shape.top_k, True)
         return combined.to(x.dtype).reshape(x.shape)
+
+
+def _all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:  # fmt: skip
+    """:meth:`MoE.to_experts`: ``rows`` by torch's all-to-all with autograd (its gradient goes back the same way)."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    return all_to_all_single(rows.new_empty(sum(out_splits), rows.shape[1]), rows, out_splits, in_splits, group=group)
 
 
 def _padded_slots(counts: torch.Tensor, padded: torch.Tensor, group: torch.Tensor) -> torch.Tensor:

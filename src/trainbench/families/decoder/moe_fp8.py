@@ -63,6 +63,104 @@ def _rows_e4m3(t: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, t
     return _compiled_row_cast()(t, -1)
 
 
+def _e4m3_with_exponent(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_e4m3` along the rows of ``t`` [rows, n], each row's scale's reciprocal given by its base-2 exponent as
+    one signed byte [rows] (the reciprocal is ``2 ** exponent`` exactly: the scale is a power of two)."""
+    amax = t.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    exponent = torch.floor(torch.log2(E4M3_MAX / amax))
+    q = (t.detach().float() * torch.exp2(exponent)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, (-exponent).squeeze(-1).to(torch.int8)
+
+
+def _from_e4m3(q: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``q`` [rows, n] in e4m3 times ``2 ** exponent`` [rows], in ``dtype`` (bf16 or wider holds every such value
+    exactly)."""
+    return (q.float() * torch.exp2(exponent.float())[:, None]).to(dtype)
+
+
+@functools.cache
+def _compiled_wire_casts() -> tuple[Callable, Callable]:
+    """:func:`_e4m3_with_exponent` and :func:`_from_e4m3` compiled for a fixed row width, any number of rows."""
+    return torch.compile(_e4m3_with_exponent, dynamic=False), torch.compile(_from_e4m3, dynamic=False)
+
+
+def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """``t``'s rows by all-to-all over ``group`` (``in_splits[j]`` to rank j, ``out_splits[j]`` from it), no
+    autograd."""
+    out = t.new_empty(sum(out_splits), *t.shape[1:])
+    torch.distributed.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def _exchange_e4m3(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                   compiled: bool) -> torch.Tensor:  # fmt: skip
+    """:func:`_exchange` with each row sent in e4m3 and its scale's exponent (a byte a value and one a row, against
+    bf16's two a value), arriving in ``t``'s dtype: the row as FP8's grouped product casts it (:func:`_e4m3` with a
+    power-of-two scale per row). Its cast there then gives the same e4m3 values, or each doubled with its scale
+    halved (a row whose largest magnitude rounded down to 224): the same products."""
+    cast, back = _compiled_wire_casts() if compiled and t.is_cuda else (_e4m3_with_exponent, _from_e4m3)
+    if compiled and t.is_cuda:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    q, exponent = cast(t)
+    q = _exchange(q.view(torch.uint8), out_splits, in_splits, group).view(E4M3)
+    exponent = _exchange(exponent, out_splits, in_splits, group)
+    if compiled and t.is_cuda:
+        torch._dynamo.maybe_mark_dynamic(q, 0)
+        torch._dynamo.maybe_mark_dynamic(exponent, 0)
+    return back(q, exponent, t.dtype)
+
+
+class _RowsInFP8(torch.autograd.Function):
+    """:meth:`MoE.to_experts` with the rows in e4m3 on the wire (:func:`_exchange_e4m3`); their gradient back in
+    their own dtype."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                compiled: bool) -> torch.Tensor:  # fmt: skip
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _exchange_e4m3(rows, out_splits, in_splits, group, compiled)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None, None
+
+
+class _GradInFP8(torch.autograd.Function):
+    """:meth:`MoE.from_experts` with the experts' outputs back in their own dtype and the gradients on their way to
+    the experts in e4m3 on the wire (:func:`_exchange_e4m3`): as FP8's grouped product casts them for the input's
+    gradient and the weights' (whose cast per expert from those rows then gives the same values, but where a value
+    falls among e4m3's subnormals); the experts' output biases take their gradient from the rows as they arrive."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                compiled: bool) -> torch.Tensor:  # fmt: skip
+        ctx.splits, ctx.group, ctx.compiled = (out_splits, in_splits), group, compiled
+        return _exchange(rows, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        return _exchange_e4m3(grad, in_splits, out_splits, ctx.group, ctx.compiled), None, None, None, None
+
+
+def exchange_in_fp8(moe: MoE, compiled: bool = False) -> None:
+    """``moe``'s expert-parallel exchange with FP8 on the wire (``distributed.expert_exchange=fp8``): the rows to the
+    experts in e4m3 (:class:`_RowsInFP8`), and the gradients of the experts' outputs on their way back to them
+    (:class:`_GradInFP8`); the outputs and the rows' gradients stay in bf16. Half the bytes of two of the four
+    all-to-alls a block and micro-batch. The forward is the same to the bit: the rows arrive as the grouped product
+    casts them. The casts compiled on CUDA where ``compiled``."""
+    moe.to_experts = functools.partial(_wire, _RowsInFP8, compiled)
+    moe.from_experts = functools.partial(_wire, _GradInFP8, compiled)
+
+
+def _wire(function: type[torch.autograd.Function], compiled: bool, rows: torch.Tensor, out_splits: list[int],
+          in_splits: list[int], group) -> torch.Tensor:  # fmt: skip
+    """:meth:`MoE.to_experts`'s signature for :class:`_RowsInFP8` and :class:`_GradInFP8` (whose ``apply`` takes
+    no keywords)."""
+    return function.apply(rows, out_splits, in_splits, group, compiled)
+
+
 def _weight_for_forward(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts' weights ``w`` [groups, a, b] in e4m3 with a scale per (group, output column), each group's matrix
     column-major, as the FP8 grouped product requires; and the scales' reciprocals."""
