@@ -307,7 +307,7 @@ def _two_ranks_on_one_gpu(rank: int, world: int, port: int, mode: str, out: str)
                 continue
             after_step = cache_fp8_weight_casts(holder, compiled=True)
             placer = ExpertPlacer(holder, every=1, gain=-1.0) if variant else None
-            optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+            optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2, foreach=False)  # (DTensors beside tensors)
             for _ in range(3):
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     result, _ = layer(x)
