@@ -153,15 +153,16 @@ class DistributedConfig:
     expert_rebalance_every: int = option(
         0, "With distributed.ep: every N steps, deal each block's experts out again over the ranks by the tokens "
         "each took since (the model unchanged: a token's expert found by its slot), so that no rank's experts take "
-        "far more than the mean and the others wait on it; 0: each rank keeps its contiguous share. Not yet "
-        "verified on GPUs (docs/gpt_oss.md).", at_least=0
+        "far more than the mean and the others wait on it; 0: each rank keeps its contiguous share. Run on one "
+        "GPU's kernels (two ranks sharing it), not yet over NCCL on several GPUs (docs/gpt_oss.md).", at_least=0
     )  # fmt: skip
     expert_exchange: str = option(
         "bf16",
         "With distributed.ep and model.precision=fp8 (gpt_oss_20b): the all-to-all's rows: bf16, or fp8 (the rows to "
         "the experts' ranks, and the gradients of the experts' outputs on their way back to them, in e4m3 with a "
         "power-of-two scale a row, as FP8's grouped products cast them: half the bytes of two of the four "
-        "all-to-alls; the forward the same to the bit). Not yet verified on GPUs.",
+        "all-to-alls; the forward the same to the bit). Run on one GPU's kernels (two ranks sharing it), not yet "
+        "over NCCL on several GPUs (docs/gpt_oss.md).",
         choices=("bf16", "fp8"),
     )
     shard_one_rank: bool = option(

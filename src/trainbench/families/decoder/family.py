@@ -354,15 +354,16 @@ class GptOssFamily(DecoderFamily):
             for moe in (mod for mod in placed.module.modules() if isinstance(mod, MoE)):
                 exchange_in_fp8(moe, cfg.perf.compile)
             placed.notes.append("the all-to-all's rows to the experts, and their outputs' gradients, in e4m3 on the "
-                                "wire (distributed.expert_exchange=fp8): not yet verified on GPUs")  # fmt: skip
+                                "wire (distributed.expert_exchange=fp8): not yet run over NCCL on several "
+                                "GPUs")  # fmt: skip
         every = cfg.distributed.expert_rebalance_every
         if ep > 1 and every:
             from trainbench.families.decoder.expert_placement import ExpertPlacer
 
             placed.rearrange = ExpertPlacer(placed.module, every).rearrange
             placed.notes.append(f"each block's experts dealt out over the {ep} ranks again every {every} steps by "
-                                "the tokens each took (distributed.expert_rebalance_every): not yet verified on "
-                                "GPUs")  # fmt: skip
+                                "the tokens each took (distributed.expert_rebalance_every): not yet run over NCCL "
+                                "on several GPUs")  # fmt: skip
         return placed
 
     def expert_params(self, model: torch.nn.Module) -> int:
