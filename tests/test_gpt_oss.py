@@ -173,6 +173,7 @@ def test_tokens_after_an_end_of_document_token_are_not_predicted():
             "distributed.expert_exchange=fp8 sends the rows .* it needs model.precision=fp8",
         ),
         ({"distributed.expert_exchange": "fp8"}, "and distributed.ep set to the run's ranks"),
+        ({"distributed.expert_row_casts": "kernel"}, "expert_row_casts=kernel casts .* it needs model.precision=fp8"),
     ],
 )
 def test_bad_layouts_are_one_sentence(overrides, says):
@@ -187,7 +188,7 @@ def test_expert_parallelism_is_refused_where_there_are_no_experts():
 
     with pytest.raises(ConfigError, match="distributed.ep=2: llama31_8b has no mixture of experts"):
         build_config("llama31_8b", "tiny", None, {"distributed.ep": "2", "distributed.nproc": "2"})
-    for key, value in (("expert_rebalance_every", "2"), ("expert_exchange", "fp8")):
+    for key, value in (("expert_rebalance_every", "2"), ("expert_exchange", "fp8"), ("expert_row_casts", "kernel")):
         with pytest.raises(ConfigError, match=f"distributed.{key}={value}: bert has no mixture of experts"):
             build_config("bert", "tiny", None, {f"distributed.{key}": value})
 

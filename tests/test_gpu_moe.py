@@ -263,9 +263,10 @@ def _two_ranks_on_one_gpu(rank: int, world: int, port: int, mode: str, out: str)
     """One of 2 gloo ranks sharing the one GPU: the FP8 experts' layer as the CUDA placement makes it (the rows' casts
     compiled, the fused activation, the weights' casts once a step), its 8 experts over the 2 ranks, each rank its own
     1,024 tokens. ``wire``: one forward and backward with bf16 on the wire, then with FP8
-    (``distributed.expert_exchange=fp8``). ``deal``: 3 AdamW steps with the experts in their contiguous halves,
-    then with them dealt out again by their load after each step (``distributed.expert_rebalance_every=1``), then a
-    forward of each. Each rank writes what it saw."""
+    (``distributed.expert_exchange=fp8``). ``casts``: the same with the rows' casts compiled, then by the Triton
+    kernel (``distributed.expert_row_casts=kernel``). ``deal``: 3 AdamW steps with the experts in their contiguous
+    halves, then with them dealt out again by their load after each step (``distributed.expert_rebalance_every=1``),
+    then a forward of each. Each rank writes what it saw."""
     import os
 
     import torch.distributed as dist
@@ -273,7 +274,12 @@ def _two_ranks_on_one_gpu(rank: int, world: int, port: int, mode: str, out: str)
     from trainbench.families.decoder.expert_placement import ExpertPlacer
     from trainbench.families.decoder.glu_kernel import fuse_activations
     from trainbench.families.decoder.moe import MoE, MoEShape
-    from trainbench.families.decoder.moe_fp8 import cache_fp8_weight_casts, exchange_in_fp8, experts_in_fp8
+    from trainbench.families.decoder.moe_fp8 import (
+        cache_fp8_weight_casts,
+        exchange_in_fp8,
+        experts_in_fp8,
+        fp8_products,
+    )
     from trainbench.families.decoder.placement import apply_expert_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -295,9 +301,11 @@ def _two_ranks_on_one_gpu(rank: int, world: int, port: int, mode: str, out: str)
             experts_in_fp8(holder, torch.device("cuda"), compiled_casts=True)
             fuse_activations(holder)
             apply_expert_parallel(holder, "cuda", world, world)
-            if mode == "wire":
-                if variant:
-                    exchange_in_fp8(layer, compiled=True)
+            if mode in ("wire", "casts"):
+                if variant and mode == "wire":
+                    exchange_in_fp8(layer)
+                if variant and mode == "casts":
+                    fp8_products(layer, "fp8", "kernel")
                 rows = x.clone().requires_grad_()
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     result, _ = layer(rows)
@@ -367,3 +375,46 @@ def test_experts_dealt_out_by_their_load_train_as_in_their_halves_on_cuda(tmp_pa
             if name != "moves":
                 scale = halves[name].abs().max()
                 assert (dealt[name] - halves[name]).abs().max() <= 2e-2 * scale, (rank, name)
+
+
+@pytest.mark.parametrize("width", [2880, 5760, 100])
+def test_the_wires_kernels_cast_and_rebuild_rows_as_torchs_operations_do_on_cuda(width):
+    """moe_fp8._wire_cast and _wire_uncast (the Triton kernels of distributed.expert_exchange=fp8 and
+    distributed.expert_row_casts=kernel) against the torch operations they stand for, and the products' cast by the
+    kernel against the compiled one, to the bit: bf16 rows from 2**-40 to 2**40 in magnitude, a zero row, rows whose
+    largest value is 1.75 x a power of two and just above it, one that rounds down to 224; and no rows."""
+    from trainbench.families.decoder.moe_fp8 import (
+        _e4m3_with_exponent,
+        _from_e4m3,
+        _rows_e4m3,
+        _wire_cast,
+        _wire_uncast,
+    )
+
+    torch.manual_seed(0)
+    rows = torch.randn(83, width) * torch.exp2(torch.arange(-40, 43, dtype=torch.float32))[:, None]
+    rows[3] = 0
+    rows[5] = torch.linspace(-1, 1, width) * 225 / 256  # scaled by 256 to 225, which rounds to 224
+    rows[6, 0], rows[7, 0] = 1.75 * 2**-3, 1.7578125 * 2**5  # the largest: 1.75 x 2**-3; just above 1.75 x 2**5
+    for t in (rows.to(torch.bfloat16).cuda(), torch.empty(0, width, dtype=torch.bfloat16, device="cuda")):
+        q, exponent = _wire_cast(t)
+        want_q, want_exponent = _e4m3_with_exponent(t)
+        assert q.dtype == want_q.dtype and exponent.dtype == torch.int8
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(exponent, want_exponent)
+        assert torch.equal(_wire_uncast(q, exponent, torch.bfloat16), _from_e4m3(q, exponent, torch.bfloat16))
+        # the products' cast outside a compiled block by the same kernel (distributed.expert_row_casts=kernel)
+        (kq, krecip), (cq, crecip) = _rows_e4m3(t, "kernel"), _rows_e4m3(t, True)
+        assert torch.equal(kq.view(torch.uint8), cq.view(torch.uint8)) and torch.equal(krecip, crecip)
+
+
+def test_the_experts_rows_cast_by_the_kernel_give_every_gradient_of_the_compiled_casts_on_cuda(tmp_path):
+    """distributed.expert_row_casts=kernel, 2 gloo ranks on the one GPU, the FP8 experts over them: the outputs and
+    every gradient equal those of the compiled casts, to the bit."""
+    from conftest import spawned
+
+    out = tmp_path / "casts.pt"
+    spawned(_two_ranks_on_one_gpu, 2, "casts", str(out))
+    for rank in range(2):
+        compiled, kernel = torch.load(f"{out}.{rank}")
+        for name in compiled:
+            assert torch.equal(kernel[name], compiled[name]), (rank, name)

@@ -215,9 +215,11 @@ PATHS = [
     # the same with the experts dealt out again by their load every 2 steps (their FP8 casts made anew after a move)
     ("ep_fp8_dealt", "gpt_oss_20b", ["model.precision=fp8", "perf.compile=true"],
      ["distributed.ep=2", "distributed.expert_rebalance_every=2"], 16, 2e-2, "experts dealt out over the 2 ranks"),
-    # the same with the rows to the experts and their outputs' gradients in e4m3 on the wire
+    # the same with the rows to the experts and their outputs' gradients in e4m3 on the wire, and the rows' casts by
+    # the Triton kernel
     ("ep_fp8_wire", "gpt_oss_20b", ["model.precision=fp8", "perf.compile=true"],
-     ["distributed.ep=2", "distributed.expert_exchange=fp8"], 16, 2e-2, "in e4m3 on the wire"),
+     ["distributed.ep=2", "distributed.expert_exchange=fp8", "distributed.expert_row_casts=kernel"], 16, 2e-2,
+     "in e4m3 on the wire"),
     # a mixture's layout unasked on several GPUs: the experts sharded by FSDP2 with the rest (no distributed.ep),
     # gathered in bf16 for each forward and cast to FP8 there, each rank's own tokens through every expert
     ("fsdp2_fp8_experts", "gpt_oss_20b", ["model.precision=fp8", "perf.compile=true"], [], 16, 2e-2,

@@ -118,7 +118,7 @@ class Benchmark(ABC):
         if cfg.optimizer.name != self.optimizer_name:
             raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with {self.optimizer_name}")
         ranks, tp = cfg.distributed.world_size, max(1, cfg.distributed.tp)
-        unset = {"ep": 1, "expert_rebalance_every": 0, "expert_exchange": "bf16"}  # the experts' keys
+        unset = {"ep": 1, "expert_rebalance_every": 0, "expert_exchange": "bf16", "expert_row_casts": "compiled"}
         experts_keys = [f"distributed.{k}={v}" for k in unset if (v := getattr(cfg.distributed, k)) != unset[k]]
         if experts_keys and not self.family.has_experts:
             raise ConfigError(f"{experts_keys[0]}: {self.name} has no mixture of experts to spread")

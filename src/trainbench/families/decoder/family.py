@@ -300,6 +300,10 @@ class GptOssFamily(DecoderFamily):
                               "FP8's grouped products cast them: it needs model.precision=fp8, "
                               "model.expert_weight_grad=fp8 (a bf16 weight gradient would read the rows rounded to "
                               "FP8) and distributed.ep set to the run's ranks (more than one)")  # fmt: skip
+        if cfg.distributed.expert_row_casts == "kernel" and (m.precision != "fp8" or ep <= 1 or ranks <= 1):
+            raise ConfigError("distributed.expert_row_casts=kernel casts the rows of the experts' FP8 products under "
+                              "expert parallelism: it needs model.precision=fp8 and distributed.ep set to the run's "
+                              "ranks (more than one)")  # fmt: skip
         scores = cfg.data.micro_batch_size * m.num_heads * cfg.data.seq_length**2 * 4
         if m.gpt_oss_block and not cfg.perf.compile and scores > 4 << 30:
             raise ConfigError(f"model.block=gpt_oss at seq {cfg.data.seq_length} needs perf.compile=true: uncompiled, "
@@ -347,12 +351,20 @@ class GptOssFamily(DecoderFamily):
         placed.notes.append(f"{m.block} block: {m.num_experts} experts, {m.experts_per_token} a token; a "
                             f"{m.sliding_window}-token window on every {m.window_every} blocks{spread}"
                             f"{kernels}")  # fmt: skip
+        if ep > 1 and cfg.distributed.expert_row_casts == "kernel":
+            from trainbench.families.decoder.moe import MoE
+            from trainbench.families.decoder.moe_fp8 import fp8_products, in_fp8
+
+            for moe in (mod for mod in placed.module.modules() if isinstance(mod, MoE) and in_fp8(mod)):
+                fp8_products(moe, m.expert_weight_grad, "kernel")
+            placed.notes.append("the experts' rows cast to e4m3 by one Triton pass a row (distributed.expert_row_casts="
+                                "kernel): not yet run over NCCL on several GPUs")  # fmt: skip
         if ep > 1 and cfg.distributed.expert_exchange == "fp8":
             from trainbench.families.decoder.moe import MoE
             from trainbench.families.decoder.moe_fp8 import exchange_in_fp8
 
             for moe in (mod for mod in placed.module.modules() if isinstance(mod, MoE)):
-                exchange_in_fp8(moe, cfg.perf.compile)
+                exchange_in_fp8(moe)
             placed.notes.append("the all-to-all's rows to the experts, and their outputs' gradients, in e4m3 on the "
                                 "wire (distributed.expert_exchange=fp8): not yet run over NCCL on several "
                                 "GPUs")  # fmt: skip

@@ -30,6 +30,7 @@ from trainbench.families.fp8 import (
     min_capability,
     once_a_step,
 )
+from trainbench.families.triton_kernels import lazy_kernel
 
 ALIGN_ROWS = 16  # FP8's grouped product: each expert's rows start on a multiple of this
 
@@ -51,12 +52,17 @@ def _compiled_row_cast() -> Callable:
     return torch.compile(_e4m3, dynamic=False)
 
 
-def _rows_e4m3(t: torch.Tensor, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows_e4m3(t: torch.Tensor, compiled: bool | str = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_e4m3` along the rows of ``t`` [rows, n]. Inside a compiled block the plain tensor operations, which
     the compiler fuses into the kernels that make ``t``. Outside one on CUDA, where ``compiled`` (the run compiles
     its blocks, and the expert-parallel dispatch runs outside them), one compiled function for every number of rows:
     torch's eager operations made a float32 copy of the rows and took 5 passes over it, the largest cost of FP8's
-    experts under expert parallelism (docs/notes/node.md)."""
+    experts under expert parallelism (docs/notes/node.md). Where ``compiled`` is ``"kernel"``
+    (``distributed.expert_row_casts=kernel``), bf16 rows there go through one Triton pass a row instead
+    (:func:`_wire_cast`, the same values): the compiled function reads each row twice."""
+    if compiled == "kernel" and t.is_cuda and t.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+        q, exponent = _wire_cast(t)
+        return q, torch.exp2(exponent.float())
     if not compiled or not t.is_cuda or torch.compiler.is_compiling():
         return _e4m3(t, -1)
     torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -78,10 +84,70 @@ def _from_e4m3(q: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) -> t
     return (q.float() * torch.exp2(exponent.float())[:, None]).to(dtype)
 
 
-@functools.cache
-def _compiled_wire_casts() -> tuple[Callable, Callable]:
-    """:func:`_e4m3_with_exponent` and :func:`_from_e4m3` compiled for a fixed row width, any number of rows."""
-    return torch.compile(_e4m3_with_exponent, dynamic=False), torch.compile(_from_e4m3, dynamic=False)
+def _define_wire_kernels(triton, tl):
+    """One pass a row each way: a row cast to e4m3 with its exponent (:func:`_e4m3_with_exponent`), and rebuilt."""
+
+    @triton.jit
+    def tb_rows_to_e4m3(src, q_out, e_out, width, limit, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        inside = c < width
+        x = tl.load(src + row * width + c, mask=inside, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
+        # floor(log2(448 / amax)) from amax's bits: 448 is 1.75 x 2**8, so it is 8 less amax's exponent, and one less
+        # where amax's mantissa is above 1.75 (what torch's division and log2 give for a bf16 row's largest value)
+        bits = amax.to(tl.int32, bitcast=True)
+        k = 135 - ((bits >> 23) & 0xFF) - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        scale = ((k + 127) << 23).to(tl.float32, bitcast=True)  # 2 ** k
+        q = tl.clamp(x * scale, -limit, limit)
+        tl.store(q_out + row * width + c, q.to(q_out.dtype.element_ty), mask=inside)
+        tl.store(e_out + row, (-k).to(tl.int8))
+
+    @triton.jit
+    def tb_e4m3_to_rows(q_in, e_in, dst, width, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        inside = c < width
+        q = tl.load(q_in + row * width + c, mask=inside, other=0.0).to(tl.float32)
+        recip = ((tl.load(e_in + row).to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # 2 ** exponent
+        tl.store(dst + row * width + c, (q * recip).to(dst.dtype.element_ty), mask=inside)
+
+    return tb_rows_to_e4m3, tb_e4m3_to_rows
+
+
+_wire_kernels = lazy_kernel(_define_wire_kernels)
+
+
+def _wire_cast(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_e4m3_with_exponent` of ``t`` [rows, n]: on CUDA for bf16 rows one Triton pass a row (the compiled
+    function reads each row twice, once for its largest value and once to cast it: 0.45 ms for 65,536 rows of 2,880
+    on an H200, 2.4 times a bf16 copy of them; docs/gpt_oss.md); elsewhere torch's operations."""
+    built = _wire_kernels() if t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 else None
+    if built is None:
+        return _e4m3_with_exponent(t)
+    (send, _), cdiv = built
+    rows, width = t.shape
+    q = torch.empty(rows, width, dtype=E4M3, device=t.device)
+    exponent = torch.empty(rows, dtype=torch.int8, device=t.device)
+    if rows:
+        block = 1 << (width - 1).bit_length()
+        send[(rows,)](t.contiguous(), q, exponent, width, E4M3_MAX, BLOCK=block, num_warps=8 if block > 2048 else 4)
+    return q, exponent
+
+
+def _wire_uncast(q: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_from_e4m3`: on CUDA to bf16 one Triton pass a row; elsewhere torch's operations."""
+    built = _wire_kernels() if q.is_cuda and dtype == torch.bfloat16 and q.dim() == 2 else None
+    if built is None:
+        return _from_e4m3(q, exponent, dtype)
+    (_, receive), cdiv = built
+    rows, width = q.shape
+    out = torch.empty(rows, width, dtype=dtype, device=q.device)
+    if rows:
+        block = 1 << (width - 1).bit_length()
+        receive[(rows,)](q.contiguous(), exponent.contiguous(), out, width, BLOCK=block,
+                         num_warps=8 if block > 2048 else 4)  # fmt: skip
+    return out
 
 
 def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -92,22 +158,14 @@ def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], grou
     return out
 
 
-def _exchange_e4m3(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
-                   compiled: bool) -> torch.Tensor:  # fmt: skip
+def _exchange_e4m3(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """:func:`_exchange` with each row sent in e4m3 and its scale's exponent (a byte a value and one a row, against
     bf16's two a value), arriving in ``t``'s dtype: the row as FP8's grouped product casts it (:func:`_e4m3` with a
     power-of-two scale per row). Its cast there then gives the same e4m3 values, or each doubled with its scale
     halved (a row whose largest magnitude rounded down to 224): the same products."""
-    cast, back = _compiled_wire_casts() if compiled and t.is_cuda else (_e4m3_with_exponent, _from_e4m3)
-    if compiled and t.is_cuda:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    q, exponent = cast(t)
+    q, exponent = _wire_cast(t)
     q = _exchange(q.view(torch.uint8), out_splits, in_splits, group).view(E4M3)
-    exponent = _exchange(exponent, out_splits, in_splits, group)
-    if compiled and t.is_cuda:
-        torch._dynamo.maybe_mark_dynamic(q, 0)
-        torch._dynamo.maybe_mark_dynamic(exponent, 0)
-    return back(q, exponent, t.dtype)
+    return _wire_uncast(q, _exchange(exponent, out_splits, in_splits, group), t.dtype)
 
 
 class _RowsInFP8(torch.autograd.Function):
@@ -115,15 +173,14 @@ class _RowsInFP8(torch.autograd.Function):
     their own dtype."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
-                compiled: bool) -> torch.Tensor:  # fmt: skip
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange_e4m3(rows, out_splits, in_splits, group, compiled)
+        return _exchange_e4m3(rows, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
-        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None, None
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
 class _GradInFP8(torch.autograd.Function):
@@ -133,32 +190,24 @@ class _GradInFP8(torch.autograd.Function):
     falls among e4m3's subnormals); the experts' output biases take their gradient from the rows as they arrive."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
-                compiled: bool) -> torch.Tensor:  # fmt: skip
-        ctx.splits, ctx.group, ctx.compiled = (out_splits, in_splits), group, compiled
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
         return _exchange(rows, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
-        return _exchange_e4m3(grad, in_splits, out_splits, ctx.group, ctx.compiled), None, None, None, None
+        return _exchange_e4m3(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
-def exchange_in_fp8(moe: MoE, compiled: bool = False) -> None:
+def exchange_in_fp8(moe: MoE) -> None:
     """``moe``'s expert-parallel exchange with FP8 on the wire (``distributed.expert_exchange=fp8``): the rows to the
     experts in e4m3 (:class:`_RowsInFP8`), and the gradients of the experts' outputs on their way back to them
     (:class:`_GradInFP8`); the outputs and the rows' gradients stay in bf16. Half the bytes of two of the four
-    all-to-alls a block and micro-batch. The forward is the same to the bit: the rows arrive as the grouped product
-    casts them. The casts compiled on CUDA where ``compiled``."""
-    moe.to_experts = functools.partial(_wire, _RowsInFP8, compiled)
-    moe.from_experts = functools.partial(_wire, _GradInFP8, compiled)
-
-
-def _wire(function: type[torch.autograd.Function], compiled: bool, rows: torch.Tensor, out_splits: list[int],
-          in_splits: list[int], group) -> torch.Tensor:  # fmt: skip
-    """:meth:`MoE.to_experts`'s signature for :class:`_RowsInFP8` and :class:`_GradInFP8` (whose ``apply`` takes
-    no keywords)."""
-    return function.apply(rows, out_splits, in_splits, group, compiled)
+    all-to-alls a block and micro-batch, for a cast before and a rebuild after each (:func:`_wire_cast`). The forward
+    is the same to the bit: the rows arrive as the grouped product casts them."""
+    moe.to_experts = _RowsInFP8.apply
+    moe.from_experts = _GradInFP8.apply
 
 
 def _weight_for_forward(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,7 +268,7 @@ class _FP8Grouped(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
                 casts: tuple[torch.Tensor, ...] | None = None, group: torch.Tensor | None = None,
-                compiled_casts: bool = False) -> torch.Tensor:  # fmt: skip
+                compiled_casts: bool | str = False) -> torch.Tensor:  # fmt: skip
         qx, sx = _rows_e4m3(x, compiled_casts)
         ctx.cast_weights, ctx.compiled_casts = casts is None, compiled_casts
         if casts is None:
@@ -250,7 +299,7 @@ class _FP8Grouped(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None
 
 
-def fp8_product(moe: MoE, weight_grad_fp8: bool, compiled_casts: bool, x: torch.Tensor, w: torch.Tensor,
+def fp8_product(moe: MoE, weight_grad_fp8: bool, compiled_casts: bool | str, x: torch.Tensor, w: torch.Tensor,
                 counts: torch.Tensor, group: torch.Tensor, name: str) -> torch.Tensor:  # fmt: skip
     """``MoE.expert_product`` in FP8 (:class:`_FP8Grouped`: CUDA, bf16 rows, every count a multiple of 16), the
     weights' casts those made beforehand where there are (:func:`_casts`); the weights' gradient in FP8 too where
@@ -283,10 +332,11 @@ def in_fp8(moe: MoE) -> bool:
     return isinstance(product, functools.partial) and product.func is fp8_product
 
 
-def fp8_products(moe: MoE, weight_grad: str = "fp8", compiled_casts: bool = False) -> None:
+def fp8_products(moe: MoE, weight_grad: str = "fp8", compiled_casts: bool | str = False) -> None:
     """``moe``'s experts multiplied in FP8 (:func:`fp8_product`, set as its ``expert_product``), its groups aligned
     to 16 rows, the weights' gradient in ``weight_grad`` (fp8 or bf16), the rows' casts outside a compiled block
-    compiled where ``compiled_casts``. No check of the device: :func:`experts_in_fp8` makes it."""
+    compiled where ``compiled_casts`` (``"kernel"``: by one Triton pass a row, :func:`_rows_e4m3`). No check of the
+    device: :func:`experts_in_fp8` makes it."""
     moe.expert_product = functools.partial(fp8_product, moe, weight_grad == "fp8", compiled_casts)
     moe.align_rows = ALIGN_ROWS
     # With the weights' FP8 casts made once a step (cache_fp8_weight_casts): for each weight, where this forward
