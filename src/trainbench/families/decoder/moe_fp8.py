@@ -168,46 +168,39 @@ def _exchange_e4m3(t: torch.Tensor, out_splits: list[int], in_splits: list[int],
     return _wire_uncast(q, _exchange(exponent, out_splits, in_splits, group), t.dtype)
 
 
-class _RowsInFP8(torch.autograd.Function):
-    """:meth:`MoE.to_experts` with the rows in e4m3 on the wire (:func:`_exchange_e4m3`); their gradient back in
-    their own dtype."""
+class _ExchangeInFP8(torch.autograd.Function):
+    """:meth:`MoE.to_experts`'s exchange with one way in e4m3 on the wire (:func:`_exchange_e4m3`) and the other in
+    the rows' own dtype: the forward's where ``forward_fp8`` (the rows to the experts), else the backward's (the
+    gradients of the experts' outputs on their way to the experts: as FP8's grouped product casts them for the
+    input's gradient and the weights', whose cast per expert from those rows gives the same values but where a value
+    falls among e4m3's subnormals; the output biases take their gradient from the rows as they arrive)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange_e4m3(rows, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
-
-
-class _GradInFP8(torch.autograd.Function):
-    """:meth:`MoE.from_experts` with the experts' outputs back in their own dtype and the gradients on their way to
-    the experts in e4m3 on the wire (:func:`_exchange_e4m3`): as FP8's grouped product casts them for the input's
-    gradient and the weights' (whose cast per expert from those rows then gives the same values, but where a value
-    falls among e4m3's subnormals); the experts' output biases take their gradient from the rows as they arrive."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange(rows, out_splits, in_splits, group)
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                forward_fp8: bool) -> torch.Tensor:  # fmt: skip
+        ctx.splits, ctx.group, ctx.backward_fp8 = (in_splits, out_splits), group, not forward_fp8
+        return (_exchange_e4m3 if forward_fp8 else _exchange)(rows, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        return _exchange_e4m3(grad, in_splits, out_splits, ctx.group), None, None, None
+        send = _exchange_e4m3 if ctx.backward_fp8 else _exchange
+        return send(grad, *ctx.splits, ctx.group), None, None, None, None
 
 
 def exchange_in_fp8(moe: MoE) -> None:
-    """``moe``'s expert-parallel exchange with FP8 on the wire (``distributed.expert_exchange=fp8``): the rows to the
-    experts in e4m3 (:class:`_RowsInFP8`), and the gradients of the experts' outputs on their way back to them
-    (:class:`_GradInFP8`); the outputs and the rows' gradients stay in bf16. Half the bytes of two of the four
+    """``moe``'s expert-parallel exchange with FP8 on the wire (``distributed.expert_exchange=fp8``,
+    :class:`_ExchangeInFP8`): the rows to the experts in e4m3, and the gradients of the experts' outputs on their way
+    back to them; the outputs and the rows' gradients stay in bf16. Half the bytes of two of the four
     all-to-alls a block and micro-batch, for a cast before and a rebuild after each (:func:`_wire_cast`). The forward
     is the same to the bit: the rows arrive as the grouped product casts them."""
-    moe.to_experts = _RowsInFP8.apply
-    moe.from_experts = _GradInFP8.apply
+    moe.to_experts = functools.partial(_fp8_one_way, True)
+    moe.from_experts = functools.partial(_fp8_one_way, False)
+
+
+def _fp8_one_way(forward_fp8: bool, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                 group) -> torch.Tensor:  # fmt: skip
+    """:class:`_ExchangeInFP8` with :meth:`MoE.to_experts`'s signature (``apply`` takes no keywords)."""
+    return _ExchangeInFP8.apply(rows, out_splits, in_splits, group, forward_fp8)
 
 
 def _weight_for_forward(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
