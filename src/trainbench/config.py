@@ -170,7 +170,7 @@ class DistributedConfig:
         "With distributed.ep and model.precision=fp8 (gpt_oss_20b): how the rows of the experts' FP8 grouped products "
         "are cast to e4m3, outside the compiled blocks under expert parallelism (4 casts a block and micro-batch): "
         "compiled (torch.compile's function, which reads each row twice) or kernel (one Triton pass a row, the same "
-        "values: 0.18 against 0.47 ms for 65,536 rows of 2,880 on an H200). Run on one GPU's kernels (two ranks "
+        "values: 0.20 against 0.46 ms for 65,536 rows of 2,880 on an H200). Run on one GPU's kernels (two ranks "
         "sharing it), not yet over NCCL on several GPUs (docs/gpt_oss.md).",
         choices=("compiled", "kernel"),
     )
