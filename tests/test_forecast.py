@@ -98,6 +98,47 @@ def test_a_forecast_with_the_experts_dealt_out_waits_for_no_busiest_rank_where_t
     assert waits["even", "0"] == waits["even", "4"] == 0.0
 
 
+def test_a_mixture_in_fp8_under_expert_parallelism_counts_the_row_casts_the_one_gpu_timed(tmp_path, monkeypatch):
+    """The casts expert parallelism makes outside the compiled blocks in FP8, a block and micro-batch as the one GPU
+    timed them (GptOssFamily.one_gpu_rates), times the blocks and each rank's micro-batches: compiled, or by the
+    kernel (distributed.expert_row_casts), the FP8 wire's own beside them; none where the one GPU timed none."""
+    monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path))
+
+    def in_fp8(cfg, **distributed):  # (FP8 needs a GPU to pass the config's checks: set past them)
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision="fp8"),
+                                   distributed=dataclasses.replace(cfg.distributed, **distributed))  # fmt: skip
+
+    bench, one_cfg = _cfg("gpt_oss_20b")
+    one_cfg = in_fp8(one_cfg)
+    rates = {"expert_casts_compiled_s": 2e-3, "expert_casts_kernel_s": 8e-4, "expert_casts_wire_s": 7e-4}
+    _, two = _cfg("gpt_oss_20b", "distributed.nproc=2", "distributed.ep=2",
+                  f"data.global_batch_size={2 * one_cfg.data.global_batch_size}")  # fmt: skip
+    blocks, micro = one_cfg.model.num_layers, forecast.micro_batches(one_cfg, 1)
+    for kept, keys, want in ((rates, {}, 2e-3), (rates, {"expert_row_casts": "kernel"}, 8e-4),
+                             (rates, {"expert_exchange": "fp8"}, 2e-3 + 7e-4), (None, {}, None)):  # fmt: skip
+        one = dataclasses.replace(ONE, micro_batches=micro, expert_params=ONE.block_params // 2, family_rates=kept)
+        forecast.save(one_cfg, one)
+        assert forecast.cached(one_cfg, ONE.gpu_name) == one  # the rates kept and read back
+        split = forecast.forecast(bench, in_fp8(two, **keys), 2, ONE.gpu_name)["split_s"]
+        if want is None:
+            assert "the experts' row casts" not in split
+        else:  # each rank runs the one GPU's micro-batches (twice the global batch)
+            assert split["the experts' row casts"] == pytest.approx(want * blocks * micro), keys
+    forecast.save(one_cfg, dataclasses.replace(ONE, family_rates={"expert_casts_compiled_s": -1.0}))
+    assert forecast.cached(one_cfg, ONE.gpu_name) is None  # a damaged file is measured again
+
+
+def test_the_one_gpu_times_the_mixtures_casts_only_in_fp8_on_a_gpu():
+    import torch
+
+    bench, cfg = _cfg("gpt_oss_20b")
+    assert bench.family.one_gpu_rates(cfg, torch.device("cpu")) == {}
+    fp8 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision="fp8"))
+    assert bench.family.one_gpu_rates(fp8, torch.device("cpu")) == {}  # (the casts are CUDA's)
+    bert, bert_cfg = _cfg("bert")
+    assert bert.family.one_gpu_rates(bert_cfg, torch.device("cuda")) == {}
+
+
 def _cfg(name: str, *keys: str):
     return build_config(name, "tiny", None, dict(k.split("=", 1) for k in keys))
 

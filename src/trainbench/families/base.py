@@ -145,6 +145,12 @@ class ModelFamily(ABC):
         parallelism, not sharded by FSDP2): none by default."""
         return 0
 
+    def one_gpu_rates(self, cfg: RunConfig, device) -> dict[str, float]:
+        """What this family times on one GPU (``device``), before its model is built, for :meth:`node_costs` on
+        several: seconds by what, kept with the one GPU's step (families/node_costs.OneGpu.family_rates). None by
+        default."""
+        return {}
+
     def node_costs(self, cfg: RunConfig, ranks: int, one) -> dict[str, float] | str:
         """Seconds a step that ``ranks`` GPUs of one node add to ``one``'s (families/node_costs.OneGpu: one GPU's
         measured step at this shape and its parameters), by what (families/node_costs.py's models), for the forecast

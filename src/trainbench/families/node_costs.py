@@ -34,6 +34,8 @@ class OneGpu:
     measured_at: str = ""  # when (UTC, ISO 8601)
     # A mixture's tokens each expert got, per block, in the one GPU's untimed eval pass (None: no experts)
     expert_loads: list[list[int]] | None = None
+    # What the family timed on this GPU for its own costs on several (ModelFamily.one_gpu_rates), seconds by what
+    family_rates: dict[str, float] | None = None
 
 
 def reduce_bytes(distributed) -> int:

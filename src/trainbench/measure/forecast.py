@@ -71,6 +71,10 @@ def cached(cfg, gpu_name: str) -> OneGpu | None:
     except (OSError, ValueError, TypeError):
         return None
     numbers = [one.step_s, one.micro_batches, one.block_params, one.other_params, one.expert_params]
+    if one.family_rates is not None:
+        if not isinstance(one.family_rates, dict) or not all(isinstance(k, str) for k in one.family_rates):
+            return None
+        numbers += list(one.family_rates.values())
     if one.expert_loads is not None:
         if not isinstance(one.expert_loads, list) or not all(isinstance(b, list) for b in one.expert_loads):
             return None
@@ -82,15 +86,18 @@ def cached(cfg, gpu_name: str) -> OneGpu | None:
 
 
 def measured(cfg, bench, model, step_s: float, gpu_name: str, copy_rate: float | None,
-             expert_loads: list[list[int]] | None = None) -> OneGpu:  # fmt: skip
+             expert_loads: list[list[int]] | None = None,
+             family_rates: dict[str, float] | None = None) -> OneGpu:  # fmt: skip
     """This process's one-GPU step at ``cfg``'s shape, with ``model``'s trained parameters split as the family
-    counts its blocks (and a mixture's tokens per expert, per block, where it has experts)."""
+    counts its blocks (and a mixture's tokens per expert, per block, where it has experts; and what the family timed
+    for its own costs, where it did)."""
     blocks = bench.family.blocks_of(model)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     in_blocks = sum(p.numel() for b in blocks for p in b.parameters() if p.requires_grad)
     return OneGpu(step_s=step_s, micro_batches=micro_batches(cfg, 1), block_params=in_blocks,
                   other_params=trained - in_blocks, expert_params=bench.family.expert_params(model),
                   device_copy_bytes_s=copy_rate, gpu_name=gpu_name, expert_loads=expert_loads,
+                  family_rates=family_rates or None,
                   measured_at=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))  # fmt: skip
 
 

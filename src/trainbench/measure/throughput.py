@@ -79,6 +79,7 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     cuda = info.device.type == "cuda"
     one_gpu = cuda and info.world_size == 1
     copy_rate = _device_copy_rate() if one_gpu else None  # (before the model: 2 GiB for a moment)
+    family_rates = bench.family.one_gpu_rates(cfg, info.device) if one_gpu else None
     run = build_run(cfg, bench, info, None, synthetic=True)
     announce(out, cfg, bench, run, 0, info)
     node = _forecast(cfg, bench, info, out) if cuda and info.world_size > 1 and info.is_main else None
@@ -89,7 +90,7 @@ def measure(cfg: RunConfig, bench: Benchmark, run_dir: Path, info: DistInfo, ste
     held = torch.cuda.max_memory_reserved(info.device) / 2**30 if cuda else None
     eval_seconds_per_row, router = _eval_seconds_per_row(bench, run, info, autocast)
     if one_gpu and timed.seconds > 0:  # kept for a forecast of this shape on several GPUs (measure/forecast.py)
-        _keep_step(cfg, bench, run, info, timed.seconds / steps, copy_rate, router, out)
+        _keep_step(cfg, bench, run, info, timed.seconds / steps, copy_rate, router, out, family_rates)
     if sampler is not None:
         sampler.stop()
     seconds, start_ms, stop_ms = timed.seconds, timed.start_ms, timed.stop_ms
@@ -146,13 +147,13 @@ def _device_copy_rate() -> float | None:
 
 
 def _keep_step(cfg: RunConfig, bench: Benchmark, run, info: DistInfo, step_s: float, copy_rate: float | None,
-               router: dict | None, out: RunConsole) -> None:  # fmt: skip
+               router: dict | None, out: RunConsole, family_rates: dict[str, float] | None = None) -> None:  # fmt: skip
     """This one GPU's step at ``cfg``'s shape kept for a forecast on several GPUs (measure/forecast.py); a cache that
     cannot be written is said, and the measurement stands."""
     from trainbench.measure import forecast
 
     one = forecast.measured(cfg, bench, run.placed.module, step_s, torch.cuda.get_device_name(info.device), copy_rate,
-                            router["loads"] if router else None)  # fmt: skip
+                            router["loads"] if router else None, family_rates)  # fmt: skip
     try:
         forecast.save(cfg, one)
     except OSError as exc:

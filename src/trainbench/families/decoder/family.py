@@ -378,6 +378,25 @@ class GptOssFamily(DecoderFamily):
                                 "on several GPUs")  # fmt: skip
         return placed
 
+    def one_gpu_rates(self, cfg: RunConfig, device) -> dict[str, float]:
+        """In FP8 on CUDA: the casts that expert parallelism adds outside the compiled blocks, a block and
+        micro-batch, at this shape's rows (moe_fp8.expert_parallel_cast_seconds), for :meth:`node_costs`."""
+        m = cfg.model
+        if m.precision != "fp8" or device.type != "cuda":
+            return {}
+        import torch
+
+        from trainbench.families.decoder.moe_fp8 import expert_parallel_cast_seconds
+
+        rows = cfg.data.micro_batch_size * cfg.data.seq_length * m.experts_per_token
+        try:
+            found = expert_parallel_cast_seconds(rows, m.hidden_size, m.intermediate_size, device)
+        except torch.OutOfMemoryError:
+            return {}
+        finally:
+            torch.cuda.empty_cache()
+        return {f"expert_casts_{k}": v for k, v in found.items()}
+
     def expert_params(self, model: torch.nn.Module) -> int:
         """The experts' weights and biases of every block's mixture (the router is not an expert's)."""
         from trainbench.families.decoder.moe import MoE
@@ -387,9 +406,10 @@ class GptOssFamily(DecoderFamily):
 
     def node_costs(self, cfg: RunConfig, ranks: int, one) -> dict[str, float] | str:
         """With the experts spread over the ranks (``distributed.ep``): FSDP2 over the rest of the blocks and the
-        layers outside them, the experts' all-to-all (families/node_costs.all_to_all_s, in bf16) and the wait for the
-        rank whose experts the router sent the most tokens (where the one GPU counted them); without, FSDP2 over
-        everything (in FP8: :meth:`_sharded_fp8_experts`)."""
+        layers outside them, the experts' all-to-all (families/node_costs.all_to_all_s, in bf16 or with two of its
+        four in FP8), in FP8 the row casts it makes outside the compiled blocks (where the one GPU timed them:
+        :meth:`one_gpu_rates`) and the wait for the rank whose experts the router sent the most tokens (where the one
+        GPU counted them); without, FSDP2 over everything (in FP8: :meth:`_sharded_fp8_experts`)."""
         from trainbench.families.node_costs import all_to_all_s, busiest_rank_s, fully_sharded, micro_batches
 
         d, m = cfg.distributed, cfg.model
@@ -403,6 +423,11 @@ class GptOssFamily(DecoderFamily):
         exchange = all_to_all_s(rows, m.hidden_size, m.experts_per_token, m.num_layers, ranks,
                                 fp8_halves=d.expert_exchange == "fp8") * micro  # fmt: skip
         out |= {"the experts' all-to-all": exchange}
+        rates = one.family_rates or {}
+        casts = rates.get(f"expert_casts_{d.expert_row_casts}_s")
+        if casts is not None:  # outside the compiled blocks; the one GPU's, fused into them, taken as free
+            wire = rates.get("expert_casts_wire_s", 0.0) if d.expert_exchange == "fp8" else 0.0
+            out["the experts' row casts"] = (casts + wire) * m.num_layers * micro
         if one.expert_loads and len(one.expert_loads) == m.num_layers:
             experts_s = one.step_s * micro / one.micro_batches * self.experts_share(cfg)
             from trainbench.families.decoder.expert_placement import balanced

@@ -150,6 +150,36 @@ def _wire_uncast(q: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) ->
     return out
 
 
+def expert_parallel_cast_seconds(rows: int, hidden: int, ffn: int, device: torch.device) -> dict[str, float]:
+    """Seconds on ``device`` (CUDA) of the casts that expert parallelism in FP8 adds outside the compiled blocks, a
+    block and micro-batch, at ``rows`` rows (each token's top-k choices): the experts' products' four row casts
+    (the rows and the activation forward, the two products' output gradients backward; widths ``hidden``, ``ffn``,
+    ``hidden``, ``2 ffn``), compiled (``compiled_s``) and by the kernel (``kernel_s``); and the FP8 wire's cast and
+    rebuild of the rows of its two exchanges (``wire_s``). Each the median of 5 calls after one."""
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()  # (compiles, or builds the kernel)
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return sorted(times)[2]
+
+    out = {"compiled_s": 0.0, "kernel_s": 0.0}
+    for width in (hidden, ffn, hidden, 2 * ffn):
+        t = torch.randn(rows, width, device=device, dtype=torch.bfloat16)
+        out["compiled_s"] += timed(lambda: _rows_e4m3(t, True))  # noqa: B023 (called before the loop moves on)
+        out["kernel_s"] += timed(lambda: _rows_e4m3(t, "kernel"))  # noqa: B023
+    t = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+    q, exponent = _wire_cast(t)
+    out["wire_s"] = 2 * (timed(lambda: _wire_cast(t)) + timed(lambda: _wire_uncast(q, exponent, t.dtype)))
+    return out
+
+
 def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """``t``'s rows by all-to-all over ``group`` (``in_splits[j]`` to rank j, ``out_splits[j]`` from it), no
     autograd."""
