@@ -101,29 +101,38 @@ def test_a_forecast_with_the_experts_dealt_out_waits_for_no_busiest_rank_where_t
 def test_a_mixture_in_fp8_under_expert_parallelism_counts_the_row_casts_the_one_gpu_timed(tmp_path, monkeypatch):
     """The casts expert parallelism makes outside the compiled blocks in FP8, a block and micro-batch as the one GPU
     timed them (GptOssFamily.one_gpu_rates), times the blocks and each rank's micro-batches: compiled, or by the
-    kernel (distributed.expert_row_casts), the FP8 wire's own beside them; none where the one GPU timed none."""
+    kernel (distributed.expert_row_casts), the FP8 wire's own beside them; none where the one GPU timed none.
+    Uncompiled, the one GPU's step casts the rows too: the wire's casts alone."""
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path))
 
     def in_fp8(cfg, **distributed):  # (FP8 needs a GPU to pass the config's checks: set past them)
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, precision="fp8"),
                                    distributed=dataclasses.replace(cfg.distributed, **distributed))  # fmt: skip
 
-    bench, one_cfg = _cfg("gpt_oss_20b")
-    one_cfg = in_fp8(one_cfg)
     rates = {"expert_casts_compiled_s": 2e-3, "expert_casts_kernel_s": 8e-4, "expert_casts_wire_s": 7e-4}
-    _, two = _cfg("gpt_oss_20b", "distributed.nproc=2", "distributed.ep=2",
-                  f"data.global_batch_size={2 * one_cfg.data.global_batch_size}")  # fmt: skip
-    blocks, micro = one_cfg.model.num_layers, forecast.micro_batches(one_cfg, 1)
-    for kept, keys, want in ((rates, {}, 2e-3), (rates, {"expert_row_casts": "kernel"}, 8e-4),
-                             (rates, {"expert_exchange": "fp8"}, 2e-3 + 7e-4), (None, {}, None)):  # fmt: skip
+    for compiled, kept, keys, want in (
+        ("true", rates, {}, 2e-3),
+        ("true", rates, {"expert_row_casts": "kernel"}, 8e-4),
+        ("true", rates, {"expert_exchange": "fp8"}, 2e-3 + 7e-4),
+        ("true", None, {}, None),
+        ("false", rates, {}, None),
+        ("false", rates, {"expert_row_casts": "kernel"}, None),
+        ("false", rates, {"expert_exchange": "fp8"}, 7e-4),
+        ("false", None, {"expert_exchange": "fp8"}, None),
+    ):
+        bench, one_cfg = _cfg("gpt_oss_20b", f"perf.compile={compiled}")
+        one_cfg = in_fp8(one_cfg)
+        _, two = _cfg("gpt_oss_20b", "distributed.nproc=2", "distributed.ep=2", f"perf.compile={compiled}",
+                      f"data.global_batch_size={2 * one_cfg.data.global_batch_size}")  # fmt: skip
+        blocks, micro = one_cfg.model.num_layers, forecast.micro_batches(one_cfg, 1)
         one = dataclasses.replace(ONE, micro_batches=micro, expert_params=ONE.block_params // 2, family_rates=kept)
         forecast.save(one_cfg, one)
         assert forecast.cached(one_cfg, ONE.gpu_name) == one  # the rates kept and read back
         split = forecast.forecast(bench, in_fp8(two, **keys), 2, ONE.gpu_name)["split_s"]
         if want is None:
-            assert "the experts' row casts" not in split
+            assert "the experts' row casts" not in split, (compiled, keys)
         else:  # each rank runs the one GPU's micro-batches (twice the global batch)
-            assert split["the experts' row casts"] == pytest.approx(want * blocks * micro), keys
+            assert split["the experts' row casts"] == pytest.approx(want * blocks * micro), (compiled, keys)
     forecast.save(one_cfg, dataclasses.replace(ONE, family_rates={"expert_casts_compiled_s": -1.0}))
     assert forecast.cached(one_cfg, ONE.gpu_name) is None  # a damaged file is measured again
 

@@ -351,20 +351,20 @@ class GptOssFamily(DecoderFamily):
         placed.notes.append(f"{m.block} block: {m.num_experts} experts, {m.experts_per_token} a token; a "
                             f"{m.sliding_window}-token window on every {m.window_every} blocks{spread}"
                             f"{kernels}")  # fmt: skip
-        if ep > 1 and cfg.distributed.expert_row_casts == "kernel":
+        kernel_casts, wire = cfg.distributed.expert_row_casts == "kernel", cfg.distributed.expert_exchange == "fp8"
+        if ep > 1 and (kernel_casts or wire):
             from trainbench.families.decoder.moe import MoE
-            from trainbench.families.decoder.moe_fp8 import fp8_products, in_fp8
-
-            for moe in (mod for mod in placed.module.modules() if isinstance(mod, MoE) and in_fp8(mod)):
-                fp8_products(moe, m.expert_weight_grad, "kernel")
-            placed.notes.append("the experts' rows cast to e4m3 by one Triton pass a row (distributed.expert_row_casts="
-                                "kernel): not yet run over NCCL on several GPUs")  # fmt: skip
-        if ep > 1 and cfg.distributed.expert_exchange == "fp8":
-            from trainbench.families.decoder.moe import MoE
-            from trainbench.families.decoder.moe_fp8 import exchange_in_fp8
+            from trainbench.families.decoder.moe_fp8 import exchange_in_fp8, fp8_products, in_fp8
 
             for moe in (mod for mod in placed.module.modules() if isinstance(mod, MoE)):
-                exchange_in_fp8(moe)
+                if kernel_casts and in_fp8(moe):
+                    fp8_products(moe, m.expert_weight_grad, "kernel")
+                if wire:
+                    exchange_in_fp8(moe)
+        if ep > 1 and kernel_casts:
+            placed.notes.append("the experts' rows cast to e4m3 by one Triton pass a row (distributed.expert_row_casts="
+                                "kernel): not yet run over NCCL on several GPUs")  # fmt: skip
+        if ep > 1 and wire:
             placed.notes.append("the all-to-all's rows to the experts, and their outputs' gradients, in e4m3 on the "
                                 "wire (distributed.expert_exchange=fp8): not yet run over NCCL on several "
                                 "GPUs")  # fmt: skip
@@ -424,9 +424,11 @@ class GptOssFamily(DecoderFamily):
                                 fp8_halves=d.expert_exchange == "fp8") * micro  # fmt: skip
         out |= {"the experts' all-to-all": exchange}
         rates = one.family_rates or {}
-        casts = rates.get(f"expert_casts_{d.expert_row_casts}_s")
-        if casts is not None:  # outside the compiled blocks; the one GPU's, fused into them, taken as free
-            wire = rates.get("expert_casts_wire_s", 0.0) if d.expert_exchange == "fp8" else 0.0
+        # The row casts run outside the compiled blocks: the one GPU's, fused into them, taken as free. Uncompiled,
+        # the one GPU's step holds them too, each eager: none is charged (the kernel's, faster, taken as the same).
+        casts = rates.get(f"expert_casts_{d.expert_row_casts}_s") if cfg.perf.compile else 0.0
+        wire = rates.get("expert_casts_wire_s") if d.expert_exchange == "fp8" else 0.0
+        if casts is not None and wire is not None and casts + wire > 0:
             out["the experts' row casts"] = (casts + wire) * m.num_layers * micro
         if one.expert_loads and len(one.expert_loads) == m.num_layers:
             experts_s = one.step_s * micro / one.micro_batches * self.experts_share(cfg)

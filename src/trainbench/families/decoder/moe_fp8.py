@@ -125,13 +125,10 @@ def _wire_cast(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     built = _wire_kernels() if t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 else None
     if built is None:
         return _e4m3_with_exponent(t)
-    (send, _), cdiv = built
     rows, width = t.shape
     q = torch.empty(rows, width, dtype=E4M3, device=t.device)
     exponent = torch.empty(rows, dtype=torch.int8, device=t.device)
-    if rows:
-        block = 1 << (width - 1).bit_length()
-        send[(rows,)](t.contiguous(), q, exponent, width, E4M3_MAX, BLOCK=block, num_warps=8 if block > 2048 else 4)
+    _by_row(built[0][0], rows, width, t.contiguous(), q, exponent, width, E4M3_MAX)
     return q, exponent
 
 
@@ -140,14 +137,17 @@ def _wire_uncast(q: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) ->
     built = _wire_kernels() if q.is_cuda and dtype == torch.bfloat16 and q.dim() == 2 else None
     if built is None:
         return _from_e4m3(q, exponent, dtype)
-    (_, receive), cdiv = built
     rows, width = q.shape
     out = torch.empty(rows, width, dtype=dtype, device=q.device)
+    _by_row(built[0][1], rows, width, q.contiguous(), exponent.contiguous(), out, width)
+    return out
+
+
+def _by_row(kernel, rows: int, width: int, *args) -> None:
+    """``kernel`` launched with one program a row (none for no rows), a row of ``width`` in one block."""
     if rows:
         block = 1 << (width - 1).bit_length()
-        receive[(rows,)](q.contiguous(), exponent.contiguous(), out, width, BLOCK=block,
-                         num_warps=8 if block > 2048 else 4)  # fmt: skip
-    return out
+        kernel[(rows,)](*args, BLOCK=block, num_warps=8 if block > 2048 else 4)
 
 
 def expert_parallel_cast_seconds(rows: int, hidden: int, ffn: int, device: torch.device) -> dict[str, float]:
