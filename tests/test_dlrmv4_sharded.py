@@ -146,14 +146,15 @@ def _agree(ours, theirs, tolerance: float) -> None:
 @pytest.mark.parametrize(
     "case, keys",
     [("one_rank", ["--nproc", "1"]), ("two_gloo_ranks", ["--nproc", "2", "micro_batch_size=64"]),
-     ("two_micro_batches", ["--nproc", "1", "micro_batch_size=64"])],
-    ids=["one_rank", "two_gloo_ranks", "two_micro_batches"],
+     ("two_micro_batches", ["--nproc", "1", "micro_batch_size=64"]),
+     ("two_ranks_looked_up_once_a_step", ["--nproc", "2", "micro_batch_size=32", "perf.lookup_once_a_step=true"])],
+    ids=["one_rank", "two_gloo_ranks", "two_micro_batches", "two_ranks_looked_up_once_a_step"],
 )  # fmt: skip
 def test_sharded_tables_train_the_losses_and_evals_of_one_rank_holding_every_table(replicated, tiny_data, tmp_path,
                                                                                    case, keys):  # fmt: skip
     """One rank sharded, two gloo ranks sharded (each owning half of every table's rows, the lookups and gradients
-    through all-to-all) and one rank of two micro-batches sharded train the losses and AUCs of one rank holding every
-    table, within 1e-5."""
+    through all-to-all), one rank of two micro-batches sharded, and two ranks of two micro-batches each looked up once
+    a step (perf.lookup_once_a_step) train the losses and AUCs of one rank holding every table, within 1e-5."""
     from conftest import losses_and_evals
 
     losses, evals = losses_and_evals([*COMMON, f"data.dir={tiny_data}", "perf.sharded_tables=true"], {case: keys},
@@ -247,3 +248,80 @@ def test_a_sharded_rank_builds_no_whole_table():
     _, placed = _sharded_tiny(cfg.seed)
     for name, table in placed.module.tables.items():
         assert torch.equal(table.weight.full_tensor(), whole.tables[name].weight.detach()), name
+
+
+def _two_micro_batches(cfg) -> list[dict[str, torch.Tensor]]:
+    whole = _batch(cfg, 16)
+    return [{k: v[:8] for k, v in whole.items()}, {k: v[8:] for k, v in whole.items()}]
+
+
+def test_a_step_looked_up_at_once_gives_each_micro_batch_the_rows_of_its_own_lookup():
+    """``perf.lookup_once_a_step``: the rows each training forward takes from the step's one exchange are, bit for
+    bit, those its own lookup gives (a lookup without a gradient, as an eval's, looks up on its own)."""
+    cfg, placed = _sharded_tiny()
+    cfg.perf.lookup_once_a_step = True
+    placed = BENCH.family.place(BENCH.family.build_model(cfg), cfg, CPU, False)
+    lookup, model = placed.module.lookup, placed.module
+    batches = _two_micro_batches(cfg)
+    placed.before_step(batches)
+    for b in batches:
+        with torch.no_grad():
+            own = lookup(model.tables, model.requests(b))
+        assert lookup.step is not None
+        taken = lookup(model.tables, model.requests(b))
+        assert len(taken) == len(own) and all(torch.equal(t, o) for t, o in zip(taken, own, strict=True))
+        assert all(t.requires_grad for t in taken)
+    assert lookup.step is None  # every micro-batch has taken its rows
+
+
+def test_a_step_looked_up_at_once_sends_its_gradients_once_and_updates_the_tables_the_same():
+    """``perf.lookup_once_a_step`` on one rank, a step of 2 micro-batches: the step's gradients are sent once (one
+    ``ROW_GRADS`` entry a table, not one a micro-batch), and after the optimizer's step every table and dense weight
+    equals the per-micro-batch lookups' within float32 sums' rounding."""
+    from trainbench.optim.rowwise_adagrad import ROW_GRADS
+
+    after = {}
+    for once in (False, True):
+        cfg, placed = _sharded_tiny()
+        cfg.perf.lookup_once_a_step = once
+        placed = BENCH.family.place(BENCH.family.build_model(cfg), cfg, CPU, False)
+        assert (placed.before_step is not None) == once
+        optimizer = BENCH.build_optimizer(cfg, placed.module)
+        batches = _two_micro_batches(cfg)
+        weights = sum(BENCH.loss_weights(b) for b in batches)
+        if once:
+            placed.before_step(batches)
+        for b in batches:
+            BENCH.loss(placed.model, b, weights).backward()
+        entries = {n: len(getattr(t.weight, ROW_GRADS)) for n, t in placed.module.tables.items()}
+        assert set(entries.values()) == {1 if once else 2}, entries
+        optimizer.step()
+        after[once] = {n: p.detach().clone() for n, p in placed.module.named_parameters() if "tables" not in n}
+        after[once] |= {n: t.weight.to_local().clone() for n, t in placed.module.tables.items()}
+    moved = [n for n in placed.module.tables if not torch.equal(after[True][n], _sharded_tiny()[1].module.tables[
+        n].weight.to_local())]  # fmt: skip
+    assert moved  # (the step moved table rows: the comparison below is not of untouched tables)
+    for name, tensor in after[False].items():
+        torch.testing.assert_close(after[True][name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_step_looked_up_at_once_refuses_a_micro_batch_out_of_its_order():
+    cfg, placed = _sharded_tiny()
+    cfg.perf.lookup_once_a_step = True
+    placed = BENCH.family.place(BENCH.family.build_model(cfg), cfg, CPU, False)
+    whole = _batch(cfg, 12)
+    first, second = {k: v[:8] for k, v in whole.items()}, {k: v[8:] for k, v in whole.items()}
+    placed.before_step([first, second])
+    with pytest.raises(RuntimeError, match="micro-batch 0 of the step asked for other lookups than were made for it"):
+        placed.model(second)
+
+
+def test_lookup_once_a_step_without_sharded_tables_is_refused_in_one_sentence():
+    from trainbench.errors import ConfigError
+    from trainbench.resolve import build_config
+
+    with pytest.raises(ConfigError, match="perf.lookup_once_a_step looks up the sharded tables' rows once a step: it "
+                       "needs perf.sharded_tables=true"):  # fmt: skip
+        build_config("dlrmv4", "tiny", overrides={"perf.lookup_once_a_step": "true"})
+    with pytest.raises(ConfigError, match="lookup_once_a_step"):
+        build_config("bert", "tiny", overrides={"perf.lookup_once_a_step": "true"})

@@ -106,7 +106,8 @@ def test_a_sharded_tables_backward_on_the_gpu_gives_the_tables_no_gradient():
 def test_sharded_tables_train_the_tiny_presets_losses_of_whole_tables_on_one_gpu_in_bf16(tmp_path):
     """10 steps of the tiny preset on CUDA in bf16 autocast (precision=auto), the tables sharded over the one rank
     (the exchange without peers, RowWiseAdagrad on the touched rows) against every table held whole (dense gradients),
-    and the jagged attention (auto on CUDA) against the dense one: every loss finite, falling, and within 2e-2 of the
+    and the jagged attention (auto on CUDA) against the dense one, and the sharded tables looked up once a step over 4
+    micro-batches (perf.lookup_once_a_step) against them whole: every loss finite, falling, and within 2e-2 of the
     other's (bf16: the sums' order differs)."""
     data = tmp_path / "data"
     assert run_cli("prepare", "dlrmv4", "--synthetic", "--preset", "tiny", "--out", data, "--no-progress") == 0
@@ -116,7 +117,11 @@ def test_sharded_tables_train_the_tiny_presets_losses_of_whole_tables_on_one_gpu
     run_cli(*common, f"output.results_dir={tmp_path / 'whole'}")
     run_cli(*common, "perf.sharded_tables=true", f"output.results_dir={tmp_path / 'sharded'}")
     run_cli(*common, "perf.hstu_attention=dense", f"output.results_dir={tmp_path / 'dense'}")
-    whole, sharded, dense = (_losses(tmp_path / n) for n in ("whole", "sharded", "dense"))
+    run_cli(*common, "perf.sharded_tables=true", "perf.lookup_once_a_step=true", "data.micro_batch_size=32",
+            f"output.results_dir={tmp_path / 'once'}")  # fmt: skip
+    whole, sharded, dense, once = (_losses(tmp_path / n) for n in ("whole", "sharded", "dense", "once"))
+    assert len(once) == 10 and max(abs(a - b) / abs(b) for a, b in zip(once, whole, strict=True)) <= 2e-2, once
+    assert "looked up in one exchange" in (only_run_dir(tmp_path / "once") / "console.log").read_text()
     assert len(whole) == len(sharded) == len(dense) == 10 and all(math.isfinite(x) for x in sharded), (whole, sharded)
     assert sharded[-1] < sharded[0], sharded
     assert max(abs(a - b) / abs(b) for a, b in zip(sharded, whole, strict=True)) <= 2e-2, (whole, sharded)

@@ -305,6 +305,13 @@ class PerfConfig:
         "their gradients, RowWiseAdagrad on the touched rows alone, the dense parameters under DDP) instead of every "
         "rank holding every table (docs/dlrmv4.md).",
     )
+    lookup_once_a_step: bool = option(
+        False,
+        "dlrmv4 with perf.sharded_tables: every micro-batch of a step looked up in one exchange before the first "
+        "forward (a row asked by several micro-batches asked once; two host syncs a step instead of two a "
+        "micro-batch), their gradients summed over the step and sent back once, in the last backward. Off by "
+        "default: not yet measured or run over NCCL on several GPUs (docs/dlrmv4.md).",
+    )
     hstu_attention: str = option(
         "auto",
         "dlrmv4: the HSTU layers' attention: jagged (trainbench's Triton kernel over the valid pairs alone, no score "

@@ -357,7 +357,9 @@ class Placed:
     the run's console on what placement chose. ``comm_precision``: the lowest precision its collectives carry, in
     MLPerf's names (``bfloat16`` where FSDP gathers bf16 parameters or DDP reduces bf16 gradients), ``fp32``
     otherwise and on one rank. ``after_step``: run after every optimizer step (FP8 weights gathered in FP8: their
-    scales for the next step's gathers). ``rearrange(optimizer, canonical)``: parameters moved between the ranks
+    scales for the next step's gathers). ``before_step(micro_batches)``: run with a training step's micro-batches on
+    the device, before the first forward (dlrmv4's sharded tables: every micro-batch's rows looked up at once).
+    ``rearrange(optimizer, canonical)``: parameters moved between the ranks
     after an optimizer step, before ``after_step`` (a mixture's experts by their load), and with ``canonical`` back
     to their placement's own order before a checkpoint's save."""
 
@@ -368,6 +370,7 @@ class Placed:
     notes: list[str] = field(default_factory=list)
     comm_precision: str = "fp32"
     after_step: Callable[[], None] | None = None
+    before_step: Callable[[list], None] | None = None
     rearrange: Callable[[Any, bool], None] | None = None
 
     def also_after_step(self, f: Callable[[], None] | None) -> None:

@@ -61,6 +61,7 @@ class ModelFamily(ABC):
         unused = {"perf.hstu_attention": f"the {self.name} family has no HSTU layers"}  # (the hstu family reads it)
         if not self.shards_tables:
             unused["perf.sharded_tables"] = f"the {self.name} family has no tables to shard"
+            unused["perf.lookup_once_a_step"] = f"the {self.name} family has no tables to shard"
         return unused
 
     # -- model and placement --------------------------------------------------------------------------------------

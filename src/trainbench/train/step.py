@@ -28,6 +28,8 @@ def train_step(bench: Benchmark, placed: Placed, optimizer: torch.optim.Optimize
     # the global-batch loss whatever the split; the data-parallel reduction then averages over ranks, which the
     # factor world_size undoes.
     weights = all_reduce_sum(sum(bench.loss_weights(b) for b in batches), info)
+    if placed.before_step is not None:
+        placed.before_step(batches)
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         if placed.mark_cuda_graph_steps:

@@ -103,6 +103,9 @@ class HstuFamily(ModelFamily):
         if cfg.perf.sharded_tables and cfg.perf.cuda_graphs:
             raise ConfigError("perf.sharded_tables exchanges rows in sizes known only at run time, which CUDA graphs "
                               "cannot replay: leave perf.cuda_graphs=false")  # fmt: skip
+        if cfg.perf.lookup_once_a_step and not cfg.perf.sharded_tables:
+            raise ConfigError("perf.lookup_once_a_step looks up the sharded tables' rows once a step: it needs "
+                              "perf.sharded_tables=true")  # fmt: skip
 
     def unused_for(self, cfg: RunConfig) -> dict[str, str]:
         return {k: why for k, why in super().unused_for(cfg).items() if k != "perf.hstu_attention"}
@@ -141,6 +144,12 @@ class HstuFamily(ModelFamily):
         placed.notes.append(attention)
         placed.notes.append(f"{len(tables)} embedding tables sharded row-wise over {info.world_size} rank(s), looked "
                             "up through one all-to-all; DDP over the dense parameters only")  # fmt: skip
+        if cfg.perf.lookup_once_a_step:
+            lookup = model.lookup
+            placed.before_step = lambda batches: lookup.prepare([model.requests(b) for b in batches])
+            placed.notes.append("every micro-batch of a step looked up in one exchange before its first forward, the "
+                                "gradients sent back once (perf.lookup_once_a_step): not yet run over NCCL on "
+                                "several GPUs")  # fmt: skip
         return placed
 
     @staticmethod

@@ -120,6 +120,8 @@ class HstuRanker(nn.Module):
     (:func:`init_table_rows`, no global random state); with ``whole_tables=False`` they are left on the meta device,
     for a placement that builds each rank's blocks of rows alone (families/hstu/sharded_tables.py)."""
 
+    CONTENT = ("item", "artist", "album")  # the tables of a track: its own rows, its artist's and its album's
+
     def __init__(self, cfg: HstuConfig, seed: int = 0, whole_tables: bool = True):
         super().__init__()
         self.cfg = cfg
@@ -159,14 +161,17 @@ class HstuRanker(nn.Module):
         c = self.cfg.contextual
         return KeyPadding(c, c + self.cfg.history - history_length)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # Every table's rows in one request list: the user's, each cross's, then a track's own, artist's and album's
-        # rows for the history and for the candidate.
-        content = ("item", "artist", "album")
+    def requests(self, batch: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Every table's rows the batch looks up, as one request list: the user's, each cross's, then a track's own,
+        artist's and album's rows for the history and for the candidate."""
+        content = self.CONTENT
         requests = [("uid", batch["uid"])] + [(n, batch["cross"][:, i]) for i, n in enumerate(self.cross_names)]
-        requests += [(n, batch[f"hist_{n}"]) for n in content] + [(n, batch[f"cand_{n}"]) for n in content]
+        return requests + [(n, batch[f"hist_{n}"]) for n in content] + [(n, batch[f"cand_{n}"]) for n in content]
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        requests = self.requests(batch)
         rows = self.lookup(self.tables, requests)
-        c = len(requests) - 2 * len(content)
+        c = len(requests) - 2 * len(self.CONTENT)
         context = self.context_in(torch.stack(rows[:c], dim=1))
         history = self.content_in(torch.cat(rows[c : c + 3], dim=-1)) + self.actions(batch["hist_action"])
         candidate_content = torch.cat(rows[c + 3 :], dim=-1)

@@ -17,6 +17,13 @@ One step of the lookups, for every table together (one exchange, not one per tab
    block to the table's ``ROW_GRADS`` list, over the micro-batches of a step, for the optimizer's update of the
    touched rows (optim/rowwise_adagrad.py). The table's parameter gets no gradient.
 
+With ``perf.lookup_once_a_step``, steps 1-2 run once a step for every micro-batch's keys together, before the first
+forward (:meth:`ShardedLookup.prepare`: a key asked by several micro-batches asked once, two host syncs a step instead
+of two a micro-batch), each micro-batch's forward takes its rows from them, and step 3 runs once, in the last
+micro-batch's backward, on the gradients summed over the step's micro-batches (:class:`_StepRows`). The tables do not
+change within a step (the optimizer updates them after it), so the rows are the same; the gradients are summed in
+another order.
+
 The dense parameters stay under DDP, with the tables excluded from it. The rows travel in fp32 whatever the autocast.
 """
 
@@ -84,26 +91,32 @@ class ShardedLookup:
         # gradient of zeros of all its rows every micro-batch (its to_local backward makes zeros of the None the
         # exchange returns), which the optimizer then applied to every row (docs/dlrmv4.md, the figures).
         self.anchor = torch.empty(0, device=info.device, requires_grad=True)
+        # The step's micro-batches looked up ahead (:meth:`prepare`), until the last of them has run its forward.
+        self.step: _StepRows | None = None
 
     @torch.compiler.disable  # collectives of sizes known only at run time: left out of a compiled graph
     def __call__(self, tables: nn.ModuleDict, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         with torch.profiler.record_function("tb.embedding_lookup"):  # bench's profile counts it apart
-            return self._lookup(requests)
+            if self.step is not None and torch.is_grad_enabled():
+                return _as_requests(self.step.next(requests), requests)
+            keys, ids, table_of, bad = self._keys(requests)
+            return _as_requests(_Exchange.apply(self, keys, ids, table_of, bad, self.anchor), requests)
 
-    def _lookup(self, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def prepare(self, step_requests: list[list[tuple[str, torch.Tensor]]]) -> None:
+        """Look up every micro-batch's requests of a training step at once (``perf.lookup_once_a_step``), before the
+        first forward; each training forward then takes the next micro-batch's rows, in this order."""
+        with torch.profiler.record_function("tb.embedding_lookup"):
+            self.step = _StepRows(self, step_requests)
+
+    def _keys(self, requests: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+        """(keys, ids, their tables, which ids lie outside their table) of the requests, flattened in order."""
         index = {n: i for i, n in enumerate(self.names)}
         ids = torch.cat([ids.reshape(-1) for _, ids in requests])
         table_of = torch.cat([torch.full((i.numel(),), index[n], device=i.device) for n, i in requests])
         # Ids outside their table are refused after the exchange's sizes reach the host (no sync of their own);
         # until then they stand in as their table's row 0.
         bad = (ids < 0) | (ids >= self.offsets[table_of + 1] - self.offsets[table_of])
-        keys = self.offsets[table_of] + torch.where(bad, 0, ids)
-        rows = _Exchange.apply(self, keys, ids, table_of, bad, self.anchor)
-        # One split, whose backward concatenates the parts' gradients once: slices of ``rows`` would each give back a
-        # zero-filled gradient of all the rows, added up request by request (on one H200 at the reference's layers,
-        # 400 ms of a 1.42 s step).
-        parts = rows.split([i.numel() for _, i in requests])
-        return [part.view(*i.shape, rows.shape[-1]) for part, (_, i) in zip(parts, requests, strict=True)]
+        return self.offsets[table_of] + torch.where(bad, 0, ids), ids, table_of, bad
 
     def owner_of(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(table, owning rank, row within the owner's block) of each key."""
@@ -122,22 +135,27 @@ class ShardedLookup:
         return out
 
 
-class _Exchange(torch.autograd.Function):
-    """The module docstring's steps 1-3. Two host syncs a micro-batch, both in the forward: the counts this rank asks
-    of each owner, table by table (with the ids' check), and those the owners are asked; the owner's rows are then
-    gathered table by table in one sort, and the backward reuses both counts (no sync)."""
+def _as_requests(rows: torch.Tensor, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """``rows`` [lookups, D] cut into each request's, shaped as its ids. One split, whose backward concatenates the
+    parts' gradients once: slices of ``rows`` would each give back a zero-filled gradient of all the rows, added up
+    request by request (on one H200 at the reference's layers, 400 ms of a 1.42 s step)."""
+    parts = rows.split([i.numel() for _, i in requests])
+    return [part.view(*i.shape, rows.shape[-1]) for part, (_, i) in zip(parts, requests, strict=True)]
 
-    @staticmethod
-    def forward(ctx, lookup: ShardedLookup, keys, ids, table_of, bad, anchor):
-        unique, inverse = torch.unique(keys, return_inverse=True)
+
+class _Fetched:
+    """Steps 1-2 for ``keys``: ``rows`` [unique keys, D], ``inverse`` (each key's row), and what step 3 needs."""
+
+    def __init__(self, lookup: ShardedLookup, keys, ids, table_of, bad) -> None:
+        unique, self.inverse = torch.unique(keys, return_inverse=True)
         tables, world = len(lookup.names), lookup.world
         table_u, owner, _ = lookup.owner_of(unique)
-        by_owner = torch.argsort(owner, stable=True)
+        self.by_owner = torch.argsort(owner, stable=True)
         # [owner, table]: the keys this rank asks each owner for, table by table (an owner's keys go in key order, so
         # table by table); one host sync for them and the ids' check together.
         asking = torch.bincount(owner.clamp(0, world - 1) * tables + table_u, minlength=world * tables)
         counts = torch.cat([asking, bad.sum().view(1)]).tolist()
-        send_sizes = [sum(counts[r * tables : (r + 1) * tables]) for r in range(world)]
+        self.send_sizes = [sum(counts[r * tables : (r + 1) * tables]) for r in range(world)]
         wrong = counts[-1]
         if wrong:
             first = int(bad.nonzero()[0, 0])
@@ -146,34 +164,99 @@ class _Exchange(torch.autograd.Function):
             raise DataError(f"{wrong:,} looked-up ids lie outside their table, e.g. id {int(ids[first]):,} of the "
                             f"{name} table, which has {rows:,} rows ({key})")  # fmt: skip
         asked_counts = lookup.exchange(asking.view(world, tables), [1] * world, [1] * world).tolist()
-        recv_sizes = [sum(row) for row in asked_counts]
-        per_table = [sum(row[t] for row in asked_counts) for t in range(tables)]
-        asked = lookup.exchange(unique[by_owner], recv_sizes, send_sizes)
+        self.recv_sizes = [sum(row) for row in asked_counts]
+        self.per_table = [sum(row[t] for row in asked_counts) for t in range(tables)]
+        asked = lookup.exchange(unique[self.by_owner], self.recv_sizes, self.send_sizes)
         # The owner's side: the asked rows gathered table by table (sorted by table, stably: each table's keys in the
         # order asked), then put back in the order asked.
-        table, _, local = lookup.owner_of(asked)
-        order = torch.argsort(table, stable=True)
-        local_by_table = local.index_select(0, order).split(per_table)
+        table, _, self.local = lookup.owner_of(asked)
+        self.order = torch.argsort(table, stable=True)
+        local_by_table = self.local.index_select(0, self.order).split(self.per_table)
         blocks = [lookup.tables[n].weight.to_local() for n in lookup.names]
         gathered = torch.cat([block.index_select(0, rows) for block, rows in zip(blocks, local_by_table, strict=True)])
-        found = torch.empty_like(gathered).index_copy_(0, order, gathered)
-        sent_back = lookup.exchange(found, send_sizes, recv_sizes)
-        rows = torch.empty_like(sent_back).index_copy_(0, by_owner, sent_back)
-        ctx.lookup, ctx.sizes = lookup, (send_sizes, recv_sizes, per_table)
-        ctx.save_for_backward(inverse, by_owner, order, local)
-        return rows.index_select(0, inverse)
+        found = torch.empty_like(gathered).index_copy_(0, self.order, gathered)
+        sent_back = lookup.exchange(found, self.send_sizes, self.recv_sizes)
+        self.rows: torch.Tensor | None = torch.empty_like(sent_back).index_copy_(0, self.by_owner, sent_back)
+
+    def send_gradients(self, lookup: ShardedLookup, summed: torch.Tensor) -> None:
+        """Step 3: ``summed`` [unique keys, D], each key's gradient, sent to its owner, who appends it (rows and
+        gradients of its block) to the table's ``ROW_GRADS``."""
+        arrived = lookup.exchange(summed.index_select(0, self.by_owner), self.recv_sizes, self.send_sizes)
+        if lookup.world > 1:  # the step scales each rank's loss by the ranks; DDP's average of the rest undoes it
+            arrived = arrived / lookup.world
+        rows_by_table = self.local.index_select(0, self.order).split(self.per_table)
+        grads_by_table = arrived.index_select(0, self.order).split(self.per_table)
+        for name, rows, grads in zip(lookup.names, rows_by_table, grads_by_table, strict=True):
+            getattr(lookup.tables[name].weight, ROW_GRADS).append((rows, grads))
+
+
+class _Exchange(torch.autograd.Function):
+    """The module docstring's steps 1-3 for one lookup. Two host syncs a micro-batch, both in the forward: the counts
+    this rank asks of each owner, table by table (with the ids' check), and those the owners are asked; the owner's
+    rows are then gathered table by table in one sort, and the backward reuses both counts (no sync)."""
+
+    @staticmethod
+    def forward(ctx, lookup: ShardedLookup, keys, ids, table_of, bad, anchor):
+        fetched = _Fetched(lookup, keys, ids, table_of, bad)
+        ctx.lookup, ctx.fetched = lookup, fetched
+        rows, fetched.rows = fetched.rows.index_select(0, fetched.inverse), None  # (the backward needs no rows)
+        return rows
 
     @staticmethod
     def backward(ctx, grad):
-        lookup, (send_sizes, recv_sizes, per_table) = ctx.lookup, ctx.sizes
-        inverse, by_owner, order, local = ctx.saved_tensors
-        summed = torch.zeros(by_owner.numel(), grad.shape[-1], dtype=grad.dtype, device=grad.device)
-        summed.index_add_(0, inverse, grad)
-        arrived = lookup.exchange(summed.index_select(0, by_owner), recv_sizes, send_sizes)
-        if lookup.world > 1:  # the step scales each rank's loss by the ranks; DDP's average of the rest undoes it
-            arrived = arrived / lookup.world
-        rows_by_table = local.index_select(0, order).split(per_table)
-        grads_by_table = arrived.index_select(0, order).split(per_table)
-        for name, rows, grads in zip(lookup.names, rows_by_table, grads_by_table, strict=True):
-            getattr(lookup.tables[name].weight, ROW_GRADS).append((rows, grads))
+        fetched = ctx.fetched
+        summed = torch.zeros(fetched.by_owner.numel(), grad.shape[-1], dtype=grad.dtype, device=grad.device)
+        summed.index_add_(0, fetched.inverse, grad)
+        fetched.send_gradients(ctx.lookup, summed)
         return (None,) * 6
+
+
+class _StepRows:
+    """A training step's lookups made at once (``perf.lookup_once_a_step``): every micro-batch's keys fetched in one
+    exchange; :meth:`next` gives each micro-batch's forward its rows, in order; each backward adds its gradients into
+    the step's, per key, and the last micro-batch's sends them (step 3 once a step)."""
+
+    def __init__(self, lookup: ShardedLookup, step_requests: list[list[tuple[str, torch.Tensor]]]) -> None:
+        flat = [lookup._keys(requests) for requests in step_requests]
+        self.lookup, self.fetched = lookup, _Fetched(lookup, *(torch.cat(part) for part in zip(*flat, strict=True)))
+        self.sizes = [[ids.numel() for _, ids in requests] for requests in step_requests]
+        self.inverses = self.fetched.inverse.split([sum(sizes) for sizes in self.sizes])
+        self.summed: torch.Tensor | None = None
+        self.taken = self.backwards = 0
+
+    def next(self, requests: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """The next micro-batch's rows [its lookups, D], for ``requests`` (which must be that micro-batch's)."""
+        i = self.taken
+        if [ids.numel() for _, ids in requests] != self.sizes[i]:
+            raise RuntimeError(f"micro-batch {i} of the step asked for other lookups than were made for it "
+                               "ahead (perf.lookup_once_a_step): the step's forwards must run in its micro-batches' "
+                               "order")  # fmt: skip
+        rows = _StepPart.apply(self, i, self.lookup.anchor)
+        self.taken += 1
+        if self.taken == len(self.sizes):  # every forward has its rows: the step's are no longer needed
+            self.lookup.step, self.fetched.rows = None, None
+        return rows
+
+    def add_gradients(self, i: int, grad: torch.Tensor) -> None:
+        if self.summed is None:
+            keys = self.fetched.by_owner.numel()
+            self.summed = torch.zeros(keys, grad.shape[-1], dtype=grad.dtype, device=grad.device)
+        self.summed.index_add_(0, self.inverses[i], grad)
+        self.backwards += 1
+        if self.backwards == len(self.sizes):
+            self.fetched.send_gradients(self.lookup, self.summed)
+            self.summed = None
+
+
+class _StepPart(torch.autograd.Function):
+    """Micro-batch ``i``'s rows from the step's lookups (:class:`_StepRows`), its gradients back into the step's."""
+
+    @staticmethod
+    def forward(ctx, step: _StepRows, i: int, anchor):
+        ctx.step, ctx.i = step, i
+        return step.fetched.rows.index_select(0, step.inverses[i])
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.step.add_gradients(ctx.i, grad)
+        return None, None, None
