@@ -85,7 +85,7 @@ class HstuFamily(ModelFamily):
                       "time: fbgemm_gpu's CUDA build is made for each torch, and its CPU wheel does not load with this "
                       "one; docs/dlrmv4.md")  # fmt: skip
     step_parts = (  # (with perf.sharded_tables: whole tables are looked up inside the model's compiled graph)
-        ("embedding lookup", r"^(tb\.embedding_lookup|_ExchangeBackward)$"),
+        ("embedding lookup", r"^(tb\.embedding_lookup|_ExchangeBackward|_StepPartBackward)$"),
         ("tables' optimizer", r"^tb\.rowwise_adagrad$"),
     )
 
