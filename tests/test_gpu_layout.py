@@ -36,9 +36,6 @@ def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_t
     # while a step runs the copies share the GPU's memory with it: no faster than idle (timing spread aside)
     for way in ("to_host", "to_gpu"):
         assert 1e9 < data[f"{way}_busy_bytes_s"] < 1.1 * data[f"{way}_bytes_s"], (way, data)
-    # with copies beside it a block takes about its time alone or longer (within the timing's spread, either way)
-    for way in ("forward", "backward"):
-        assert 0.9 * data[f"{way}_s"] < data[f"{way}_beside_copies_s"] < 2 * data[f"{way}_s"], (way, data)
     assert data["block_weight_bytes"] > 2048 * 2048 * 4  # FP8 weights of a block: more than its q/k/v/o bytes
     planned, lines = bench.plan_layout(cfg, resources(cfg, data, here=True), block_probe(data))
     assert planned.model.base_precision == "fp8" and "predicted:" in lines[1]

@@ -54,34 +54,6 @@ def test_the_copies_are_charged_at_the_rate_measured_while_the_gpu_computes():
     assert block_probe(older) == P70
 
 
-def test_the_blocks_that_run_beside_the_offload_s_copies_are_charged_at_the_probe_s_times_beside_copies():
-    """Where the probe timed a block with copies beside it (4 and 6 ms more), an offloading plan charges that much
-    more for the blocks the copies run beside: the forward's share the copies out take, the backward's the copies
-    back take (recomputed forwards included), all of them where the copies outlast the compute; a plan with no
-    copies, and a probe without those times, as before."""
-    from trainbench.measure.plan import block_probe
-
-    beside = dataclasses.replace(P70, forward_beside_copies_s=0.016, backward_beside_copies_s=0.034)
-    assert evaluate(80, beside, 40, 0, False) == evaluate(80, P70, 40, 0, False)  # nothing copied
-    # 20 blocks out: 27.2 GiB, 0.562 s at 52 GB/s of the 0.96 s forward; 0.584 s back of the 2.24 s backward
-    half, alone = evaluate(80, beside, 0, 20, False), evaluate(80, P70, 0, 20, False)
-    out_share, back_share = 20 * P70.kept_bytes / 52e9 / 0.96, 20 * P70.kept_bytes / 50e9 / 2.24
-    assert half.stall_s == alone.stall_s == 0
-    assert half.seconds - alone.seconds == pytest.approx(out_share * 80 * 0.004 + back_share * 80 * 0.006)
-    # the copies out outlast the forward: every block's forward beside them, the stall against the longer forward;
-    # the recomputed forwards in the backward's share
-    full = evaluate(80, beside, 20, 60, True)
-    copied = 60 * P70.kept_bytes + 20 * P70.input_bytes
-    forward = 80 * 0.016
-    backward = 80 * 0.028 + 20 * 0.012 + copied / 50e9 / (80 * 0.028 + 20 * 0.012) * (80 * 0.006 + 20 * 0.004)
-    assert copied / 52e9 > 0.96 and full.seconds - full.stall_s == pytest.approx(0.1 + forward + backward)
-    assert full.stall_s == pytest.approx(copied / 52e9 - forward + max(0.0, copied / 50e9 - backward))
-    # times beside copies below the times alone (the timing's spread) charge nothing
-    faster = dataclasses.replace(P70, forward_beside_copies_s=0.011, backward_beside_copies_s=0.027)
-    assert evaluate(80, faster, 0, 20, False) == alone
-    assert block_probe(dataclasses.asdict(beside)) == beside
-
-
 def test_the_node_s_gpus_copying_at_once_scale_the_rates_by_the_share_each_keeps():
     """Where every GPU of a node offloads at once, each keeps a share of its link (measured with all copying: 26 of
     52 GB/s out, 40 of 50 back): the plan's busy rates are scaled by that share, so the node's H100s offload fewer

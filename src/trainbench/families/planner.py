@@ -15,9 +15,7 @@ micro-batch costs
 
 where the copies stall the step only where their bytes take longer over the host link than the forward (out) or the
 backward (back) they overlap, at the link's rates measured while a step runs (the copies share the GPU's memory with
-the compute), and where several GPUs of the node copy at once, at the share of its link each keeps then; the blocks
-that run while copies do (the forward's first share, as long as the copies out take, and the backward's as long as
-the copies back take) are counted at the probe's times for a block with copies beside it, where it measured them. The
+the compute), and where several GPUs of the node copy at once, at the share of its link each keeps then. The
 search tries every (R, O, inputs offloaded) that fits the GPU and the host, keeps
 what was given by hand, and takes the fastest. Several GPUs each hold a replica of the base where it fits; a sharded
 base is the alternative the plan names where it does not.
@@ -82,10 +80,6 @@ class BlockProbe:
     # The same while a training step runs, as the offload's copies do (None: not measured, the idle rates stand)
     to_host_busy_bytes_s: float | None = None
     to_gpu_busy_bytes_s: float | None = None
-    # One block's forward and backward with copies to and from the host running beside them the whole time, as an
-    # offloaded step's run beside its blocks (None: not measured; the idle times stand)
-    forward_beside_copies_s: float | None = None
-    backward_beside_copies_s: float | None = None
     # One GPU's idle rates while every rank of the node copies the same way at once (None: one rank a node, or not
     # measured): the share of its own link a GPU keeps when the node's GPUs share the host's
     to_host_shared_bytes_s: float | None = None
@@ -162,15 +156,6 @@ def evaluate(layers: int, p: BlockProbe, recompute: int, offload: int, inputs: b
     forward = layers * p.forward_s
     backward = layers * p.backward_s + recompute * p.forward_s
     out_rate, back_rate = p.rates()
-    if to_host and p.forward_beside_copies_s and p.backward_beside_copies_s:
-        # The blocks that run while the copies do, at the probe's times beside copies: the forward's first share
-        # (as long as the copies out take), the backward's as long as the copies back take.
-        fwd_more = max(0.0, p.forward_beside_copies_s - p.forward_s)
-        bwd_more = max(0.0, p.backward_beside_copies_s - p.backward_s)
-        forward, backward = (
-            forward + min(1.0, to_host / out_rate / forward) * layers * fwd_more,
-            backward + min(1.0, to_host / back_rate / backward) * (layers * bwd_more + recompute * fwd_more),
-        )
     stall = max(0.0, to_host / out_rate - forward) + max(0.0, to_host / back_rate - backward)
     copies = layers * p.shard_copy_s
     seconds = p.head_s + forward + backward + stall + p.exposed_comm_s + copies
@@ -266,8 +251,6 @@ def with_rows(p: BlockProbe, factor: int) -> BlockProbe:
         forward_s=p.forward_s * factor,
         backward_s=p.backward_s * factor,
         head_s=p.head_s * factor,
-        forward_beside_copies_s=p.forward_beside_copies_s * factor if p.forward_beside_copies_s else None,
-        backward_beside_copies_s=p.backward_beside_copies_s * factor if p.backward_beside_copies_s else None,
     )
 
 

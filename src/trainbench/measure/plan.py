@@ -117,8 +117,8 @@ def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[R
     planned_cfg, lines = bench.plan_layout(cfg, resources(cfg, data, here), p)
     return planned_cfg, lines + [f"  probe: {data['gpu_name']}, a block keeps {data['kept_bytes'] / GIB:.2f} GiB, "
                                  f"forward {data['forward_s'] * 1e3:.1f} ms, backward {data['backward_s'] * 1e3:.1f} "
-                                 f"ms{_clock(data)}{_beside(data)}; host link {data['to_host_bytes_s'] / 1e9:.0f} "
-                                 f"GB/s out, {data['to_gpu_bytes_s'] / 1e9:.0f} GB/s back{_busy(data)}"
+                                 f"ms{_clock(data)}; host link {data['to_host_bytes_s'] / 1e9:.0f} GB/s out, "
+                                 f"{data['to_gpu_bytes_s'] / 1e9:.0f} GB/s back{_busy(data)}"
                                  f"{_shared(p, ranks)}{_device_copies(data, ranks)}"]  # fmt: skip
 
 
@@ -130,15 +130,6 @@ def _clock(data: dict) -> str:
     if data.get("sustained_s"):  # perf.probe_sustained_s
         said.append(f"after {data['sustained_s']:g} s of steps")
     return f" ({', '.join(said)})" if said else ""
-
-
-def _beside(data: dict) -> str:
-    """A block's times with copies to and from the host beside it, which the plan charges the blocks that run while
-    the offload's copies do, where the probe measured them."""
-    fwd, bwd = data.get("forward_beside_copies_s"), data.get("backward_beside_copies_s")
-    if not fwd or not bwd:
-        return ""
-    return f"; with host copies beside it {fwd * 1e3:.1f} and {bwd * 1e3:.1f} ms"
 
 
 def _busy(data: dict) -> str:

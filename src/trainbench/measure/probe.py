@@ -1,8 +1,7 @@
 """The probe behind ``perf.plan=auto``: two blocks of the run's model, built and placed by the run's own code
 (``build_run``) at the run's width and sequence length, one micro-batch a step, on this GPU; it measures what
-layout.BlockProbe holds (a block's saved bytes, its forward and backward time, alone and with copies to and from the
-host beside it, the weights, the working set) and the pinned copy rates to and from the host, with the GPU idle and
-while a training step runs. Run in a process of its own
+layout.BlockProbe holds (a block's saved bytes, its forward and backward time, the weights, the working set) and the
+pinned copy rates to and from the host, with the GPU idle and while a training step runs. Run in a process of its own
 (``python -m trainbench.measure.plan CONFIG OUT``), so the launcher never holds a CUDA context; its answer is cached
 per GPU model, software versions and shape."""
 
@@ -21,8 +20,8 @@ import torch
 PROBE_BLOCKS = 2  # block 1 is measured: its input comes from block 0, so it requires grad as every later one does
 # What a probe measures: a cached probe of an older format is measured again (2: copy rates while a step runs; 3: the
 # optimizer state of the measured block's own parameters, and that of the parameters outside the blocks; 4: the GPU's
-# own memory copy rate; 5: a block's times with copies to and from the host beside it).
-PROBE_FORMAT = 5
+# own memory copy rate).
+PROBE_FORMAT = 4
 
 
 # What a probe's figures depend on beyond the software (:func:`probe_key`), and so what a command must be given to
@@ -249,31 +248,6 @@ class _BlockMarks:
             h.remove()
 
 
-def steps_beside_copies(step, device: torch.device, marks: _BlockMarks, step_s: float, to_host: float,
-                        to_gpu: float, reps: int = 2) -> tuple[float, float]:  # fmt: skip
-    """A block's forward and backward seconds (``marks``) in a training step (``step()``) with copies to and from the
-    host running beside it the whole time, as an offloaded step's copies run beside its blocks: on a side stream each
-    way, back-to-back copies of one pinned buffer, as many as twice the step (``step_s``) carries at the idle rates
-    ``to_host`` and ``to_gpu``; the faster of ``reps`` steps."""
-    chunk = max(64 << 20, min(1 << 30, int(step_s * min(to_host, to_gpu) / 4)))
-    ways = [(torch.empty(chunk, dtype=torch.uint8, device=device), torch.empty(chunk, dtype=torch.uint8,
-                                                                               pin_memory=True), to_host),
-            (torch.empty(chunk, dtype=torch.uint8, pin_memory=True), torch.empty(chunk, dtype=torch.uint8,
-                                                                                 device=device), to_gpu)]  # fmt: skip
-    streams = [torch.cuda.Stream(device) for _ in ways]
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize(device)
-        for (src, dst, rate), stream in zip(ways, streams, strict=True):
-            with torch.cuda.stream(stream):
-                for _ in range(max(1, round(2 * step_s * rate / chunk))):
-                    dst.copy_(src, non_blocking=True)
-        step()
-        torch.cuda.synchronize(device)
-        times.append((marks.seconds("forward_start", "forward_end"), marks.seconds("backward_start", "backward_end")))
-    return min(times, key=sum)
-
-
 def _stepper(run, bench, pcfg, info):
     """One training step of the probe's model a call (the i-th's learning rate)."""
     from trainbench.train.step import StepTotals, train_step
@@ -340,12 +314,9 @@ def measure(cfg, bench) -> dict[str, Any]:
     step = _stepper(run, bench, pcfg, info)
     try:
         last = _timed_steps(step, device, marks, sustained := float(cfg.perf.probe_sustained_s))
-        later = iter(range(last["steps"], last["steps"] + 8))
-        forward_beside, backward_beside = steps_beside_copies(lambda: step(next(later)), device, marks,
-                                                              last["step_s"], to_host, to_gpu)  # fmt: skip
     finally:
         marks.remove()
-    to_host_busy, to_gpu_busy = busy_link_rates(lambda: step(next(later)), last["step_s"], to_host, to_gpu)
+    to_host_busy, to_gpu_busy = busy_link_rates(lambda: step(last["steps"]), last["step_s"], to_host, to_gpu)
     block_optimizer, other_optimizer = _optimizer_bytes(run, block, last["base"] - weights)
     return {
         "gpu_name": torch.cuda.get_device_name(device),
@@ -362,8 +333,6 @@ def measure(cfg, bench) -> dict[str, Any]:
         "working_bytes": max(0, last["peak"] - PROBE_BLOCKS * marks.kept),
         "forward_s": last["forward_s"],
         "backward_s": last["backward_s"],
-        "forward_beside_copies_s": forward_beside,
-        "backward_beside_copies_s": backward_beside,
         "head_s": max(0.0, last["step_s"] - PROBE_BLOCKS * (last["forward_s"] + last["backward_s"])),
         "to_host_bytes_s": to_host,
         "to_gpu_bytes_s": to_gpu,
