@@ -557,3 +557,60 @@ def test_the_cpu_placement_leaves_the_experts_activation_to_autograd():
     fused op is the CUDA placement's (tests/test_gpu_moe.py)."""
     layers = placed_gpt_oss_experts(torch.device("cpu"))
     assert len(layers) == 2 and all(m.biased_activation is None for m in layers)
+
+
+def _placed_keys_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of two: the tiny ``gpt_oss_20b`` placed by its family with ``distributed.ep=2`` and the FP8 wire asked
+    (set past the check that wants FP8, which a CPU cannot run): rank 0 writes what each mixture layer exchanges
+    through and the placement's notes."""
+    import dataclasses
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    from trainbench.distributed import DistInfo, leave, shutdown
+    from trainbench.resolve import build_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    finished = False
+    try:
+        bench, cfg = build_config("gpt_oss_20b", "tiny", None, {"distributed.nproc": str(world),
+                                                                "distributed.ep": str(world)})  # fmt: skip
+        cfg = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, expert_exchange="fp8",
+                                                                       expert_row_casts="kernel"))  # fmt: skip
+        placed = bench.family.place(bench.family.build_model(cfg), cfg, DistInfo(rank, 0, world, torch.device("cpu")),
+                                    False)  # fmt: skip
+        layers = [m for m in placed.module.modules() if isinstance(m, MoE)]
+        if rank == 0:
+
+            def name(f) -> str:  # (a functools.partial's function)
+                return getattr(f, "func", f).__name__
+
+            json.dump({"layers": len(layers), "to": [name(m.to_experts) for m in layers],
+                       "from": [name(m.from_experts) for m in layers],
+                       "products": [m.expert_product is MoE.expert_product for m in layers],
+                       "notes": placed.notes}, open(out, "w"))  # fmt: skip
+        finished = True
+    finally:
+        shutdown(drain=finished)
+    leave(0)
+
+
+def test_the_placement_sets_the_fp8_wire_on_every_mixture_layer_and_the_kernel_casts_only_on_fp8_experts(tmp_path):
+    """``GptOssFamily.place`` under expert parallelism over 2 gloo ranks with ``distributed.expert_exchange=fp8`` and
+    ``distributed.expert_row_casts=kernel``: every mixture layer exchanges its rows through the FP8 wire both ways;
+    the kernel's casts go only to layers whose experts multiply in FP8 (none here, in bf16: their products stay);
+    the run's notes say both keys are not yet run over NCCL."""
+    import json
+
+    out = tmp_path / "placed.json"
+    spawned(_placed_keys_worker, 2, str(out))
+    got = json.loads(out.read_text())
+    assert got["layers"] == 2 and all("fp8" in n for n in got["to"] + got["from"]), got
+    assert all(got["products"]), got
+    notes = " ".join(got["notes"])
+    assert "distributed.expert_exchange=fp8): not yet run over NCCL" in notes, notes
+    assert "distributed.expert_row_casts=kernel): not yet run over NCCL" in notes, notes
