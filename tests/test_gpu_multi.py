@@ -257,20 +257,28 @@ def test_each_parallel_path_trains_the_losses_of_one_gpu_on_two(tmp_path, case, 
         assert says in (run_dir / "console.log").read_text()
 
 
-def test_dlrmv4_tables_sharded_over_two_gpus_reach_the_target_with_the_losses_of_one_gpu_holding_them_whole(tmp_path):
+@pytest.mark.parametrize("micro, keys", [(64, []), (32, ["perf.lookup_once_a_step=true"])],
+                         ids=["a_lookup_a_micro_batch", "looked_up_once_a_step"])  # fmt: skip
+def test_dlrmv4_tables_sharded_over_two_gpus_reach_the_target_with_the_losses_of_one_gpu_holding_them_whole(
+        tmp_path, micro, keys):  # fmt: skip
     """perf.sharded_tables over NCCL: each GPU owns half of every table's rows, the lookups and their gradients go
-    through all-to-all, the dense parameters under DDP. The tiny preset trains to its target with a compliant log, and
-    its first steps' losses are those of one GPU holding every table whole and accumulating the same micro-batches,
-    within 1e-2 in bf16 (the sums' order differs). (Its first 8 losses do not show the learning: the warm-up's 20
-    steps, and a batch's noise larger than what 8 steps learn; the target, at step 40 or so, does.)"""
+    through all-to-all, the dense parameters under DDP; and with each rank's 2 micro-batches looked up in one exchange
+    a step, their gradients sent back once (perf.lookup_once_a_step). The tiny preset trains to its target with a
+    compliant log, and its first steps' losses are those of one GPU holding every table whole and accumulating the
+    same micro-batches, within 1e-2 in bf16 (the sums' order differs). (Its first 8 losses do not show the learning:
+    the warm-up's 20 steps, and a batch's noise larger than what 8 steps learn; the target, at step 40 or so,
+    does.)"""
     two = tiny_run_to_target_on_cuda(tmp_path / "two", "dlrmv4", "--preset", "tiny", "--nproc", "2",
-                                     "perf.sharded_tables=true", "data.micro_batch_size=64", *QUIET)  # fmt: skip
+                                     "perf.sharded_tables=true", f"data.micro_batch_size={micro}", *keys,
+                                     *QUIET)  # fmt: skip
     run_cli("run", "dlrmv4", "--preset", "tiny", f"data.dir={tmp_path / 'two' / 'data'}", "device=cuda",
-            "progress=false", f"output.results_dir={tmp_path / 'one'}", "data.micro_batch_size=64",
+            "progress=false", f"output.results_dir={tmp_path / 'one'}", f"data.micro_batch_size={micro}",
             f"schedule.max_samples={STEPS * 128}", *QUIET)  # fmt: skip
     one, _ = _losses(tmp_path / "one")
     _agree(one, [r["loss"] for r in read_metrics(two) if "loss" in r], STEPS, 1e-2)
-    assert "embedding tables sharded row-wise over 2 rank(s)" in (two / "console.log").read_text()
+    console = (two / "console.log").read_text()
+    assert "embedding tables sharded row-wise over 2 rank(s)" in console
+    assert ("looked up in one exchange before its first forward" in console) == bool(keys)
 
 
 @pytest.mark.parametrize("precision", ["auto", "fp8"])
