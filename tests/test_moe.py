@@ -420,8 +420,8 @@ def _wire_worker(rank: int, world: int, port: int, out: str) -> None:
     def body(layers, x, direction):
         torch._scaled_grouped_mm = _scaled_grouped_mm_on_cpu
         carried = []
-        exchange = moe._exchange
-        moe._exchange = lambda t, *args: carried.append(t.dtype) or exchange(t, *args)
+        exchange = moe.exchange_rows
+        moe.exchange_rows = lambda t, *args: carried.append(t.dtype) or exchange(t, *args)
         moe.exchange_in_fp8(layers[1])
         layers[2].from_experts = lambda rows, *args: MoE.from_experts(_GradRoundedToE4M3.apply(rows), *args)
         mine, d = x.chunk(world)[rank].clone(), direction.chunk(world)[rank]

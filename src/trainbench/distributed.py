@@ -180,6 +180,15 @@ def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return tensor
 
 
+def exchange_rows(tensor: torch.Tensor, out_sizes: list[int], in_sizes: list[int],
+                  group: dist.ProcessGroup | None = None) -> torch.Tensor:  # fmt: skip
+    """``tensor``'s rows by all-to-all over ``group`` (the default one where None), without autograd: ``in_sizes[j]``
+    rows to rank j, ``out_sizes[j]`` from it; what arrived, in rank order."""
+    out = tensor.new_empty((sum(out_sizes), *tensor.shape[1:]))
+    dist.all_to_all_single(out, tensor.contiguous(), out_sizes, in_sizes, group=group)
+    return out
+
+
 def shutdown(drain: bool = False, abort_wait_s: float = 30.0) -> None:
     """Leave the process group. ``drain`` (every rank got here normally): a barrier first, which waits for every
     collective still in flight on this rank (an FSDP prefetch, say); a Gloo worker thread still holding one at exit

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainbench.config import RunConfig, keys_without_effect, leaves
+from trainbench.config import DistributedConfig, RunConfig, keys_without_effect, leaves
 from trainbench.data.steps import Step
 from trainbench.errors import ConfigError, UserError
 
@@ -118,8 +118,9 @@ class Benchmark(ABC):
         if cfg.optimizer.name != self.optimizer_name:
             raise ConfigError(f"optimizer.name={cfg.optimizer.name}: {self.name} trains with {self.optimizer_name}")
         ranks, tp = cfg.distributed.world_size, max(1, cfg.distributed.tp)
-        unset = {"ep": 1, "expert_rebalance_every": 0, "expert_exchange": "bf16", "expert_row_casts": "compiled"}
-        experts_keys = [f"distributed.{k}={v}" for k in unset if (v := getattr(cfg.distributed, k)) != unset[k]]
+        unset = DistributedConfig()  # (the experts' keys at their defaults)
+        experts_keys = [f"distributed.{k}={v}" for k in ("ep", "expert_rebalance_every", "expert_exchange",
+                        "expert_row_casts") if (v := getattr(cfg.distributed, k)) != getattr(unset, k)]  # fmt: skip
         if experts_keys and not self.family.has_experts:
             raise ConfigError(f"{experts_keys[0]}: {self.name} has no mixture of experts to spread")
         if cfg.distributed.shard_one_rank and not self.family.shards_one_rank:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from trainbench.distributed import exchange_rows
 from trainbench.families.decoder.moe import MoE
 from trainbench.families.fp8 import (
     E4M3,
@@ -180,22 +181,14 @@ def expert_parallel_cast_seconds(rows: int, hidden: int, ffn: int, device: torch
     return out
 
 
-def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """``t``'s rows by all-to-all over ``group`` (``in_splits[j]`` to rank j, ``out_splits[j]`` from it), no
-    autograd."""
-    out = t.new_empty(sum(out_splits), *t.shape[1:])
-    torch.distributed.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
 def _exchange_e4m3(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """:func:`_exchange` with each row sent in e4m3 and its scale's exponent (a byte a value and one a row, against
-    bf16's two a value), arriving in ``t``'s dtype: the row as FP8's grouped product casts it (:func:`_e4m3` with a
-    power-of-two scale per row). Its cast there then gives the same e4m3 values, or each doubled with its scale
-    halved (a row whose largest magnitude rounded down to 224): the same products."""
+    """:func:`trainbench.distributed.exchange_rows` with each row sent in e4m3 and its scale's exponent (a byte a
+    value and one a row, against bf16's two a value), arriving in ``t``'s dtype: the row as FP8's grouped product
+    casts it (:func:`_e4m3` with a power-of-two scale per row). Its cast there then gives the same e4m3 values, or
+    each doubled with its scale halved (a row whose largest magnitude rounded down to 224): the same products."""
     q, exponent = _wire_cast(t)
-    q = _exchange(q.view(torch.uint8), out_splits, in_splits, group).view(E4M3)
-    return _wire_uncast(q, _exchange(exponent, out_splits, in_splits, group), t.dtype)
+    q = exchange_rows(q.view(torch.uint8), out_splits, in_splits, group).view(E4M3)
+    return _wire_uncast(q, exchange_rows(exponent, out_splits, in_splits, group), t.dtype)
 
 
 class _ExchangeInFP8(torch.autograd.Function):
@@ -209,11 +202,11 @@ class _ExchangeInFP8(torch.autograd.Function):
     def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
                 forward_fp8: bool) -> torch.Tensor:  # fmt: skip
         ctx.splits, ctx.group, ctx.backward_fp8 = (in_splits, out_splits), group, not forward_fp8
-        return (_exchange_e4m3 if forward_fp8 else _exchange)(rows, out_splits, in_splits, group)
+        return (_exchange_e4m3 if forward_fp8 else exchange_rows)(rows, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        send = _exchange_e4m3 if ctx.backward_fp8 else _exchange
+        send = _exchange_e4m3 if ctx.backward_fp8 else exchange_rows
         return send(grad, *ctx.splits, ctx.group), None, None, None, None
 
 

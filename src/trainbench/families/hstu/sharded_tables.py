@@ -32,12 +32,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from trainbench.distributed import DistInfo, single_rank_group
+from trainbench.distributed import DistInfo, exchange_rows, single_rank_group
 from trainbench.errors import DataError
 from trainbench.families.hstu.model import init_table_rows
 from trainbench.optim.rowwise_adagrad import ROW_GRADS
@@ -128,11 +127,7 @@ class ShardedLookup:
     def exchange(self, tensor: torch.Tensor, out_sizes: list[int], in_sizes: list[int]) -> torch.Tensor:
         """``tensor``'s parts (``in_sizes`` rows to each rank) sent to their ranks; what each rank sent here
         (``out_sizes`` rows from each), in rank order."""
-        if self.world == 1:
-            return tensor
-        out = tensor.new_empty((sum(out_sizes), *tensor.shape[1:]))
-        dist.all_to_all_single(out, tensor.contiguous(), out_sizes, in_sizes)
-        return out
+        return tensor if self.world == 1 else exchange_rows(tensor, out_sizes, in_sizes)
 
 
 def _as_requests(rows: torch.Tensor, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
