@@ -4,6 +4,7 @@ load-balancing loss."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -159,29 +160,38 @@ def test_the_experts_with_the_activation_backward_as_one_op_equal_autograd(activ
         assert torch.allclose(a, b, rtol=1e-11, atol=1e-11)
 
 
-def _on_gloo_ranks(rank: int, world: int, port: int, body, case=None) -> None:
-    """``body(layer, x, direction)`` on one of ``world`` gloo ranks, with the layer of ``case()`` (default
-    :func:`_expert_parallel_case`; a module holding several layers too) and the experts of every layer in it spread
-    over the ranks; the process group shut down after, drained only if ``body`` returned."""
+@contextlib.contextmanager
+def _gloo_rank(rank: int, world: int, port: int):
+    """This process as one of ``world`` gloo ranks meeting at ``port``, one CPU thread; the process group shut down
+    after, drained only if the body returned, and the process left."""
     import os
 
     import torch.distributed as dist
 
     from trainbench.distributed import leave, shutdown
-    from trainbench.families.decoder.placement import apply_expert_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     finished = False
     try:
-        layer, x, direction = (case or _expert_parallel_case)()
-        apply_expert_parallel(torch.nn.Sequential(layer), "cpu", world, world)
-        body(layer, x, direction)
+        yield
         finished = True
     finally:
         shutdown(drain=finished)
     leave(0)
+
+
+def _on_gloo_ranks(rank: int, world: int, port: int, body, case=None) -> None:
+    """``body(layer, x, direction)`` on one of ``world`` gloo ranks (:func:`_gloo_rank`), with the layer of ``case()``
+    (default :func:`_expert_parallel_case`; a module holding several layers too) and the experts of every layer in it
+    spread over the ranks."""
+    from trainbench.families.decoder.placement import apply_expert_parallel
+
+    with _gloo_rank(rank, world, port):
+        layer, x, direction = (case or _expert_parallel_case)()
+        apply_expert_parallel(torch.nn.Sequential(layer), "cpu", world, world)
+        body(layer, x, direction)
 
 
 def _expert_parallel_worker(rank, world, port, align, out):
@@ -565,18 +575,11 @@ def _placed_keys_worker(rank: int, world: int, port: int, out: str) -> None:
     through and the placement's notes."""
     import dataclasses
     import json
-    import os
 
-    import torch.distributed as dist
-
-    from trainbench.distributed import DistInfo, leave, shutdown
+    from trainbench.distributed import DistInfo
     from trainbench.resolve import build_config
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    finished = False
-    try:
+    with _gloo_rank(rank, world, port):
         bench, cfg = build_config("gpt_oss_20b", "tiny", None, {"distributed.nproc": str(world),
                                                                 "distributed.ep": str(world)})  # fmt: skip
         cfg = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, expert_exchange="fp8",
@@ -593,10 +596,6 @@ def _placed_keys_worker(rank: int, world: int, port: int, out: str) -> None:
                        "from": [name(m.from_experts) for m in layers],
                        "products": [m.expert_product is MoE.expert_product for m in layers],
                        "notes": placed.notes}, open(out, "w"))  # fmt: skip
-        finished = True
-    finally:
-        shutdown(drain=finished)
-    leave(0)
 
 
 def test_the_placement_sets_the_fp8_wire_on_every_mixture_layer_and_the_kernel_casts_only_on_fp8_experts(tmp_path):
