@@ -403,34 +403,64 @@ def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path,
         planned(bench, cfg, print, here=False)
 
 
-def test_the_probe_times_its_two_steps_after_the_seconds_of_steps_asked_for(monkeypatch):
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "synced"])
+def test_the_probe_times_three_steps_after_the_seconds_of_steps_asked_for(monkeypatch, streamed):
     """measure/probe._timed_steps with perf.probe_sustained_s: two steps (compile, settle), steps until the seconds
-    asked for have passed (the GPU held at the clock its power cap allows, as through a run), then the two it times;
-    with none, four in all, as before the key. The CUDA calls are stood in for: what is tested is the count and the
-    order of the steps, and that the times kept are the timed steps' own."""
+    asked for have passed (the GPU held at the clock its power cap allows, as through a run), then the three it
+    times; with none, five in all. Streamed, the steps after the first two are queued while the one before runs (the
+    host waits on the end of the step before the one it just queued, never on the whole GPU) and a step is timed
+    from the end of the one before; synced, the GPU is waited on before each. The CUDA calls are stood in for (host
+    clocks for events): what is tested is the count and the order of the steps and waits, and that the times kept are
+    the fastest timed step's own."""
     from trainbench.measure import probe
 
-    for name in ("synchronize", "reset_peak_memory_stats"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    log = []
+
+    class Event:
+        def __init__(self):
+            self.t, self.after = time.perf_counter(), len([e for e in log if e[0] == "step"])
+            log.append(("mark", self.after))
+
+        def elapsed_time(self, end) -> float:
+            return (end.t - self.t) * 1e3
+
+        def synchronize(self) -> None:
+            log.append(("wait", self.after))
+
+    monkeypatch.setattr(probe, "_mark", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: log.append(("sync",)))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
     ran = []
 
     class Marks:
-        def seconds(self, a: str, b: str) -> float:
-            return float(ran[-1])  # the step's own index: which step's times were kept
+        def taken(self):
+            i = ran[-1]  # the step's own index: which step's times were kept
+            return {"forward_s": lambda: float(i), "backward_s": lambda: i / 2}
 
     def step(i: int) -> None:
         ran.append(i)
-        time.sleep(0.02)
+        log.append(("step", i))
+        time.sleep(0.06 if i % 3 == 0 else 0.02)  # (the fastest timed step is one whose index is not a multiple of 3)
 
-    quick = probe._timed_steps(step, torch.device("cpu"), Marks())
-    assert ran == [0, 1, 2, 3] and quick["steps"] == 4 and quick["forward_s"] in (2.0, 3.0)
+    quick = probe._timed_steps(step, torch.device("cpu"), Marks(), streamed=streamed)
+    assert ran == [0, 1, 2, 3, 4] and quick["steps"] == 5
+    assert quick["forward_s"] in (2.0, 4.0) and quick["backward_s"] == quick["forward_s"] / 2
+    assert 0.02 <= quick["step_s"] < 0.06  # its own time, not the slow one's beside it
     ran.clear()
+    log.clear()
     t = time.perf_counter()
-    held = probe._timed_steps(step, torch.device("cpu"), Marks(), sustained_s=0.3)
-    assert time.perf_counter() - t >= 0.3 + 4 * 0.02 and ran == list(range(held["steps"]))
-    assert held["steps"] >= 4 + 3 and held["forward_s"] in (held["steps"] - 2.0, held["steps"] - 1.0)
+    held = probe._timed_steps(step, torch.device("cpu"), Marks(), sustained_s=0.3, streamed=streamed)
+    n = held["steps"]
+    assert time.perf_counter() - t >= 0.3 + 5 * 0.02 and ran == list(range(n)) and n >= 5 + 3
+    assert held["forward_s"] in {float(i) for i in range(n - 3, n) if i % 3}
+    held_steps = [i for (what, *i) in log if what == "step"][2:-3]
+    waits = [e for e in log[log.index(("step", 2)) : log.index(("step", n - 3))] if e[0] in ("sync", "wait")]
+    if streamed:  # after queuing step i (i past the first held one), the host waits on step i-1's end alone
+        assert waits == [("wait", i) for (i,) in held_steps[1:]], waits
+    else:
+        assert waits == [("sync",)] * (len(held_steps) + 1), waits  # after each held step, and before the first timed
 
 
 def test_the_probe_reports_the_clock_and_power_of_the_gpu_its_steps_kept_busy():

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,9 @@ import torch
 PROBE_BLOCKS = 2  # block 1 is measured: its input comes from block 0, so it requires grad as every later one does
 # What a probe measures: a cached probe of an older format is measured again (2: copy rates while a step runs; 3: the
 # optimizer state of the measured block's own parameters, and that of the parameters outside the blocks; 4: the GPU's
-# own memory copy rate).
-PROBE_FORMAT = 4
+# own memory copy rate; 5: the steps it times queued back to back, as a run's, with none of the GPU's idle moments
+# between steps that each waiting for the step before gave it).
+PROBE_FORMAT = 5
 
 
 # What a probe's figures depend on beyond the software (:func:`probe_key`), and so what a command must be given to
@@ -240,8 +242,16 @@ class _BlockMarks:
         self.kept = torch.cuda.memory_allocated(self.device) - self._alloc  # what its forward left: saved + output
         output.register_hook(lambda g: self._event("backward_start"))
 
-    def seconds(self, a: str, b: str) -> float:
-        return self.events[a].elapsed_time(self.events[b]) / 1e3
+    def taken(self) -> dict[str, Callable[[], float]]:
+        """The block's forward and backward of the step just queued, as callables of no argument giving seconds
+        (read once the step has run): its events, kept apart from the next step's."""
+        events = dict(self.events)
+
+        def seconds(a: str, b: str):
+            return lambda: events[a].elapsed_time(events[b]) / 1e3
+
+        return {"forward_s": seconds("forward_start", "forward_end"),
+                "backward_s": seconds("backward_start", "backward_end")}  # fmt: skip
 
     def remove(self) -> None:
         for h in self.hooks:
@@ -263,40 +273,65 @@ def _stepper(run, bench, pcfg, info):
     return step
 
 
-def _timed_steps(step, device: torch.device, marks: _BlockMarks, sustained_s: float = 0.0) -> dict[str, Any]:
+def _mark() -> torch.cuda.Event:
+    """A CUDA event recorded now on the current stream, for timing."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _timed_steps(step, device: torch.device, marks: _BlockMarks, sustained_s: float = 0.0,
+                 streamed: bool = True) -> dict[str, Any]:  # fmt: skip
     """Two steps (compile, settle), then steps for ``sustained_s`` seconds (``perf.probe_sustained_s``: the GPU
-    brought to the clock its power cap holds through a run), then two measured; the faster measured one's times and
-    memory, the SM clock and power the steps ran at (:func:`busiest_gpu`), and the steps run in all."""
+    brought to the clock its power cap holds through a run), then three measured; the fastest measured one's times
+    and memory, the SM clock and power the steps ran at (:func:`busiest_gpu`), and the steps run in all.
+
+    ``streamed``: after the first two, each step is queued while the one before still runs (one step ahead at most),
+    as a run's micro-batches follow each other, so that the GPU never idles between them; a step's time is the GPU's
+    from the end of the one before to its own end (CUDA events). Else each step starts after the one before has
+    ended, the GPU idle for the moment its first kernels take to be queued."""
     from trainbench.telemetry import measured_window
 
-    times, i = [], 0
+    timed, i = [], 0
     with measured_window(rate_hz=20.0) as seen:
         for _ in range(2):
             torch.cuda.synchronize(device)
             step(i)
             i += 1
-        until = time.perf_counter() + sustained_s
+        torch.cuda.synchronize(device)
+        until, ahead = time.perf_counter() + sustained_s, None
         while time.perf_counter() < until:
             step(i)
             i += 1
-            torch.cuda.synchronize(device)  # (each step ends before the next: the queue never runs ahead of the clock)
-        for _ in range(2):
-            torch.cuda.synchronize(device)
+            if not streamed:
+                torch.cuda.synchronize(device)
+                continue
+            ended = _mark()
+            if ahead is not None:  # (the queue never runs more than a step ahead of the GPU)
+                ahead.synchronize()
+            ahead = ended
+        start = _mark()
+        for _ in range(3):
+            if not streamed:
+                torch.cuda.synchronize(device)
+                start = _mark()
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-            t = time.perf_counter()
             step(i)
             i += 1
-            torch.cuda.synchronize(device)
-            times.append({"step_s": time.perf_counter() - t,
-                          "forward_s": marks.seconds("forward_start", "forward_end"),
-                          "backward_s": marks.seconds("backward_start", "backward_end"),
-                          "peak": torch.cuda.max_memory_allocated(device) - base, "base": base})  # fmt: skip
+            end = _mark()
+            timed.append({"start": start, "end": end, "peak": torch.cuda.max_memory_allocated(device) - base,
+                          "base": base, "blocks": marks.taken()})  # fmt: skip
+            start = end
+        torch.cuda.synchronize(device)
+    times = [{"step_s": t["start"].elapsed_time(t["end"]) / 1e3, "peak": t["peak"], "base": t["base"],
+              **{key: seconds() for key, seconds in t["blocks"].items()}} for t in timed]  # fmt: skip
     return min(times, key=lambda x: x["step_s"]) | busiest_gpu(seen) | {"steps": i}
 
 
-def measure(cfg, bench) -> dict[str, Any]:
-    """The probe on this process's GPU (see the module's docstring)."""
+def measure(cfg, bench, streamed: bool = True) -> dict[str, Any]:
+    """The probe on this process's GPU (see the module's docstring); ``streamed``: its steps queued back to back
+    (:func:`_timed_steps`)."""
     from trainbench.distributed import DistInfo
     from trainbench.families.planner import host_available_bytes
     from trainbench.train.setup import build_run
@@ -313,7 +348,7 @@ def measure(cfg, bench) -> dict[str, Any]:
     marks = _BlockMarks(block, device)
     step = _stepper(run, bench, pcfg, info)
     try:
-        last = _timed_steps(step, device, marks, sustained := float(cfg.perf.probe_sustained_s))
+        last = _timed_steps(step, device, marks, sustained := float(cfg.perf.probe_sustained_s), streamed)
     finally:
         marks.remove()
     to_host_busy, to_gpu_busy = busy_link_rates(lambda: step(last["steps"]), last["step_s"], to_host, to_gpu)
@@ -343,7 +378,8 @@ def measure(cfg, bench) -> dict[str, Any]:
         "micro_batch": cfg.data.micro_batch_size,
         "torch": torch.__version__,
         **{key: last[key] for key in ("sm_clock_mhz", "power_w")},
-        **({"sustained_s": sustained, "sustained_steps": last["steps"] - 4} if sustained else {}),
+        **({"sustained_s": sustained, "sustained_steps": last["steps"] - 5} if sustained else {}),
+        "streamed": streamed,
     }
 
 

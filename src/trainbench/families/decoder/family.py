@@ -380,7 +380,9 @@ class GptOssFamily(DecoderFamily):
 
     def one_gpu_rates(self, cfg: RunConfig, device) -> dict[str, float]:
         """In FP8 on CUDA: the casts that expert parallelism adds outside the compiled blocks, a block and
-        micro-batch, at this shape's rows (moe_fp8.expert_parallel_cast_seconds), for :meth:`node_costs`."""
+        micro-batch, at this shape's rows (moe_fp8.expert_parallel_cast_seconds), for :meth:`node_costs`: the FP8
+        wire's, and the row casts only where the blocks are compiled (uncompiled, :meth:`node_costs` charges none, and
+        timing them would compile them for nothing)."""
         m = cfg.model
         if m.precision != "fp8" or device.type != "cuda":
             return {}
@@ -390,7 +392,8 @@ class GptOssFamily(DecoderFamily):
 
         rows = cfg.data.micro_batch_size * cfg.data.seq_length * m.experts_per_token
         try:
-            found = expert_parallel_cast_seconds(rows, m.hidden_size, m.intermediate_size, device)
+            found = expert_parallel_cast_seconds(rows, m.hidden_size, m.intermediate_size, device,
+                                                 row_casts=cfg.perf.compile)  # fmt: skip
         except torch.OutOfMemoryError:
             return {}
         finally:

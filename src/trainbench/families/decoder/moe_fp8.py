@@ -151,12 +151,13 @@ def _by_row(kernel, rows: int, width: int, *args) -> None:
         kernel[(rows,)](*args, BLOCK=block, num_warps=8 if block > 2048 else 4)
 
 
-def expert_parallel_cast_seconds(rows: int, hidden: int, ffn: int, device: torch.device) -> dict[str, float]:
+def expert_parallel_cast_seconds(rows: int, hidden: int, ffn: int, device: torch.device,
+                                  row_casts: bool = True) -> dict[str, float]:  # fmt: skip
     """Seconds on ``device`` (CUDA) of the casts that expert parallelism in FP8 adds outside the compiled blocks, a
-    block and micro-batch, at ``rows`` rows (each token's top-k choices): the experts' products' four row casts
-    (the rows and the activation forward, the two products' output gradients backward; widths ``hidden``, ``ffn``,
-    ``hidden``, ``2 ffn``), compiled (``compiled_s``) and by the kernel (``kernel_s``); and the FP8 wire's cast and
-    rebuild of the rows of its two exchanges (``wire_s``). Each the median of 5 calls after one."""
+    block and micro-batch, at ``rows`` rows (each token's top-k choices): where ``row_casts``, the experts' products'
+    four row casts (the rows and the activation forward, the two products' output gradients backward; widths
+    ``hidden``, ``ffn``, ``hidden``, ``2 ffn``), compiled (``compiled_s``) and by the kernel (``kernel_s``); and the
+    FP8 wire's cast and rebuild of the rows of its two exchanges (``wire_s``). Each the median of 5 calls after one."""
 
     def timed(fn: Callable[[], object]) -> float:
         fn()  # (compiles, or builds the kernel)
@@ -170,8 +171,8 @@ def expert_parallel_cast_seconds(rows: int, hidden: int, ffn: int, device: torch
             times.append(start.elapsed_time(end) / 1e3)
         return sorted(times)[2]
 
-    out = {"compiled_s": 0.0, "kernel_s": 0.0}
-    for width in (hidden, ffn, hidden, 2 * ffn):
+    out = {"compiled_s": 0.0, "kernel_s": 0.0} if row_casts else {}
+    for width in (hidden, ffn, hidden, 2 * ffn) if row_casts else ():
         t = torch.randn(rows, width, device=device, dtype=torch.bfloat16)
         out["compiled_s"] += timed(lambda: _rows_e4m3(t, True))  # noqa: B023 (called before the loop moves on)
         out["kernel_s"] += timed(lambda: _rows_e4m3(t, "kernel"))  # noqa: B023
