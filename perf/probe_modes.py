@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset")
     parser.add_argument("--rounds", type=int, default=2, help="pairs of probes, each pair synced then streamed")
     parser.add_argument("keys", nargs="*", help="config keys, key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         if args.rounds < 1:
             raise UserError("--rounds takes 1 or more")
