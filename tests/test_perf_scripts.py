@@ -483,3 +483,40 @@ def test_forecast_layouts_takes_one_gpus_steps_to_the_models_depth_and_forecasts
         printed = capsys.readouterr()
         assert stopped.value.code == 2 and not printed.out, printed
         assert printed.err.startswith("error: ") and printed.err.count("\n") == 1 and said in printed.err, printed
+
+
+def test_probe_modes_probes_each_way_in_turn_and_plans_from_each_probe(monkeypatch, capsys):
+    """perf/probe_modes.py: for each round a probe synced, then one streamed (measure/probe.measure stood in for: it
+    needs a GPU), each planned by the benchmark's own planner from that probe's figures alone: slower blocks, a lower
+    predicted rate; and its keys taken after its options."""
+    import dataclasses
+
+    from test_layout import P70
+
+    from trainbench.families.planner import GIB
+    from trainbench.measure import probe
+
+    modes = load("probe_modes")
+    asked = []
+
+    def measure(cfg, bench, streamed=True):
+        asked.append((streamed, cfg.perf.probe_sustained_s, cfg.model.num_layers))
+        slower = 1.1 if streamed else 1.0
+        return {f.name: getattr(P70, f.name) for f in dataclasses.fields(P70)} | {
+            "forward_s": P70.forward_s * slower, "backward_s": P70.backward_s * slower, "gpu_name": "NVIDIA H200",
+            "capability": [9, 0], "gpu_free_bytes": int(139 * GIB), "gpu_total_bytes": int(140 * GIB),
+            "host_available_bytes": 480 * GIB, "sm_clock_mhz": 1515.0 - 15 * streamed, "power_w": 690.0}  # fmt: skip
+
+    monkeypatch.setattr(probe, "measure", measure)
+    assert modes.main(["llama2_70b_lora", "--preset", "llama2-70b", "--rounds", "2", "perf.probe_sustained_s=20"]) == 0
+    assert asked == [(False, 20.0, 80), (True, 20.0, 80)] * 2  # the run's config (measure cuts it), held as asked
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if line.startswith("round")]
+    assert [line.split(":")[0] for line in said] == ["round 0, synced", "round 0, streamed", "round 1, synced",
+                                                     "round 1, streamed"]  # fmt: skip
+    assert "forward 13.20 ms, backward 30.80 ms" in said[1] and "at 1,500 MHz, 690 W" in said[1], said
+    rates = [int(line.split("(")[1].split(" tokens/s")[0].replace(",", "")) for line in out.splitlines()
+             if "predicted:" in line]  # fmt: skip
+    assert len(rates) == 4 and rates[0] == rates[2] > rates[1] == rates[3], rates
+    assert modes.main(["llama2_70b_lora", "--rounds", "0"]) == 2
+    assert "--rounds takes 1 or more" in capsys.readouterr().err
