@@ -1,65 +1,127 @@
-"""The layout probe (measure/probe.py) timed both ways on this GPU, alternating: its steps queued back to back, as a
-run's micro-batches are (streamed, what `perf.plan=auto` uses), and each step after the one before has ended (synced,
-the GPU idle a moment between steps, as the probe was before). For each: a block's forward and backward, the clock
-and power the timed steps ran at, and the plan those figures give (its layout and predicted rate), to set beside what
-the planned run measures (`perf/bench_figures.sh lora-auto`).
+"""The layout probe (measure/probe.py) timed several ways on this GPU, in turn: its steps queued back to back, as a
+run's micro-batches are (streamed, what `perf.plan=auto` uses), or each after the one before has ended (synced, the
+GPU idle a moment between steps, as the probe was before); with more blocks than the probe's two (`--blocks`: less of
+its step outside the blocks, as in a run of many); with copies to and from the host beside each step (`--copies-gib`:
+GiB each way a block and step on a side stream, as an offloaded run's). For each: a block's forward and backward, the clock and
+power the timed steps ran at, and the plan those figures give (its layout and predicted rate), to set beside what the
+planned run measures (`perf/bench_figures.sh lora-auto`).
 
     python perf/probe_modes.py llama2_70b_lora --preset llama2-70b --rounds 2 perf.probe_sustained_s=20
+    python perf/probe_modes.py llama2_70b_lora --preset llama2-70b --modes streamed --blocks 2,8 --copies-gib 0,0.69 \\
+        perf.probe_sustained_s=20
 
-Needs a CUDA GPU; each probe builds the probe's two blocks anew, in this process.
+Needs a CUDA GPU; each probe builds its blocks anew, in this process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import itertools
 import sys
 
 from trainbench.config import parse_key_values
 from trainbench.errors import UserError
 
 
-def probe_both_ways(name: str, preset: str | None, keys: dict[str, str], rounds: int) -> list[dict]:
-    """``rounds`` x (synced, streamed) probes of ``name`` at ``keys``; each with its mode, its block's times, clock,
-    power, and the plan's lines."""
+@contextlib.contextmanager
+def _probe_shaped(blocks: int, copies_gib: float):
+    """measure/probe with ``blocks`` blocks in its model and, where ``copies_gib``, that many GiB a block copied to the
+    host and as many back on a side stream of their own, queued before each of its training steps."""
     import torch
 
+    from trainbench.measure import probe
+
+    stepper, kept = probe._stepper, probe.PROBE_BLOCKS
+
+    def with_copies(*args):
+        step = stepper(*args)
+        n = int(copies_gib * blocks * 2**30)
+        device = torch.device("cuda", torch.cuda.current_device())
+        out = (torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        back = (torch.empty(n, dtype=torch.uint8, pin_memory=True), torch.empty(n, dtype=torch.uint8, device=device))
+        side = torch.cuda.Stream(device)
+
+        def stepped(i: int) -> None:
+            with torch.cuda.stream(side):
+                for src, dst in (out, back):
+                    dst.copy_(src, non_blocking=True)
+            step(i)
+
+        return stepped
+
+    probe.PROBE_BLOCKS = blocks
+    if copies_gib:
+        probe._stepper = with_copies
+    try:
+        yield
+    finally:
+        probe._stepper, probe.PROBE_BLOCKS = stepper, kept
+
+
+def probe_each_way(name: str, preset: str | None, keys: dict[str, str], rounds: int, modes: list[str],
+                   blocks: list[int], copies_gib: list[float]) -> list[dict]:  # fmt: skip
+    """``rounds`` x each of ``modes`` x ``blocks`` x ``copies_gib``, probes of ``name`` at ``keys``; each with its
+    way, its block's times, clock, power, and the plan's lines."""
+    import torch
+
+    from trainbench.measure import probe
     from trainbench.measure.plan import block_probe, resources
-    from trainbench.measure.probe import measure
     from trainbench.resolve import allocator_settings, build_config
 
     bench, cfg = build_config(name, preset, None, {"device": "cuda", "perf.plan": "auto", **keys})
     allocator_settings(bench)
     found = []
     for r in range(rounds):
-        for streamed in (False, True):
-            data = measure(bench.probe_config(cfg), bench, streamed=streamed)
+        for mode, n, gib in itertools.product(modes, blocks, copies_gib):
+            with _probe_shaped(n, gib):
+                data = probe.measure(bench.probe_config(cfg), bench, streamed=mode == "streamed")
             gc.collect()
             torch.cuda.empty_cache()
             _, lines = bench.plan_layout(cfg, resources(cfg, data, True), block_probe(data))
             kept = ("forward_s", "backward_s", "head_s", "sm_clock_mhz", "power_w")
-            found.append({"round": r, "streamed": streamed, "lines": lines, **{k: data[k] for k in kept}})
+            found.append({"round": r, "mode": mode, "blocks": n, "copies_gib": gib, "lines": lines,
+                          **{k: data[k] for k in kept}})  # fmt: skip
     return found
+
+
+def _listed(text: str, kind: type, what: str) -> list:
+    try:
+        values = [kind(v) for v in text.split(",")]
+    except ValueError:
+        raise UserError(f"{what} takes a comma-separated list, not {text!r}") from None
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="perf/probe_modes.py")
     parser.add_argument("benchmark")
     parser.add_argument("--preset")
-    parser.add_argument("--rounds", type=int, default=2, help="pairs of probes, each pair synced then streamed")
+    parser.add_argument("--rounds", type=int, default=2, help="times each way is probed, in turn")
+    parser.add_argument("--modes", default="synced,streamed", help="synced, streamed or both (default)")
+    parser.add_argument("--blocks", default="2", help="blocks in the probe's model, a list (default 2, the probe's)")
+    parser.add_argument("--copies-gib", default="0", help="GiB a block copied each way beside each step, a list (default 0)")
     parser.add_argument("keys", nargs="*", help="config keys, key=value")
     args = parser.parse_intermixed_args(argv)
     try:
+        modes = _listed(args.modes, str, "--modes")
+        blocks, copies = _listed(args.blocks, int, "--blocks"), _listed(args.copies_gib, float, "--copies-gib")
         if args.rounds < 1:
             raise UserError("--rounds takes 1 or more")
-        found = probe_both_ways(args.benchmark, args.preset, parse_key_values(args.keys), args.rounds)
+        if not set(modes) <= {"synced", "streamed"} or min(blocks) < 2 or min(copies) < 0:
+            raise UserError("--modes takes synced and streamed, --blocks 2 or more, --copies-gib 0 or more")
+        found = probe_each_way(args.benchmark, args.preset, parse_key_values(args.keys), args.rounds, modes, blocks,
+                               copies)  # fmt: skip
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for f in found:
         clock = f"{f['sm_clock_mhz']:,.0f} MHz, {f['power_w']:.0f} W" if f["sm_clock_mhz"] else "clock not sampled"
-        mode = "streamed" if f["streamed"] else "synced"
-        print(f"round {f['round']}, {mode}: forward {f['forward_s'] * 1e3:.2f} ms, backward "
+        way = f"{f['mode']}, {f['blocks']} blocks" + (
+            f", {f['copies_gib']:g} GiB a block copied each way" * bool(f["copies_gib"])
+        )
+        print(f"round {f['round']}, {way}: forward {f['forward_s'] * 1e3:.2f} ms, backward "
               f"{f['backward_s'] * 1e3:.2f} ms, outside the blocks {f['head_s'] * 1e3:.1f} ms, at {clock}")  # fmt: skip
         for line in f["lines"]:
             if "predicted" in line or "layout" in line:

@@ -488,7 +488,8 @@ def test_forecast_layouts_takes_one_gpus_steps_to_the_models_depth_and_forecasts
 def test_probe_modes_probes_each_way_in_turn_and_plans_from_each_probe(monkeypatch, capsys):
     """perf/probe_modes.py: for each round a probe synced, then one streamed (measure/probe.measure stood in for: it
     needs a GPU), each planned by the benchmark's own planner from that probe's figures alone: slower blocks, a lower
-    predicted rate; and its keys taken after its options."""
+    predicted rate; its keys taken after its options; with --blocks and --copies-gib, each probe built with that
+    many blocks and stepping beside copies where asked, the probe's own again after."""
     import dataclasses
 
     from test_layout import P70
@@ -497,10 +498,11 @@ def test_probe_modes_probes_each_way_in_turn_and_plans_from_each_probe(monkeypat
     from trainbench.measure import probe
 
     modes = load("probe_modes")
-    asked = []
+    asked, stepper = [], probe._stepper
 
     def measure(cfg, bench, streamed=True):
-        asked.append((streamed, cfg.perf.probe_sustained_s, cfg.model.num_layers))
+        asked.append((streamed, cfg.perf.probe_sustained_s, cfg.model.num_layers, probe.PROBE_BLOCKS,
+                      probe._stepper is not stepper))  # fmt: skip
         slower = 1.1 if streamed else 1.0
         return {f.name: getattr(P70, f.name) for f in dataclasses.fields(P70)} | {
             "forward_s": P70.forward_s * slower, "backward_s": P70.backward_s * slower, "gpu_name": "NVIDIA H200",
@@ -509,14 +511,22 @@ def test_probe_modes_probes_each_way_in_turn_and_plans_from_each_probe(monkeypat
 
     monkeypatch.setattr(probe, "measure", measure)
     assert modes.main(["llama2_70b_lora", "--preset", "llama2-70b", "--rounds", "2", "perf.probe_sustained_s=20"]) == 0
-    assert asked == [(False, 20.0, 80), (True, 20.0, 80)] * 2  # the run's config (measure cuts it), held as asked
+    # the run's config (measure cuts it to the probe's blocks), held as asked, the probe's own blocks, no copies
+    assert asked == [(False, 20.0, 80, 2, False), (True, 20.0, 80, 2, False)] * 2
     out = capsys.readouterr().out
     said = [line for line in out.splitlines() if line.startswith("round")]
-    assert [line.split(":")[0] for line in said] == ["round 0, synced", "round 0, streamed", "round 1, synced",
-                                                     "round 1, streamed"]  # fmt: skip
+    ways = [f"round {r}, {mode}, 2 blocks" for r in (0, 1) for mode in ("synced", "streamed")]
+    assert [line.split(":")[0] for line in said] == ways, said
     assert "forward 13.20 ms, backward 30.80 ms" in said[1] and "at 1,500 MHz, 690 W" in said[1], said
     rates = [int(line.split("(")[1].split(" tokens/s")[0].replace(",", "")) for line in out.splitlines()
              if "predicted:" in line]  # fmt: skip
     assert len(rates) == 4 and rates[0] == rates[2] > rates[1] == rates[3], rates
-    assert modes.main(["llama2_70b_lora", "--rounds", "0"]) == 2
-    assert "--rounds takes 1 or more" in capsys.readouterr().err
+    asked.clear()
+    assert modes.main(["llama2_70b_lora", "--preset", "llama2-70b", "--rounds", "1", "--modes", "streamed",
+                       "--blocks", "2,8", "--copies-gib", "0,1.5"]) == 0  # fmt: skip
+    assert [a[3:] for a in asked] == [(2, False), (2, True), (8, False), (8, True)]
+    assert "round 0, streamed, 8 blocks, 1.5 GiB a block copied each way:" in capsys.readouterr().out
+    assert probe.PROBE_BLOCKS == 2 and probe._stepper is stepper
+    for bad in (["--rounds", "0"], ["--blocks", "1"], ["--modes", "fast"], ["--copies-gib", "x"]):
+        assert modes.main(["llama2_70b_lora", *bad]) == 2
+        assert capsys.readouterr().err.startswith("error: "), bad
