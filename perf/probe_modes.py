@@ -1,10 +1,10 @@
 """The layout probe (measure/probe.py) timed several ways on this GPU, in turn: its steps queued back to back, as a
 run's micro-batches are (streamed, what `perf.plan=auto` uses), or each after the one before has ended (synced, the
 GPU idle a moment between steps, as the probe was before); with more blocks than the probe's two (`--blocks`: less of
-its step outside the blocks, as in a run of many); with copies to and from the host beside each step (`--copies-gib`:
-GiB each way a block and step on a side stream, as an offloaded run's). For each: a block's forward and backward, the clock and
-power the timed steps ran at, and the plan those figures give (its layout and predicted rate), to set beside what the
-planned run measures (`perf/bench_figures.sh lora-auto`).
+its step outside the blocks, as in a run of many); with copies to and from the host beside each step
+(`--copies-gib`: GiB each way a block and step on a side stream, as an offloaded run's). For each: a block's forward
+and backward, the clock and power the timed steps ran at, and the plan those figures give (its layout and predicted
+rate), to set beside what the planned run measures (`perf/bench_figures.sh lora-auto`).
 
     python perf/probe_modes.py llama2_70b_lora --preset llama2-70b --rounds 2 perf.probe_sustained_s=20
     python perf/probe_modes.py llama2_70b_lora --preset llama2-70b --modes streamed --blocks 2,8 --copies-gib 0,0.69 \\
@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="times each way is probed, in turn")
     parser.add_argument("--modes", default="synced,streamed", help="synced, streamed or both (default)")
     parser.add_argument("--blocks", default="2", help="blocks in the probe's model, a list (default 2, the probe's)")
-    parser.add_argument("--copies-gib", default="0", help="GiB a block copied each way beside each step, a list (default 0)")
+    parser.add_argument(
+        "--copies-gib", default="0", help="GiB a block copied each way beside each step, a list (default 0)"
+    )
     parser.add_argument("keys", nargs="*", help="config keys, key=value")
     args = parser.parse_intermixed_args(argv)
     try:
