@@ -1,12 +1,12 @@
 """The layout probe (measure/probe.py) timed several ways on this GPU, in turn: its steps queued back to back, as a
 run's micro-batches are (streamed, what `perf.plan=auto` uses), or each after the one before has ended (synced, the
-GPU idle a moment between steps, as the probe was before); with more blocks than the probe's two (`--blocks`: less of
-its step outside the blocks, as in a run of many); with copies to and from the host beside each step
+GPU idle a moment between steps, as the probe was before 2026-12-01); with as many blocks as asked (`--blocks`, a
+list of `perf.probe_blocks`: 8 by default, 2 before 2026-12-01); with copies to and from the host beside each step
 (`--copies-gib`: GiB each way a block and step on a side stream, as an offloaded run's). For each: a block's forward
 and backward, the clock and power the timed steps ran at, and the plan those figures give (its layout and predicted
 rate), to set beside what the planned run measures (`perf/bench_figures.sh lora-auto`).
 
-    python perf/probe_modes.py llama2_70b_lora --preset llama2-70b --rounds 2 perf.probe_sustained_s=20
+    python perf/probe_modes.py llama2_70b_lora --preset llama2-70b --rounds 2 --blocks 2 perf.probe_sustained_s=20
     python perf/probe_modes.py llama2_70b_lora --preset llama2-70b --modes streamed --blocks 2,8 --copies-gib 0,0.69 \\
         perf.probe_sustained_s=20
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import itertools
 import sys
@@ -26,14 +27,14 @@ from trainbench.errors import UserError
 
 
 @contextlib.contextmanager
-def _probe_shaped(blocks: int, copies_gib: float):
-    """measure/probe with ``blocks`` blocks in its model and, where ``copies_gib``, that many GiB a block copied to the
-    host and as many back on a side stream of their own, queued before each of its training steps."""
+def _beside_copies(copies_gib: float, blocks: int):
+    """measure/probe with, where ``copies_gib``, that many GiB a block of its ``blocks`` copied to the host and as many
+    back on a side stream of their own, queued before each of its training steps."""
     import torch
 
     from trainbench.measure import probe
 
-    stepper, kept = probe._stepper, probe.PROBE_BLOCKS
+    stepper = probe._stepper
 
     def with_copies(*args):
         step = stepper(*args)
@@ -51,19 +52,18 @@ def _probe_shaped(blocks: int, copies_gib: float):
 
         return stepped
 
-    probe.PROBE_BLOCKS = blocks
     if copies_gib:
         probe._stepper = with_copies
     try:
         yield
     finally:
-        probe._stepper, probe.PROBE_BLOCKS = stepper, kept
+        probe._stepper = stepper
 
 
 def probe_each_way(name: str, preset: str | None, keys: dict[str, str], rounds: int, modes: list[str],
                    blocks: list[int], copies_gib: list[float]) -> list[dict]:  # fmt: skip
-    """``rounds`` x each of ``modes`` x ``blocks`` x ``copies_gib``, probes of ``name`` at ``keys``; each with its
-    way, its block's times, clock, power, and the plan's lines."""
+    """``rounds`` x each of ``modes`` x ``blocks`` (``perf.probe_blocks``) x ``copies_gib``, probes of ``name`` at
+    ``keys``; each with its way, its block's times, clock, power, and the plan's lines."""
     import torch
 
     from trainbench.measure import probe
@@ -75,14 +75,14 @@ def probe_each_way(name: str, preset: str | None, keys: dict[str, str], rounds: 
     found = []
     for r in range(rounds):
         for mode, n, gib in itertools.product(modes, blocks, copies_gib):
-            with _probe_shaped(n, gib):
-                data = probe.measure(bench.probe_config(cfg), bench, streamed=mode == "streamed")
+            shaped = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, probe_blocks=n))
+            with _beside_copies(gib, probe.probe_blocks(shaped)):
+                data = probe.measure(bench.probe_config(shaped), bench, streamed=mode == "streamed")
             gc.collect()
             torch.cuda.empty_cache()
-            _, lines = bench.plan_layout(cfg, resources(cfg, data, True), block_probe(data))
-            kept = ("forward_s", "backward_s", "head_s", "sm_clock_mhz", "power_w")
-            found.append({"round": r, "mode": mode, "blocks": n, "copies_gib": gib, "lines": lines,
-                          **{k: data[k] for k in kept}})  # fmt: skip
+            _, lines = bench.plan_layout(shaped, resources(shaped, data, True), block_probe(data))
+            kept = ("forward_s", "backward_s", "head_s", "sm_clock_mhz", "power_w", "blocks")
+            found.append({"round": r, "mode": mode, "copies_gib": gib, "lines": lines, **{k: data[k] for k in kept}})
     return found
 
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset")
     parser.add_argument("--rounds", type=int, default=2, help="times each way is probed, in turn")
     parser.add_argument("--modes", default="synced,streamed", help="synced, streamed or both (default)")
-    parser.add_argument("--blocks", default="2", help="blocks in the probe's model, a list (default 2, the probe's)")
+    parser.add_argument("--blocks", default="8", help="blocks in the probe's model, a list (perf.probe_blocks: 8)")
     parser.add_argument(
         "--copies-gib", default="0", help="GiB a block copied each way beside each step, a list (default 0)"
     )

@@ -18,8 +18,9 @@ pytestmark = single_gpu_tier()
 
 @pytest.mark.alone  # (compares the host link's rates while a step runs and while none does)
 def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_this_gpu(tmp_path, monkeypatch):
-    """The probe (two blocks of a 2048-wide LoRA model through the run's own build) measures what the planner needs,
-    and the plan made from it for a 48-block model of that width fits this GPU by its own account."""
+    """The probe (by default 8 blocks of a 2048-wide LoRA model through the run's own build, held 20 s) measures what
+    the planner needs, and the plan made from it for a 48-block model of that width fits this GPU by its own
+    account."""
 
     from trainbench.measure import probe
     from trainbench.measure.plan import block_probe, resources
@@ -29,6 +30,7 @@ def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_t
         "device": "cuda", "model.hidden_size": "2048", "model.num_heads": "16", "model.num_kv_heads": "4",
         "model.intermediate_size": "5632", "model.num_layers": "48", "data.seq_length": "4096"})  # fmt: skip
     data = probe.measure(bench.probe_config(cfg), bench)
+    assert data["blocks"] == 8 and data["sustained_s"] == 20 and data["sustained_steps"] > 5, data
     hidden = 4096 * 2048 * 2
     assert data["input_bytes"] == hidden and 2 * hidden < data["kept_bytes"] < 40 * hidden
     # (a frozen base has no weight gradients: a block's backward is about its forward again, with attention's more)
@@ -51,11 +53,13 @@ def test_the_layout_probe_measures_a_compiled_block_of_the_8b_model(precision):
 
     if precision == "fp8":
         pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
+    # (the marks around the compiled block are tested here, not the hold: none)
     bench, cfg = build_config("llama31_8b", "llama31-8b", [], {
         "device": "cuda", "perf.compile": "true", "model.precision": precision, "model.hidden_size": "1024",
         "model.num_heads": "8", "model.num_kv_heads": "2", "model.intermediate_size": "3584",
-        "data.seq_length": "2048"})  # fmt: skip
+        "data.seq_length": "2048", "perf.probe_sustained_s": "0"})  # fmt: skip
     data = probe.measure(bench.probe_config(cfg), bench)
+    assert data["blocks"] == 8 and "sustained_s" not in data, data  # perf.probe_blocks's default
     hidden = 2048 * 1024 * 2  # a row of bf16 activations (the residual stream is fp32 under autocast: twice that)
     assert 0 < data["forward_s"] < 1 and 0 < data["backward_s"] < 1, data
     assert data["input_bytes"] in (hidden, 2 * hidden) and 2 * hidden < data["kept_bytes"] < 40 * hidden, data
@@ -65,18 +69,21 @@ def test_the_layout_probe_measures_a_compiled_block_of_the_8b_model(precision):
 
 
 def test_the_probe_runs_steps_for_the_seconds_asked_before_it_times_its_blocks_on_cuda():
-    """perf.probe_sustained_s: the probe of a small 8B-shaped model runs its steps for that long before it times two
-    (to time its blocks at the clock the power cap holds through a run); its figures say so, and they are real."""
+    """perf.probe_sustained_s: the probe of a small 8B-shaped model runs its steps for that long before it times three
+    (to time its blocks at the clock the power cap holds through a run), of perf.probe_blocks blocks; its figures say
+    so, and they are real."""
     from trainbench.measure import probe
     from trainbench.resolve import build_config
 
     bench, cfg = build_config("llama31_8b", "llama31-8b", [], {
-        "device": "cuda", "perf.plan": "auto", "perf.probe_sustained_s": "5", "model.hidden_size": "1024",
+        "device": "cuda", "perf.plan": "auto", "perf.probe_sustained_s": "5", "perf.probe_blocks": "3",
+        "model.hidden_size": "1024",
         "model.num_heads": "8", "model.num_kv_heads": "2", "model.intermediate_size": "3584",
         "data.seq_length": "2048"})  # fmt: skip
     t = time.perf_counter()
     data = probe.measure(bench.probe_config(cfg), bench)
     assert time.perf_counter() - t > 5 and data["sustained_s"] == 5 and data["sustained_steps"] > 5, data
+    assert data["blocks"] == 3 and data["streamed"], data
     assert 0 < data["forward_s"] < 1 and 0 < data["backward_s"] < 1, data
     assert data["sm_clock_mhz"] is None or 100 < data["sm_clock_mhz"] < 5000, data  # 5 s: sampled at 20 Hz
 

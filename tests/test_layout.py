@@ -379,21 +379,30 @@ def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path,
     probe.save(bench.probe_config(cfg), data | {"sm_clock_mhz": 1755.0, "power_w": 698.2})
     _, lines = planned(bench, cfg, print, here=False)
     assert "backward 12.4 ms (at 1,755 MHz, 698 W); host link" in lines[-1], lines[-1]
-    # perf.probe_sustained_s: another probe, cached apart (none of it yet); its line says how long it ran first
-    sustained = _llama_cfg(**{"distributed.nproc": "2", "perf.probe_sustained_s": "20"})[1]
-    assert probe.probe_key(sustained) != probe.probe_key(cfg) == probe.probe_key(_llama_cfg(**{
-        "distributed.nproc": "2", "perf.probe_sustained_s": "0"})[1])  # fmt: skip
-    with pytest.raises(UserError, match="none is cached for llama31_8b/llama31-8b") as refused:
-        planned(bench, sustained, print, here=False)
-    # the command that caches it is given what shapes the probe: the plan (by hand in the preset), the precision, N
-    assert (
-        "run `trainbench bench llama31_8b --preset llama31-8b perf.plan=auto model.precision=fp8 "
-        "perf.probe_sustained_s=20.0 --steps 1 --warmup 0` once"
-    ) in str(refused.value), refused.value
-    probe.save(bench.probe_config(sustained), data | {"sm_clock_mhz": 1500.0, "power_w": 690.0, "sustained_s": 20.0,
-                                                      "sustained_steps": 311})  # fmt: skip
+    # perf.probe_sustained_s and perf.probe_blocks away from their defaults: another probe each, cached apart (none
+    # of them yet); its line says how long it ran first, and how many blocks it stepped
+    sustained = _llama_cfg(**{"distributed.nproc": "2", "perf.probe_sustained_s": "40"})[1]
+    fewer = _llama_cfg(**{"distributed.nproc": "2", "perf.probe_blocks": "2"})[1]
+    assert len({probe.probe_key(c) for c in (cfg, sustained, fewer)}) == 3
+    assert probe.probe_key(cfg) == probe.probe_key(_llama_cfg(**{
+        "distributed.nproc": "2", "perf.probe_sustained_s": "20", "perf.probe_blocks": "8"})[1])  # fmt: skip
+    # the probe builds no more blocks than the model has: a probe of 8 and one of 32 of a 4-block model are one
+    four = [_llama_cfg(**{"model.num_layers": "4", "perf.probe_blocks": n})[1] for n in ("8", "32")]
+    assert probe.probe_blocks(four[0]) == 4 and probe.probe_key(four[0]) == probe.probe_key(four[1])
+    assert probe.probe_config(four[0]).model.num_layers == 4 and probe.probe_config(cfg).model.num_layers == 8
+    for shaped, key in ((sustained, "perf.probe_sustained_s=40.0"), (fewer, "perf.probe_blocks=2")):
+        with pytest.raises(UserError, match="none is cached for llama31_8b/llama31-8b") as refused:
+            planned(bench, shaped, print, here=False)
+        # the command that caches it is given what shapes the probe: the plan (by hand in the preset), the precision,
+        # the key away from its default
+        assert (
+            f"run `trainbench bench llama31_8b --preset llama31-8b perf.plan=auto model.precision=fp8 {key} "
+            "--steps 1 --warmup 0` once"
+        ) in str(refused.value), refused.value
+    probe.save(bench.probe_config(sustained), data | {"sm_clock_mhz": 1500.0, "power_w": 690.0, "sustained_s": 40.0,
+                                                      "sustained_steps": 311, "blocks": 8})  # fmt: skip
     _, lines = planned(bench, sustained, print, here=False)
-    assert "backward 12.4 ms (at 1,500 MHz, 690 W, after 20 s of steps); host link" in lines[-1], lines[-1]
+    assert "backward 12.4 ms (at 1,500 MHz, 690 W, after 40 s of steps, 8 blocks a step); host link" in lines[-1]
     probe.save(bench.probe_config(cfg), data | {"device_copy_bytes_s": 2.1e12})  # the GPU's own copies: FSDP2's
     _, lines = planned(bench, cfg, print, here=False)
     assert lines[-1].endswith("; the GPU's memory copies 2,100 GB/s (FSDP2's are charged at it)"), lines[-1]
@@ -474,7 +483,8 @@ def test_the_probe_reports_the_clock_and_power_of_the_gpu_its_steps_kept_busy():
     assert busiest_gpu({}) == {"sm_clock_mhz": None, "power_w": None}
 
 
-def test_the_probe_counts_a_block_s_own_optimizer_state_and_puts_the_embedding_s_outside_the_blocks():
+@pytest.mark.parametrize("blocks", [2, 3])
+def test_the_probe_counts_a_block_s_own_optimizer_state_and_puts_the_embedding_s_outside_the_blocks(blocks):
     """measure/probe._optimizer_bytes after an AdamW step of a model whose embedding and output layer train too: a
     block's share is its own state (two fp32 moments) and gradient; the rest (what the step left beyond the weights,
     less the blocks' share, plus the gradients outside the blocks) is the embedding's and the output layer's."""
@@ -487,16 +497,19 @@ def test_the_probe_counts_a_block_s_own_optimizer_state_and_puts_the_embedding_s
     model = torch.nn.Module()
     model.embed = torch.nn.Embedding(100, 8)
     model.model = torch.nn.Module()
-    model.model.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+    model.model.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(blocks))
     model.head = torch.nn.Linear(8, 100, bias=False)
     optimizer = torch.optim.AdamW(model.parameters())
-    loss = model.head(model.model.layers[1](model.model.layers[0](model.embed(torch.arange(4))))).sum()
+    x = model.embed(torch.arange(4))
+    for layer in model.model.layers:
+        x = layer(x)
+    loss = model.head(x).sum()
     loss.backward()
     optimizer.step()
     run = types.SimpleNamespace(placed=types.SimpleNamespace(module=model), optimizer=optimizer)
     block = (8 * 8 + 8) * 4  # a Linear(8, 8)'s fp32 parameters
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
-    ours, others = _optimizer_bytes(run, model.model.layers[1], persistent=state)
+    ours, others = _optimizer_bytes(run, model.model.layers[1], persistent=state, blocks=blocks)
     outside = (100 * 8 + 8 * 100) * 4  # the embedding's and the head's parameters
     assert ours == 2 * block + block + 2 * 4  # two moments, the gradient, AdamW's step count a parameter (4 bytes)
     assert others == 2 * outside + outside + 2 * 4

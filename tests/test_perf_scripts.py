@@ -501,16 +501,18 @@ def test_probe_modes_probes_each_way_in_turn_and_plans_from_each_probe(monkeypat
     asked, stepper = [], probe._stepper
 
     def measure(cfg, bench, streamed=True):
-        asked.append((streamed, cfg.perf.probe_sustained_s, cfg.model.num_layers, probe.PROBE_BLOCKS,
+        asked.append((streamed, cfg.perf.probe_sustained_s, cfg.model.num_layers, probe.probe_blocks(cfg),
                       probe._stepper is not stepper))  # fmt: skip
         slower = 1.1 if streamed else 1.0
         return {f.name: getattr(P70, f.name) for f in dataclasses.fields(P70)} | {
             "forward_s": P70.forward_s * slower, "backward_s": P70.backward_s * slower, "gpu_name": "NVIDIA H200",
             "capability": [9, 0], "gpu_free_bytes": int(139 * GIB), "gpu_total_bytes": int(140 * GIB),
-            "host_available_bytes": 480 * GIB, "sm_clock_mhz": 1515.0 - 15 * streamed, "power_w": 690.0}  # fmt: skip
+            "host_available_bytes": 480 * GIB, "sm_clock_mhz": 1515.0 - 15 * streamed, "power_w": 690.0,
+            "blocks": probe.probe_blocks(cfg)}  # fmt: skip
 
     monkeypatch.setattr(probe, "measure", measure)
-    assert modes.main(["llama2_70b_lora", "--preset", "llama2-70b", "--rounds", "2", "perf.probe_sustained_s=20"]) == 0
+    assert modes.main(["llama2_70b_lora", "--preset", "llama2-70b", "--rounds", "2", "--blocks", "2",
+                       "perf.probe_sustained_s=20"]) == 0  # fmt: skip
     # the run's config (measure cuts it to the probe's blocks), held as asked, the probe's own blocks, no copies
     assert asked == [(False, 20.0, 80, 2, False), (True, 20.0, 80, 2, False)] * 2
     out = capsys.readouterr().out
@@ -526,7 +528,7 @@ def test_probe_modes_probes_each_way_in_turn_and_plans_from_each_probe(monkeypat
                        "--blocks", "2,8", "--copies-gib", "0,1.5"]) == 0  # fmt: skip
     assert [a[3:] for a in asked] == [(2, False), (2, True), (8, False), (8, True)]
     assert "round 0, streamed, 8 blocks, 1.5 GiB a block copied each way:" in capsys.readouterr().out
-    assert probe.PROBE_BLOCKS == 2 and probe._stepper is stepper
+    assert probe._stepper is stepper
     for bad in (["--rounds", "0"], ["--blocks", "1"], ["--modes", "fast"], ["--copies-gib", "x"]):
         assert modes.main(["llama2_70b_lora", *bad]) == 2
         assert capsys.readouterr().err.startswith("error: "), bad

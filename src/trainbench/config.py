@@ -273,14 +273,22 @@ class PerfConfig:
         choices=("manual", "auto"),
     )
     probe_sustained_s: float = option(
-        0.0,
+        20.0,
         "perf.plan=auto: seconds of training steps the probe runs before it times its blocks, so that it times them "
         "at the clock the GPU's power cap holds through a run (a probe of a few steps times them at the boost clock: "
-        "on 2 H200 the 8B's and the LoRA's plans then predicted 6-7 % faster than they ran). 0: timed within its "
-        "first four steps. On an H200, 20 s took the LoRA's forecast miss from 7.4 % to 5.2 % (its blocks 1.4-3.2 % "
-        "slower at the cap: the clock is not most of the miss; docs/lora.md, 'Layout chosen by the tool').",
+        "on an H200 the LoRA's plan then predicted 7.4 % faster than it ran). 0: timed within its first five steps "
+        "(docs/lora.md, 'Layout chosen by the tool').",
         at_least=0,
         at_most=600,
+    )
+    probe_blocks: int = option(
+        8,
+        "perf.plan=auto: blocks in the probe's model (at most the model's, at least 2), each step queued while the "
+        "one before runs. With 2, the part of its step outside the blocks (the output layer, the loss, the "
+        "optimizer: 12-14 ms of 82 at the 70B LoRA's shape) let the held GPU's clock run 7-10 % above a run's; "
+        "with 8, the clock a run holds (docs/lora.md, 'Layout chosen by the tool'). Fewer: a smaller probe.",
+        at_least=2,
+        at_most=128,
     )
     gpu_memory_gib: float | None = option(
         None,
@@ -697,5 +705,7 @@ def keys_without_effect(cfg: RunConfig) -> dict[str, str]:
     if not cfg.perf.activation_checkpointing:
         out["perf.offload_recomputed_inputs"] = "no block is recomputed (perf.activation_checkpointing=false)"
     if cfg.perf.plan != "auto":
-        out["perf.probe_sustained_s"] = "only perf.plan=auto probes the GPU (perf.plan=manual)"
+        out["perf.probe_sustained_s"] = out["perf.probe_blocks"] = (
+            "only perf.plan=auto probes the GPU (perf.plan=manual)"
+        )
     return out

@@ -34,7 +34,7 @@ def probe(bench: Benchmark, cfg: RunConfig, here: bool, say, run_cfg: RunConfig 
                         f"{bench.name} --preset {cfg.preset}{keys} --steps 1 --warmup 0` once on one of the "
                         f"system's nodes (it probes and caches in {probing.cache_dir()}), or set perf.plan=manual "
                         f"with the layout keys")  # fmt: skip
-    say(f"probing {probing.PROBE_BLOCKS} blocks of {bench.name}/{cfg.preset} on this GPU for perf.plan=auto "
+    say(f"probing {probing.probe_blocks(cfg)} blocks of {bench.name}/{cfg.preset} on this GPU for perf.plan=auto "
         f"(once per GPU model and software version; cached in {probing.cache_dir()})")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "config.yaml"
@@ -124,11 +124,14 @@ def planned(bench: Benchmark, cfg: RunConfig, say, here: bool = True) -> tuple[R
 
 def _clock(data: dict) -> str:
     """The SM clock and power the probe's timed steps ran at, where sampled: a step of the whole model may run at a
-    lower clock (a power cap), and then slower than planned; and the seconds of steps run before them, where set."""
+    lower clock (a power cap), and then slower than planned; the seconds of steps run before them, where set; and the
+    blocks of its model, where the probe says (older ones built 2)."""
     mhz, watts = data.get("sm_clock_mhz"), data.get("power_w")
     said = [f"at {mhz:,.0f} MHz, {watts:.0f} W"] if mhz and watts else []
     if data.get("sustained_s"):  # perf.probe_sustained_s
         said.append(f"after {data['sustained_s']:g} s of steps")
+    if data.get("blocks"):  # perf.probe_blocks
+        said.append(f"{data['blocks']} blocks a step")
     return f" ({', '.join(said)})" if said else ""
 
 
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from trainbench.console import console
-    from trainbench.measure.probe import PROBE_BLOCKS, link_rates, measure
+    from trainbench.measure.probe import link_rates, measure, probe_blocks
     from trainbench.resolve import allocator_settings, load_run_config
 
     argv = sys.argv[1:] if argv is None else argv
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         data = measure(cfg, bench)
     except torch.OutOfMemoryError:
-        console.print(f"error: {PROBE_BLOCKS} blocks of {bench.name}/{cfg.preset} do not fit this GPU at this shape")
+        console.print(f"error: {probe_blocks(cfg)} blocks of {bench.name}/{cfg.preset} do not fit this GPU at this "
+                      "shape: set perf.probe_blocks lower (2 at least)")  # fmt: skip
         return 1
     except UserError as exc:
         console.print(f"error: {exc}")

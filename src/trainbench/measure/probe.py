@@ -18,19 +18,25 @@ from typing import Any
 
 import torch
 
-PROBE_BLOCKS = 2  # block 1 is measured: its input comes from block 0, so it requires grad as every later one does
 # What a probe measures: a cached probe of an older format is measured again (2: copy rates while a step runs; 3: the
 # optimizer state of the measured block's own parameters, and that of the parameters outside the blocks; 4: the GPU's
 # own memory copy rate; 5: the steps it times queued back to back, as a run's, with none of the GPU's idle moments
-# between steps that each waiting for the step before gave it).
-PROBE_FORMAT = 5
+# between steps that each waiting for the step before gave it; 6: perf.probe_blocks blocks, 8 by default, held 20 s).
+PROBE_FORMAT = 6
 
 
 # What a probe's figures depend on beyond the software (:func:`probe_key`), and so what a command must be given to
 # cache the probe a run looks for (:func:`shape_keys`): the model's keys but these, and these of the other sections
-# (by their names in the key), with perf.probe_sustained_s where set.
+# (by their names in the key; the blocks as many as the probe builds, :func:`probe_blocks`).
 MODEL_NOT_SHAPING = ("num_layers", "base_weights")
-SHAPING = {"seq": ("data", "seq_length"), "micro": ("data", "micro_batch_size"), "compile": ("perf", "compile")}
+SHAPING = {"seq": ("data", "seq_length"), "micro": ("data", "micro_batch_size"), "compile": ("perf", "compile"),
+           "sustained_s": ("perf", "probe_sustained_s"), "blocks": ("perf", "probe_blocks")}  # fmt: skip
+
+
+def probe_blocks(cfg) -> int:
+    """The blocks the probe builds: ``perf.probe_blocks``, no more than the model has, and at least 2 (block 1 is
+    measured: its input comes from block 0, so it requires grad as every later one does)."""
+    return max(2, min(cfg.perf.probe_blocks, cfg.model.num_layers))
 
 
 def cache_dir() -> Path:
@@ -42,16 +48,15 @@ def cache_dir() -> Path:
 
 def probe_key(cfg) -> str:
     """What the probe's figures depend on: the model's shape and precision, the sequence, the micro-batch, compile,
-    the software (torch, trainbench) and, where set, the seconds of steps before it times them
-    (``perf.probe_sustained_s``); the GPU model is added where the probe runs."""
+    the software (torch, trainbench), the seconds of steps before it times them (``perf.probe_sustained_s``) and the
+    blocks it builds (:func:`probe_blocks`); the GPU model is added where the probe runs."""
     import trainbench
 
     m = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in MODEL_NOT_SHAPING}
     shape = {"format": PROBE_FORMAT, "benchmark": cfg.benchmark, "model": m, "torch": torch.__version__,
              "trainbench": trainbench.__version__}  # fmt: skip
     shape |= {name: getattr(getattr(cfg, section), key) for name, (section, key) in SHAPING.items()}
-    if cfg.perf.probe_sustained_s:  # (a probe timed after steps of a while is another probe; none: the keys as before)
-        shape["sustained_s"] = cfg.perf.probe_sustained_s
+    shape["blocks"] = probe_blocks(cfg)
     return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -68,7 +73,7 @@ def shape_keys(cfg, preset) -> list[str]:
     pairs = [(f"model.{f.name}", getattr(cfg.model, f.name), getattr(preset.model, f.name))
              for f in dataclasses.fields(cfg.model) if f.name not in MODEL_NOT_SHAPING]  # fmt: skip
     pairs += [(f"{section}.{key}", getattr(getattr(cfg, section), key), getattr(getattr(preset, section), key))
-              for section, key in [*SHAPING.values(), ("perf", "probe_sustained_s")]]  # fmt: skip
+              for section, key in SHAPING.values()]  # fmt: skip
     plan = [] if preset.perf.plan == "auto" else ["perf.plan=auto"]
     return plan + [f"{key}={said(value)}" for key, value, default in pairs if value != default]
 
@@ -101,7 +106,7 @@ def probe_config(cfg):
     """The run's config cut to the probe's blocks, one micro-batch a step, nothing recomputed or offloaded."""
     return dataclasses.replace(
         cfg,
-        model=dataclasses.replace(cfg.model, num_layers=PROBE_BLOCKS),
+        model=dataclasses.replace(cfg.model, num_layers=probe_blocks(cfg)),
         data=dataclasses.replace(cfg.data, global_batch_size=cfg.data.micro_batch_size),
         perf=dataclasses.replace(
             cfg.perf,
@@ -123,18 +128,19 @@ def _state_bytes(optimizer: torch.optim.Optimizer, params) -> int:
                if isinstance(t, torch.Tensor))  # fmt: skip
 
 
-def _optimizer_bytes(run, block: torch.nn.Module, persistent: int) -> tuple[int, int]:
+def _optimizer_bytes(run, block: torch.nn.Module, persistent: int, blocks: int) -> tuple[int, int]:
     """The gradients and optimizer state of ``block``'s trained parameters (its own state tensors, and one more copy
     of the parameters for their gradients during a step), and of all else: ``persistent``, what the first step left
-    allocated beyond the weights (the whole optimizer state, and any buffer kept across steps), less the blocks'
-    share, plus the gradients of the trained parameters outside the blocks (a trained embedding and output layer)."""
+    allocated beyond the weights (the whole optimizer state, and any buffer kept across steps), less the share of the
+    probe's ``blocks`` blocks, plus the gradients of the trained parameters outside the blocks (a trained embedding
+    and output layer)."""
 
     def trained(params) -> int:
         return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
     everything = list(run.placed.module.parameters())
     ours = _state_bytes(run.optimizer, block.parameters()) + trained(block.parameters())
-    return ours, max(0, persistent + trained(everything) - PROBE_BLOCKS * ours)
+    return ours, max(0, persistent + trained(everything) - blocks * ours)
 
 
 def _storages(module: torch.nn.Module) -> int:
@@ -343,7 +349,7 @@ def measure(cfg, bench, streamed: bool = True) -> dict[str, Any]:
     pcfg = probe_config(cfg)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     run = build_run(pcfg, bench, info, None, synthetic=True)
-    block = run.placed.module.model.layers[1]
+    blocks, block = pcfg.model.num_layers, run.placed.module.model.layers[1]
     weights, block_weights = torch.cuda.memory_allocated(device), _storages(block)
     marks = _BlockMarks(block, device)
     step = _stepper(run, bench, pcfg, info)
@@ -352,7 +358,7 @@ def measure(cfg, bench, streamed: bool = True) -> dict[str, Any]:
     finally:
         marks.remove()
     to_host_busy, to_gpu_busy = busy_link_rates(lambda: step(last["steps"]), last["step_s"], to_host, to_gpu)
-    block_optimizer, other_optimizer = _optimizer_bytes(run, block, last["base"] - weights)
+    block_optimizer, other_optimizer = _optimizer_bytes(run, block, last["base"] - weights, blocks)
     return {
         "gpu_name": torch.cuda.get_device_name(device),
         "capability": list(torch.cuda.get_device_capability(device)),
@@ -362,13 +368,13 @@ def measure(cfg, bench, streamed: bool = True) -> dict[str, Any]:
         "kept_bytes": marks.kept,
         "input_bytes": marks.input_bytes,
         "block_weight_bytes": block_weights,
-        "other_weight_bytes": weights - PROBE_BLOCKS * block_weights,
+        "other_weight_bytes": weights - blocks * block_weights,
         "optimizer_bytes_per_block": block_optimizer,
         "other_optimizer_bytes": other_optimizer,
-        "working_bytes": max(0, last["peak"] - PROBE_BLOCKS * marks.kept),
+        "working_bytes": max(0, last["peak"] - blocks * marks.kept),
         "forward_s": last["forward_s"],
         "backward_s": last["backward_s"],
-        "head_s": max(0.0, last["step_s"] - PROBE_BLOCKS * (last["forward_s"] + last["backward_s"])),
+        "head_s": max(0.0, last["step_s"] - blocks * (last["forward_s"] + last["backward_s"])),
         "to_host_bytes_s": to_host,
         "to_gpu_bytes_s": to_gpu,
         "to_host_busy_bytes_s": to_host_busy,
@@ -380,6 +386,7 @@ def measure(cfg, bench, streamed: bool = True) -> dict[str, Any]:
         **{key: last[key] for key in ("sm_clock_mhz", "power_w")},
         **({"sustained_s": sustained, "sustained_steps": last["steps"] - 5} if sustained else {}),
         "streamed": streamed,
+        "blocks": blocks,
     }
 
 
