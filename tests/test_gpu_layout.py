@@ -57,7 +57,7 @@ def test_the_layout_probe_measures_a_compiled_block_of_the_8b_model(precision):
     bench, cfg = build_config("llama31_8b", "llama31-8b", [], {
         "device": "cuda", "perf.compile": "true", "model.precision": precision, "model.hidden_size": "1024",
         "model.num_heads": "8", "model.num_kv_heads": "2", "model.intermediate_size": "3584",
-        "data.seq_length": "2048", "perf.probe_sustained_s": "0"})  # fmt: skip
+        "data.seq_length": "2048", "perf.plan": "auto", "perf.probe_sustained_s": "0"})  # fmt: skip
     data = probe.measure(bench.probe_config(cfg), bench)
     assert data["blocks"] == 8 and "sustained_s" not in data, data  # perf.probe_blocks's default
     hidden = 2048 * 1024 * 2  # a row of bf16 activations (the residual stream is fp32 under autocast: twice that)

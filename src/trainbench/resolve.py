@@ -13,7 +13,7 @@ from typing import Protocol
 
 from trainbench.benchmarks import get_benchmark
 from trainbench.benchmarks.base import Benchmark
-from trainbench.config import RunConfig, apply_overrides, leaves, read_yaml_overrides
+from trainbench.config import RunConfig, apply_overrides, keys_without_effect, leaves, read_yaml_overrides
 from trainbench.errors import ConfigError, UserError
 
 
@@ -74,7 +74,14 @@ def load_run_config(path: Path) -> tuple[Benchmark, RunConfig]:
     if not all(isinstance(v, str) and v for v in (benchmark, preset)):
         raise UserError(f"{path} names no benchmark and preset at its top, so it is not a config trainbench saved; "
                         "restore it from the run, or remove it")  # fmt: skip
-    return build_config(benchmark, preset, overrides=values)
+    # A key that did nothing in the saved run is taken at the preset's value: the run is the same, and a default
+    # changed since then (the file holds every key, those without effect at the default of their day) does not make
+    # the saved run's config one to refuse.
+    bench = get_benchmark(benchmark)
+    as_saved = bench.config(preset)
+    apply_overrides(as_saved, values)
+    idle = bench.unused_for(as_saved).keys() | keys_without_effect(as_saved).keys()
+    return build_config(benchmark, preset, overrides={k: v for k, v in values.items() if k not in idle})
 
 
 def experiment_config(cfg: RunConfig, index: int) -> RunConfig:
