@@ -187,8 +187,10 @@ def test_integers_are_parsed_as_integers_not_through_a_float():
          "distributed.keep_gathered=true has no effect on llama2_70b_lora: its frozen base is what FSDP2 gathers"),
         (["device=cpu", "output.gpu_links=false"], "output.gpu_links=false has no effect on this run of bert: a run on "
                                                    "the CPU records no GPU's links"),
-        (["--benchmark", "llama31_8b", "perf.probe_sustained_s=20"],
-         "perf.probe_sustained_s=20.0 has no effect on this run of llama31_8b: only perf.plan=auto probes the GPU"),
+        (["--benchmark", "llama31_8b", "perf.probe_sustained_s=40"],
+         "perf.probe_sustained_s=40.0 has no effect on this run of llama31_8b: only perf.plan=auto probes the GPU"),
+        (["--benchmark", "llama31_8b", "perf.probe_blocks=4"],
+         "perf.probe_blocks=4 has no effect on this run of llama31_8b: only perf.plan=auto probes the GPU"),
         (["--benchmark", "llama31_8b", "perf.plan=auto", "perf.probe_sustained_s=601"],
          "'perf.probe_sustained_s' must be at least 0 and at most 600"),
         (["--benchmark", "llama31_8b", "device=cpu", "perf.optimizer_kernel=torch"],

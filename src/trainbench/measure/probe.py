@@ -335,16 +335,25 @@ def _timed_steps(step, device: torch.device, marks: _BlockMarks, sustained_s: fl
     return min(times, key=lambda x: x["step_s"]) | busiest_gpu(seen) | {"steps": i}
 
 
+def _machine(device: torch.device) -> dict[str, Any]:
+    """The GPU (its name, compute capability, total and free memory before the probe) and the host memory free."""
+    from trainbench.families.planner import host_available_bytes
+
+    free, total = torch.cuda.mem_get_info(device)
+    return {"gpu_name": torch.cuda.get_device_name(device), "gpu_total_bytes": total, "gpu_free_bytes": free,
+            "capability": list(torch.cuda.get_device_capability(device)),
+            "host_available_bytes": host_available_bytes()}  # fmt: skip
+
+
 def measure(cfg, bench, streamed: bool = True) -> dict[str, Any]:
     """The probe on this process's GPU (see the module's docstring); ``streamed``: its steps queued back to back
     (:func:`_timed_steps`)."""
     from trainbench.distributed import DistInfo
-    from trainbench.families.planner import host_available_bytes
     from trainbench.train.setup import build_run
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    free, total = torch.cuda.mem_get_info(device)
+    machine = _machine(device)
     (to_host, to_gpu), device_copy = link_rates(), device_copy_rate()
     pcfg = probe_config(cfg)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
@@ -359,12 +368,7 @@ def measure(cfg, bench, streamed: bool = True) -> dict[str, Any]:
         marks.remove()
     to_host_busy, to_gpu_busy = busy_link_rates(lambda: step(last["steps"]), last["step_s"], to_host, to_gpu)
     block_optimizer, other_optimizer = _optimizer_bytes(run, block, last["base"] - weights, blocks)
-    return {
-        "gpu_name": torch.cuda.get_device_name(device),
-        "capability": list(torch.cuda.get_device_capability(device)),
-        "gpu_total_bytes": total,
-        "gpu_free_bytes": free,
-        "host_available_bytes": host_available_bytes(),
+    return machine | {
         "kept_bytes": marks.kept,
         "input_bytes": marks.input_bytes,
         "block_weight_bytes": block_weights,
