@@ -88,19 +88,19 @@ def test_saved_config_loads_back_identical(tmp_path):
 
 
 def test_a_saved_config_whose_keys_without_effect_held_another_default_loads_with_the_presets_values(tmp_path):
-    """A config.yaml saved when a key without effect in its run had another default (perf.probe_sustained_s was 0
-    before the probe held its steps 20 s; the run planned nothing) loads: that key at the preset's value, the rest
-    as saved. A key that takes effect is still the saved one, and is still checked."""
+    """A config.yaml saved when a key without effect in its run had another default (as if perf.probe_sustained_s
+    had been 5 then: the run planned nothing) loads: that key at the preset's value, the rest as saved. A key that
+    takes effect is still the saved one, and is still checked."""
     _, cfg = build_config("llama31_8b", "tiny", overrides={"optimizer.lr": "3e-4"})
-    saved = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, probe_sustained_s=0.0, probe_blocks=2))
+    saved = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, probe_sustained_s=5.0, probe_blocks=4))
     save_config(saved, tmp_path / "config.yaml")
-    with pytest.raises(ConfigError, match="perf.probe_sustained_s=0.0 has no effect"):  # given as the user's
+    with pytest.raises(ConfigError, match="perf.probe_sustained_s=5.0 has no effect"):  # given as the user's
         build_config("llama31_8b", "tiny", yaml_files=[str(tmp_path / "config.yaml")])
     _, again = load_run_config(tmp_path / "config.yaml")
     assert dataclasses.asdict(again) == dataclasses.asdict(cfg) and again.optimizer.lr == 3e-4
     auto = dataclasses.replace(saved, perf=dataclasses.replace(saved.perf, plan="auto"), device="cuda")
     save_config(auto, tmp_path / "config.yaml")  # planned: the probe's keys took effect, and are kept
-    assert load_run_config(tmp_path / "config.yaml")[1].perf.probe_blocks == 2
+    assert load_run_config(tmp_path / "config.yaml")[1].perf.probe_blocks == 4
     save_config(dataclasses.replace(saved, perf=dataclasses.replace(saved.perf, recompute_blocks=5)),
                 tmp_path / "config.yaml")  # fmt: skip
     with pytest.raises(ConfigError, match="perf.recompute_blocks=5"):

@@ -18,9 +18,9 @@ pytestmark = single_gpu_tier()
 
 @pytest.mark.alone  # (compares the host link's rates while a step runs and while none does)
 def test_the_layout_probe_measures_a_block_of_the_lora_model_and_the_plan_fits_this_gpu(tmp_path, monkeypatch):
-    """The probe (by default 8 blocks of a 2048-wide LoRA model through the run's own build, held 20 s) measures what
-    the planner needs, and the plan made from it for a 48-block model of that width fits this GPU by its own
-    account."""
+    """The probe (8 blocks of a 2048-wide LoRA model through the run's own build, held 20 s, as the LoRA's MLPerf
+    preset probes) measures what the planner needs, and the plan made from it for a 48-block model of that width fits
+    this GPU by its own account."""
 
     from trainbench.measure import probe
     from trainbench.measure.plan import block_probe, resources
@@ -53,13 +53,12 @@ def test_the_layout_probe_measures_a_compiled_block_of_the_8b_model(precision):
 
     if precision == "fp8":
         pytest.importorskip("torchao", reason="torchao is the optional extra trainbench[fp8]")
-    # (the marks around the compiled block are tested here, not the hold: none)
     bench, cfg = build_config("llama31_8b", "llama31-8b", [], {
         "device": "cuda", "perf.compile": "true", "model.precision": precision, "model.hidden_size": "1024",
         "model.num_heads": "8", "model.num_kv_heads": "2", "model.intermediate_size": "3584",
-        "data.seq_length": "2048", "perf.plan": "auto", "perf.probe_sustained_s": "0"})  # fmt: skip
+        "data.seq_length": "2048"})  # fmt: skip
     data = probe.measure(bench.probe_config(cfg), bench)
-    assert data["blocks"] == 8 and "sustained_s" not in data, data  # perf.probe_blocks's default
+    assert data["blocks"] == 2 and "sustained_s" not in data, data  # the 8B's: perf.probe_blocks's default
     hidden = 2048 * 1024 * 2  # a row of bf16 activations (the residual stream is fp32 under autocast: twice that)
     assert 0 < data["forward_s"] < 1 and 0 < data["backward_s"] < 1, data
     assert data["input_bytes"] in (hidden, 2 * hidden) and 2 * hidden < data["kept_bytes"] < 40 * hidden, data

@@ -382,15 +382,16 @@ def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path,
     # perf.probe_sustained_s and perf.probe_blocks away from their defaults: another probe each, cached apart (none
     # of them yet); its line says how long it ran first, and how many blocks it stepped
     sustained = _llama_cfg(**{"distributed.nproc": "2", "perf.probe_sustained_s": "40"})[1]
-    fewer = _llama_cfg(**{"distributed.nproc": "2", "perf.probe_blocks": "2"})[1]
-    assert len({probe.probe_key(c) for c in (cfg, sustained, fewer)}) == 3
+    more = _llama_cfg(**{"distributed.nproc": "2", "perf.probe_blocks": "8"})[1]
+    assert len({probe.probe_key(c) for c in (cfg, sustained, more)}) == 3
     assert probe.probe_key(cfg) == probe.probe_key(_llama_cfg(**{
-        "distributed.nproc": "2", "perf.probe_sustained_s": "20", "perf.probe_blocks": "8"})[1])  # fmt: skip
+        "distributed.nproc": "2", "perf.probe_sustained_s": "0", "perf.probe_blocks": "2"})[1])  # fmt: skip
     # the probe builds no more blocks than the model has: a probe of 8 and one of 32 of a 4-block model are one
     four = [_llama_cfg(**{"model.num_layers": "4", "perf.probe_blocks": n})[1] for n in ("8", "32")]
     assert probe.probe_blocks(four[0]) == 4 and probe.probe_key(four[0]) == probe.probe_key(four[1])
-    assert probe.probe_config(four[0]).model.num_layers == 4 and probe.probe_config(cfg).model.num_layers == 8
-    for shaped, key in ((sustained, "perf.probe_sustained_s=40.0"), (fewer, "perf.probe_blocks=2")):
+    assert probe.probe_config(four[0]).model.num_layers == 4 and probe.probe_config(more).model.num_layers == 8
+    assert probe.probe_config(cfg).model.num_layers == 2
+    for shaped, key in ((sustained, "perf.probe_sustained_s=40.0"), (more, "perf.probe_blocks=8")):
         with pytest.raises(UserError, match="none is cached for llama31_8b/llama31-8b") as refused:
             planned(bench, shaped, print, here=False)
         # the command that caches it is given what shapes the probe: the plan (by hand in the preset), the precision,

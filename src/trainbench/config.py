@@ -273,20 +273,20 @@ class PerfConfig:
         choices=("manual", "auto"),
     )
     probe_sustained_s: float = option(
-        20.0,
+        0.0,
         "perf.plan=auto: seconds of training steps the probe runs before it times its blocks, so that it times them "
         "at the clock the GPU's power cap holds through a run (a probe of a few steps times them at the boost clock: "
-        "on an H200 the LoRA's plan then predicted 7.4 % faster than it ran). 0: timed within its first five steps "
-        "(docs/lora.md, 'Layout chosen by the tool').",
+        "on an H200 the LoRA's plan then predicted 7.4 % faster than it ran). 0: timed within its first five steps. "
+        "The LoRA's MLPerf preset holds 20 s, with perf.probe_blocks=8 (docs/lora.md, 'Layout chosen by the tool').",
         at_least=0,
         at_most=600,
     )
     probe_blocks: int = option(
-        8,
+        2,
         "perf.plan=auto: blocks in the probe's model (at most the model's, at least 2), each step queued while the "
-        "one before runs. With 2, the part of its step outside the blocks (the output layer, the loss, the "
-        "optimizer: 12-14 ms of 82 at the 70B LoRA's shape) let the held GPU's clock run 7-10 % above a run's; "
-        "with 8, the clock a run holds (docs/lora.md, 'Layout chosen by the tool'). Fewer: a smaller probe.",
+        "one before runs. Held at the power cap with 2, the part of its step outside the blocks (the output layer, "
+        "the loss, the optimizer: 12-14 ms of 82 at the 70B LoRA's shape) let the GPU's clock run 7-10 % above a "
+        "run's; with 8 (the LoRA's MLPerf preset), the clock a run holds (docs/lora.md, 'Layout chosen by the tool').",
         at_least=2,
         at_most=128,
     )

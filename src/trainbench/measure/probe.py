@@ -21,7 +21,8 @@ import torch
 # What a probe measures: a cached probe of an older format is measured again (2: copy rates while a step runs; 3: the
 # optimizer state of the measured block's own parameters, and that of the parameters outside the blocks; 4: the GPU's
 # own memory copy rate; 5: the steps it times queued back to back, as a run's, with none of the GPU's idle moments
-# between steps that each waiting for the step before gave it; 6: perf.probe_blocks blocks, 8 by default, held 20 s).
+# between steps that each waiting for the step before gave it; 6: perf.probe_blocks blocks, and the key holds the hold
+# and the blocks whatever their values).
 PROBE_FORMAT = 6
 
 
