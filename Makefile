@@ -52,8 +52,8 @@ image:
 	containers/image.sh cpu
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples
-	$(BIN)/ruff format --check src tests examples
+	$(BIN)/ruff check src tests examples perf
+	$(BIN)/ruff format --check src tests examples perf
 
 clean:
 	rm -rf $(VENV) $(DEMO_DATA) $(DEMO_RESULTS)
