@@ -24,6 +24,14 @@ H100 = Resources(gpu_bytes=int(79.1 * GIB), host_bytes=120 * GIB, gpus=1, gpu_na
 H200 = Resources(gpu_bytes=int(139.5 * GIB), host_bytes=240 * GIB, gpus=1, gpu_name="H200")
 
 
+def probe_data(probe: BlockProbe, gpu_name: str, free: int, total: int, host: int, **more) -> dict:
+    """``probe``'s figures as measure/probe.measure writes them, on a GPU of that name and memory (free, total bytes)
+    with ``host`` bytes of host memory free, and ``more`` beside."""
+    data = {f.name: getattr(probe, f.name) for f in dataclasses.fields(probe)}
+    return data | {"gpu_name": gpu_name, "capability": [9, 0], "gpu_free_bytes": free, "gpu_total_bytes": total,
+                   "host_available_bytes": host, **more}  # fmt: skip
+
+
 def test_the_model_counts_every_gib_and_charges_copies_only_beyond_the_forward_they_overlap():
     plan = evaluate(80, P70, recompute=40, offload=0, inputs=False)
     assert plan.gpu_bytes == sum(plan.account.values()) and plan.host_bytes == 0 and plan.stall_s == 0
@@ -76,9 +84,7 @@ def test_a_plan_for_several_ranks_a_node_measures_the_shared_link_once_and_says_
 
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
     bench, cfg = _lora_cfg()
-    data = {f.name: getattr(P70, f.name) for f in dataclasses.fields(P70)}
-    data |= {"gpu_name": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "gpu_free_bytes": H100.gpu_bytes,
-             "gpu_total_bytes": 80 * GIB, "host_available_bytes": 480 * GIB}  # fmt: skip
+    data = probe_data(P70, "NVIDIA H100 80GB HBM3", H100.gpu_bytes, 80 * GIB, 480 * GIB)
     probe.save(bench.probe_config(cfg), data)
     four = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, nproc=4))
     calls, said = [], []
@@ -196,9 +202,7 @@ def test_a_cached_probe_plans_a_job_and_none_is_one_sentence_before_any_folder(t
     with pytest.raises(UserError, match="none is cached for llama2_70b_lora/llama2-70b") as refused:
         planned(bench, cfg, print, here=False)
     assert "run `trainbench bench llama2_70b_lora --preset llama2-70b --steps 1 --warmup 0` once" in str(refused.value)
-    data = {f.name: getattr(P70, f.name) for f in dataclasses.fields(P70)}
-    data |= {"gpu_name": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "gpu_free_bytes": H100.gpu_bytes,
-             "gpu_total_bytes": 80 * GIB, "host_available_bytes": 120 * GIB}  # fmt: skip
+    data = probe_data(P70, "NVIDIA H100 80GB HBM3", H100.gpu_bytes, 80 * GIB, 120 * GIB)
     path = probe.save(bench.probe_config(cfg), data)
     assert json.loads(path.read_text())["kept_bytes"] == P70.kept_bytes
     done, lines = planned(bench, cfg, print, here=False)
@@ -268,9 +272,7 @@ def test_a_gpu_memory_limit_plans_a_smaller_gpu_and_is_refused_without_a_gpu(tmp
 
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
     bench, cfg = _lora_cfg()
-    data = {f.name: getattr(P70, f.name) for f in dataclasses.fields(P70)}
-    data |= {"gpu_name": "NVIDIA H200", "capability": [9, 0], "gpu_free_bytes": int(139.3 * GIB),
-             "gpu_total_bytes": int(139.8 * GIB), "host_available_bytes": 120 * GIB}  # fmt: skip
+    data = probe_data(P70, "NVIDIA H200", int(139.3 * GIB), int(139.8 * GIB), 120 * GIB)
     probe.save(bench.probe_config(cfg), data)
     whole, _ = planned(bench, cfg, print, here=False)
     limited_cfg = dataclasses.replace(cfg, perf=dataclasses.replace(cfg.perf, gpu_memory_gib=79.6))
@@ -366,9 +368,7 @@ def test_a_cached_probe_of_the_8b_plans_two_ranks_through_the_launcher(tmp_path,
 
     monkeypatch.setenv("TRAINBENCH_CACHE_DIR", str(tmp_path / "cache"))
     bench, cfg = _llama_cfg(**{"distributed.nproc": "2"})
-    data = {f.name: getattr(P8, f.name) for f in dataclasses.fields(P8)}
-    data |= {"gpu_name": "NVIDIA H100 80GB HBM3", "capability": [9, 0], "gpu_free_bytes": H100.gpu_bytes,
-             "gpu_total_bytes": 80 * GIB, "host_available_bytes": 480 * GIB}  # fmt: skip
+    data = probe_data(P8, "NVIDIA H100 80GB HBM3", H100.gpu_bytes, 80 * GIB, 480 * GIB)
     probe.save(bench.probe_config(cfg), data)
     done, lines = planned(bench, cfg, print, here=False)
     assert done.perf.activation_checkpointing and 20 <= done.perf.recompute_blocks < 32

@@ -490,9 +490,7 @@ def test_probe_modes_probes_each_way_in_turn_and_plans_from_each_probe(monkeypat
     needs a GPU), each planned by the benchmark's own planner from that probe's figures alone: slower blocks, a lower
     predicted rate; its keys taken after its options; with --blocks and --copies-gib, each probe built with that
     many blocks and stepping beside copies where asked, the probe's own again after."""
-    import dataclasses
-
-    from test_layout import P70
+    from test_layout import P70, probe_data
 
     from trainbench.families.planner import GIB
     from trainbench.measure import probe
@@ -504,11 +502,9 @@ def test_probe_modes_probes_each_way_in_turn_and_plans_from_each_probe(monkeypat
         asked.append((streamed, cfg.perf.probe_sustained_s, cfg.model.num_layers, probe.probe_blocks(cfg),
                       probe._stepper is not stepper))  # fmt: skip
         slower = 1.1 if streamed else 1.0
-        return {f.name: getattr(P70, f.name) for f in dataclasses.fields(P70)} | {
-            "forward_s": P70.forward_s * slower, "backward_s": P70.backward_s * slower, "gpu_name": "NVIDIA H200",
-            "capability": [9, 0], "gpu_free_bytes": int(139 * GIB), "gpu_total_bytes": int(140 * GIB),
-            "host_available_bytes": 480 * GIB, "sm_clock_mhz": 1515.0 - 15 * streamed, "power_w": 690.0,
-            "blocks": probe.probe_blocks(cfg)}  # fmt: skip
+        return probe_data(P70, "NVIDIA H200", int(139 * GIB), int(140 * GIB), 480 * GIB,
+                          forward_s=P70.forward_s * slower, backward_s=P70.backward_s * slower, power_w=690.0,
+                          sm_clock_mhz=1515.0 - 15 * streamed, blocks=probe.probe_blocks(cfg))  # fmt: skip
 
     monkeypatch.setattr(probe, "measure", measure)
     assert modes.main(["llama2_70b_lora", "--preset", "llama2-70b", "--rounds", "2", "--blocks", "2",
