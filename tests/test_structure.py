@@ -127,8 +127,8 @@ def test_make_test_fails_on_a_file_ruff_format_would_change(tmp_path):
     if shutil.which("make") is None:
         pytest.skip("make is not installed here")
     planned = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True).stdout
-    assert "ruff format --check src tests examples" in planned and "ruff check src tests examples" in planned
-    for folder in ("src", "tests", "examples"):
+    assert "ruff format --check src tests examples perf" in planned and "ruff check src tests examples perf" in planned
+    for folder in ("src", "tests", "examples", "perf"):
         (tmp_path / folder).mkdir()
     shutil.copy(REPO / "Makefile", tmp_path)
     shutil.copy(REPO / "pyproject.toml", tmp_path)
