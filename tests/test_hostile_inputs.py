@@ -445,6 +445,22 @@ def quiet(*args) -> tuple[int, str]:
     return code, out.getvalue() + err.getvalue()
 
 
+def test_a_summary_whose_lists_are_null_is_read_as_one_without_them(converged, tmp_path):
+    """summary.json with its runs and its waived checks null (as a hand edit or another writer leaves them): the
+    reader lets a null field stand for a missing one, so the report finds no metric's name (no eval plot) and the
+    check waives nothing, each ending in its verdict (once a TypeError in the report, found by the fuzz below)."""
+    folder = tmp_path / "run"
+    shutil.copytree(converged, folder)
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["runs"] and "waived_checks" in summary  # (the run wrote both: the test nulls what was there)
+    (folder / "summary.json").write_text(json.dumps(summary | {"runs": None, "waived_checks": None}))
+    code, out = quiet("report", folder)
+    assert code == 0 and "Traceback" not in out, out
+    assert "min** — time to train (one run)" in (folder / "report.md").read_text()  # the verdict, read as before
+    code, out = quiet("check", folder)
+    assert code in (0, 1) and "Traceback" not in out, out
+
+
 @pytest.mark.parametrize("name", sorted(FILES))
 def test_a_mutated_results_file_ends_in_a_verdict_or_one_sentence(name, converged, tmp_path_factory, monkeypatch):
     import trainbench.report.package as package

@@ -14,7 +14,7 @@ from trainbench.errors import UserError
 from trainbench.report import bench_report
 from trainbench.report.headline import Headline, card_html, for_bench, for_runs, read_config
 from trainbench.report.page import document, esc, image, table
-from trainbench.report.scoring import log_events, read_job, read_outcome, read_summary, score_folder
+from trainbench.report.scoring import log_events, metric_name, read_job, read_outcome, read_summary, score_folder
 from trainbench.runfiles import RunFiles, run_indices
 
 # What names the folder and the run rather than the machine: left out of the system diff.
@@ -171,7 +171,7 @@ def _runs(a: Path, b: Path) -> tuple[list[str], list[list[str]], list[Headline],
         score, summary = score_folder(folder), read_summary(folder)
         scores.append(score)
         cards.append(for_runs(folder, score, summary, read_job(folder)))
-        metric = next((r.get("metric_name") for r in summary.get("runs", []) if r.get("metric_name")), "eval metric")
+        metric = metric_name(summary)
         text, _ = read_config(folder)
         sides.append(Curves(f"{label}: {folder.name}", metrics(folder, metric), metric, target_of(text)))
     head, rows = compare_scores(scores[0], scores[1], a.name, b.name)

@@ -24,7 +24,7 @@ from trainbench.report import bench_report
 from trainbench.report.compare import flatten
 from trainbench.report.headline import Headline, for_bench, for_runs, read_config
 from trainbench.report.plots import metrics
-from trainbench.report.scoring import RunScore, read_job, read_summary, score_folder
+from trainbench.report.scoring import RunScore, metric_name, read_job, read_summary, score_folder
 from trainbench.runfiles import RunFiles
 
 TOOLS = ("tensorboard", "mlflow")
@@ -87,7 +87,7 @@ def records(folder: Path, name: str) -> list[Record]:
                        keys, files)]  # fmt: skip
     score, summary = score_folder(folder), read_summary(folder)
     headline = for_runs(folder, score, summary, read_job(folder))
-    metric = next((r.get("metric_name") for r in summary.get("runs", []) if r.get("metric_name")), "eval metric")
+    metric = metric_name(summary)
     rows = metrics(folder, metric)
     out = []
     for run in score.runs:

@@ -9,7 +9,7 @@ from trainbench.errors import UserError
 from trainbench.report.headline import Headline, card_html, card_md, for_runs, read_config
 from trainbench.report.page import document, esc, image, md_fence, md_text, table
 from trainbench.report.plots import make_plots
-from trainbench.report.scoring import Score, read_job, read_outcome, read_summary, score_folder
+from trainbench.report.scoring import Score, metric_name, read_job, read_outcome, read_summary, score_folder
 from trainbench.runfiles import CONFIG, read_json
 
 __all__ = ["compare", "md_fence", "md_text", "write_report"]
@@ -122,7 +122,7 @@ def write_report(run_dir: Path) -> tuple[Path, Path, Score, Headline]:
     summary = read_summary(run_dir)
     headline = for_runs(run_dir, score, summary, job)
     target = target_of(config)
-    metric = next((r.get("metric_name") for r in summary.get("runs", []) if r.get("metric_name")), "eval metric")
+    metric = metric_name(summary)
     plots = make_plots(run_dir, target, metric)
     head, body = score_table(score)
     system = system_line(run_dir, job)

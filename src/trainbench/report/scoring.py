@@ -108,6 +108,12 @@ def read_summary(run_dir: Path) -> dict:
     return read_record(Path(run_dir) / SUMMARY, SUMMARY_FIELDS)
 
 
+def metric_name(summary: dict) -> str:
+    """The eval metric's name the summary's runs give (the first that names one; a null list of runs names none),
+    else "eval metric"."""
+    return next((r["metric_name"] for r in summary.get("runs") or [] if r.get("metric_name")), "eval metric")
+
+
 def read_outcome(path: Path) -> dict:
     """A run_<i>.json, its energy whole where it has one (the report adds its total_kwh)."""
     outcome = read_record(path, OUTCOME_FIELDS)
@@ -237,7 +243,7 @@ def score_folder(run_dir: Path, ruleset: str | None = None) -> Score:
         benchmark = benchmark or submission_benchmark(events)
         if ruleset is None:
             ruleset = summary.get("ruleset") or ruleset_of(benchmark, files.log, NO_SUMMARY)
-        check = check_compliance(files.log, ruleset, waived=frozenset(summary.get("waived_checks", [])),
+        check = check_compliance(files.log, ruleset, waived=frozenset(summary.get("waived_checks") or []),
                                  own=is_own(benchmark))  # fmt: skip
         window = run_window(events)
         ttt = None if window is None else (window[1] - window[0]) / 60_000
